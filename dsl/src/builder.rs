@@ -1,0 +1,636 @@
+//! [`KernelBuilder`]: the one way to construct a [`Kernel`]. `#[tpu_kernel]` expands to
+//! calls on it; hand-written kernels and the fusion engine use it directly.
+//!
+//! Type errors do not stop construction: the first one is recorded (with the source
+//! location the macro set) and returned by [`KernelBuilder::finish`], and the offending
+//! op yields a placeholder value so the caller's code needs no `?` per op.
+
+use crate::error::KernelError;
+use crate::ir::*;
+use crate::types::{DType, MemorySpace, Semantics, Type};
+
+/// An operand of an arithmetic op: an IR value or a Rust literal. Literals are "weak":
+/// they take the dtype of the other operand, as Python scalars do in JAX.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Val(Value),
+    Float(f64),
+    Int(i64),
+    Bool(bool),
+}
+
+impl From<Value> for Arg {
+    fn from(v: Value) -> Arg {
+        Arg::Val(v)
+    }
+}
+impl From<f64> for Arg {
+    fn from(v: f64) -> Arg {
+        Arg::Float(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Arg {
+        Arg::Float(v as f64)
+    }
+}
+impl From<bool> for Arg {
+    fn from(v: bool) -> Arg {
+        Arg::Bool(v)
+    }
+}
+macro_rules! int_arg {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Arg {
+            fn from(v: $t) -> Arg {
+                Arg::Int(v as i64)
+            }
+        }
+    )*};
+}
+int_arg!(i32, i64, u32, usize);
+
+/// One dimension of a ref access in the builder: the whole dim, or `len` elements from
+/// a (possibly dynamic) start.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Index {
+    Full,
+    /// `pl.ds(start, len)`.
+    Slice(Arg, usize),
+}
+
+/// `pl.ds(start, len)`: a dynamic slice of `len` elements.
+pub fn ds(start: impl Into<Arg>, len: usize) -> Index {
+    Index::Slice(start.into(), len)
+}
+
+pub struct KernelBuilder {
+    k: Kernel,
+    /// The block being appended to, innermost last.
+    cursor: Vec<BlockId>,
+    error: Option<KernelError>,
+    loc: Option<SourceLoc>,
+}
+
+impl KernelBuilder {
+    pub fn new(name: &str) -> Self {
+        let k = Kernel {
+            name: name.to_string(),
+            grid: Vec::new(),
+            refs: Vec::new(),
+            values: Vec::new(),
+            insts: Vec::new(),
+            blocks: vec![BlockData::default()],
+            body: BlockId(0),
+            vmem_limit_bytes: None,
+        };
+        KernelBuilder { k, cursor: vec![BlockId(0)], error: None, loc: None }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.k.name
+    }
+
+    /// Records an error unless one is already recorded; construction goes on.
+    pub fn fail(&mut self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) {
+        if self.error.is_none() {
+            self.error = Some(KernelError::new(&self.k.name, subject, rule, message, help).at(self.loc.clone()));
+        }
+    }
+
+    pub fn has_error(&self) -> bool {
+        self.error.is_some()
+    }
+
+    /// Sets the user source location attached to the instructions that follow.
+    pub fn at(&mut self, file: &'static str, line: u32, column: u32) {
+        self.loc = Some(SourceLoc { file, line, column });
+    }
+
+    // ---- signature -------------------------------------------------------------------
+
+    pub fn grid(&mut self, dims: &[(usize, Semantics)]) {
+        self.k.grid = dims.iter().map(|&(extent, semantics)| GridDim { extent, semantics }).collect();
+    }
+
+    pub fn vmem_limit_bytes(&mut self, bytes: usize) {
+        self.k.vmem_limit_bytes = Some(bytes);
+    }
+
+    fn add_ref(&mut self, decl: RefDecl) -> RefId {
+        if self.k.refs.iter().any(|r| r.name == decl.name) {
+            self.fail(format!("operand `{}`", decl.name), "duplicate-operand", "two operands have this name", "rename one of them");
+        }
+        if let Some(last) = self.k.refs.last() {
+            if last.kind > decl.kind {
+                self.fail(
+                    format!("{} `{}`", decl.kind.name(), decl.name),
+                    "operand-order",
+                    format!("declared after {} `{}`", last.kind.name(), last.name),
+                    "declare operands in the order prefetch, inputs, outputs, scratch",
+                );
+            }
+        }
+        self.k.refs.push(decl);
+        RefId(self.k.refs.len() as u32 - 1)
+    }
+
+    /// A scalar-prefetch operand: an int32 array placed in SMEM before the grid runs,
+    /// readable by the body and by index maps ([`IndexExpr::Prefetch`]).
+    pub fn prefetch(&mut self, name: &str, shape: &[usize]) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Prefetch, dtype: DType::I32, shape: shape.to_vec(), memory: MemorySpace::Smem, block: None })
+    }
+
+    /// A blocked input in VMEM.
+    pub fn input(&mut self, name: &str, dtype: DType, shape: &[usize], block: BlockSpec) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Input, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block) })
+    }
+
+    /// A blocked output in VMEM.
+    pub fn output(&mut self, name: &str, dtype: DType, shape: &[usize], block: BlockSpec) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Output, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block) })
+    }
+
+    /// An operand the kernel sees whole, in `memory` (SMEM tables, ANY/HBM for manual DMA).
+    pub fn unblocked(&mut self, kind: RefKind, name: &str, dtype: DType, shape: &[usize], memory: MemorySpace) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind, dtype, shape: shape.to_vec(), memory, block: None })
+    }
+
+    /// A scratch buffer that lives across grid steps.
+    pub fn scratch(&mut self, name: &str, dtype: DType, shape: &[usize], memory: MemorySpace) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype, shape: shape.to_vec(), memory, block: None })
+    }
+
+    pub fn ref_decl(&self, r: RefId) -> &RefDecl {
+        self.k.ref_decl(r)
+    }
+
+    pub fn ty(&self, v: Value) -> &Type {
+        self.k.ty(v)
+    }
+
+    // ---- arena plumbing ----------------------------------------------------------------
+
+    fn new_value(&mut self, ty: Type, def: ValueDef) -> Value {
+        self.k.values.push(ValueData { ty, def });
+        Value(self.k.values.len() as u32 - 1)
+    }
+
+    fn push(&mut self, inst: Inst, result_types: Vec<Type>) -> Vec<Value> {
+        let id = InstId(self.k.insts.len() as u32);
+        let results: Vec<Value> = result_types.into_iter().enumerate().map(|(n, ty)| self.new_value(ty, ValueDef::Result(id, n))).collect();
+        self.k.insts.push(InstData { inst, results: results.clone(), loc: self.loc.clone() });
+        let cur = *self.cursor.last().expect("builder cursor is never empty");
+        self.k.blocks[cur.index()].insts.push(id);
+        results
+    }
+
+    fn push1(&mut self, inst: Inst, ty: Type) -> Value {
+        self.push(inst, vec![ty])[0]
+    }
+
+    fn new_block(&mut self, param_types: Vec<Type>) -> BlockId {
+        let id = BlockId(self.k.blocks.len() as u32);
+        self.k.blocks.push(BlockData::default());
+        let params = param_types.into_iter().enumerate().map(|(n, ty)| self.new_value(ty, ValueDef::Param(id, n))).collect();
+        self.k.blocks[id.index()].params = params;
+        id
+    }
+
+    /// A placeholder returned by an op that failed to type-check.
+    fn poison(&mut self, ty: Type) -> Value {
+        let s = if ty.dtype.is_float() { Scalar::Float(0.0) } else if ty.dtype == DType::Bool { Scalar::Bool(false) } else { Scalar::Int(0) };
+        self.push1(Inst::Const(s), ty)
+    }
+
+    // ---- scalars and constants -----------------------------------------------------------
+
+    /// A constant of type `ty` (a splat when `ty` is a vector).
+    pub fn constant(&mut self, value: Scalar, ty: Type) -> Value {
+        let value = match (value, ty.dtype) {
+            (Scalar::Int(i), d) if d.is_float() => Scalar::Float(i as f64),
+            (Scalar::Float(x), d) if d.is_int() => {
+                self.fail("constant", "constant-type", format!("float literal {x} used as {d}"), "write an integer literal or cast the other operand to a float type");
+                Scalar::Int(x as i64)
+            }
+            (Scalar::Bool(b), d) if d != DType::Bool => Scalar::Int(b as i64),
+            (v, DType::Bool) => match v {
+                Scalar::Bool(b) => Scalar::Bool(b),
+                Scalar::Int(i) => Scalar::Bool(i != 0),
+                Scalar::Float(x) => Scalar::Bool(x != 0.0),
+            },
+            (v, _) => v,
+        };
+        self.push1(Inst::Const(value), ty)
+    }
+
+    pub fn f32(&mut self, x: f32) -> Value {
+        self.constant(Scalar::Float(x as f64), Type::scalar(DType::F32))
+    }
+
+    pub fn i32(&mut self, x: i32) -> Value {
+        self.constant(Scalar::Int(x as i64), Type::scalar(DType::I32))
+    }
+
+    pub fn full(&mut self, shape: &[usize], dtype: DType, value: impl Into<Arg>) -> Value {
+        let s = match value.into() {
+            Arg::Float(x) => Scalar::Float(x),
+            Arg::Int(i) => Scalar::Int(i),
+            Arg::Bool(b) => Scalar::Bool(b),
+            Arg::Val(v) => {
+                let v = self.cast(v, dtype);
+                return self.broadcast(v, shape);
+            }
+        };
+        self.constant(s, Type::vector(dtype, shape))
+    }
+
+    pub fn zeros(&mut self, shape: &[usize], dtype: DType) -> Value {
+        self.full(shape, dtype, 0i64)
+    }
+
+    /// Turns an [`Arg`] into a value; a weak literal takes `like`'s dtype (as a scalar).
+    pub fn lift(&mut self, a: Arg, like: Option<DType>) -> Value {
+        match a {
+            Arg::Val(v) => v,
+            Arg::Float(x) => {
+                let d = like.filter(|d| d.is_float()).unwrap_or(DType::F32);
+                self.constant(Scalar::Float(x), Type::scalar(d))
+            }
+            Arg::Int(i) => {
+                let d = like.unwrap_or(DType::I32);
+                self.constant(Scalar::Int(i), Type::scalar(d))
+            }
+            Arg::Bool(b) => self.constant(Scalar::Bool(b), Type::scalar(DType::Bool)),
+        }
+    }
+
+    pub fn program_id(&mut self, axis: usize) -> Value {
+        if axis >= self.k.grid.len() {
+            self.fail(format!("program_id({axis})"), "grid-axis", format!("the grid has {} dims", self.k.grid.len()), "use an axis below the grid rank");
+        }
+        self.push1(Inst::ProgramId(axis), Type::scalar(DType::I32))
+    }
+
+    pub fn num_programs(&mut self, axis: usize) -> Value {
+        if axis >= self.k.grid.len() {
+            self.fail(format!("num_programs({axis})"), "grid-axis", format!("the grid has {} dims", self.k.grid.len()), "use an axis below the grid rank");
+        }
+        self.push1(Inst::NumPrograms(axis), Type::scalar(DType::I32))
+    }
+
+    // ---- memory ------------------------------------------------------------------------------
+
+    fn slices(&mut self, r: RefId, what: &str, index: &[Index]) -> Option<Vec<Slice>> {
+        let decl = self.k.ref_decl(r).clone();
+        let view = decl.view();
+        if index.len() != view.len() && !index.is_empty() {
+            self.fail(
+                format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
+                "index-rank",
+                format!("{} indices given, the ref's view {:?} has rank {}", index.len(), view, view.len()),
+                "give one index per dimension of the block (use `..` for a whole dim)",
+            );
+            return None;
+        }
+        let mut out = Vec::with_capacity(view.len());
+        for (d, &extent) in view.iter().enumerate() {
+            let (start, len) = match index.get(d).copied().unwrap_or(Index::Full) {
+                Index::Full => (Arg::Int(0), extent),
+                Index::Slice(s, len) => (s, len),
+            };
+            let start = self.lift(start, Some(DType::I32));
+            if self.ty(start) != &Type::scalar(DType::I32) {
+                let t = self.ty(start).clone();
+                self.fail(format!("{} of `{}`", what, decl.name), "index-type", format!("index of dim {d} has type {t}"), "indices are i32 scalars; cast with .cast(i32)");
+            }
+            if let Some(Scalar::Int(s)) = self.k.as_const(start) {
+                if s < 0 || s as usize + len > extent {
+                    self.fail(
+                        format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
+                        "static-out-of-bounds",
+                        format!("dim {d}: elements {s}..{} of a block of {extent}", s as usize + len),
+                        "keep static slices inside the block",
+                    );
+                }
+            }
+            if len == 0 || len > extent {
+                self.fail(format!("{} of `{}`", what, decl.name), "slice-length", format!("dim {d}: slice length {len} for a block of {extent}"), "use a length between 1 and the block dim");
+            }
+            out.push(Slice { start, len });
+        }
+        Some(out)
+    }
+
+    /// `ref[index]`: a vector (VMEM) or, from an SMEM ref, a scalar.
+    pub fn load(&mut self, r: RefId, index: &[Index]) -> Value {
+        let decl = self.k.ref_decl(r).clone();
+        let Some(slices) = self.slices(r, "load", index) else { return self.poison(Type::scalar(decl.dtype)) };
+        let ty = if decl.memory == MemorySpace::Smem {
+            if slices.iter().any(|s| s.len != 1) {
+                self.fail(format!("load of `{}`", decl.name), "smem-scalar-access", "SMEM refs are read one scalar at a time", "index every dim with a single element: ds(i, 1)");
+            }
+            Type::scalar(decl.dtype)
+        } else {
+            if decl.memory == MemorySpace::Any {
+                self.fail(format!("load of `{}`", decl.name), "hbm-direct-access", "the operand stays in HBM (memory space ANY) and cannot be loaded directly", "copy it to a VMEM scratch buffer with a DMA, or give it a VMEM block spec");
+            }
+            Type::vector(decl.dtype, &slices.iter().map(|s| s.len).collect::<Vec<_>>())
+        };
+        self.push1(Inst::Load { src: r, slices }, ty)
+    }
+
+    /// `ref[index] = value`. A scalar or lower-rank value is broadcast to the slice.
+    pub fn store(&mut self, r: RefId, index: &[Index], value: impl Into<Arg>) {
+        let decl = self.k.ref_decl(r).clone();
+        if decl.kind == RefKind::Input || decl.kind == RefKind::Prefetch {
+            self.fail(format!("store to {} `{}`", decl.kind.name(), decl.name), "store-to-input", "inputs are read-only", "write to an output or a scratch buffer");
+        }
+        let Some(slices) = self.slices(r, "store", index) else { return };
+        let mut value = self.lift(value.into(), Some(decl.dtype));
+        let vt = self.ty(value).clone();
+        if vt.dtype != decl.dtype {
+            self.fail(
+                format!("store to `{}`", decl.name),
+                "store-dtype",
+                format!("storing {vt} into a {} ref", decl.dtype),
+                format!("cast the value first: .cast({})", decl.dtype),
+            );
+        }
+        if decl.memory == MemorySpace::Smem {
+            if !vt.is_scalar() {
+                self.fail(format!("store to `{}`", decl.name), "smem-scalar-access", "SMEM refs are written one scalar at a time", "store a scalar");
+            }
+        } else {
+            let shape: Vec<usize> = slices.iter().map(|s| s.len).collect();
+            if vt.shape != shape {
+                value = self.broadcast(value, &shape);
+            }
+        }
+        self.push(Inst::Store { dst: r, slices, value }, vec![]);
+    }
+
+    // ---- elementwise -----------------------------------------------------------------------
+
+    /// Numpy broadcasting of a scalar, or of a same-rank vector with 1-sized dims, to `shape`.
+    pub fn broadcast(&mut self, x: Value, shape: &[usize]) -> Value {
+        let t = self.ty(x).clone();
+        if t.shape == shape {
+            return x;
+        }
+        let ok = t.is_scalar() || (t.rank() == shape.len() && t.shape.iter().zip(shape).all(|(&a, &b)| a == b || a == 1));
+        if !ok {
+            self.fail("broadcast", "broadcast-shape", format!("cannot broadcast {t} to {:?}", shape), "broadcast from a scalar or from a vector of the same rank whose dims are 1 or equal to the target");
+            return self.poison(Type::vector(t.dtype, shape));
+        }
+        self.push1(Inst::Broadcast(x), Type::vector(t.dtype, shape))
+    }
+
+    /// Lifts both operands (weak literals take the other side's dtype) and broadcasts them
+    /// to a common shape.
+    fn unify(&mut self, what: &str, a: Arg, b: Arg) -> Option<(Value, Value)> {
+        let da = if let Arg::Val(v) = a { Some(self.ty(v).dtype) } else { None };
+        let db = if let Arg::Val(v) = b { Some(self.ty(v).dtype) } else { None };
+        let a = self.lift(a, db);
+        let b = self.lift(b, da);
+        let (ta, tb) = (self.ty(a).clone(), self.ty(b).clone());
+        if ta.dtype != tb.dtype {
+            self.fail(format!("instruction `{what}`"), "dtype-mismatch", format!("operands are {ta} and {tb}"), "cast one side with .cast(dtype) so both have the same dtype");
+            return None;
+        }
+        if ta.shape == tb.shape {
+            return Some((a, b));
+        }
+        let shape = if ta.is_scalar() {
+            tb.shape.clone()
+        } else if tb.is_scalar() || ta.rank() != tb.rank() {
+            ta.shape.clone()
+        } else {
+            ta.shape.iter().zip(&tb.shape).map(|(&x, &y)| x.max(y)).collect()
+        };
+        let compatible = |t: &Type| t.is_scalar() || (t.rank() == shape.len() && t.shape.iter().zip(&shape).all(|(&x, &y)| x == y || x == 1));
+        if !compatible(&ta) || !compatible(&tb) {
+            self.fail(format!("instruction `{what}`"), "broadcast-shape", format!("operands {ta} and {tb} do not broadcast"), "make the shapes equal, or use 1 in the dims to broadcast (e.g. reduce with keepdims)");
+            return None;
+        }
+        Some((self.broadcast(a, &shape), self.broadcast(b, &shape)))
+    }
+
+    pub fn binary(&mut self, op: BinaryOp, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        let Some((a, b)) = self.unify(op.name(), a.into(), b.into()) else { return self.poison(Type::scalar(DType::F32)) };
+        let t = self.ty(a).clone();
+        let ok = match op {
+            BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => !t.dtype.is_float(),
+            BinaryOp::Pow => t.dtype.is_float(),
+            _ => t.dtype != DType::Bool,
+        };
+        if !ok {
+            self.fail(format!("instruction `{}`", op.name()), "op-dtype", format!("`{}` is not defined for {}", op.name(), t.dtype), "cast the operands to a dtype the op supports");
+        }
+        self.push1(Inst::Binary(op, a, b), t)
+    }
+
+    pub fn add(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Add, a, b)
+    }
+    pub fn sub(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+    pub fn mul(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+    pub fn div(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Div, a, b)
+    }
+    pub fn max(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Max, a, b)
+    }
+    pub fn min(&mut self, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        self.binary(BinaryOp::Min, a, b)
+    }
+
+    pub fn unary(&mut self, op: UnaryOp, x: impl Into<Arg>) -> Value {
+        let x = self.lift(x.into(), None);
+        let t = self.ty(x).clone();
+        let ok = match op {
+            UnaryOp::Not => !t.dtype.is_float(),
+            _ if op.float_only() => t.dtype.is_float(),
+            _ => t.dtype != DType::Bool,
+        };
+        if !ok {
+            self.fail(format!("instruction `{}`", op.name()), "op-dtype", format!("`{}` is not defined for {t}", op.name()), "cast to f32 first: .cast(f32)");
+        }
+        self.push1(Inst::Unary(op, x), t)
+    }
+
+    pub fn cmp(&mut self, op: CmpOp, a: impl Into<Arg>, b: impl Into<Arg>) -> Value {
+        let Some((a, b)) = self.unify(op.name(), a.into(), b.into()) else { return self.poison(Type::scalar(DType::Bool)) };
+        let t = self.ty(a).with_dtype(DType::Bool);
+        self.push1(Inst::Cmp(op, a, b), t)
+    }
+
+    /// `where(cond, on_true, on_false)`.
+    pub fn select(&mut self, cond: Value, on_true: impl Into<Arg>, on_false: impl Into<Arg>) -> Value {
+        let Some((t, f)) = self.unify("select", on_true.into(), on_false.into()) else { return self.poison(Type::scalar(DType::F32)) };
+        let ct = self.ty(cond).clone();
+        let vt = self.ty(t).clone();
+        if ct.dtype != DType::Bool {
+            self.fail("instruction `select`", "select-condition", format!("condition has type {ct}"), "use a comparison (a bool) as the condition");
+            return t;
+        }
+        let shape = if vt.is_scalar() { ct.shape.clone() } else { vt.shape.clone() };
+        let cond = self.broadcast(cond, &shape);
+        let t = self.broadcast(t, &shape);
+        let f = self.broadcast(f, &shape);
+        let ty = self.ty(t).clone();
+        self.push1(Inst::Select { cond, on_true: t, on_false: f }, ty)
+    }
+
+    pub fn cast(&mut self, x: Value, to: DType) -> Value {
+        let t = self.ty(x).clone();
+        if t.dtype == to {
+            return x;
+        }
+        self.push1(Inst::Cast(x), t.with_dtype(to))
+    }
+
+    pub fn iota(&mut self, dtype: DType, shape: &[usize], dim: usize) -> Value {
+        if dim >= shape.len() || dtype != DType::I32 {
+            self.fail("instruction `iota`", "iota", format!("iota of {dtype}{:?} along dim {dim}", shape), "iota produces i32 along a dim of its shape; cast afterwards");
+        }
+        self.push1(Inst::Iota { dim }, Type::vector(dtype, shape))
+    }
+
+    // ---- structure ------------------------------------------------------------------------------
+
+    /// Reduce along `axis`, keeping it with size 1 (`keepdims=True`).
+    pub fn reduce(&mut self, op: ReduceOp, x: Value, axis: usize) -> Value {
+        let t = self.ty(x).clone();
+        if axis >= t.rank() {
+            self.fail(format!("instruction `{}`", op.name()), "reduce-axis", format!("axis {axis} of {t}"), "reduce along an existing axis");
+            return self.poison(t);
+        }
+        let mut shape = t.shape.clone();
+        shape[axis] = 1;
+        self.push1(Inst::Reduce { op, axis, x }, Type::vector(t.dtype, &shape))
+    }
+
+    /// Matrix product with f32 accumulation (i32 for integer inputs).
+    pub fn dot(&mut self, lhs: Value, rhs: Value, transpose_lhs: bool, transpose_rhs: bool) -> Value {
+        let (tl, tr) = (self.ty(lhs).clone(), self.ty(rhs).clone());
+        if tl.rank() != 2 || tr.rank() != 2 {
+            self.fail("instruction `dot`", "dot-rank", format!("operands are {tl} and {tr}"), "dot takes two rank-2 blocks; reshape first");
+            return self.poison(Type::vector(DType::F32, &[1, 1]));
+        }
+        if tl.dtype != tr.dtype {
+            self.fail("instruction `dot`", "dtype-mismatch", format!("operands are {tl} and {tr}"), "cast one operand so both have the same dtype");
+        }
+        let (m, kl) = if transpose_lhs { (tl.shape[1], tl.shape[0]) } else { (tl.shape[0], tl.shape[1]) };
+        let (kr, n) = if transpose_rhs { (tr.shape[1], tr.shape[0]) } else { (tr.shape[0], tr.shape[1]) };
+        if kl != kr {
+            self.fail("instruction `dot`", "dot-contraction", format!("contracting dims differ: {tl} x {tr} (lhs k = {kl}, rhs k = {kr})"), "make the contracted dims equal (or transpose an operand)");
+        }
+        let acc = if tl.dtype.is_float() { DType::F32 } else { DType::I32 };
+        self.push1(Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs }, Type::vector(acc, &[m, n]))
+    }
+
+    /// Swap the last two dims.
+    pub fn transpose(&mut self, x: Value) -> Value {
+        let t = self.ty(x).clone();
+        if t.rank() < 2 {
+            self.fail("instruction `transpose`", "transpose-rank", format!("operand is {t}"), "transpose needs at least 2 dims");
+            return x;
+        }
+        let mut shape = t.shape.clone();
+        let r = shape.len();
+        shape.swap(r - 1, r - 2);
+        self.push1(Inst::Transpose(x), Type::vector(t.dtype, &shape))
+    }
+
+    pub fn reshape(&mut self, x: Value, shape: &[usize]) -> Value {
+        let t = self.ty(x).clone();
+        if t.num_elements() != shape.iter().product::<usize>() || shape.is_empty() {
+            self.fail("instruction `reshape`", "reshape-size", format!("{t} has {} elements, {:?} has {}", t.num_elements(), shape, shape.iter().product::<usize>()), "keep the element count");
+            return self.poison(Type::vector(t.dtype, shape));
+        }
+        if t.shape == shape {
+            return x;
+        }
+        self.push1(Inst::Reshape(x), Type::vector(t.dtype, shape))
+    }
+
+    // ---- control flow ---------------------------------------------------------------------------
+
+    fn in_block(&mut self, block: BlockId, f: impl FnOnce(&mut Self) -> Vec<Value>) -> Vec<Value> {
+        self.cursor.push(block);
+        let yields = f(self);
+        self.push(Inst::Yield(yields.clone()), vec![]);
+        self.cursor.pop();
+        yields
+    }
+
+    /// `if cond { then } else { otherwise }`; each branch returns the values it yields
+    /// (same types in both), which become the results.
+    pub fn if_else(&mut self, cond: impl Into<Arg>, then: impl FnOnce(&mut Self) -> Vec<Value>, otherwise: impl FnOnce(&mut Self) -> Vec<Value>) -> Vec<Value> {
+        let cond = self.lift(cond.into(), Some(DType::Bool));
+        if self.ty(cond) != &Type::scalar(DType::Bool) {
+            let t = self.ty(cond).clone();
+            self.fail("`if`", "if-condition", format!("condition has type {t}"), "branch on a scalar comparison (vector conditions: use select)");
+        }
+        let then_block = self.new_block(vec![]);
+        let else_block = self.new_block(vec![]);
+        let ty_then: Vec<Type> = self.in_block(then_block, then).iter().map(|&v| self.ty(v).clone()).collect();
+        let ty_else: Vec<Type> = self.in_block(else_block, otherwise).iter().map(|&v| self.ty(v).clone()).collect();
+        if ty_then != ty_else {
+            self.fail("`if`", "if-branch-types", format!("branches yield {:?} and {:?}", ty_then, ty_else), "make both branches give values of the same types");
+        }
+        self.push(Inst::If { cond, then_block, else_block }, ty_then)
+    }
+
+    /// `if cond { then }` with no results.
+    pub fn when(&mut self, cond: impl Into<Arg>, then: impl FnOnce(&mut Self)) {
+        self.if_else(
+            cond,
+            |b| {
+                then(b);
+                vec![]
+            },
+            |_| vec![],
+        );
+    }
+
+    /// `for i in (lo..hi).step_by(step)` carrying `init`; the body gets the induction
+    /// variable and the current carries and returns the next carries.
+    pub fn for_range(&mut self, lo: impl Into<Arg>, hi: impl Into<Arg>, step: i64, init: &[Value], body: impl FnOnce(&mut Self, Value, &[Value]) -> Vec<Value>) -> Vec<Value> {
+        let lo = self.lift(lo.into(), Some(DType::I32));
+        let hi = self.lift(hi.into(), Some(DType::I32));
+        for (what, v) in [("start", lo), ("end", hi)] {
+            if self.ty(v) != &Type::scalar(DType::I32) {
+                let t = self.ty(v).clone();
+                self.fail("`for` loop", "loop-bounds", format!("the {what} bound has type {t}"), "loop bounds are i32 scalars");
+            }
+        }
+        if step <= 0 {
+            self.fail("`for` loop", "loop-step", format!("step {step}"), "use a positive step");
+        }
+        let carry_types: Vec<Type> = init.iter().map(|&v| self.ty(v).clone()).collect();
+        let mut params = vec![Type::scalar(DType::I32)];
+        params.extend(carry_types.iter().cloned());
+        let block = self.new_block(params);
+        let block_params = self.k.block(block).params.clone();
+        let yields = self.in_block(block, |b| body(b, block_params[0], &block_params[1..]));
+        let yield_types: Vec<Type> = yields.iter().map(|&v| self.ty(v).clone()).collect();
+        if yield_types != carry_types {
+            self.fail("`for` loop", "loop-carry-types", format!("the loop starts with {:?} and its body yields {:?}", carry_types, yield_types), "keep each loop-carried variable's type and shape the same across iterations");
+        }
+        self.push(Inst::For { lo, hi, step, init: init.to_vec(), body: block }, carry_types)
+    }
+
+    /// The finished kernel, or the first error recorded while building it.
+    pub fn finish(self) -> Result<Kernel, KernelError> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(self.k),
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Placeholder: the reference interpreter is being written.

@@ -1,0 +1,525 @@
+//! The tiled block IR: a kernel is a grid of program instances, each running `body` on
+//! blocks of its operands chosen by the operands' index maps (the Pallas TPU model).
+//!
+//! Values, instructions and blocks live in arenas inside [`Kernel`] and are named by small
+//! copyable handles ([`Value`], [`InstId`], [`BlockId`], [`RefId`]).
+
+use crate::types::{DType, MemorySpace, Semantics, Type};
+
+macro_rules! entity {
+    ($(#[$m:meta])* $name:ident, $prefix:literal) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(pub u32);
+        impl $name {
+            pub fn index(self) -> usize {
+                self.0 as usize
+            }
+        }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+    };
+}
+
+entity!(/// An SSA value.
+    Value, "%");
+entity!(/// An instruction in the kernel's arena.
+    InstId, "inst");
+entity!(/// A region body: a list of instructions with block parameters.
+    BlockId, "^bb");
+entity!(/// A kernel operand or scratch buffer, in signature order.
+    RefId, "@");
+
+/// One grid dimension.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GridDim {
+    pub extent: usize,
+    pub semantics: Semantics,
+}
+
+/// The role a ref plays in the kernel signature. Signature order is
+/// prefetch, inputs, outputs, scratch (the Mosaic and Pallas convention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RefKind {
+    /// int32 array copied to SMEM before the grid runs; readable by index maps.
+    Prefetch,
+    Input,
+    Output,
+    /// Lives across grid steps; never visible outside the kernel.
+    Scratch,
+}
+
+impl RefKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RefKind::Prefetch => "prefetch",
+            RefKind::Input => "input",
+            RefKind::Output => "output",
+            RefKind::Scratch => "scratch",
+        }
+    }
+}
+
+/// An affine-or-not integer expression over grid indices and scalar-prefetch values,
+/// used for block index maps. Evaluated per grid step; lowered to a Mosaic `transform_i`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum IndexExpr {
+    /// The index of grid dimension `n`.
+    Grid(usize),
+    Const(i64),
+    /// `prefetch[index...]`, a read of a scalar-prefetch operand.
+    Prefetch { array: RefId, index: Vec<IndexExpr> },
+    Bin(IndexOp, Box<IndexExpr>, Box<IndexExpr>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexOp {
+    Add,
+    Sub,
+    Mul,
+    /// Floor-free C-style division (operands are expected to be non-negative).
+    Div,
+    Rem,
+    Min,
+    Max,
+}
+
+impl IndexExpr {
+    /// Convenience: the index of grid dimension `n`.
+    pub fn grid(n: usize) -> IndexExpr {
+        IndexExpr::Grid(n)
+    }
+
+    pub fn min(self, other: impl Into<IndexExpr>) -> IndexExpr {
+        IndexExpr::Bin(IndexOp::Min, Box::new(self), Box::new(other.into()))
+    }
+
+    pub fn max(self, other: impl Into<IndexExpr>) -> IndexExpr {
+        IndexExpr::Bin(IndexOp::Max, Box::new(self), Box::new(other.into()))
+    }
+
+    /// Visits every grid index and prefetch read in the expression.
+    pub fn for_each_leaf(&self, f: &mut impl FnMut(&IndexExpr)) {
+        match self {
+            IndexExpr::Grid(_) | IndexExpr::Const(_) => f(self),
+            IndexExpr::Prefetch { index, .. } => {
+                f(self);
+                index.iter().for_each(|e| e.for_each_leaf(f));
+            }
+            IndexExpr::Bin(_, a, b) => {
+                a.for_each_leaf(f);
+                b.for_each_leaf(f);
+            }
+        }
+    }
+}
+
+impl From<i64> for IndexExpr {
+    fn from(v: i64) -> Self {
+        IndexExpr::Const(v)
+    }
+}
+impl From<i32> for IndexExpr {
+    fn from(v: i32) -> Self {
+        IndexExpr::Const(v as i64)
+    }
+}
+impl From<usize> for IndexExpr {
+    fn from(v: usize) -> Self {
+        IndexExpr::Const(v as i64)
+    }
+}
+
+macro_rules! index_binop {
+    ($tr:ident, $method:ident, $op:ident) => {
+        impl<T: Into<IndexExpr>> std::ops::$tr<T> for IndexExpr {
+            type Output = IndexExpr;
+            fn $method(self, rhs: T) -> IndexExpr {
+                IndexExpr::Bin(IndexOp::$op, Box::new(self), Box::new(rhs.into()))
+            }
+        }
+    };
+}
+index_binop!(Add, add, Add);
+index_binop!(Sub, sub, Sub);
+index_binop!(Mul, mul, Mul);
+index_binop!(Div, div, Div);
+index_binop!(Rem, rem, Rem);
+
+/// How an operand is cut into blocks: the block shape (a `None` dim is squeezed: size 1,
+/// dropped from the kernel's view) and the index map from grid indices to *block* indices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockSpec {
+    pub block_shape: Vec<Option<usize>>,
+    pub index_map: Vec<IndexExpr>,
+}
+
+impl BlockSpec {
+    /// The block's shape in memory, squeezed dims as 1.
+    pub fn window(&self) -> Vec<usize> {
+        self.block_shape.iter().map(|d| d.unwrap_or(1)).collect()
+    }
+
+    /// The shape the kernel body sees: squeezed dims dropped.
+    pub fn view(&self) -> Vec<usize> {
+        self.block_shape.iter().flatten().copied().collect()
+    }
+}
+
+/// A kernel operand (prefetch, input, output) or a scratch buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefDecl {
+    pub name: String,
+    pub kind: RefKind,
+    pub dtype: DType,
+    /// The full array shape (for scratch: the buffer's shape).
+    pub shape: Vec<usize>,
+    pub memory: MemorySpace,
+    /// How the array is blocked. `None` means the kernel sees the whole array (scratch,
+    /// scalar prefetch, SMEM tables and ANY/HBM operands).
+    pub block: Option<BlockSpec>,
+}
+
+impl RefDecl {
+    /// The shape the kernel body indexes: the block view, or the whole array.
+    pub fn view(&self) -> Vec<usize> {
+        match &self.block {
+            Some(b) => b.view(),
+            None => self.shape.clone(),
+        }
+    }
+
+    /// The shape of the memory window the kernel's ref points at (squeezed dims as 1).
+    pub fn window(&self) -> Vec<usize> {
+        match &self.block {
+            Some(b) => b.window(),
+            None => self.shape.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Tanh,
+    Erf,
+    Sqrt,
+    Rsqrt,
+    /// Logical/bitwise not (bool or integer).
+    Not,
+}
+
+impl UnaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Not => "not",
+        }
+    }
+
+    /// Transcendental ops count toward the cost estimate's `transcendentals`.
+    pub fn is_transcendental(self) -> bool {
+        matches!(self, UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Rsqrt | UnaryOp::Sqrt)
+    }
+
+    pub fn float_only(self) -> bool {
+        !matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Not)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Rem,
+    Max,
+    Min,
+    Pow,
+    And,
+    Or,
+    Xor,
+}
+
+impl BinaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Rem => "rem",
+            BinaryOp::Max => "max",
+            BinaryOp::Min => "min",
+            BinaryOp::Pow => "pow",
+            BinaryOp::And => "and",
+            BinaryOp::Or => "or",
+            BinaryOp::Xor => "xor",
+        }
+    }
+
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or | BinaryOp::Xor)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CmpOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "eq",
+            CmpOp::Ne => "ne",
+            CmpOp::Lt => "lt",
+            CmpOp::Le => "le",
+            CmpOp::Gt => "gt",
+            CmpOp::Ge => "ge",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// A scalar constant. Floats are stored as f64 and rounded to the value's dtype.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Float(f64),
+    Int(i64),
+    Bool(bool),
+}
+
+/// One dimension of a ref access: `start .. start + len`. `start` is an i32 scalar value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Slice {
+    pub start: Value,
+    pub len: usize,
+}
+
+/// The instructions of the block IR. Vectors are whole blocks: every op works on
+/// the entire value at once.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Inst {
+    /// A scalar or a splatted vector constant (the result type says which).
+    Const(Scalar),
+    ProgramId(usize),
+    NumPrograms(usize),
+    /// Read `ref[slices]`. The result is a vector with the slice lengths as shape, or a
+    /// scalar when the ref lives in SMEM (all lengths 1).
+    Load { src: RefId, slices: Vec<Slice> },
+    /// Write `value` to `ref[slices]`.
+    Store { dst: RefId, slices: Vec<Slice>, value: Value },
+    Unary(UnaryOp, Value),
+    /// Operands have identical types (the builder inserts broadcasts).
+    Binary(BinaryOp, Value, Value),
+    Cmp(CmpOp, Value, Value),
+    Select { cond: Value, on_true: Value, on_false: Value },
+    Cast(Value),
+    /// Numpy-style broadcast of a scalar, or of a vector with 1-sized dims, to the result shape.
+    Broadcast(Value),
+    /// Indices along `dim` of the result shape.
+    Iota { dim: usize },
+    /// Reduce along `axis`, keeping it with size 1.
+    Reduce { op: ReduceOp, axis: usize, x: Value },
+    /// Matrix product of two rank-2 vectors with f32 (i32 for integers) accumulation.
+    /// `transpose_rhs` contracts the last dims of both (`a @ b.T`).
+    Dot { lhs: Value, rhs: Value, transpose_lhs: bool, transpose_rhs: bool },
+    /// Swap the last two dims.
+    Transpose(Value),
+    Reshape(Value),
+    /// Results are the values yielded by the taken branch.
+    If { cond: Value, then_block: BlockId, else_block: BlockId },
+    /// `for i in lo..hi (step)`, with loop-carried values. The body's parameters are the
+    /// induction variable (i32) then the carries; it yields the next carries.
+    For { lo: Value, hi: Value, step: i64, init: Vec<Value>, body: BlockId },
+    /// Ends an `If` branch or a `For` body.
+    Yield(Vec<Value>),
+}
+
+impl Inst {
+    /// Every value the instruction reads (not those read inside its nested blocks).
+    pub fn operands(&self) -> Vec<Value> {
+        match self {
+            Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } => vec![],
+            Inst::Load { slices, .. } => slices.iter().map(|s| s.start).collect(),
+            Inst::Store { slices, value, .. } => {
+                let mut v: Vec<Value> = slices.iter().map(|s| s.start).collect();
+                v.push(*value);
+                v
+            }
+            Inst::Unary(_, x) | Inst::Cast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) => vec![*x],
+            Inst::Reduce { x, .. } => vec![*x],
+            Inst::Binary(_, a, b) | Inst::Cmp(_, a, b) => vec![*a, *b],
+            Inst::Dot { lhs, rhs, .. } => vec![*lhs, *rhs],
+            Inst::Select { cond, on_true, on_false } => vec![*cond, *on_true, *on_false],
+            Inst::If { cond, .. } => vec![*cond],
+            Inst::For { lo, hi, init, .. } => {
+                let mut v = vec![*lo, *hi];
+                v.extend(init);
+                v
+            }
+            Inst::Yield(vals) => vals.clone(),
+        }
+    }
+}
+
+/// Where a value comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ValueDef {
+    /// Result `n` of an instruction.
+    Result(InstId, usize),
+    /// Parameter `n` of a block (loop induction variable and carries).
+    Param(BlockId, usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValueData {
+    pub ty: Type,
+    pub def: ValueDef,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstData {
+    pub inst: Inst,
+    pub results: Vec<Value>,
+    /// Where in the user's source the instruction came from (`file:line:col`), if known.
+    pub loc: Option<SourceLoc>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceLoc {
+    pub file: &'static str,
+    pub line: u32,
+    pub column: u32,
+}
+
+impl std::fmt::Display for SourceLoc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}:{}", self.file, self.line, self.column)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BlockData {
+    pub params: Vec<Value>,
+    pub insts: Vec<InstId>,
+}
+
+/// A complete kernel: signature, grid, and body. Built with [`crate::KernelBuilder`],
+/// checked with [`crate::verify`], run with [`crate::interp`], lowered by `tessera-codegen`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    pub name: String,
+    pub grid: Vec<GridDim>,
+    /// In signature order: prefetch, inputs, outputs, scratch.
+    pub refs: Vec<RefDecl>,
+    pub values: Vec<ValueData>,
+    pub insts: Vec<InstData>,
+    pub blocks: Vec<BlockData>,
+    pub body: BlockId,
+    /// Scoped VMEM limit requested by the kernel (bytes); `None` = the target's default.
+    pub vmem_limit_bytes: Option<usize>,
+}
+
+impl Kernel {
+    pub fn value(&self, v: Value) -> &ValueData {
+        &self.values[v.index()]
+    }
+
+    pub fn ty(&self, v: Value) -> &Type {
+        &self.values[v.index()].ty
+    }
+
+    pub fn inst(&self, i: InstId) -> &InstData {
+        &self.insts[i.index()]
+    }
+
+    pub fn block(&self, b: BlockId) -> &BlockData {
+        &self.blocks[b.index()]
+    }
+
+    pub fn ref_decl(&self, r: RefId) -> &RefDecl {
+        &self.refs[r.index()]
+    }
+
+    pub fn refs_of(&self, kind: RefKind) -> impl Iterator<Item = (RefId, &RefDecl)> {
+        self.refs.iter().enumerate().filter(move |(_, r)| r.kind == kind).map(|(i, r)| (RefId(i as u32), r))
+    }
+
+    /// Operands visible outside the kernel (prefetch, inputs, outputs), in order.
+    pub fn operands(&self) -> impl Iterator<Item = (RefId, &RefDecl)> {
+        self.refs.iter().enumerate().filter(|(_, r)| r.kind != RefKind::Scratch).map(|(i, r)| (RefId(i as u32), r))
+    }
+
+    pub fn find_ref(&self, name: &str) -> Option<RefId> {
+        self.refs.iter().position(|r| r.name == name).map(|i| RefId(i as u32))
+    }
+
+    /// The total number of grid steps.
+    pub fn grid_steps(&self) -> usize {
+        self.grid.iter().map(|g| g.extent).product()
+    }
+
+    /// If `v` is defined by a `Const` instruction, its scalar.
+    pub fn as_const(&self, v: Value) -> Option<Scalar> {
+        match self.value(v).def {
+            ValueDef::Result(i, 0) => match self.inst(i).inst {
+                Inst::Const(s) => Some(s),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Visits every instruction of `block` and of the blocks nested in it, in order.
+    pub fn walk(&self, block: BlockId, f: &mut impl FnMut(InstId, &InstData)) {
+        for &i in &self.block(block).insts {
+            let data = self.inst(i);
+            f(i, data);
+            match &data.inst {
+                Inst::If { then_block, else_block, .. } => {
+                    self.walk(*then_block, f);
+                    self.walk(*else_block, f);
+                }
+                Inst::For { body, .. } => self.walk(*body, f),
+                _ => {}
+            }
+        }
+    }
+}

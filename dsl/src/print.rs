@@ -1,0 +1,115 @@
+//! The IR as text: stable, readable, and what snapshot tests show.
+
+use std::fmt::{self, Write};
+
+use crate::ir::*;
+use crate::types::join;
+
+impl fmt::Display for IndexExpr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IndexExpr::Grid(n) => write!(f, "g{n}"),
+            IndexExpr::Const(c) => write!(f, "{c}"),
+            IndexExpr::Prefetch { array, index } => write!(f, "{array}[{}]", join(index, ", ")),
+            IndexExpr::Bin(op, a, b) => {
+                let sym = match op {
+                    IndexOp::Add => "+",
+                    IndexOp::Sub => "-",
+                    IndexOp::Mul => "*",
+                    IndexOp::Div => "/",
+                    IndexOp::Rem => "%",
+                    IndexOp::Min => return write!(f, "min({a}, {b})"),
+                    IndexOp::Max => return write!(f, "max({a}, {b})"),
+                };
+                write!(f, "({a} {sym} {b})")
+            }
+        }
+    }
+}
+
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scalar::Float(x) => write!(f, "{x:?}"),
+            Scalar::Int(i) => write!(f, "{i}"),
+            Scalar::Bool(b) => write!(f, "{b}"),
+        }
+    }
+}
+
+fn slices(s: &[Slice]) -> String {
+    s.iter().map(|s| format!("{}:+{}", s.start, s.len)).collect::<Vec<_>>().join(", ")
+}
+
+impl Kernel {
+    fn print_block(&self, out: &mut String, block: BlockId, depth: usize) -> fmt::Result {
+        let pad = "  ".repeat(depth);
+        for &id in &self.block(block).insts {
+            let d = self.inst(id);
+            write!(out, "{pad}")?;
+            if !d.results.is_empty() {
+                let rs: Vec<String> = d.results.iter().map(|v| format!("{v}: {}", self.ty(*v))).collect();
+                write!(out, "{} = ", rs.join(", "))?;
+            }
+            match &d.inst {
+                Inst::Const(s) => write!(out, "const {s}")?,
+                Inst::ProgramId(a) => write!(out, "program_id {a}")?,
+                Inst::NumPrograms(a) => write!(out, "num_programs {a}")?,
+                Inst::Load { src, slices: s } => write!(out, "load {src}[{}]", slices(s))?,
+                Inst::Store { dst, slices: s, value } => write!(out, "store {dst}[{}] <- {value}", slices(s))?,
+                Inst::Unary(op, x) => write!(out, "{} {x}", op.name())?,
+                Inst::Binary(op, a, b) => write!(out, "{} {a}, {b}", op.name())?,
+                Inst::Cmp(op, a, b) => write!(out, "cmp.{} {a}, {b}", op.name())?,
+                Inst::Select { cond, on_true, on_false } => write!(out, "select {cond}, {on_true}, {on_false}")?,
+                Inst::Cast(x) => write!(out, "cast {x}")?,
+                Inst::Broadcast(x) => write!(out, "broadcast {x}")?,
+                Inst::Iota { dim } => write!(out, "iota dim={dim}")?,
+                Inst::Reduce { op, axis, x } => write!(out, "reduce.{} {x} axis={axis}", op.name())?,
+                Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => {
+                    write!(out, "dot {lhs}{}, {rhs}{}", if *transpose_lhs { ".T" } else { "" }, if *transpose_rhs { ".T" } else { "" })?
+                }
+                Inst::Transpose(x) => write!(out, "transpose {x}")?,
+                Inst::Reshape(x) => write!(out, "reshape {x}")?,
+                Inst::If { cond, then_block, else_block } => {
+                    writeln!(out, "if {cond} {{")?;
+                    self.print_block(out, *then_block, depth + 1)?;
+                    writeln!(out, "{pad}}} else {{")?;
+                    self.print_block(out, *else_block, depth + 1)?;
+                    write!(out, "{pad}}}")?;
+                }
+                Inst::For { lo, hi, step, init, body } => {
+                    let params = &self.block(*body).params;
+                    let carries: Vec<String> = params[1..].iter().zip(init).map(|(p, i)| format!("{p} = {i}")).collect();
+                    writeln!(out, "for {} in {lo}..{hi} step {step} carry ({}) {{", params[0], carries.join(", "))?;
+                    self.print_block(out, *body, depth + 1)?;
+                    write!(out, "{pad}}}")?;
+                }
+                Inst::Yield(vals) => write!(out, "yield {}", join(vals, ", "))?,
+            }
+            writeln!(out)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Kernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let grid: Vec<String> = self.grid.iter().map(|g| format!("{} {}", g.extent, g.semantics.name())).collect();
+        writeln!(f, "kernel {} grid [{}] {{", self.name, grid.join(", "))?;
+        for (i, r) in self.refs.iter().enumerate() {
+            write!(f, "  {} {}: {} {}[{}] {}", RefId(i as u32), r.name, r.kind.name(), r.dtype, join(&r.shape, ","), r.memory.name())?;
+            if let Some(b) = &r.block {
+                let dims: Vec<String> = b.block_shape.iter().map(|d| d.map_or("squeezed".to_string(), |n| n.to_string())).collect();
+                write!(f, " block [{}] at ({})", dims.join(","), join(&b.index_map, ", "))?;
+            }
+            writeln!(f)?;
+        }
+        if let Some(l) = self.vmem_limit_bytes {
+            writeln!(f, "  vmem_limit {l}")?;
+        }
+        let mut body = String::new();
+        self.print_block(&mut body, self.body, 1)?;
+        f.write_str(&body)?;
+        writeln!(f, "}}")
+    }
+}

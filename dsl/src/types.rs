@@ -1,0 +1,153 @@
+//! Element types and value types of the block IR.
+
+use std::fmt;
+
+/// Element type of an array, vector or scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    I32,
+    I8,
+    Bool,
+}
+
+impl DType {
+    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::I32, DType::I8, DType::Bool];
+
+    /// Storage width in bits (bool is stored as one byte in memory, one bit in registers).
+    pub fn bits(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 32,
+            DType::BF16 => 16,
+            DType::I8 | DType::Bool => 8,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        self.bits() / 8
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::BF16)
+    }
+
+    pub fn is_int(self) -> bool {
+        matches!(self, DType::I32 | DType::I8)
+    }
+
+    /// The MLIR spelling: `f32`, `bf16`, `i32`, `i8`, `i1`.
+    pub fn mlir(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I8 => "i8",
+            DType::Bool => "i1",
+        }
+    }
+
+    /// The user-facing name (`f32`, `bf16`, `i32`, `i8`, `bool`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            d => d.mlir(),
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == s)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The type of an SSA value: a scalar (empty shape) or a vector of `shape`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Type {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl Type {
+    pub fn scalar(dtype: DType) -> Type {
+        Type { dtype, shape: Vec::new() }
+    }
+
+    pub fn vector(dtype: DType, shape: &[usize]) -> Type {
+        Type { dtype, shape: shape.to_vec() }
+    }
+
+    pub fn is_scalar(&self) -> bool {
+        self.shape.is_empty()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    pub fn num_elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn with_dtype(&self, dtype: DType) -> Type {
+        Type { dtype, shape: self.shape.clone() }
+    }
+}
+
+impl fmt::Display for Type {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.shape.is_empty() {
+            write!(f, "{}", self.dtype)
+        } else {
+            write!(f, "{}[{}]", self.dtype, join(&self.shape, ","))
+        }
+    }
+}
+
+pub(crate) fn join<T: fmt::Display>(items: &[T], sep: &str) -> String {
+    items.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(sep)
+}
+
+/// Where a ref lives on the TensorCore.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemorySpace {
+    /// Vector memory: the default for blocks of inputs, outputs and scratch.
+    Vmem,
+    /// Scalar memory: scalar-prefetch operands, small int tables, semaphores.
+    Smem,
+    /// Left in HBM (Pallas `ANY`): the kernel sees the whole array and moves data by DMA.
+    Any,
+}
+
+impl MemorySpace {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemorySpace::Vmem => "vmem",
+            MemorySpace::Smem => "smem",
+            MemorySpace::Any => "any",
+        }
+    }
+}
+
+/// How the grid iterates along one dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Semantics {
+    /// Iterations are independent; may be split across TensorCores.
+    Parallel,
+    /// Iterations carry state (reductions, accumulators); run in order on one core.
+    Arbitrary,
+}
+
+impl Semantics {
+    pub fn name(self) -> &'static str {
+        match self {
+            Semantics::Parallel => "parallel",
+            Semantics::Arbitrary => "arbitrary",
+        }
+    }
+}

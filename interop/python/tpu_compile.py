@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Real TPU compiler oracle: compile StableHLO modules (holding a Mosaic
+`tpu_custom_call`) for a compile-only TPU topology, with no TPU attached.
+
+Usage:
+  python tpu_compile.py --target v5e [--target v6e ...] FILE.stablehlo.mlir [...]
+  python tpu_compile.py --target v5e,v6e,tpu7x FILES...
+  python tpu_compile.py --serve            # JSON-lines requests on stdin
+  python tpu_compile.py --list-targets
+
+Output: one JSON line per (file, target):
+  {"file": ..., "target": ..., "ok": bool, "error": str|null, "seconds": float}
+Exit status 0 iff every compile succeeded (2 on usage errors).
+
+--serve protocol: each stdin line is either JSON {"file": PATH, "target": T}
+(optionally "text": MODULE_TEXT instead of "file", and "id": anything echoed
+back) or plain text "TARGET PATH". One JSON result line per request, flushed.
+
+Design: the parent process imports nothing heavy. For each target it starts
+one worker child (this script with --worker) that imports jax once, builds
+the compile-only topology and then compiles files sequentially. libtpu may
+SIGSEGV/abort on malformed Mosaic, so a worker death or timeout is reported
+as a rejection of the file being compiled ("ok": false, error says the
+signal) and the worker is restarted for the remaining files.
+
+Environment: run with the venv that has jax/jaxlib 0.10.2 + libtpu 0.0.52
+(the parent re-uses sys.executable for workers). --mosaic-dump DIR sets
+LIBTPU_INIT_ARGS=--xla_mosaic_dump_to=DIR for the workers.
+"""
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+TOPOLOGIES = {
+    "v4": "v4:2x2x1",
+    "v5e": "v5e:2x2",
+    "v5p": "v5p:2x2x1",
+    "v6e": "v6e:2x2",
+    "tpu7x": "tpu7x:2x2x1",
+}
+DEFAULT_TIMEOUT = 120.0
+
+
+def topology_for(target):
+    if ":" in target:
+        return target
+    if target not in TOPOLOGIES:
+        raise SystemExit(f"unknown target {target!r}; known: {', '.join(TOPOLOGIES)}"
+                         " (or pass a full topology name such as v5e:2x2)")
+    return TOPOLOGIES[target]
+
+
+# --------------------------------------------------------------------------
+# Error-message trimming
+# --------------------------------------------------------------------------
+
+_NOISE_PREFIXES = ("=== Source Location Trace", "learning/", "third_party/",
+                   "platforms/", "tensorflow/", "xla/", "@")
+
+
+def trim_error(msg, limit=2000):
+    """Keep the useful part of an XLA/Mosaic exception message."""
+    lines = []
+    for line in str(msg).splitlines():
+        s = line.strip()
+        if not s or s.startswith(_NOISE_PREFIXES):
+            continue
+        lines.append(line.rstrip())
+    out = "\n".join(lines)
+    if len(out) > limit:
+        out = out[:limit] + " ...[truncated]"
+    return out
+
+
+# --------------------------------------------------------------------------
+# Worker (child process): imports jax, compiles requests from a pipe.
+# --------------------------------------------------------------------------
+
+def worker_main(target):
+    # Protocol goes over a private dup of stdout; fd 1 is pointed at stderr so
+    # that anything libtpu prints cannot corrupt the protocol stream.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    t0 = time.time()
+    try:
+        import numpy as np
+        from jax.experimental import topologies
+        from jax._src import compiler
+        from jax._src.interpreters import mlir
+        from jax._src.lib import xla_client as xc
+        from jax._src.lib.mlir import ir
+        topo = topologies.get_topology_desc(topology_name=topology_for(target),
+                                            platform="tpu")
+        dev0 = topo.devices[0]
+        devices = xc.DeviceList((dev0,))
+        client = dev0.client
+        opts = compiler.get_compile_options(
+            1, 1, device_assignment=np.array([dev0]).reshape(1, 1), backend=client)
+    except Exception as e:  # pragma: no cover - environment problem
+        proto.write(json.dumps({"fatal": f"worker init failed: {e!r}"}) + "\n")
+        return 1
+    proto.write(json.dumps({"ready": True, "init_seconds": time.time() - t0,
+                            "device_kind": dev0.device_kind}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        t = time.time()
+        ok, err = False, None
+        try:
+            text = req.get("text")
+            if text is None:
+                with open(req["file"]) as f:
+                    text = f.read()
+            ctx = mlir.make_ir_context()
+            with ctx:
+                try:
+                    module = ir.Module.parse(text)
+                except Exception as e:
+                    raise RuntimeError(f"StableHLO parse error: {e}") from None
+                client.compile(module, executable_devices=devices,
+                               compile_options=opts)
+            ok = True
+        except Exception as e:
+            err = trim_error(e)
+        proto.write(json.dumps({"ok": ok, "error": err,
+                                "seconds": round(time.time() - t, 4)}) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Parent side: worker management
+# --------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, target, env):
+        self.target = target
+        self.env = env
+        self.proc = None
+        self.errlog = None
+        self.buf = b""
+
+    def start(self, timeout):
+        self.errlog = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", self.target],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errlog,
+            env=self.env)
+        self.buf = b""
+        msg = self._read_line(timeout)
+        if msg is None or "ready" not in msg:
+            reason = self._death_reason() if msg is None else msg.get("fatal")
+            self.stop()
+            raise RuntimeError(f"worker for {self.target} failed to start: {reason}")
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self):
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    self.proc.kill()
+                except OSError:
+                    pass
+            self.proc.wait()
+            self.proc = None
+
+    def _read_line(self, timeout):
+        """Next JSON line from the worker, or None on EOF/timeout."""
+        deadline = time.time() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.time()
+            if left <= 0:
+                return None
+            r, _, _ = select.select([fd], [], [], left)
+            if not r:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _stderr_tail(self, since=0, n=1500):
+        try:
+            self.errlog.seek(since)
+            data = self.errlog.read().decode("utf-8", "replace")
+        except Exception:
+            return ""
+        keep = [l for l in data.splitlines()
+                if l.strip() and "WARNING" not in l and "TPU_WORKER" not in l
+                and not l.startswith(("W0000", "I0000"))]
+        return "\n".join(keep)[-n:]
+
+    def _death_reason(self, since=0):
+        try:
+            rc = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "worker unresponsive"
+        if rc < 0:
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            why = f"compiler crashed ({name})"
+        else:
+            why = f"compiler exited with status {rc}"
+        tail = self._stderr_tail(since)
+        return why + (": " + tail if tail else "")
+
+    def compile(self, req, timeout):
+        """Returns (ok, error, seconds). Restarts the worker after a crash."""
+        if not self.alive():
+            self.start(timeout)
+        since = self.errlog.seek(0, os.SEEK_END)
+        t = time.time()
+        payload = {k: req[k] for k in ("file", "text") if k in req}
+        try:
+            self.proc.stdin.write((json.dumps(payload) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        msg = self._read_line(timeout)
+        secs = round(time.time() - t, 4)
+        if msg is None:
+            if self.proc.poll() is None:
+                self.stop()
+                return False, f"timeout after {timeout:g}s (worker killed)", secs
+            reason = self._death_reason(since)
+            self.stop()
+            return False, reason, secs
+        return msg["ok"], msg["error"], msg["seconds"]
+
+
+class Pool:
+    def __init__(self, mosaic_dump=None):
+        self.env = dict(os.environ)
+        if mosaic_dump:
+            os.makedirs(mosaic_dump, exist_ok=True)
+            self.env["LIBTPU_INIT_ARGS"] = (self.env.get("LIBTPU_INIT_ARGS", "") +
+                                           f" --xla_mosaic_dump_to={mosaic_dump}").strip()
+        self.env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        # libtpu takes /tmp/libtpu_lockfile per process; compile-only workers
+        # (several targets, concurrent test runs) must not exclude each other.
+        self.env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        self.workers = {}
+
+    def compile(self, target, req, timeout):
+        topology_for(target)  # validate
+        w = self.workers.get(target)
+        if w is None:
+            w = self.workers[target] = Worker(target, self.env)
+        try:
+            return w.compile(req, timeout)
+        except RuntimeError as e:
+            return False, str(e), 0.0
+
+    def close(self):
+        for w in self.workers.values():
+            w.stop()
+
+
+def result_line(file, target, ok, error, seconds, extra=None):
+    d = {"file": file, "target": target, "ok": ok, "error": error,
+         "seconds": seconds}
+    if extra:
+        d.update(extra)
+    return json.dumps(d)
+
+
+def serve(pool, default_target, timeout):
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            req = json.loads(line)
+        else:
+            parts = line.split(None, 1)
+            if len(parts) == 1:
+                parts = [default_target, parts[0]]
+            req = {"target": parts[0], "file": parts[1]}
+        target = req.get("target") or default_target
+        ok, err, secs = pool.compile(target, req, req.get("timeout", timeout))
+        extra = {"id": req["id"]} if "id" in req else None
+        print(result_line(req.get("file"), target, ok, err, secs, extra), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", action="append", default=[],
+                    help="v4|v5e|v5p|v6e|tpu7x or topology name; repeatable or comma list")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                    help="seconds per compile (incl. worker start-up)")
+    ap.add_argument("--serve", action="store_true",
+                    help="JSON-lines requests on stdin, results on stdout")
+    ap.add_argument("--mosaic-dump", metavar="DIR",
+                    help="dump Mosaic after each libtpu stage into DIR")
+    ap.add_argument("--list-targets", action="store_true")
+    ap.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
+    ap.add_argument("files", nargs="*")
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        return worker_main(a.worker)
+    if a.list_targets:
+        for k, v in TOPOLOGIES.items():
+            print(f"{k}\t{v}")
+        return 0
+    targets = [t for spec in a.target for t in spec.split(",") if t] or ["v5e"]
+    for t in targets:
+        topology_for(t)
+    pool = Pool(a.mosaic_dump)
+    try:
+        if a.serve:
+            serve(pool, targets[0], a.timeout)
+            return 0
+        if not a.files:
+            ap.error("no input files")
+        all_ok = True
+        for target in targets:
+            for f in a.files:
+                ok, err, secs = pool.compile(target, {"file": os.path.abspath(f)},
+                                             a.timeout)
+                all_ok &= ok
+                print(result_line(f, target, ok, err, secs), flush=True)
+        return 0 if all_ok else 1
+    finally:
+        pool.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
