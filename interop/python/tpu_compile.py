@@ -23,8 +23,12 @@ SIGSEGV/abort on malformed Mosaic, so a worker death or timeout is reported
 as a rejection of the file being compiled ("ok": false, error says the
 signal) and the worker is restarted for the remaining files.
 
-Environment: run with the venv that has jax/jaxlib 0.10.2 + libtpu 0.0.52
-(the parent re-uses sys.executable for workers). --mosaic-dump DIR sets
+Self-test: TPU_COMPILE_TEST_CRASH=SUBSTR makes a worker SIGSEGV itself on any
+file whose path contains SUBSTR (exercises the crash/restart path).
+
+Environment: workers need jax/jaxlib 0.10.2 + libtpu 0.0.52. They run under
+$TPU_COMPILE_PYTHON, else <repo>/.venv/bin/python, else sys.executable; the
+parent itself needs only the standard library (any python3 works). --mosaic-dump DIR sets
 LIBTPU_INIT_ARGS=--xla_mosaic_dump_to=DIR for the workers.
 """
 import argparse
@@ -45,6 +49,7 @@ TOPOLOGIES = {
     "tpu7x": "tpu7x:2x2x1",
 }
 DEFAULT_TIMEOUT = 120.0
+STARTUP_TIMEOUT = 60.0  # jax import + topology; not charged to --timeout
 
 
 def topology_for(target):
@@ -107,9 +112,12 @@ def worker_main(target):
         return 1
     proto.write(json.dumps({"ready": True, "init_seconds": time.time() - t0,
                             "device_kind": dev0.device_kind}) + "\n")
+    crash_marker = os.environ.get("TPU_COMPILE_TEST_CRASH")  # self-test hook
     for line in sys.stdin:
         req = json.loads(line)
         t = time.time()
+        if crash_marker and crash_marker in str(req.get("file")):
+            os.kill(os.getpid(), signal.SIGSEGV)
         ok, err = False, None
         try:
             text = req.get("text")
@@ -136,6 +144,17 @@ def worker_main(target):
 # Parent side: worker management
 # --------------------------------------------------------------------------
 
+def worker_python():
+    """Interpreter for workers: $TPU_COMPILE_PYTHON, else the repo venv
+    (<repo>/.venv/bin/python next to interop/python/), else this interpreter."""
+    env = os.environ.get("TPU_COMPILE_PYTHON")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    venv = os.path.join(here, "..", "..", ".venv", "bin", "python")
+    return os.path.normpath(venv) if os.path.exists(venv) else sys.executable
+
+
 class Worker:
     def __init__(self, target, env):
         self.target = target
@@ -147,13 +166,18 @@ class Worker:
     def start(self, timeout):
         self.errlog = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", self.target],
+            [worker_python(), os.path.abspath(__file__), "--worker", self.target],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errlog,
             env=self.env)
         self.buf = b""
         msg = self._read_line(timeout)
         if msg is None or "ready" not in msg:
-            reason = self._death_reason() if msg is None else msg.get("fatal")
+            if msg is not None:
+                reason = msg.get("fatal")
+            elif self.proc.poll() is None:
+                reason = f"start-up timed out after {timeout:g}s"
+            else:
+                reason = self._death_reason()
             self.stop()
             raise RuntimeError(f"worker for {self.target} failed to start: {reason}")
 
@@ -194,9 +218,12 @@ class Worker:
             data = self.errlog.read().decode("utf-8", "replace")
         except Exception:
             return ""
+        noise = ("WARNING", "TPU_WORKER", "RAW:", "symbolize.", "Source Location",
+                 "learning/", "FailureSignalHandler")
         keep = [l for l in data.splitlines()
-                if l.strip() and "WARNING" not in l and "TPU_WORKER" not in l
-                and not l.startswith(("W0000", "I0000"))]
+                if l.strip() and not any(n in l for n in noise)
+                and not l.startswith(("W0000", "I0000"))
+                and not l.strip().startswith(("@ ", "PC: "))]
         return "\n".join(keep)[-n:]
 
     def _death_reason(self, since=0):
@@ -218,7 +245,7 @@ class Worker:
     def compile(self, req, timeout):
         """Returns (ok, error, seconds). Restarts the worker after a crash."""
         if not self.alive():
-            self.start(timeout)
+            self.start(max(timeout, STARTUP_TIMEOUT))
         since = self.errlog.seek(0, os.SEEK_END)
         t = time.time()
         payload = {k: req[k] for k in ("file", "text") if k in req}
@@ -253,7 +280,10 @@ class Pool:
         self.workers = {}
 
     def compile(self, target, req, timeout):
-        topology_for(target)  # validate
+        try:
+            topology_for(target)  # validate
+        except SystemExit as e:
+            return False, str(e), 0.0
         w = self.workers.get(target)
         if w is None:
             w = self.workers[target] = Worker(target, self.env)
@@ -298,7 +328,7 @@ def main(argv=None):
     ap.add_argument("--target", action="append", default=[],
                     help="v4|v5e|v5p|v6e|tpu7x or topology name; repeatable or comma list")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                    help="seconds per compile (incl. worker start-up)")
+                    help="seconds per compile (worker start-up gets max(this, 60))")
     ap.add_argument("--serve", action="store_true",
                     help="JSON-lines requests on stdin, results on stdout")
     ap.add_argument("--mosaic-dump", metavar="DIR",

@@ -1,1 +1,256 @@
-fn main() {}
+//! `tessera`: list, emit, run and check the kernel library from the command line.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use tessera_dsl::{verify, DType, Kernel, Target, Type};
+use tessera_kernels::{harness, LibraryKernel, LIBRARY};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Every library kernel with its signature and default shapes.
+    List,
+    /// Write `<kernel>.stablehlo.mlir` and `<kernel>.mosaic.mlir` for a target.
+    Emit {
+        #[command(flatten)]
+        select: Select,
+        #[arg(long, default_value = "v5e")]
+        target: String,
+        #[arg(long, default_value = "out")]
+        out: PathBuf,
+    },
+    /// Run kernels on the CPU interpreter with random inputs against an independent reference.
+    Run {
+        #[command(flatten)]
+        select: Select,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Target whose default block sizes to use.
+        #[arg(long, default_value = "v5e")]
+        target: String,
+    },
+    /// Compile every emitted kernel with the real TPU compiler (compile-only; needs the
+    /// project venv with jax, jaxlib and libtpu: `scripts/setup-venv.sh`).
+    Check {
+        #[command(flatten)]
+        select: Select,
+        /// Targets to compile for (repeatable).
+        #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
+        targets: Vec<String>,
+    },
+}
+
+#[derive(Args)]
+struct Select {
+    /// Library kernel name (see `tessera list`).
+    kernel: Option<String>,
+    /// Every library kernel.
+    #[arg(long, conflicts_with = "kernel")]
+    all: bool,
+    /// Override an input's shape, e.g. `--shape x=512x256` (repeatable).
+    #[arg(long = "shape", value_name = "NAME=DxD")]
+    shapes: Vec<String>,
+    /// Element type of the inputs.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+type CliResult<T> = Result<T, String>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::List => list(),
+        Cmd::Emit { select, target, out } => emit(&select, &target, &out),
+        Cmd::Run { select, seed, target } => run(&select, seed, &target),
+        Cmd::Check { select, targets } => check(&select, &targets),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn list() -> CliResult<bool> {
+    for k in LIBRARY {
+        let defaults: Vec<String> = k.inputs.iter().map(|o| format!("{}={}", o.name, dims(o.default_shape))).collect();
+        println!("{:<12} {}\n{:<12} {}\n{:<12} default shapes: {}\n", k.name, k.signature, "", k.summary, "", defaults.join(" "));
+    }
+    Ok(true)
+}
+
+fn dims(shape: &[usize]) -> String {
+    shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
+}
+
+fn target(name: &str) -> CliResult<Target> {
+    Target::by_name(name).ok_or_else(|| format!("unknown target `{name}`; choose one of: {}", Target::ALL.map(|t| t.name).join(", ")))
+}
+
+/// The selected kernels with their input shapes (defaults, overridden by `--shape`).
+fn selection(s: &Select) -> CliResult<Vec<(&'static LibraryKernel, Vec<Vec<usize>>)>> {
+    let kernels: Vec<&LibraryKernel> = match (&s.kernel, s.all) {
+        (Some(name), _) => vec![tessera_kernels::find(name).ok_or_else(|| format!("unknown kernel `{name}`; `tessera list` shows the library"))?],
+        (None, true) => LIBRARY.iter().collect(),
+        (None, false) => return Err("name a kernel or pass --all".into()),
+    };
+    let mut out = Vec::new();
+    for k in kernels {
+        let mut shapes: Vec<Vec<usize>> = k.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
+        for spec in &s.shapes {
+            let (name, dims) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
+            let parsed: Result<Vec<usize>, _> = dims.split('x').map(str::parse).collect();
+            let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be positive integers separated by `x`"))?;
+            match k.inputs.iter().position(|o| o.name == name) {
+                Some(i) => shapes[i] = parsed,
+                None if s.all => {} // another kernel's operand
+                None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", k.name, k.inputs.iter().map(|o| o.name).collect::<Vec<_>>().join(", "))),
+            }
+        }
+        out.push((k, shapes));
+    }
+    Ok(out)
+}
+
+fn dtype(s: &Select) -> CliResult<DType> {
+    match DType::parse(&s.dtype) {
+        Some(d @ (DType::F32 | DType::BF16)) => Ok(d),
+        _ => Err(format!("--dtype `{}`: the library kernels take f32 or bf16", s.dtype)),
+    }
+}
+
+fn build(k: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target) -> CliResult<Kernel> {
+    let types: Vec<Type> = shapes.iter().map(|s| Type::vector(dtype, s)).collect();
+    (k.build)(&types, target).map_err(|e| e.to_string())
+}
+
+fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
+    let target = target(target_name)?;
+    let dtype = dtype(s)?;
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    println!("{:<12} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
+    for (k, shapes) in selection(s)? {
+        let start = Instant::now();
+        let kernel = build(k, &shapes, dtype, &target)?;
+        let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
+            let path = out.join(format!("{}.{ext}.mlir", k.name));
+            std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        }
+        let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+        println!(
+            "{:<12} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+            k.name,
+            grid.join("x"),
+            lowered.vmem_bytes as f64 / (1 << 20) as f64,
+            verify::vmem_limit(&kernel, &target) as f64 / (1 << 20) as f64,
+            lowered.cost.flops as f64 / 1e9,
+            ms
+        );
+    }
+    println!("wrote {}", out.display());
+    Ok(true)
+}
+
+fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
+    let target = target(target_name)?;
+    let dtype = dtype(s)?;
+    let mut all_ok = true;
+    println!("{:<12} {:<28} {:<5} {:>12} {:>10} {:>10} {:>10}  result", "kernel", "shapes", "dtype", "grid", "max err", "tolerance", "ms");
+    for (k, shapes) in selection(s)? {
+        let r = harness::run_against_reference(k, &shapes, dtype, &target, seed).map_err(|e| e.to_string())?;
+        let shape_txt: Vec<String> = shapes.iter().map(|s| dims(s)).collect();
+        let verdict = if r.passed() {
+            "ok".to_string()
+        } else if r.nan_count > 0 {
+            format!("FAIL: {} NaN outputs (blocks never written?)", r.nan_count)
+        } else {
+            "FAIL: error above tolerance".to_string()
+        };
+        all_ok &= r.passed();
+        println!(
+            "{:<12} {:<28} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2}  {verdict}",
+            k.name,
+            shape_txt.join(","),
+            dtype.name(),
+            dims(&r.grid),
+            r.scaled_err,
+            r.tolerance,
+            r.interp_time.as_secs_f64() * 1e3
+        );
+    }
+    Ok(all_ok)
+}
+
+/// The project venv's Python: `$TESSERA_PYTHON`, else `<repo>/.venv/bin/python`.
+fn venv_python() -> PathBuf {
+    std::env::var_os("TESSERA_PYTHON").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python"))
+}
+
+/// The oracle script ships inside the binary so `check` works from any directory.
+const TPU_COMPILE_PY: &str = include_str!("../python/tpu_compile.py");
+
+fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
+    let python = venv_python();
+    if !python.exists() {
+        return Err(format!("`tessera check` needs the project venv ({} not found); create it with scripts/setup-venv.sh or set TESSERA_PYTHON", python.display()));
+    }
+    let dtype = dtype(s)?;
+    let dir = std::env::temp_dir().join(format!("tessera-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let script = dir.join("tpu_compile.py");
+    std::fs::write(&script, TPU_COMPILE_PY).map_err(|e| e.to_string())?;
+    let mut all_ok = true;
+    for name in targets {
+        let t = target(name)?;
+        let mut files = Vec::new();
+        for (k, shapes) in selection(s)? {
+            let kernel = build(k, &shapes, dtype, &t)?;
+            let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
+            let path = dir.join(format!("{}.{}.stablehlo.mlir", k.name, t.name));
+            std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;
+            files.push(path);
+        }
+        let output = Command::new(&python).arg(&script).arg("--target").arg(t.name).args(&files).output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let mut seen = 0;
+        for line in stdout.lines().filter(|l| l.starts_with('{')) {
+            let Ok(report) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            seen += 1;
+            let field = |key: &str| match report.get(key) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+                None => String::new(),
+            };
+            let ok = report.get("ok").and_then(|v| v.as_bool()) == Some(true);
+            all_ok &= ok;
+            let file = field("file");
+            let kernel = Path::new(&file).file_name().and_then(|f| f.to_str()).and_then(|f| f.split('.').next()).unwrap_or("?").to_string();
+            if ok {
+                println!("{:<8} {:<12} accept  ({} s)", t.name, kernel, field("seconds"));
+            } else {
+                println!("{:<8} {:<12} REJECT  {}", t.name, kernel, field("error"));
+            }
+        }
+        if seen != files.len() {
+            all_ok = false;
+            eprintln!("tpu_compile.py reported {seen} of {} kernels for {}:\n{}", files.len(), t.name, String::from_utf8_lossy(&output.stderr));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(all_ok)
+}

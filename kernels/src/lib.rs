@@ -6,6 +6,7 @@
 //! the CLI and the test suite.
 
 pub mod blocks;
+pub mod harness;
 pub mod elementwise;
 pub mod matmul;
 pub mod reference;
