@@ -1,1 +1,1194 @@
-//! Placeholder: the reference interpreter is being written.
+//! The reference CPU interpreter. It defines what the block IR means: every backend
+//! (Mosaic, JIT) is tested against it.
+//!
+//! # Execution model (Pallas TPU)
+//!
+//! - The grid runs sequentially in lexicographic order, last dim fastest.
+//! - At each step every blocked operand's index map gives a block index. An input's block
+//!   is copied into its VMEM window only when the index changed since the previous step
+//!   (as the real pipeline does). An output's window is written back to the array when
+//!   its index changes and at the end of the grid; a freshly entered output window is
+//!   *not* loaded from the array but filled with poison, exactly as real TPU output
+//!   buffers are uninitialised. Output arrays start poisoned too.
+//! - Poison is NaN for floats, `MIN` for integers and `false` for bools, so a kernel
+//!   that reads an output before writing it, or never writes a block, produces NaN.
+//! - Scratch buffers persist across grid steps and start poisoned.
+//! - Unblocked operands (no block spec) are seen whole by the kernel.
+//! - A block that extends past the end of the array (array dim not a multiple of the
+//!   block dim, which the verifier rejects but Pallas allows) is read with poison
+//!   padding and written back clipped.
+//!
+//! # Numerics
+//!
+//! - bf16 values are kept as f32 and rounded to bf16 (nearest-even) after every op whose
+//!   result is bf16; i8 values are kept as i32 and wrapped to the i8 range after every op
+//!   whose result is i8.
+//! - Float arithmetic is IEEE f32. Transcendentals (exp, log, tanh, erf, sqrt, rsqrt,
+//!   pow) are computed in f64 and rounded once, so the reference is correctly rounded in
+//!   practice and does not depend on the platform's libm.
+//! - `max`/`min` propagate NaN (like `jnp.maximum`). Float comparisons are *ordered*:
+//!   every comparison with a NaN operand is false, `ne` included (Mosaic `cmpf one`).
+//! - Integer `add`/`sub`/`mul`/`neg`/`abs` wrap. Integer `div` truncates toward zero and
+//!   `rem` takes the sign of the dividend (C / `lax.div`, `lax.rem`); division by zero is
+//!   defined as 0 and `x rem 0` as `x` (so `x == (x / y) * y + x rem y` still holds).
+//!   Float `rem` is `fmod`.
+//! - Casts: float -> int truncates toward zero and saturates (NaN -> 0); int -> int wraps;
+//!   anything -> bf16 rounds to nearest-even; bool -> number is 0/1; number -> bool is
+//!   `x != 0`.
+//! - `dot` of f32/bf16 operands accumulates in f32 (through `matrixmultiply::sgemm`);
+//!   of i8/i32 operands in wrapping i32. Float `sum` reductions accumulate sequentially
+//!   in f32.
+
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use half::bf16;
+
+use crate::error::{KernelError, Result};
+use crate::ir::*;
+use crate::types::{DType, MemorySpace};
+use crate::verify::eval_index;
+
+// ---- public arrays ------------------------------------------------------------------------
+
+/// The elements of an [`Array`], row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Data {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    I32(Vec<i32>),
+    I8(Vec<i8>),
+    Bool(Vec<bool>),
+}
+
+impl Data {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Data::F32(_) => DType::F32,
+            Data::BF16(_) => DType::BF16,
+            Data::I32(_) => DType::I32,
+            Data::I8(_) => DType::I8,
+            Data::Bool(_) => DType::Bool,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Data::F32(v) => v.len(),
+            Data::BF16(v) => v.len(),
+            Data::I32(v) => v.len(),
+            Data::I8(v) => v.len(),
+            Data::Bool(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A host array: a kernel argument or result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Array {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data: Data,
+}
+
+impl Array {
+    /// An array of `shape` holding `data`.
+    ///
+    /// # Panics
+    /// If `data` does not have `shape.iter().product()` elements.
+    pub fn new(shape: &[usize], data: Data) -> Array {
+        let n: usize = shape.iter().product();
+        assert_eq!(data.len(), n, "array of shape {shape:?} needs {n} elements, got {}", data.len());
+        Array { dtype: data.dtype(), shape: shape.to_vec(), data }
+    }
+
+    pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Array {
+        Array::new(shape, Data::F32(data))
+    }
+
+    pub fn from_bf16(shape: &[usize], data: Vec<bf16>) -> Array {
+        Array::new(shape, Data::BF16(data))
+    }
+
+    /// A bf16 array from f32 values, rounded to nearest-even.
+    pub fn from_f32_as_bf16(shape: &[usize], data: &[f32]) -> Array {
+        Array::new(shape, Data::BF16(data.iter().map(|&x| bf16::from_f32(x)).collect()))
+    }
+
+    pub fn from_i32(shape: &[usize], data: Vec<i32>) -> Array {
+        Array::new(shape, Data::I32(data))
+    }
+
+    pub fn from_i8(shape: &[usize], data: Vec<i8>) -> Array {
+        Array::new(shape, Data::I8(data))
+    }
+
+    pub fn from_bool(shape: &[usize], data: Vec<bool>) -> Array {
+        Array::new(shape, Data::Bool(data))
+    }
+
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Array {
+        let n = shape.iter().product();
+        let data = match dtype {
+            DType::F32 => Data::F32(vec![0.0; n]),
+            DType::BF16 => Data::BF16(vec![bf16::ZERO; n]),
+            DType::I32 => Data::I32(vec![0; n]),
+            DType::I8 => Data::I8(vec![0; n]),
+            DType::Bool => Data::Bool(vec![false; n]),
+        };
+        Array { dtype, shape: shape.to_vec(), data }
+    }
+
+    /// An array filled with the interpreter's poison (NaN, `MIN`, `false`).
+    pub fn poison(dtype: DType, shape: &[usize]) -> Array {
+        let n = shape.iter().product();
+        Buf::poison(dtype, n).into_array(dtype, shape)
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Every element as f32 (bools as 0/1).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match &self.data {
+            Data::F32(v) => v.clone(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Data::I32(v) => v.iter().map(|&x| x as f32).collect(),
+            Data::I8(v) => v.iter().map(|&x| x as f32).collect(),
+            Data::Bool(v) => v.iter().map(|&x| x as u8 as f32).collect(),
+        }
+    }
+
+    /// Every element as f64 (bools as 0/1); exact for every dtype.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match &self.data {
+            Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::I8(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
+        }
+    }
+
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        if let Data::F32(v) = &self.data { Some(v) } else { None }
+    }
+
+    pub fn as_bf16(&self) -> Option<&[bf16]> {
+        if let Data::BF16(v) = &self.data { Some(v) } else { None }
+    }
+
+    pub fn as_i32(&self) -> Option<&[i32]> {
+        if let Data::I32(v) = &self.data { Some(v) } else { None }
+    }
+
+    pub fn as_i8(&self) -> Option<&[i8]> {
+        if let Data::I8(v) = &self.data { Some(v) } else { None }
+    }
+
+    pub fn as_bool(&self) -> Option<&[bool]> {
+        if let Data::Bool(v) = &self.data { Some(v) } else { None }
+    }
+}
+
+/// What a run cost.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunStats {
+    pub grid_steps: usize,
+    /// Input blocks copied into VMEM windows (skipped when the block index repeats).
+    pub block_loads: usize,
+    /// Output windows written back to their arrays.
+    pub block_writebacks: usize,
+    pub elapsed: Duration,
+}
+
+/// Runs `kernel` on `args` (the prefetch and input operands, in signature order) and
+/// returns its outputs in signature order.
+pub fn run(kernel: &Kernel, args: &[&Array]) -> Result<Vec<Array>> {
+    run_with_stats(kernel, args).map(|(outputs, _)| outputs)
+}
+
+/// [`run`], also reporting grid steps, block traffic and wall time.
+pub fn run_with_stats(kernel: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, RunStats)> {
+    let start = Instant::now();
+    let mut m = Machine::new(kernel, args)?;
+    m.run_grid()?;
+    let outputs = m.outputs();
+    m.stats.elapsed = start.elapsed();
+    Ok((outputs, m.stats))
+}
+
+// ---- runtime values -------------------------------------------------------------------------
+
+/// Element storage inside the interpreter: floats (f32 and bf16) as f32, integers (i32
+/// and i8) as i32, so each op has one loop per storage class, not per dtype.
+#[derive(Clone, Debug)]
+enum Buf {
+    F(Vec<f32>),
+    I(Vec<i32>),
+    B(Vec<bool>),
+}
+
+impl Buf {
+    fn poison(dtype: DType, n: usize) -> Buf {
+        match dtype {
+            DType::F32 | DType::BF16 => Buf::F(vec![f32::NAN; n]),
+            DType::I32 => Buf::I(vec![i32::MIN; n]),
+            DType::I8 => Buf::I(vec![i8::MIN as i32; n]),
+            DType::Bool => Buf::B(vec![false; n]),
+        }
+    }
+
+    fn from_data(d: &Data) -> Buf {
+        match d {
+            Data::F32(v) => Buf::F(v.clone()),
+            Data::BF16(v) => Buf::F(v.iter().map(|x| x.to_f32()).collect()),
+            Data::I32(v) => Buf::I(v.clone()),
+            Data::I8(v) => Buf::I(v.iter().map(|&x| x as i32).collect()),
+            Data::Bool(v) => Buf::B(v.clone()),
+        }
+    }
+
+    /// Converts back to host storage; values are already rounded/wrapped to `dtype`.
+    fn into_array(self, dtype: DType, shape: &[usize]) -> Array {
+        let data = match (self, dtype) {
+            (Buf::F(v), DType::BF16) => Data::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            (Buf::F(v), _) => Data::F32(v),
+            (Buf::I(v), DType::I8) => Data::I8(v.iter().map(|&x| x as i8).collect()),
+            (Buf::I(v), _) => Data::I32(v),
+            (Buf::B(v), _) => Data::Bool(v),
+        };
+        Array { dtype, shape: shape.to_vec(), data }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buf::F(v) => v.len(),
+            Buf::I(v) => v.len(),
+            Buf::B(v) => v.len(),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Buf::F(_) => "float",
+            Buf::I(_) => "integer",
+            Buf::B(_) => "bool",
+        }
+    }
+
+    /// Rounds/wraps to `dtype` after an op produced it at storage precision.
+    fn normalize(&mut self, dtype: DType) {
+        match (self, dtype) {
+            (Buf::F(v), DType::BF16) => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
+            (Buf::I(v), DType::I8) => v.iter_mut().for_each(|x| *x = *x as i8 as i32),
+            _ => {}
+        }
+    }
+
+    /// Fills every element with `dtype`'s poison.
+    fn fill_poison(&mut self, dtype: DType) {
+        match self {
+            Buf::F(v) => v.fill(f32::NAN),
+            Buf::I(v) => v.fill(if dtype == DType::I8 { i8::MIN as i32 } else { i32::MIN }),
+            Buf::B(v) => v.fill(false),
+        }
+    }
+}
+
+fn round_bf16(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// An SSA value at run time: a scalar (empty shape) or a whole vector.
+#[derive(Clone, Debug)]
+struct Val {
+    shape: Vec<usize>,
+    buf: Buf,
+}
+
+/// A ref's memory as the kernel sees it: the VMEM/SMEM window (or whole array), row-major
+/// in the view shape (squeezed dims have size 1, so dropping them keeps the layout).
+struct Mem {
+    view: Vec<usize>,
+    buf: Buf,
+}
+
+/// State of a blocked operand: its whole array and the block currently in its window.
+struct Blocked {
+    r: RefId,
+    array: Buf,
+    current: Option<Vec<usize>>,
+}
+
+struct Machine<'k> {
+    k: &'k Kernel,
+    vals: Vec<Option<Rc<Val>>>,
+    /// Per ref; `None` for ANY/HBM refs, which the body cannot load or store.
+    mems: Vec<Option<Mem>>,
+    blocked: Vec<Blocked>,
+    grid: Vec<usize>,
+    stats: RunStats,
+}
+
+fn row_major_strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+/// Calls `f` with every index of `shape` in row-major order (once with `[]` for rank 0).
+fn for_each_index(shape: &[usize], mut f: impl FnMut(&[usize])) {
+    if shape.contains(&0) {
+        return;
+    }
+    let mut idx = vec![0; shape.len()];
+    loop {
+        f(&idx);
+        let mut d = shape.len();
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Copies the `region` box at `src_origin` of a row-major `src_shape` array to
+/// `dst_origin` of a row-major `dst_shape` array, one contiguous row at a time. All
+/// shapes have the same rank; the caller guarantees the box fits in both.
+fn copy_box<T: Copy>(src: &[T], src_shape: &[usize], src_origin: &[usize], dst: &mut [T], dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) {
+    let Some((&row, outer)) = region.split_last() else {
+        dst[0] = src[0];
+        return;
+    };
+    let (ss, ds) = (row_major_strides(src_shape), row_major_strides(dst_shape));
+    for_each_index(outer, |idx| {
+        let mut so = src_origin[outer.len()];
+        let mut dof = dst_origin[outer.len()];
+        for (d, &i) in idx.iter().enumerate() {
+            so += (src_origin[d] + i) * ss[d];
+            dof += (dst_origin[d] + i) * ds[d];
+        }
+        dst[dof..dof + row].copy_from_slice(&src[so..so + row]);
+    });
+}
+
+/// [`copy_box`] on interpreter buffers; `false` if their storage classes differ.
+fn copy_box_buf(src: &Buf, src_shape: &[usize], src_origin: &[usize], dst: &mut Buf, dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) -> bool {
+    match (src, dst) {
+        (Buf::F(s), Buf::F(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (Buf::I(s), Buf::I(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (Buf::B(s), Buf::B(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        _ => return false,
+    }
+    true
+}
+
+fn map<T: Copy, U>(v: &[T], f: impl Fn(T) -> U) -> Vec<U> {
+    v.iter().map(|&x| f(x)).collect()
+}
+
+fn zip_map<T: Copy, U>(a: &[T], b: &[T], f: impl Fn(T, T) -> U) -> Vec<U> {
+    a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
+}
+
+/// NaN-propagating max/min (`jnp.maximum`): if either side is NaN the result is NaN.
+fn fmax(x: f32, y: f32) -> f32 {
+    if x > y {
+        x
+    } else if y > x || x == y {
+        y
+    } else {
+        f32::NAN
+    }
+}
+
+fn fmin(x: f32, y: f32) -> f32 {
+    if x < y {
+        x
+    } else if y < x || x == y {
+        y
+    } else {
+        f32::NAN
+    }
+}
+
+/// f64 evaluation rounded once to f32.
+fn via_f64(x: f32, f: impl Fn(f64) -> f64) -> f32 {
+    f(x as f64) as f32
+}
+
+fn broadcast<T: Copy>(src: &[T], src_shape: &[usize], dst_shape: &[usize]) -> Option<Vec<T>> {
+    let n: usize = dst_shape.iter().product();
+    if src.len() == 1 {
+        return Some(vec![src[0]; n]);
+    }
+    if src_shape.len() != dst_shape.len() || src_shape.iter().zip(dst_shape).any(|(&s, &d)| s != d && s != 1) {
+        return None;
+    }
+    let Some((&row, outer)) = dst_shape.split_last() else { return Some(src.to_vec()) };
+    let mut strides = row_major_strides(src_shape);
+    for (st, (&s, &d)) in strides.iter_mut().zip(src_shape.iter().zip(dst_shape)) {
+        if s == 1 && d != 1 {
+            *st = 0;
+        }
+    }
+    let row_stride = strides[outer.len()];
+    let mut out = Vec::with_capacity(n);
+    for_each_index(outer, |idx| {
+        let off: usize = idx.iter().zip(&strides).map(|(i, s)| i * s).sum();
+        if row_stride == 0 {
+            out.extend(std::iter::repeat_n(src[off], row));
+        } else {
+            out.extend_from_slice(&src[off..off + row]);
+        }
+    });
+    Some(out)
+}
+
+/// Reduces `v` (row-major `shape`) along `axis` with `f`, keeping the axis as size 1.
+/// The caller guarantees every dim is non-zero.
+fn reduce<T: Copy>(v: &[T], shape: &[usize], axis: usize, f: impl Fn(T, T) -> T) -> Vec<T> {
+    let outer: usize = shape[..axis].iter().product();
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let mut out = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        let base = o * n * inner;
+        if inner == 1 {
+            // Reducing the minor axis: fold a contiguous row.
+            let row = &v[base..base + n];
+            out.push(row[1..].iter().fold(row[0], |a, &b| f(a, b)));
+            continue;
+        }
+        let start = out.len();
+        out.extend_from_slice(&v[base..base + inner]);
+        for k in 1..n {
+            let row = &v[base + k * inner..base + (k + 1) * inner];
+            out[start..].iter_mut().zip(row).for_each(|(a, &b)| *a = f(*a, b));
+        }
+    }
+    out
+}
+
+/// Swaps the last two dims of a rank >= 2 row-major array.
+fn transpose<T: Copy>(v: &[T], shape: &[usize]) -> Vec<T> {
+    let r = shape.len();
+    let (rows, cols) = (shape[r - 2], shape[r - 1]);
+    let mut out = Vec::with_capacity(v.len());
+    for m in v.chunks_exact(rows * cols) {
+        for c in 0..cols {
+            out.extend((0..rows).map(|i| m[i * cols + c]));
+        }
+    }
+    out
+}
+
+fn iota(shape: &[usize], dim: usize) -> Vec<i32> {
+    let outer: usize = shape[..dim].iter().product();
+    let n = shape[dim];
+    let inner: usize = shape[dim + 1..].iter().product();
+    let mut out = Vec::with_capacity(outer * n * inner);
+    for _ in 0..outer {
+        for i in 0..n {
+            out.extend(std::iter::repeat_n(i as i32, inner));
+        }
+    }
+    out
+}
+
+/// `[m, k] x [k, n]` in wrapping i32; `a(i, p)` and `b(p, j)` index the logical operands.
+fn dot_i32(m: usize, k: usize, n: usize, a: impl Fn(usize, usize) -> i32, b: &[i32], b_row: usize, b_col: usize) -> Vec<i32> {
+    let mut c = vec![0i32; m * n];
+    for i in 0..m {
+        let crow = &mut c[i * n..(i + 1) * n];
+        for p in 0..k {
+            let x = a(i, p);
+            for (j, acc) in crow.iter_mut().enumerate() {
+                *acc = acc.wrapping_add(x.wrapping_mul(b[p * b_row + j * b_col]));
+            }
+        }
+    }
+    c
+}
+
+// ---- the machine --------------------------------------------------------------------------
+
+impl<'k> Machine<'k> {
+    fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+        KernelError::new(&self.k.name, subject, rule, message, help)
+    }
+
+    /// An IR inconsistency the builder would not produce (wrong types, missing values).
+    fn malformed(&self, d: &InstData, message: impl Into<String>) -> KernelError {
+        self.err(format!("instruction `{}`", inst_name(&d.inst)), "malformed-ir", message, "build kernels with KernelBuilder, which type-checks every op").at(d.loc.clone())
+    }
+
+    fn new(k: &'k Kernel, args: &[&Array]) -> Result<Self> {
+        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default() };
+        let expected = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).count();
+        if args.len() != expected {
+            let names: Vec<&str> = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).map(|r| r.name.as_str()).collect();
+            return Err(m.err("arguments", "argument-count", format!("{} arguments given, the kernel takes {expected} ({})", args.len(), names.join(", ")), "pass the prefetch and input operands in signature order"));
+        }
+        let mut next_arg = args.iter();
+        for (i, decl) in k.refs.iter().enumerate() {
+            let subject = format!("{} `{}`", decl.kind.name(), decl.name);
+            m.check_block_spec(decl, &subject)?;
+            let n: usize = decl.shape.iter().product();
+            let array = match decl.kind {
+                RefKind::Prefetch | RefKind::Input => {
+                    let a = next_arg.next().expect("argument count checked above");
+                    m.check_arg(decl, &subject, a)?;
+                    Buf::from_data(&a.data)
+                }
+                RefKind::Output | RefKind::Scratch => Buf::poison(decl.dtype, n),
+            };
+            let mem = match &decl.block {
+                Some(b) => {
+                    if decl.kind == RefKind::Prefetch || decl.kind == RefKind::Scratch {
+                        return Err(m.err(&subject, "blocked-memory-space", format!("a {} with a block spec", decl.kind.name()), "scalar prefetch and scratch buffers are seen whole; drop the block spec"));
+                    }
+                    let window: usize = b.window().iter().product();
+                    m.blocked.push(Blocked { r: RefId(i as u32), array, current: None });
+                    Some(Mem { view: b.view(), buf: Buf::poison(decl.dtype, window) })
+                }
+                None if decl.memory == MemorySpace::Any => {
+                    // The body cannot touch it; an ANY output keeps its poison.
+                    m.blocked.push(Blocked { r: RefId(i as u32), array, current: None });
+                    None
+                }
+                None => Some(Mem { view: decl.shape.clone(), buf: array }),
+            };
+            m.mems.push(mem);
+        }
+        Ok(m)
+    }
+
+    fn check_arg(&self, decl: &RefDecl, subject: &str, a: &Array) -> Result<()> {
+        if a.dtype != decl.dtype || a.data.dtype() != decl.dtype {
+            return Err(self.err(subject, "argument-dtype", format!("expected {} elements, got an array of {} (holding {} data)", decl.dtype, a.dtype, a.data.dtype()), format!("pass a {} array", decl.dtype)));
+        }
+        if a.shape != decl.shape {
+            return Err(self.err(subject, "argument-shape", format!("expected shape {:?}, got {:?}", decl.shape, a.shape), format!("pass an array of shape {:?} or rebuild the kernel for this shape", decl.shape)));
+        }
+        let n: usize = decl.shape.iter().product();
+        if a.data.len() != n {
+            return Err(self.err(subject, "argument-shape", format!("shape {:?} has {n} elements but the data holds {}", a.shape, a.data.len()), "make the data length match the shape"));
+        }
+        Ok(())
+    }
+
+    /// The checks the grid loop relies on to index safely (the verifier checks more).
+    fn check_block_spec(&self, decl: &RefDecl, subject: &str) -> Result<()> {
+        let Some(b) = &decl.block else { return Ok(()) };
+        let rank = decl.shape.len();
+        if b.block_shape.len() != rank || b.index_map.len() != rank {
+            return Err(self.err(
+                subject,
+                "block-rank",
+                format!("block shape has {} dims and the index map {} results, the array {:?} has {rank} dims", b.block_shape.len(), b.index_map.len(), decl.shape),
+                "give one block dim and one index-map result per array dim",
+            ));
+        }
+        for (d, (&blk, &full)) in b.block_shape.iter().zip(&decl.shape).enumerate() {
+            let n = blk.unwrap_or(1);
+            if n == 0 || n > full {
+                return Err(self.err(subject, "block-shape", format!("block dim {d} is {n}, the array dim is {full}"), "use block dims between 1 and the array dim"));
+            }
+        }
+        Ok(())
+    }
+
+    fn run_grid(&mut self) -> Result<()> {
+        let k = self.k;
+        let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
+        for_each_index(&extents, |idx| self.grid.copy_from_slice(idx));
+        // for_each_index cannot return errors, so step the odometer by hand instead.
+        self.grid.iter_mut().for_each(|g| *g = 0);
+        let steps = k.grid_steps();
+        for step in 0..steps {
+            if step > 0 {
+                for d in (0..extents.len()).rev() {
+                    self.grid[d] += 1;
+                    if self.grid[d] < extents[d] {
+                        break;
+                    }
+                    self.grid[d] = 0;
+                }
+            }
+            self.enter_blocks()?;
+            let yielded = self.exec_block(k.body)?;
+            debug_assert!(yielded.is_empty());
+            self.stats.grid_steps += 1;
+        }
+        // The end of the grid flushes every output window still resident.
+        for i in 0..self.blocked.len() {
+            if self.blocked[i].current.is_some() {
+                self.write_back(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Evaluates every blocked operand's index map for the current grid step and moves the
+    /// windows whose block changed: inputs are loaded, outputs written back and re-poisoned.
+    fn enter_blocks(&mut self) -> Result<()> {
+        let k = self.k;
+        for i in 0..self.blocked.len() {
+            let decl = k.ref_decl(self.blocked[i].r);
+            let (Some(spec), RefKind::Input | RefKind::Output) = (&decl.block, decl.kind) else { continue };
+            let index = self.block_index(decl, spec)?;
+            if self.blocked[i].current.as_ref() == Some(&index) {
+                continue;
+            }
+            let r = self.blocked[i].r.index();
+            let window = spec.window();
+            let origin: Vec<usize> = index.iter().zip(&window).map(|(b, w)| b * w).collect();
+            let region: Vec<usize> = origin.iter().zip(&window).zip(&decl.shape).map(|((o, w), full)| (*w).min(full - o)).collect();
+            if decl.kind == RefKind::Output && self.blocked[i].current.is_some() {
+                self.write_back(i);
+            }
+            let mem = self.mems[r].as_mut().expect("blocked operands have a window");
+            if decl.kind == RefKind::Input {
+                if region != window {
+                    mem.buf.fill_poison(decl.dtype); // the padding of a partial edge block
+                }
+                copy_box_buf(&self.blocked[i].array, &decl.shape, &origin, &mut mem.buf, &window, &vec![0; window.len()], &region);
+                self.stats.block_loads += 1;
+            } else {
+                // Output buffers are uninitialised on a TPU: never load the array.
+                mem.buf.fill_poison(decl.dtype);
+            }
+            self.blocked[i].current = Some(index);
+        }
+        Ok(())
+    }
+
+    /// Copies output window `i` (the part inside the array) back to its array.
+    fn write_back(&mut self, i: usize) {
+        let b = &mut self.blocked[i];
+        let (Some(index), Some(mem)) = (&b.current, &self.mems[b.r.index()]) else { return };
+        let decl = self.k.ref_decl(b.r);
+        let Some(spec) = &decl.block else { return };
+        let window = spec.window();
+        let origin: Vec<usize> = index.iter().zip(&window).map(|(b, w)| b * w).collect();
+        let region: Vec<usize> = origin.iter().zip(&window).zip(&decl.shape).map(|((o, w), full)| (*w).min(full - o)).collect();
+        copy_box_buf(&mem.buf, &window, &vec![0; window.len()], &mut b.array, &decl.shape, &origin, &region);
+        self.stats.block_writebacks += 1;
+    }
+
+    /// The block index of `decl` at the current grid step, checked against the array.
+    fn block_index(&self, decl: &RefDecl, spec: &BlockSpec) -> Result<Vec<usize>> {
+        let subject = format!("{} `{}`", decl.kind.name(), decl.name);
+        let grid: Vec<i64> = self.grid.iter().map(|&g| g as i64).collect();
+        let mut index = Vec::with_capacity(spec.index_map.len());
+        for e in &spec.index_map {
+            let mut prefetch_err = None;
+            let v = eval_index(e, &grid, &mut |array, at| match self.read_prefetch(array, at) {
+                Ok(v) => Some(v),
+                Err(msg) => {
+                    prefetch_err.get_or_insert(msg);
+                    None
+                }
+            });
+            match (v, prefetch_err) {
+                (Some(v), _) => index.push(v),
+                (None, Some(msg)) => {
+                    return Err(self.err(&subject, "prefetch-out-of-bounds", format!("at grid step {:?} the index map {msg}", self.grid), "keep the values that index scalar-prefetch arrays inside them"));
+                }
+                (None, None) => {
+                    return Err(self.err(&subject, "index-map-eval", format!("at grid step {:?} the index map `{e}` divides by zero or reads a grid index the grid does not have", self.grid), "fix the index map"));
+                }
+            }
+        }
+        let window = spec.window();
+        let mut out = Vec::with_capacity(index.len());
+        for (d, &i) in index.iter().enumerate() {
+            let blocks = decl.shape[d].div_ceil(window[d]);
+            if i < 0 || i as usize >= blocks {
+                return Err(self.err(
+                    &subject,
+                    "index-out-of-bounds",
+                    format!("at grid step {:?} the index map gives block index {index:?}, but dim {d} has {blocks} blocks (array dim {} / block dim {})", self.grid, decl.shape[d], window[d]),
+                    "fix the index map, the grid or the scalar-prefetch values so block indices stay below the number of blocks",
+                ));
+            }
+            out.push(i as usize);
+        }
+        Ok(out)
+    }
+
+    fn read_prefetch(&self, array: RefId, at: &[i64]) -> std::result::Result<i64, String> {
+        let decl = self.k.refs.get(array.index()).ok_or_else(|| format!("reads {array}, which does not exist"))?;
+        let Some(Mem { buf: Buf::I(data), .. }) = self.mems[array.index()].as_ref().filter(|_| decl.kind == RefKind::Prefetch) else {
+            return Err(format!("reads `{}`, which is not a scalar-prefetch operand", decl.name));
+        };
+        let inside = at.len() == decl.shape.len() && at.iter().zip(&decl.shape).all(|(&i, &n)| i >= 0 && (i as usize) < n);
+        if !inside {
+            return Err(format!("reads `{}`{at:?}, outside its shape {:?}", decl.name, decl.shape));
+        }
+        let flat: usize = at.iter().zip(row_major_strides(&decl.shape)).map(|(&i, s)| i as usize * s).sum();
+        Ok(data[flat] as i64)
+    }
+
+    fn outputs(&mut self) -> Vec<Array> {
+        let k = self.k;
+        let mut outs = Vec::new();
+        for (i, decl) in k.refs.iter().enumerate() {
+            if decl.kind != RefKind::Output {
+                continue;
+            }
+            let buf = match self.blocked.iter_mut().find(|b| b.r.index() == i) {
+                Some(b) => std::mem::replace(&mut b.array, Buf::B(Vec::new())),
+                None => self.mems[i].take().map(|m| m.buf).unwrap_or_else(|| Buf::poison(decl.dtype, 0)),
+            };
+            outs.push(buf.into_array(decl.dtype, &decl.shape));
+        }
+        outs
+    }
+
+    // ---- body --------------------------------------------------------------------------
+
+    fn get(&self, v: Value, d: &InstData) -> Result<Rc<Val>> {
+        self.vals.get(v.index()).cloned().flatten().ok_or_else(|| self.malformed(d, format!("reads {v} before it is defined")))
+    }
+
+    fn bind(&mut self, v: Value, val: Rc<Val>, d: &InstData) -> Result<()> {
+        let ty = &self.k.ty(v);
+        if val.buf.len() != ty.num_elements() {
+            return Err(self.malformed(d, format!("{v} has type {ty} but the op produced {} elements", val.buf.len())));
+        }
+        self.vals[v.index()] = Some(val);
+        Ok(())
+    }
+
+    fn scalar_i32(&self, v: Value, d: &InstData) -> Result<i32> {
+        match &self.get(v, d)?.buf {
+            Buf::I(x) if x.len() == 1 => Ok(x[0]),
+            _ => Err(self.malformed(d, format!("{v} should be an i32 scalar"))),
+        }
+    }
+
+    fn scalar_bool(&self, v: Value, d: &InstData) -> Result<bool> {
+        match &self.get(v, d)?.buf {
+            Buf::B(x) if x.len() == 1 => Ok(x[0]),
+            _ => Err(self.malformed(d, format!("{v} should be a bool scalar"))),
+        }
+    }
+
+    /// Runs `block`; returns what its `Yield` yields (nothing for the kernel body).
+    fn exec_block(&mut self, block: BlockId) -> Result<Vec<Rc<Val>>> {
+        let k = self.k;
+        for &i in &k.block(block).insts {
+            let d = k.inst(i);
+            match &d.inst {
+                Inst::Yield(vs) => return vs.iter().map(|&v| self.get(v, d)).collect(),
+                Inst::Store { dst, slices, value } => self.store(d, *dst, slices, *value)?,
+                Inst::If { cond, then_block, else_block } => {
+                    let taken = if self.scalar_bool(*cond, d)? { *then_block } else { *else_block };
+                    let outs = self.exec_block(taken)?;
+                    self.bind_all(d, outs)?;
+                }
+                Inst::For { lo, hi, step, init, body } => {
+                    let outs = self.exec_for(d, *lo, *hi, *step, init, *body)?;
+                    self.bind_all(d, outs)?;
+                }
+                _ => {
+                    let &[result] = d.results.as_slice() else { return Err(self.malformed(d, "expected exactly one result")) };
+                    let mut val = self.eval(d, &self.k.ty(result).clone())?;
+                    val.buf.normalize(k.ty(result).dtype);
+                    self.bind(result, Rc::new(val), d)?;
+                }
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn bind_all(&mut self, d: &InstData, outs: Vec<Rc<Val>>) -> Result<()> {
+        if outs.len() != d.results.len() {
+            return Err(self.malformed(d, format!("{} values yielded for {} results", outs.len(), d.results.len())));
+        }
+        for (&r, v) in d.results.iter().zip(outs) {
+            self.bind(r, v, d)?;
+        }
+        Ok(())
+    }
+
+    fn exec_for(&mut self, d: &InstData, lo: Value, hi: Value, step: i64, init: &[Value], body: BlockId) -> Result<Vec<Rc<Val>>> {
+        if step <= 0 {
+            return Err(self.err("`for` loop", "loop-step", format!("step {step}"), "use a positive step").at(d.loc.clone()));
+        }
+        let (lo, hi) = (self.scalar_i32(lo, d)? as i64, self.scalar_i32(hi, d)? as i64);
+        let mut carries: Vec<Rc<Val>> = init.iter().map(|&v| self.get(v, d)).collect::<Result<_>>()?;
+        let params = self.k.block(body).params.clone();
+        if params.len() != carries.len() + 1 {
+            return Err(self.malformed(d, format!("the body takes {} parameters for {} carries", params.len(), carries.len())));
+        }
+        let mut i = lo;
+        while i < hi {
+            self.bind(params[0], Rc::new(Val { shape: Vec::new(), buf: Buf::I(vec![i as i32]) }), d)?;
+            for (&p, c) in params[1..].iter().zip(carries) {
+                self.bind(p, c, d)?;
+            }
+            carries = self.exec_block(body)?;
+            if carries.len() != params.len() - 1 {
+                return Err(self.malformed(d, format!("the body yields {} values for {} carries", carries.len(), params.len() - 1)));
+            }
+            i += step;
+        }
+        Ok(carries)
+    }
+
+    /// Evaluates the dynamic slice starts of an access to `r` and checks them against its
+    /// view; returns the box origin and shape.
+    fn slice_box(&self, d: &InstData, what: &str, r: RefId, slices: &[Slice]) -> Result<(Vec<usize>, Vec<usize>)> {
+        let decl = self.k.refs.get(r.index()).ok_or_else(|| self.malformed(d, format!("{r} does not exist")))?;
+        let subject = format!("{what} of {} `{}`", decl.kind.name(), decl.name);
+        let Some(mem) = &self.mems[r.index()] else {
+            return Err(self
+                .err(&subject, "hbm-direct-access", "the operand stays in HBM (memory space ANY) and cannot be loaded or stored directly", "copy it into VMEM scratch with a DMA")
+                .at(d.loc.clone()));
+        };
+        if slices.len() != mem.view.len() {
+            return Err(self.malformed(d, format!("{} slices for a view of rank {}", slices.len(), mem.view.len())));
+        }
+        let mut origin = Vec::with_capacity(slices.len());
+        for (dim, (s, &extent)) in slices.iter().zip(&mem.view).enumerate() {
+            let start = self.scalar_i32(s.start, d)? as i64;
+            if start < 0 || start + s.len as i64 > extent as i64 {
+                return Err(self
+                    .err(
+                        subject,
+                        "slice-out-of-bounds",
+                        format!("at grid step {:?}, dim {dim}: elements {start}..{} of a block of {extent}", self.grid, start + s.len as i64),
+                        "keep dynamic slices inside the block (clamp the start or fix the loop bounds)",
+                    )
+                    .at(d.loc.clone()));
+            }
+            origin.push(start as usize);
+        }
+        Ok((origin, slices.iter().map(|s| s.len).collect()))
+    }
+
+    fn store(&mut self, d: &InstData, dst: RefId, slices: &[Slice], value: Value) -> Result<()> {
+        let (origin, lens) = self.slice_box(d, "store", dst, slices)?;
+        let v = self.get(value, d)?;
+        if v.buf.len() != lens.iter().product::<usize>() {
+            return Err(self.malformed(d, format!("storing {} elements into a slice of shape {lens:?}", v.buf.len())));
+        }
+        let mem = self.mems[dst.index()].as_mut().expect("slice_box checked the ref is accessible");
+        let kind = mem.buf.kind();
+        if !copy_box_buf(&v.buf, &lens, &vec![0; lens.len()], &mut mem.buf, &mem.view, &origin, &lens) {
+            return Err(self.malformed(d, format!("storing {} values into a {kind} ref", v.buf.kind())));
+        }
+        Ok(())
+    }
+
+    /// Evaluates a single-result instruction whose result has type `ty`.
+    fn eval(&self, d: &InstData, ty: &crate::types::Type) -> Result<Val> {
+        let shape = ty.shape.clone();
+        let n = ty.num_elements();
+        let buf = match &d.inst {
+            Inst::Const(s) => const_buf(*s, ty.dtype, n),
+            Inst::ProgramId(axis) | Inst::NumPrograms(axis) => {
+                let Some(g) = self.k.grid.get(*axis) else { return Err(self.malformed(d, format!("grid axis {axis} of a rank-{} grid", self.k.grid.len()))) };
+                let v = if matches!(d.inst, Inst::ProgramId(_)) { self.grid[*axis] } else { g.extent };
+                Buf::I(vec![v as i32])
+            }
+            Inst::Load { src, slices } => {
+                let (origin, lens) = self.slice_box(d, "load", *src, slices)?;
+                let mem = self.mems[src.index()].as_ref().expect("slice_box checked the ref is accessible");
+                let count = lens.iter().product();
+                let mut out = match &mem.buf {
+                    Buf::F(_) => Buf::F(vec![0.0; count]),
+                    Buf::I(_) => Buf::I(vec![0; count]),
+                    Buf::B(_) => Buf::B(vec![false; count]),
+                };
+                copy_box_buf(&mem.buf, &mem.view, &origin, &mut out, &lens, &vec![0; lens.len()], &lens);
+                out
+            }
+            Inst::Unary(op, x) => self.unary(d, *op, &self.get(*x, d)?)?,
+            Inst::Binary(op, a, b) => {
+                let (a, b) = (self.get(*a, d)?, self.get(*b, d)?);
+                if a.buf.len() != b.buf.len() {
+                    return Err(self.malformed(d, format!("operand shapes {:?} and {:?} differ", a.shape, b.shape)));
+                }
+                self.binary(d, *op, &a.buf, &b.buf)?
+            }
+            Inst::Cmp(op, a, b) => {
+                let (a, b) = (self.get(*a, d)?, self.get(*b, d)?);
+                if a.buf.len() != b.buf.len() {
+                    return Err(self.malformed(d, format!("operand shapes {:?} and {:?} differ", a.shape, b.shape)));
+                }
+                self.compare(d, *op, &a.buf, &b.buf)?
+            }
+            Inst::Select { cond, on_true, on_false } => {
+                let (c, t, f) = (self.get(*cond, d)?, self.get(*on_true, d)?, self.get(*on_false, d)?);
+                let Buf::B(c) = &c.buf else { return Err(self.malformed(d, "the condition is not bool")) };
+                if c.len() != t.buf.len() || c.len() != f.buf.len() {
+                    return Err(self.malformed(d, "condition and branches have different shapes"));
+                }
+                match (&t.buf, &f.buf) {
+                    (Buf::F(t), Buf::F(f)) => Buf::F(c.iter().zip(t.iter().zip(f)).map(|(&c, (&t, &f))| if c { t } else { f }).collect()),
+                    (Buf::I(t), Buf::I(f)) => Buf::I(c.iter().zip(t.iter().zip(f)).map(|(&c, (&t, &f))| if c { t } else { f }).collect()),
+                    (Buf::B(t), Buf::B(f)) => Buf::B(c.iter().zip(t.iter().zip(f)).map(|(&c, (&t, &f))| if c { t } else { f }).collect()),
+                    _ => return Err(self.malformed(d, "branches have different dtypes")),
+                }
+            }
+            Inst::Cast(x) => cast(&self.get(*x, d)?.buf, ty.dtype),
+            Inst::Broadcast(x) => {
+                let x = self.get(*x, d)?;
+                let out = match &x.buf {
+                    Buf::F(v) => broadcast(v, &x.shape, &shape).map(Buf::F),
+                    Buf::I(v) => broadcast(v, &x.shape, &shape).map(Buf::I),
+                    Buf::B(v) => broadcast(v, &x.shape, &shape).map(Buf::B),
+                };
+                out.ok_or_else(|| self.malformed(d, format!("cannot broadcast {:?} to {shape:?}", x.shape)))?
+            }
+            Inst::Iota { dim } => {
+                if *dim >= shape.len() {
+                    return Err(self.malformed(d, format!("iota along dim {dim} of {shape:?}")));
+                }
+                Buf::I(iota(&shape, *dim))
+            }
+            Inst::Reduce { op, axis, x } => self.reduce(d, *op, *axis, &self.get(*x, d)?)?,
+            Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => self.dot(d, &self.get(*lhs, d)?, &self.get(*rhs, d)?, *transpose_lhs, *transpose_rhs)?,
+            Inst::Transpose(x) => {
+                let x = self.get(*x, d)?;
+                if x.shape.len() < 2 {
+                    return Err(self.malformed(d, format!("transpose of rank {}", x.shape.len())));
+                }
+                match &x.buf {
+                    Buf::F(v) => Buf::F(transpose(v, &x.shape)),
+                    Buf::I(v) => Buf::I(transpose(v, &x.shape)),
+                    Buf::B(v) => Buf::B(transpose(v, &x.shape)),
+                }
+            }
+            // Row-major reshape keeps the element order; `bind` checks the count.
+            Inst::Reshape(x) => self.get(*x, d)?.buf.clone(),
+            Inst::Store { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => return Err(self.malformed(d, "not a single-result op")),
+        };
+        Ok(Val { shape, buf })
+    }
+
+    fn unary(&self, d: &InstData, op: UnaryOp, x: &Val) -> Result<Buf> {
+        use UnaryOp::*;
+        Ok(match &x.buf {
+            Buf::F(v) => Buf::F(match op {
+                Neg => map(v, |x| -x),
+                Abs => map(v, f32::abs),
+                Exp => map(v, |x| via_f64(x, f64::exp)),
+                Log => map(v, |x| via_f64(x, f64::ln)),
+                Tanh => map(v, |x| via_f64(x, f64::tanh)),
+                Erf => map(v, |x| via_f64(x, libm::erf)),
+                Sqrt => map(v, |x| via_f64(x, f64::sqrt)),
+                Rsqrt => map(v, |x| via_f64(x, |y| 1.0 / y.sqrt())),
+                Not => return Err(self.malformed(d, "`not` of a float")),
+            }),
+            Buf::I(v) => Buf::I(match op {
+                Neg => map(v, i32::wrapping_neg),
+                Abs => map(v, i32::wrapping_abs),
+                Not => map(v, |x| !x),
+                _ => return Err(self.malformed(d, format!("`{}` of an integer", op.name()))),
+            }),
+            Buf::B(v) => match op {
+                Not => Buf::B(map(v, |x| !x)),
+                _ => return Err(self.malformed(d, format!("`{}` of a bool", op.name()))),
+            },
+        })
+    }
+
+    fn binary(&self, d: &InstData, op: BinaryOp, a: &Buf, b: &Buf) -> Result<Buf> {
+        use BinaryOp::*;
+        let bad = || self.malformed(d, format!("`{}` is not defined for {} operands", op.name(), a.kind()));
+        Ok(match (a, b) {
+            (Buf::F(a), Buf::F(b)) => Buf::F(match op {
+                Add => zip_map(a, b, |x, y| x + y),
+                Sub => zip_map(a, b, |x, y| x - y),
+                Mul => zip_map(a, b, |x, y| x * y),
+                Div => zip_map(a, b, |x, y| x / y),
+                Rem => zip_map(a, b, |x, y| x % y),
+                Max => zip_map(a, b, fmax),
+                Min => zip_map(a, b, fmin),
+                Pow => zip_map(a, b, |x, y| (x as f64).powf(y as f64) as f32),
+                And | Or | Xor => return Err(bad()),
+            }),
+            (Buf::I(a), Buf::I(b)) => Buf::I(match op {
+                Add => zip_map(a, b, i32::wrapping_add),
+                Sub => zip_map(a, b, i32::wrapping_sub),
+                Mul => zip_map(a, b, i32::wrapping_mul),
+                Div => zip_map(a, b, |x, y| if y == 0 { 0 } else { x.wrapping_div(y) }),
+                Rem => zip_map(a, b, |x, y| if y == 0 { x } else { x.wrapping_rem(y) }),
+                Max => zip_map(a, b, i32::max),
+                Min => zip_map(a, b, i32::min),
+                And => zip_map(a, b, |x, y| x & y),
+                Or => zip_map(a, b, |x, y| x | y),
+                Xor => zip_map(a, b, |x, y| x ^ y),
+                Pow => return Err(bad()),
+            }),
+            (Buf::B(a), Buf::B(b)) => Buf::B(match op {
+                And => zip_map(a, b, |x, y| x & y),
+                Or => zip_map(a, b, |x, y| x | y),
+                Xor => zip_map(a, b, |x, y| x ^ y),
+                _ => return Err(bad()),
+            }),
+            _ => return Err(self.malformed(d, format!("operands are {} and {}", a.kind(), b.kind()))),
+        })
+    }
+
+    fn compare(&self, d: &InstData, op: CmpOp, a: &Buf, b: &Buf) -> Result<Buf> {
+        fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: &[T], b: &[T]) -> Vec<bool> {
+            // PartialOrd on floats is IEEE ordered: false whenever a NaN is involved,
+            // except `!=`, which is spelled `!(x == y) && !(x != x) ...`: see `ne` below.
+            match op {
+                CmpOp::Eq => zip_map(a, b, |x, y| x == y),
+                CmpOp::Ne => zip_map(a, b, |x, y| x < y || x > y),
+                CmpOp::Lt => zip_map(a, b, |x, y| x < y),
+                CmpOp::Le => zip_map(a, b, |x, y| x <= y),
+                CmpOp::Gt => zip_map(a, b, |x, y| x > y),
+                CmpOp::Ge => zip_map(a, b, |x, y| x >= y),
+            }
+        }
+        Ok(Buf::B(match (a, b) {
+            (Buf::F(a), Buf::F(b)) => cmp(op, a, b),
+            (Buf::I(a), Buf::I(b)) => cmp(op, a, b),
+            (Buf::B(a), Buf::B(b)) => cmp(op, a, b),
+            _ => return Err(self.malformed(d, format!("operands are {} and {}", a.kind(), b.kind()))),
+        }))
+    }
+
+    fn reduce(&self, d: &InstData, op: ReduceOp, axis: usize, x: &Val) -> Result<Buf> {
+        if axis >= x.shape.len() || x.shape.contains(&0) {
+            return Err(self.malformed(d, format!("reduce along axis {axis} of {:?}", x.shape)));
+        }
+        let s = &x.shape;
+        Ok(match (&x.buf, op) {
+            (Buf::F(v), ReduceOp::Sum) => Buf::F(reduce(v, s, axis, |a, b| a + b)),
+            (Buf::F(v), ReduceOp::Max) => Buf::F(reduce(v, s, axis, fmax)),
+            (Buf::F(v), ReduceOp::Min) => Buf::F(reduce(v, s, axis, fmin)),
+            (Buf::I(v), ReduceOp::Sum) => Buf::I(reduce(v, s, axis, i32::wrapping_add)),
+            (Buf::I(v), ReduceOp::Max) => Buf::I(reduce(v, s, axis, i32::max)),
+            (Buf::I(v), ReduceOp::Min) => Buf::I(reduce(v, s, axis, i32::min)),
+            // max/min of bools are any/all; a bool sum has no bool result.
+            (Buf::B(v), ReduceOp::Max) => Buf::B(reduce(v, s, axis, |a, b| a | b)),
+            (Buf::B(v), ReduceOp::Min) => Buf::B(reduce(v, s, axis, |a, b| a & b)),
+            (Buf::B(_), ReduceOp::Sum) => return Err(self.malformed(d, "sum of bools; cast to i32 first")),
+        })
+    }
+
+    fn dot(&self, d: &InstData, a: &Val, b: &Val, ta: bool, tb: bool) -> Result<Buf> {
+        let (&[ar, ac], &[br, bc]) = (a.shape.as_slice(), b.shape.as_slice()) else {
+            return Err(self.malformed(d, format!("dot of {:?} and {:?}; both must be rank 2", a.shape, b.shape)));
+        };
+        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+        if k != k2 {
+            return Err(self.malformed(d, format!("contracting dims differ: {:?} x {:?}", a.shape, b.shape)));
+        }
+        // Row and column strides of the logical (possibly transposed) operands, so that
+        // transposes cost nothing.
+        let (rsa, csa) = if ta { (1, ac) } else { (ac, 1) };
+        let (rsb, csb) = if tb { (1, bc) } else { (bc, 1) };
+        Ok(match (&a.buf, &b.buf) {
+            (Buf::F(av), Buf::F(bv)) => {
+                let mut c = vec![0.0f32; m * n];
+                if m * n > 0 && k > 0 {
+                    // SAFETY: `av` holds ar*ac = m*k elements and `bv` br*bc = k*n (checked by
+                    // `bind` when the operands were defined); with the strides above every
+                    // (i, p) / (p, j) index stays inside them, and `c` is m*n row-major.
+                    unsafe {
+                        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa as isize, csa as isize, bv.as_ptr(), rsb as isize, csb as isize, 0.0, c.as_mut_ptr(), n as isize, 1);
+                    }
+                }
+                Buf::F(c)
+            }
+            (Buf::I(av), Buf::I(bv)) => Buf::I(dot_i32(m, k, n, |i, p| av[i * rsa + p * csa], bv, rsb, csb)),
+            _ => return Err(self.malformed(d, format!("dot of {} and {} operands", a.buf.kind(), b.buf.kind()))),
+        })
+    }
+}
+
+fn const_buf(s: Scalar, dtype: DType, n: usize) -> Buf {
+    let as_f64 = match s {
+        Scalar::Float(x) => x,
+        Scalar::Int(i) => i as f64,
+        Scalar::Bool(b) => b as u8 as f64,
+    };
+    match dtype {
+        DType::F32 => Buf::F(vec![as_f64 as f32; n]),
+        // Round once from f64, avoiding f64 -> f32 -> bf16 double rounding.
+        DType::BF16 => Buf::F(vec![bf16::from_f64(as_f64).to_f32(); n]),
+        DType::I32 | DType::I8 => {
+            let i = match s {
+                Scalar::Int(i) => i as i32, // wraps; `normalize` wraps i8
+                Scalar::Float(x) => x as i32,
+                Scalar::Bool(b) => b as i32,
+            };
+            Buf::I(vec![i; n])
+        }
+        DType::Bool => Buf::B(vec![as_f64 != 0.0; n]),
+    }
+}
+
+/// Converts between storage classes; the caller's `normalize` then rounds to bf16 or
+/// wraps to i8.
+fn cast(x: &Buf, to: DType) -> Buf {
+    match (x, to) {
+        (Buf::F(v), DType::F32 | DType::BF16) => Buf::F(v.clone()),
+        // `as` truncates toward zero, saturates, and maps NaN to 0.
+        (Buf::F(v), DType::I32) => Buf::I(map(v, |x| x as i32)),
+        (Buf::F(v), DType::I8) => Buf::I(map(v, |x| x as i8 as i32)),
+        (Buf::F(v), DType::Bool) => Buf::B(map(v, |x| x != 0.0)),
+        (Buf::I(v), DType::F32) => Buf::F(map(v, |x| x as f32)),
+        (Buf::I(v), DType::BF16) => Buf::F(map(v, |x| bf16::from_f64(x as f64).to_f32())),
+        (Buf::I(v), DType::I32 | DType::I8) => Buf::I(v.clone()),
+        (Buf::I(v), DType::Bool) => Buf::B(map(v, |x| x != 0)),
+        (Buf::B(v), DType::F32 | DType::BF16) => Buf::F(map(v, |x| x as u8 as f32)),
+        (Buf::B(v), DType::I32 | DType::I8) => Buf::I(map(v, |x| x as i32)),
+        (Buf::B(v), DType::Bool) => Buf::B(v.clone()),
+    }
+}
+
+fn inst_name(i: &Inst) -> &'static str {
+    match i {
+        Inst::Const(_) => "const",
+        Inst::ProgramId(_) => "program_id",
+        Inst::NumPrograms(_) => "num_programs",
+        Inst::Load { .. } => "load",
+        Inst::Store { .. } => "store",
+        Inst::Unary(op, _) => op.name(),
+        Inst::Binary(op, ..) => op.name(),
+        Inst::Cmp(op, ..) => op.name(),
+        Inst::Select { .. } => "select",
+        Inst::Cast(_) => "cast",
+        Inst::Broadcast(_) => "broadcast",
+        Inst::Iota { .. } => "iota",
+        Inst::Reduce { op, .. } => op.name(),
+        Inst::Dot { .. } => "dot",
+        Inst::Transpose(_) => "transpose",
+        Inst::Reshape(_) => "reshape",
+        Inst::If { .. } => "if",
+        Inst::For { .. } => "for",
+        Inst::Yield(_) => "yield",
+    }
+}

@@ -1,1 +1,4 @@
+//! Shared fixtures for Tessera's cross-crate tests (see `tests/`).
 
+pub mod broken;
+pub mod oracle;

@@ -1,0 +1,615 @@
+//! Block IR -> Mosaic TPU kernel module, in the *stable serialized* generic text form
+//! that libtpu deserializes when `"serialization_format": 1` is set (DESIGN.md §3):
+//!
+//! ```text
+//! "builtin.module"() ({
+//!   "stable_mosaic.func.func"() ({ ^bb0(grid..., prefetch..., inputs..., outputs..., scratch...): ... })
+//!       {dimension_semantics, function_type, iteration_bounds, scalar_prefetch, scratch_operands,
+//!        sym_name, tpu.core_type, window_params} : () -> ()
+//!   "stable_mosaic.func.func"() ({ ^bb0(grid..., prefetch...): ... }) {sym_name = "transform_i"} ...
+//! }) {stable_mosaic.version = 11 : i64} : () -> ()
+//! ```
+//!
+//! The op spellings follow what JAX 0.10.2 Pallas emits (see `/work/shared/reference/mosaic`).
+
+use std::collections::HashMap;
+
+use tessera_dsl::ir::*;
+use tessera_dsl::{DType, MemorySpace, Target, Type};
+
+use crate::text::{dense_array, float_lit, memref_ty, mlir_string, result_list, signature, ty, vector_ty, Ssa, Text};
+use crate::CodegenError;
+
+/// The stable Mosaic version we declare. JAX 0.10.2 (the jaxlib paired with libtpu 0.0.52)
+/// serializes version 11; libtpu 0.0.52 accepts 1..=20 and upgrades older versions itself.
+/// Declaring 11 means the op syntax we write is exactly the syntax of that version (e.g.
+/// `tpu.matmul` with `transpose_lhs`/`transpose_rhs`), so newer compilers keep upgrading it.
+pub const STABLE_MOSAIC_VERSION: u32 = 11;
+
+const FASTMATH: &str = "fastmath = #arith.fastmath<none>";
+const OVERFLOW: &str = "overflowFlags = #arith.overflow<none>";
+
+/// Emits the Mosaic kernel module for `kernel` (assumed verified for `target`).
+pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
+    check_supported(kernel, target)?;
+    let mut t = Text::new();
+    t.line("\"builtin.module\"() ({");
+    t.indent();
+    emit_kernel_func(kernel, target, &mut t)?;
+    for (n, r) in window_operands(kernel) {
+        if let Some(map) = index_map(r) {
+            emit_transform(kernel, n, &map, &mut t);
+        }
+    }
+    t.dedent();
+    t.line(&format!("}}) {{stable_mosaic.version = {STABLE_MOSAIC_VERSION} : i64}} : () -> ()"));
+    Ok(t.finish())
+}
+
+/// Rejects what this emitter cannot express, with a message that says what to change.
+fn check_supported(k: &Kernel, target: &Target) -> Result<(), CodegenError> {
+    for r in &k.refs {
+        if r.dtype == DType::Bool {
+            return Err(CodegenError::unsupported(
+                k,
+                target,
+                format!("{} `{}` of dtype bool", r.kind.name(), r.name),
+                "Mosaic has no i1 memrefs; store masks as i32 (cast with .cast(i32)) or i8",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Inputs and outputs in order, numbered as Pallas numbers its window params.
+fn window_operands(k: &Kernel) -> impl Iterator<Item = (usize, &RefDecl)> {
+    k.refs.iter().filter(|r| matches!(r.kind, RefKind::Input | RefKind::Output)).enumerate()
+}
+
+/// The index map a window operand gets: its block map, or all zeros for an operand the
+/// kernel sees whole in VMEM/SMEM. ANY (HBM) operands get no window (`{}`).
+fn index_map(r: &RefDecl) -> Option<Vec<IndexExpr>> {
+    match (&r.block, r.memory) {
+        (Some(b), _) => Some(b.index_map.clone()),
+        (None, MemorySpace::Any) => None,
+        (None, _) => Some(vec![IndexExpr::Const(0); r.shape.len()]),
+    }
+}
+
+fn ref_ty(r: &RefDecl) -> String {
+    memref_ty(r.dtype, &r.window(), r.memory)
+}
+
+/// `(i32, ..., memref<...>, ...)` types of the grid indices and scalar-prefetch memrefs.
+fn grid_and_prefetch_types(k: &Kernel) -> Vec<String> {
+    let mut v: Vec<String> = k.grid.iter().map(|_| "i32".to_string()).collect();
+    v.extend(k.refs_of(RefKind::Prefetch).map(|(_, r)| ref_ty(r)));
+    v
+}
+
+fn block_header(args: &[Ssa]) -> String {
+    let a: Vec<String> = args.iter().map(|a| format!("{}: {}", a.name, a.ty)).collect();
+    format!("^bb0({}):", a.join(", "))
+}
+
+// ---- the kernel function ----------------------------------------------------------------
+
+fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), CodegenError> {
+    let mut arg_types = grid_and_prefetch_types(k);
+    arg_types.extend(k.refs.iter().filter(|r| r.kind != RefKind::Prefetch).map(ref_ty));
+    let args: Vec<Ssa> = arg_types.iter().enumerate().map(|(i, ty)| Ssa::new(format!("%arg{i}"), ty.clone())).collect();
+    let ngrid = k.grid.len();
+    let grid = args[..ngrid].to_vec();
+    // Refs in kernel order (prefetch, inputs, outputs, scratch) follow the grid args.
+    let refs = args[ngrid..].to_vec();
+
+    t.line("\"stable_mosaic.func.func\"() ({");
+    t.line(&block_header(&args));
+    t.indent();
+    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new() };
+    lower.block(k.body)?;
+    lower.t.op0("func.return", &[], "");
+    t.dedent();
+
+    let sems: Vec<String> = k.grid.iter().map(|g| format!("#tpu.dimension_semantics<{}>", g.semantics.name())).collect();
+    let windows: Vec<String> = window_operands(k)
+        .map(|(n, r)| match index_map(r) {
+            None => "{}".to_string(),
+            Some(_) => {
+                let bounds = dense_array("i64", r.window().iter().map(|&d| d as i64));
+                format!("{{transform_indices = @transform_{n}, window_bounds = {bounds}}}")
+            }
+        })
+        .collect();
+    let attrs = [
+        format!("dimension_semantics = [{}]", sems.join(", ")),
+        format!("function_type = {}", signature(arg_types.iter().map(String::as_str), &[])),
+        format!("iteration_bounds = {}", dense_array("i64", k.grid.iter().map(|g| g.extent as i64))),
+        format!("scalar_prefetch = {} : i64", k.refs_of(RefKind::Prefetch).count()),
+        format!("scratch_operands = {} : i64", k.refs_of(RefKind::Scratch).count()),
+        format!("sym_name = {}", mlir_string(&k.name)),
+        "tpu.core_type = #tpu.core_type<tc>".to_string(),
+        format!("window_params = [{}]", windows.join(", ")),
+    ];
+    t.line(&format!("}}) {{{}}} : () -> ()", attrs.join(", ")));
+    Ok(())
+}
+
+// ---- transform (index map) functions ------------------------------------------------------
+
+fn emit_transform(k: &Kernel, n: usize, map: &[IndexExpr], t: &mut Text) {
+    let arg_types = grid_and_prefetch_types(k);
+    let args: Vec<Ssa> = arg_types.iter().enumerate().map(|(i, ty)| Ssa::new(format!("%arg{i}"), ty.clone())).collect();
+    // Prefetch ref id -> its memref argument.
+    let prefetch: HashMap<RefId, Ssa> = k.refs_of(RefKind::Prefetch).zip(&args[k.grid.len()..]).map(|((id, _), a)| (id, a.clone())).collect();
+    t.line("\"stable_mosaic.func.func\"() ({");
+    t.line(&block_header(&args));
+    t.indent();
+    let outs: Vec<Ssa> = map.iter().map(|e| index_expr(e, &args, &prefetch, t)).collect();
+    let refs: Vec<&Ssa> = outs.iter().collect();
+    t.op0("func.return", &refs, "");
+    t.dedent();
+    let results = vec!["i32".to_string(); map.len()];
+    let fty = format!("({}) -> {}", arg_types.join(", "), result_list(&results));
+    t.line(&format!("}}) {{function_type = {fty}, sym_name = \"transform_{n}\"}} : () -> ()"));
+}
+
+fn index_expr(e: &IndexExpr, args: &[Ssa], prefetch: &HashMap<RefId, Ssa>, t: &mut Text) -> Ssa {
+    match e {
+        IndexExpr::Grid(g) => args[*g].clone(),
+        IndexExpr::Const(c) => t.op1("arith.constant", &[], &format!("value = {c} : i32"), "i32".into()),
+        IndexExpr::Prefetch { array, index } => {
+            let mut idx = Vec::with_capacity(index.len());
+            for i in index {
+                let v = index_expr(i, args, prefetch, t);
+                idx.push(t.op1("arith.index_cast", &[&v], "", "index".into()));
+            }
+            let mem = &prefetch[array];
+            let mut ops = vec![mem];
+            ops.extend(idx.iter());
+            t.op1("memref.load", &ops, "", "i32".into())
+        }
+        IndexExpr::Bin(op, a, b) => {
+            let (a, b) = (index_expr(a, args, prefetch, t), index_expr(b, args, prefetch, t));
+            let (name, attrs) = match op {
+                IndexOp::Add => ("arith.addi", OVERFLOW),
+                IndexOp::Sub => ("arith.subi", OVERFLOW),
+                IndexOp::Mul => ("arith.muli", OVERFLOW),
+                IndexOp::Div => ("arith.divsi", ""),
+                IndexOp::Rem => ("arith.remsi", ""),
+                IndexOp::Min => ("arith.minsi", ""),
+                IndexOp::Max => ("arith.maxsi", ""),
+            };
+            t.op1(name, &[&a, &b], attrs, "i32".into())
+        }
+    }
+}
+
+// ---- the body ----------------------------------------------------------------------------------
+
+struct Lower<'a> {
+    k: &'a Kernel,
+    target: &'a Target,
+    t: &'a mut Text,
+    grid: Vec<Ssa>,
+    /// Memref arguments, indexed by `RefId`.
+    refs: Vec<Ssa>,
+    vals: HashMap<Value, Ssa>,
+}
+
+impl Lower<'_> {
+    fn v(&self, v: Value) -> Ssa {
+        self.vals[&v].clone()
+    }
+
+    fn ty(&self, v: Value) -> &Type {
+        self.k.ty(v)
+    }
+
+    fn unsupported(&self, what: impl Into<String>, help: impl Into<String>) -> CodegenError {
+        CodegenError::unsupported(self.k, self.target, what, help)
+    }
+
+    fn block(&mut self, b: BlockId) -> Result<(), CodegenError> {
+        for &i in &self.k.block(b).insts {
+            self.inst(i)?;
+        }
+        Ok(())
+    }
+
+    fn inst(&mut self, id: InstId) -> Result<(), CodegenError> {
+        let d = self.k.inst(id);
+        let result_ty = d.results.first().map(|&r| self.ty(r).clone());
+        let out = match &d.inst {
+            Inst::Const(s) => Some(self.constant(*s, result_ty.as_ref().unwrap())),
+            Inst::ProgramId(a) => Some(self.grid[*a].clone()),
+            Inst::NumPrograms(a) => Some(self.t.op1("arith.constant", &[], &format!("value = {} : i32", self.k.grid[*a].extent), "i32".into())),
+            Inst::Load { src, slices } => Some(self.load(*src, slices)),
+            Inst::Store { dst, slices, value } => {
+                self.store(*dst, slices, *value);
+                None
+            }
+            Inst::Unary(op, x) => Some(self.unary(*op, *x)?),
+            Inst::Binary(op, a, b) => Some(self.binary(*op, *a, *b)),
+            Inst::Cmp(op, a, b) => Some(self.cmp(*op, *a, *b)),
+            Inst::Select { cond, on_true, on_false } => {
+                let (c, a, b) = (self.v(*cond), self.v(*on_true), self.v(*on_false));
+                Some(self.t.op1("arith.select", &[&c, &a, &b], "", a.ty.clone()))
+            }
+            Inst::Cast(x) => Some(self.cast(*x, result_ty.as_ref().unwrap())),
+            Inst::Broadcast(x) => {
+                let x = self.v(*x);
+                Some(self.t.op1("vector.broadcast", &[&x], "", ty(result_ty.as_ref().unwrap())))
+            }
+            Inst::Iota { dim } => Some(self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [*dim as i64])), ty(result_ty.as_ref().unwrap()))),
+            Inst::Reduce { op, axis, x } => Some(self.reduce(*op, *axis, *x)),
+            Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => Some(self.dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, result_ty.as_ref().unwrap())),
+            Inst::Transpose(x) => {
+                let r = self.ty(*x).rank() as i64;
+                let perm: Vec<i64> = (0..r - 2).chain([r - 1, r - 2]).collect();
+                let x = self.v(*x);
+                Some(self.t.op1("tpu.transpose", &[&x], &format!("permutation = {}", dense_array("i64", perm)), ty(result_ty.as_ref().unwrap())))
+            }
+            Inst::Reshape(x) => {
+                let x = self.v(*x);
+                Some(self.t.op1("vector.shape_cast", &[&x], "", ty(result_ty.as_ref().unwrap())))
+            }
+            Inst::If { cond, then_block, else_block } => {
+                self.if_else(&d.results, *cond, *then_block, *else_block)?;
+                None
+            }
+            Inst::For { lo, hi, step, init, body } => {
+                self.for_loop(&d.results, *lo, *hi, *step, init, *body)?;
+                None
+            }
+            Inst::Yield(vals) => {
+                let vs: Vec<Ssa> = vals.iter().map(|&v| self.v(v)).collect();
+                let refs: Vec<&Ssa> = vs.iter().collect();
+                self.t.op0("scf.yield", &refs, "");
+                None
+            }
+        };
+        if let (Some(o), Some(&r)) = (out, d.results.first()) {
+            self.vals.insert(r, o);
+        }
+        Ok(())
+    }
+
+    // ---- constants ----
+
+    fn constant(&mut self, s: Scalar, t: &Type) -> Ssa {
+        let lit = match s {
+            Scalar::Float(x) => float_lit(x, t.dtype),
+            Scalar::Int(i) => i.to_string(),
+            Scalar::Bool(b) => b.to_string(),
+        };
+        let value = if t.is_scalar() {
+            if t.dtype == DType::Bool { lit } else { format!("{lit} : {}", t.dtype.mlir()) }
+        } else {
+            format!("dense<{lit}> : {}", ty(t))
+        };
+        self.t.op1("arith.constant", &[], &format!("value = {value}"), ty(t))
+    }
+
+    fn const_i32(&mut self, v: i64) -> Ssa {
+        self.t.op1("arith.constant", &[], &format!("value = {v} : i32"), "i32".into())
+    }
+
+    /// A memory index: a constant `index` when the i32 value is static, else `index_cast`.
+    fn index(&mut self, v: Value) -> Ssa {
+        match self.k.as_const(v) {
+            Some(Scalar::Int(i)) => self.t.op1("arith.constant", &[], &format!("value = {i} : index"), "index".into()),
+            _ => {
+                let x = self.v(v);
+                self.t.op1("arith.index_cast", &[&x], "", "index".into())
+            }
+        }
+    }
+
+    // ---- memory ----
+
+    /// One index per memref dim: squeezed block dims get a constant 0.
+    fn indices(&mut self, r: &RefDecl, slices: &[Slice]) -> (Vec<Ssa>, Vec<usize>) {
+        let squeezed: Vec<bool> = match &r.block {
+            Some(b) => b.block_shape.iter().map(|d| d.is_none()).collect(),
+            None => vec![false; r.shape.len()],
+        };
+        let mut idx = Vec::with_capacity(squeezed.len());
+        let mut shape = Vec::with_capacity(squeezed.len());
+        let mut s = slices.iter();
+        for sq in squeezed {
+            if sq {
+                idx.push(self.t.op1("arith.constant", &[], "value = 0 : index", "index".into()));
+                shape.push(1);
+            } else {
+                let sl = *s.next().expect("verified: one slice per view dim");
+                idx.push(self.index(sl.start));
+                shape.push(sl.len);
+            }
+        }
+        (idx, shape)
+    }
+
+    fn load(&mut self, src: RefId, slices: &[Slice]) -> Ssa {
+        let r = self.k.ref_decl(src).clone();
+        let mem = self.refs[src.index()].clone();
+        let (idx, shape) = self.indices(&r, slices);
+        let mut ops = vec![&mem];
+        ops.extend(idx.iter());
+        if r.memory == MemorySpace::Smem {
+            return self.t.op1("memref.load", &ops, "", r.dtype.mlir().into());
+        }
+        let loaded = self.t.op1("vector.load", &ops, "", vector_ty(r.dtype, &shape));
+        let view: Vec<usize> = slices.iter().map(|s| s.len).collect();
+        if view == shape {
+            loaded
+        } else {
+            self.t.op1("vector.shape_cast", &[&loaded], "", vector_ty(r.dtype, &view))
+        }
+    }
+
+    fn store(&mut self, dst: RefId, slices: &[Slice], value: Value) {
+        let r = self.k.ref_decl(dst).clone();
+        let mem = self.refs[dst.index()].clone();
+        let (idx, shape) = self.indices(&r, slices);
+        let mut val = self.v(value);
+        if r.memory == MemorySpace::Smem {
+            let mut ops = vec![&val, &mem];
+            ops.extend(idx.iter());
+            self.t.op0("memref.store", &ops, "");
+            return;
+        }
+        let full = vector_ty(r.dtype, &shape);
+        if val.ty != full {
+            val = self.t.op1("vector.shape_cast", &[&val], "", full);
+        }
+        let mut ops = vec![&val, &mem];
+        ops.extend(idx.iter());
+        let attrs = format!("add = false, operandSegmentSizes = {}, strides = array<i32>", dense_array("i32", [1, 1, idx.len() as i64, 0]));
+        self.t.op0("tpu.vector_store", &ops, &attrs);
+    }
+
+    // ---- elementwise ----
+
+    fn unary(&mut self, op: UnaryOp, x: Value) -> Result<Ssa, CodegenError> {
+        let t = self.ty(x).clone();
+        let xv = self.v(x);
+        let float = t.dtype.is_float();
+        let name = match op {
+            UnaryOp::Exp => "math.exp",
+            UnaryOp::Log => "math.log",
+            UnaryOp::Tanh => "math.tanh",
+            UnaryOp::Erf => "math.erf",
+            UnaryOp::Sqrt => "math.sqrt",
+            UnaryOp::Rsqrt => "math.rsqrt",
+            UnaryOp::Abs if float => "math.absf",
+            UnaryOp::Abs => "math.absi",
+            // Pallas writes -x as 0 - x; do the same for floats and ints.
+            UnaryOp::Neg => {
+                let zero = self.constant(if float { Scalar::Float(0.0) } else { Scalar::Int(0) }, &t);
+                return Ok(self.arith2(if float { "arith.subf" } else { "arith.subi" }, &zero, &xv));
+            }
+            // Bitwise/logical not: x xor all-ones.
+            UnaryOp::Not => {
+                if float {
+                    return Err(self.unsupported(format!("`not` of {t}"), "`not` applies to bool and integer values"));
+                }
+                let ones = self.constant(if t.dtype == DType::Bool { Scalar::Bool(true) } else { Scalar::Int(-1) }, &t);
+                return Ok(self.t.op1("arith.xori", &[&xv, &ones], "", xv.ty.clone()));
+            }
+        };
+        let attrs = if name == "math.absi" { "" } else { FASTMATH };
+        Ok(self.t.op1(name, &[&xv], attrs, xv.ty.clone()))
+    }
+
+    /// A two-operand arith op with the attributes Mosaic's stable form carries.
+    fn arith2(&mut self, name: &str, a: &Ssa, b: &Ssa) -> Ssa {
+        let attrs = match name {
+            "arith.addi" | "arith.subi" | "arith.muli" => OVERFLOW,
+            n if n.ends_with('f') || n.starts_with("math.") => FASTMATH,
+            _ => "",
+        };
+        self.t.op1(name, &[a, b], attrs, a.ty.clone())
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: Value, b: Value) -> Ssa {
+        let float = self.ty(a).dtype.is_float();
+        let name = match (op, float) {
+            (BinaryOp::Add, true) => "arith.addf",
+            (BinaryOp::Add, false) => "arith.addi",
+            (BinaryOp::Sub, true) => "arith.subf",
+            (BinaryOp::Sub, false) => "arith.subi",
+            (BinaryOp::Mul, true) => "arith.mulf",
+            (BinaryOp::Mul, false) => "arith.muli",
+            (BinaryOp::Div, true) => "arith.divf",
+            (BinaryOp::Div, false) => "arith.divsi",
+            (BinaryOp::Rem, true) => "arith.remf",
+            (BinaryOp::Rem, false) => "arith.remsi",
+            (BinaryOp::Max, true) => "arith.maximumf",
+            (BinaryOp::Max, false) => "arith.maxsi",
+            (BinaryOp::Min, true) => "arith.minimumf",
+            (BinaryOp::Min, false) => "arith.minsi",
+            (BinaryOp::Pow, _) => "math.powf",
+            (BinaryOp::And, _) => "arith.andi",
+            (BinaryOp::Or, _) => "arith.ori",
+            (BinaryOp::Xor, _) => "arith.xori",
+        };
+        let (a, b) = (self.v(a), self.v(b));
+        self.arith2(name, &a, &b)
+    }
+
+    fn cmp(&mut self, op: CmpOp, a: Value, b: Value) -> Ssa {
+        let t = self.ty(a).clone();
+        let (av, bv) = (self.v(a), self.v(b));
+        let out = ty(&t.with_dtype(DType::Bool));
+        if t.dtype.is_float() {
+            // arith.CmpFPredicate: ordered comparisons, `une` for != (true on NaN, as numpy).
+            let p = match op {
+                CmpOp::Eq => 1,
+                CmpOp::Gt => 2,
+                CmpOp::Ge => 3,
+                CmpOp::Lt => 4,
+                CmpOp::Le => 5,
+                CmpOp::Ne => 13,
+            };
+            self.t.op1("arith.cmpf", &[&av, &bv], &format!("{FASTMATH}, predicate = {p} : i64"), out)
+        } else {
+            // arith.CmpIPredicate: signed for integers, unsigned for bools (false < true).
+            let unsigned = t.dtype == DType::Bool;
+            let p = match op {
+                CmpOp::Eq => 0,
+                CmpOp::Ne => 1,
+                CmpOp::Lt => if unsigned { 6 } else { 2 },
+                CmpOp::Le => if unsigned { 7 } else { 3 },
+                CmpOp::Gt => if unsigned { 8 } else { 4 },
+                CmpOp::Ge => if unsigned { 9 } else { 5 },
+            };
+            self.t.op1("arith.cmpi", &[&av, &bv], &format!("predicate = {p} : i64"), out)
+        }
+    }
+
+    /// Casts go through f32 / i32 where MLIR has no direct op (e.g. i8 -> bf16).
+    fn cast(&mut self, x: Value, to: &Type) -> Ssa {
+        let from = self.ty(x).clone();
+        let xv = self.v(x);
+        self.convert(xv, from.dtype, to.dtype, &from)
+    }
+
+    fn convert(&mut self, x: Ssa, from: DType, to: DType, shape: &Type) -> Ssa {
+        use DType::*;
+        let tt = |d: DType| ty(&shape.with_dtype(d));
+        match (from, to) {
+            _ if from == to => x,
+            (F32, BF16) => self.t.op1("arith.truncf", &[&x], "", tt(BF16)),
+            (BF16, F32) => self.t.op1("arith.extf", &[&x], "", tt(F32)),
+            (I8, I32) => self.t.op1("arith.extsi", &[&x], "", tt(I32)),
+            (I32, I8) => self.t.op1("arith.trunci", &[&x], OVERFLOW, tt(I8)),
+            (Bool, I32 | I8) => self.t.op1("arith.extui", &[&x], "", tt(to)),
+            (I32, F32) => self.t.op1("arith.sitofp", &[&x], "", tt(F32)),
+            (F32, I32) => self.t.op1("arith.fptosi", &[&x], "", tt(I32)),
+            (I8, F32 | BF16) | (Bool, F32 | BF16) => {
+                let i = self.convert(x, from, I32, shape);
+                self.convert(i, I32, to, shape)
+            }
+            (I32, BF16) => {
+                let f = self.convert(x, I32, F32, shape);
+                self.convert(f, F32, BF16, shape)
+            }
+            (BF16, I32 | I8) | (F32, I8) => {
+                let f = self.convert(x, from, F32, shape);
+                let i = self.convert(f, F32, I32, shape);
+                self.convert(i, I32, to, shape)
+            }
+            (F32 | BF16, Bool) => {
+                let zero = self.constant(Scalar::Float(0.0), &shape.with_dtype(from));
+                self.t.op1("arith.cmpf", &[&x, &zero], &format!("{FASTMATH}, predicate = 13 : i64"), tt(Bool))
+            }
+            (I32 | I8, Bool) => {
+                let zero = self.constant(Scalar::Int(0), &shape.with_dtype(from));
+                self.t.op1("arith.cmpi", &[&x, &zero], "predicate = 1 : i64", tt(Bool))
+            }
+            _ => unreachable!("all dtype pairs are covered"),
+        }
+    }
+
+    // ---- structure ----
+
+    /// `vector.multi_reduction` drops the axis; a `shape_cast` puts it back as size 1.
+    fn reduce(&mut self, op: ReduceOp, axis: usize, x: Value) -> Ssa {
+        let t = self.ty(x).clone();
+        let xv = self.v(x);
+        let float = t.dtype.is_float();
+        let mut dropped = t.shape.clone();
+        dropped.remove(axis);
+        let acc_t = Type::vector(t.dtype, &dropped);
+        let (kind, init) = match (op, float) {
+            (ReduceOp::Sum, true) => ("add", Scalar::Float(0.0)),
+            (ReduceOp::Sum, false) => ("add", Scalar::Int(0)),
+            (ReduceOp::Max, true) => ("maximumf", Scalar::Float(f64::NEG_INFINITY)),
+            (ReduceOp::Max, false) => ("maxsi", Scalar::Int(int_min(t.dtype))),
+            (ReduceOp::Min, true) => ("minimumf", Scalar::Float(f64::INFINITY)),
+            (ReduceOp::Min, false) => ("minsi", Scalar::Int(-1 - int_min(t.dtype))),
+        };
+        let acc = self.constant(init, &acc_t);
+        let attrs = format!("kind = #vector.kind<{kind}>, reduction_dims = {}", dense_array("i64", [axis as i64]));
+        let red = self.t.op1("vector.multi_reduction", &[&xv, &acc], &attrs, ty(&acc_t));
+        let mut kept = t.shape.clone();
+        kept[axis] = 1;
+        self.t.op1("vector.shape_cast", &[&red], "", vector_ty(t.dtype, &kept))
+    }
+
+    /// `tpu.matmul` with explicit dimension numbers; a transposed operand is expressed by
+    /// its contracting dim (as Pallas does for `q @ k.T`), not by a separate transpose.
+    fn dot(&mut self, lhs: Value, rhs: Value, tl: bool, tr: bool, out: &Type) -> Ssa {
+        let (l, r) = (self.v(lhs), self.v(rhs));
+        let (lc, ln) = if tl { (0, 1) } else { (1, 0) };
+        let (rc, rn) = if tr { (1, 0) } else { (0, 1) };
+        let acc = self.constant(if out.dtype.is_float() { Scalar::Float(0.0) } else { Scalar::Int(0) }, out);
+        let attrs = format!(
+            "dimension_numbers = #tpu.dot_dimension_numbers<[{lc}], [{rc}], [{ln}], [{rn}], [0, {ln}, 1, {rn}], [], []>, transpose_lhs = false, transpose_rhs = false"
+        );
+        self.t.op1("tpu.matmul", &[&l, &r, &acc], &attrs, ty(out))
+    }
+
+    fn result_names(&mut self, results: &[Value]) -> Vec<Ssa> {
+        results.iter().map(|&r| Ssa::new(self.t.fresh(), ty(self.k.ty(r)))).collect()
+    }
+
+    fn head(&self, name: &str, operands: &[&Ssa], results: &[Ssa]) -> String {
+        crate::text::op_head(name, operands, results)
+    }
+
+    fn if_else(&mut self, results: &[Value], cond: Value, then_b: BlockId, else_b: BlockId) -> Result<(), CodegenError> {
+        let c = self.v(cond);
+        let res = self.result_names(results);
+        let head = self.head("scf.if", &[&c], &res);
+        self.t.line(&format!("{head} ({{"));
+        self.t.indent();
+        self.block(then_b)?;
+        self.t.dedent();
+        self.t.line("}, {");
+        self.t.indent();
+        self.block(else_b)?;
+        self.t.dedent();
+        let tys: Vec<String> = res.iter().map(|r| r.ty.clone()).collect();
+        self.t.line(&format!("}}) : (i1) -> {}", result_list(&tys)));
+        for (&v, s) in results.iter().zip(res) {
+            self.vals.insert(v, s);
+        }
+        Ok(())
+    }
+
+    /// `scf.for` over i32 bounds, as Pallas emits for `fori_loop`.
+    fn for_loop(&mut self, results: &[Value], lo: Value, hi: Value, step: i64, init: &[Value], body: BlockId) -> Result<(), CodegenError> {
+        let (lo, hi) = (self.v(lo), self.v(hi));
+        let step = self.const_i32(step);
+        let inits: Vec<Ssa> = init.iter().map(|&v| self.v(v)).collect();
+        let res = self.result_names(results);
+        let mut ops = vec![&lo, &hi, &step];
+        ops.extend(inits.iter());
+        let head = self.head("scf.for", &ops, &res);
+        let operand_tys: Vec<&str> = ops.iter().map(|o| o.ty.as_str()).collect();
+        self.t.line(&format!("{head} ({{"));
+        let params: Vec<Ssa> = self.k.block(body).params.iter().map(|&p| Ssa::new(self.t.fresh(), ty(self.k.ty(p)))).collect();
+        self.t.line(&block_header(&params));
+        for (&p, s) in self.k.block(body).params.iter().zip(&params) {
+            self.vals.insert(p, s.clone());
+        }
+        self.t.indent();
+        self.block(body)?;
+        self.t.dedent();
+        let tys: Vec<String> = res.iter().map(|r| r.ty.clone()).collect();
+        self.t.line(&format!("}}) : {}", signature(operand_tys.into_iter(), &tys)));
+        for (&v, s) in results.iter().zip(res) {
+            self.vals.insert(v, s);
+        }
+        Ok(())
+    }
+}
+
+fn int_min(d: DType) -> i64 {
+    match d {
+        DType::I8 => i8::MIN as i64,
+        _ => i32::MIN as i64,
+    }
+}

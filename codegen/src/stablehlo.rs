@@ -1,0 +1,98 @@
+//! Wraps a kernel's Mosaic module in a StableHLO module whose `main` is one
+//! `stablehlo.custom_call @tpu_custom_call`, the form XLA/libtpu (and TorchTPU's
+//! `register_custom_kernel`) compile:
+//!
+//! ```text
+//! module @kernel {
+//!   func.func public @main(%arg0: tensor<..>, ...) -> (tensor<..>, ...) {
+//!     %0 = stablehlo.custom_call @tpu_custom_call(%arg0, ...) {api_version = 1 : i32,
+//!         backend_config = "<json>", kernel_name = "kernel", operand_layouts = [...],
+//!         result_layouts = [...]} : (...) -> ...
+//!     return %0 : ...
+//!   }
+//! }
+//! ```
+//!
+//! Operands are the scalar-prefetch arrays then the inputs; results are the outputs (several
+//! outputs are several results of the one custom call, as JAX emits them, not a tuple).
+
+use base64::Engine;
+use tessera_dsl::ir::*;
+use tessera_dsl::verify::vmem_limit;
+use tessera_dsl::Target;
+
+use crate::cost::{estimate, CostEstimate};
+use crate::text::{mlir_string, result_list, shaped, symbol};
+use crate::{mosaic, CodegenError};
+
+pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
+    let body = mosaic::emit(kernel, target)?;
+    Ok(wrap(kernel, &body, &estimate(kernel), vmem_limit(kernel, target)))
+}
+
+/// Builds the StableHLO module around an already emitted Mosaic `body`.
+pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes: usize) -> String {
+    let operands: Vec<&RefDecl> = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).collect();
+    let results: Vec<&RefDecl> = k.refs.iter().filter(|r| r.kind == RefKind::Output).collect();
+    let tensor = |r: &RefDecl| format!("tensor<{}>", shaped(r.dtype, &r.shape));
+    let in_tys: Vec<String> = operands.iter().map(|r| tensor(r)).collect();
+    let out_tys: Vec<String> = results.iter().map(|r| tensor(r)).collect();
+    let args: Vec<String> = in_tys.iter().enumerate().map(|(i, t)| format!("%arg{i}: {t}")).collect();
+    let arg_names: Vec<String> = (0..in_tys.len()).map(|i| format!("%arg{i}")).collect();
+    let layouts = |rs: &[&RefDecl]| rs.iter().map(|r| layout(r.shape.len())).collect::<Vec<_>>().join(", ");
+    let (lhs, ret) = match results.len() {
+        1 => ("%0".to_string(), "%0".to_string()),
+        n => (format!("%0:{n}"), (0..n).map(|i| format!("%0#{i}")).collect::<Vec<_>>().join(", ")),
+    };
+    let config = backend_config(body, cost, vmem_limit_bytes);
+    let attrs = [
+        "api_version = 1 : i32".to_string(),
+        format!("backend_config = {}", mlir_string(&config)),
+        format!("kernel_name = {}", mlir_string(&k.name)),
+        format!("operand_layouts = [{}]", layouts(&operands)),
+        format!("result_layouts = [{}]", layouts(&results)),
+    ];
+    let mut s = String::new();
+    s.push_str(&format!("module {} {{\n", symbol(&k.name)));
+    s.push_str(&format!("  func.func public @main({}) -> ({}) {{\n", args.join(", "), out_tys.join(", ")));
+    s.push_str(&format!(
+        "    {lhs} = stablehlo.custom_call @tpu_custom_call({}) {{{}}} : ({}) -> {}\n",
+        arg_names.join(", "),
+        attrs.join(", "),
+        in_tys.join(", "),
+        result_list(&out_tys)
+    ));
+    s.push_str(&format!("    return {ret} : {}\n", out_tys.join(", ")));
+    s.push_str("  }\n}\n");
+    s
+}
+
+/// The custom call's backend_config JSON. Field set verified against libtpu 0.0.52, which
+/// rejects unknown fields: `body` is the base64 of the stable serialized text, hence
+/// `serialization_format: 1`; `needs_layout_passes: false` is rejected for such bodies;
+/// `cost_estimate` matches the four fields JAX writes; `scoped_memory_configs` (top level,
+/// memory space 1 = VMEM) sets the scoped VMEM limit.
+pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: usize) -> String {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(body.as_bytes());
+    format!(
+        concat!(
+            "{{\"custom_call_config\": {{\"body\": \"{}\", ",
+            "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": 0}}, ",
+            "\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
+            "\"scoped_memory_configs\": [{{\"memory_space\": 1, \"offset\": 0, \"size\": {}}}]}}"
+        ),
+        b64, cost.flops, cost.transcendentals, cost.bytes_accessed, vmem_limit_bytes
+    )
+}
+
+/// Row-major layout (minor-to-major `[r-1, ..., 0]`) as a dense index attribute.
+fn layout(rank: usize) -> String {
+    match rank {
+        0 => "dense<> : tensor<0xindex>".to_string(),
+        1 => "dense<0> : tensor<1xindex>".to_string(),
+        r => {
+            let dims: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
+            format!("dense<[{}]> : tensor<{r}xindex>", dims.join(", "))
+        }
+    }
+}

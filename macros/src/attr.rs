@@ -1,0 +1,183 @@
+//! Parsing of the `#[tpu_kernel(...)]` arguments: grid, semantics, block specs, scratch
+//! declarations and compiler parameters. Everything here is syntax only; checking the
+//! arguments against the function signature happens in `expand`.
+
+use proc_macro2::Span;
+use syn::parse::{Parse, ParseStream};
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{Expr, ExprArray, ExprClosure, Ident, Token};
+
+/// The parsed attribute.
+pub struct KernelAttr {
+    /// Grid extents (Rust `usize` expressions); empty = a single program instance.
+    pub grid: Vec<Expr>,
+    /// Span of the `grid = [...]` array, for arity errors.
+    pub grid_span: Span,
+    pub semantics: Option<(Span, Vec<Ident>)>,
+    pub blocks: Vec<(Ident, BlockAttr)>,
+    pub scratch: Vec<(Ident, ScratchAttr)>,
+    pub vmem_limit_bytes: Option<Expr>,
+}
+
+/// `name = block([dims], |grid idx...| [block idx...])`.
+pub struct BlockAttr {
+    /// `None` entries are squeezed dims.
+    pub shape: Vec<Option<Expr>>,
+    pub shape_span: Span,
+    pub index_map: ExprClosure,
+}
+
+/// `name = scratch([dims], dtype)` or `scratch_smem(...)`.
+pub struct ScratchAttr {
+    pub shape: Vec<Expr>,
+    pub dtype: Expr,
+    pub smem: bool,
+}
+
+struct Item {
+    key: Ident,
+    value: Expr,
+}
+
+impl Parse for Item {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let key: Ident = input.parse()?;
+        input.parse::<Token![=]>()?;
+        Ok(Item { key, value: input.parse()? })
+    }
+}
+
+const ATTR_HELP: &str = "expected `grid = [..]`, `semantics = [..]`, `vmem_limit_bytes = ..`, or \
+`<operand> = block([dims], |grid indices| [block indices])`, `<name> = scratch([dims], dtype)`, \
+`<name> = scratch_smem([dims], dtype)`";
+
+impl Parse for KernelAttr {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let items = Punctuated::<Item, Token![,]>::parse_terminated(input)?;
+        let mut attr = KernelAttr {
+            grid: Vec::new(),
+            grid_span: Span::call_site(),
+            semantics: None,
+            blocks: Vec::new(),
+            scratch: Vec::new(),
+            vmem_limit_bytes: None,
+        };
+        let mut errors = Errors::default();
+        let mut seen: Vec<Ident> = Vec::new();
+        for Item { key, value } in items {
+            if seen.contains(&key) {
+                errors.push(syn::Error::new_spanned(&key, format!("`{key}` is given twice")));
+                continue;
+            }
+            seen.push(key.clone());
+            let res = match key.to_string().as_str() {
+                "grid" => array(&value, "grid").map(|a| {
+                    attr.grid_span = a.span();
+                    attr.grid = a.elems.into_iter().collect();
+                }),
+                "semantics" => parse_semantics(&value).map(|s| attr.semantics = Some(s)),
+                "vmem_limit_bytes" => {
+                    attr.vmem_limit_bytes = Some(value);
+                    Ok(())
+                }
+                _ => parse_operand(&key, value).map(|spec| match spec {
+                    OperandAttr::Block(b) => attr.blocks.push((key.clone(), b)),
+                    OperandAttr::Scratch(s) => attr.scratch.push((key.clone(), s)),
+                }),
+            };
+            if let Err(e) = res {
+                errors.push(e);
+            }
+        }
+        errors.finish()?;
+        Ok(attr)
+    }
+}
+
+fn array(e: &Expr, what: &str) -> syn::Result<ExprArray> {
+    match e {
+        Expr::Array(a) => Ok(a.clone()),
+        _ => Err(syn::Error::new_spanned(e, format!("`{what}` must be an array literal `[..]`"))),
+    }
+}
+
+fn parse_semantics(e: &Expr) -> syn::Result<(Span, Vec<Ident>)> {
+    let a = array(e, "semantics")?;
+    let mut out = Vec::new();
+    for el in &a.elems {
+        match el {
+            Expr::Path(p) if p.path.is_ident("parallel") || p.path.is_ident("arbitrary") => out.push(p.path.get_ident().unwrap().clone()),
+            _ => return Err(syn::Error::new_spanned(el, "a grid dimension's semantics is `parallel` or `arbitrary`")),
+        }
+    }
+    Ok((a.span(), out))
+}
+
+enum OperandAttr {
+    Block(BlockAttr),
+    Scratch(ScratchAttr),
+}
+
+fn parse_operand(key: &Ident, value: Expr) -> syn::Result<OperandAttr> {
+    let Expr::Call(call) = &value else {
+        return Err(syn::Error::new_spanned(&value, format!("unexpected value for `{key}`; {ATTR_HELP}")));
+    };
+    let func = match &*call.func {
+        Expr::Path(p) => p.path.get_ident().map(|i| i.to_string()),
+        _ => None,
+    };
+    let args: Vec<&Expr> = call.args.iter().collect();
+    match func.as_deref() {
+        Some("block") => {
+            let [shape, map] = args[..] else {
+                return Err(syn::Error::new_spanned(call, "expected `block([dims], |grid indices| [block indices])`"));
+            };
+            let shape_arr = array(shape, "block shape")?;
+            let shape_dims = shape_arr
+                .elems
+                .iter()
+                .map(|d| match d {
+                    Expr::Path(p) if p.path.is_ident("None") => None,
+                    d => Some(d.clone()),
+                })
+                .collect();
+            let Expr::Closure(index_map) = map else {
+                return Err(syn::Error::new_spanned(map, "the index map is a closure from grid indices to block indices, e.g. `|i, j| [i, 0]`"));
+            };
+            Ok(OperandAttr::Block(BlockAttr { shape: shape_dims, shape_span: shape_arr.span(), index_map: index_map.clone() }))
+        }
+        Some(f @ ("scratch" | "scratch_smem")) => {
+            let [shape, dtype] = args[..] else {
+                return Err(syn::Error::new_spanned(call, format!("expected `{f}([dims], dtype)`")));
+            };
+            let shape = array(shape, "scratch shape")?.elems.into_iter().collect();
+            Ok(OperandAttr::Scratch(ScratchAttr { shape, dtype: dtype.clone(), smem: f == "scratch_smem" }))
+        }
+        _ => Err(syn::Error::new_spanned(&call.func, format!("unknown operand declaration; {ATTR_HELP}"))),
+    }
+}
+
+/// Collects several `syn::Error`s into one, so a user sees every problem at once.
+#[derive(Default)]
+pub struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub fn push(&mut self, e: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+
+    pub fn finish(self) -> syn::Result<()> {
+        match self.0 {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+}
