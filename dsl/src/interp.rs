@@ -622,9 +622,7 @@ impl<'k> Machine<'k> {
     fn run_grid(&mut self) -> Result<()> {
         let k = self.k;
         let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
-        for_each_index(&extents, |idx| self.grid.copy_from_slice(idx));
-        // for_each_index cannot return errors, so step the odometer by hand instead.
-        self.grid.iter_mut().for_each(|g| *g = 0);
+        // Lexicographic order, last dim fastest; stepped by hand so errors can propagate.
         let steps = k.grid_steps();
         for step in 0..steps {
             if step > 0 {
@@ -815,8 +813,9 @@ impl<'k> Machine<'k> {
                 }
                 _ => {
                     let &[result] = d.results.as_slice() else { return Err(self.malformed(d, "expected exactly one result")) };
-                    let mut val = self.eval(d, &self.k.ty(result).clone())?;
-                    val.buf.normalize(k.ty(result).dtype);
+                    let ty = k.ty(result);
+                    let mut val = self.eval(d, ty)?;
+                    val.buf.normalize(ty.dtype);
                     self.bind(result, Rc::new(val), d)?;
                 }
             }
@@ -1058,8 +1057,7 @@ impl<'k> Machine<'k> {
 
     fn compare(&self, d: &InstData, op: CmpOp, a: &Buf, b: &Buf) -> Result<Buf> {
         fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: &[T], b: &[T]) -> Vec<bool> {
-            // PartialOrd on floats is IEEE ordered: false whenever a NaN is involved,
-            // except `!=`, which is spelled `!(x == y) && !(x != x) ...`: see `ne` below.
+            // Ordered comparisons: false whenever a NaN is involved, `ne` included.
             match op {
                 CmpOp::Eq => zip_map(a, b, |x, y| x == y),
                 CmpOp::Ne => zip_map(a, b, |x, y| x < y || x > y),
