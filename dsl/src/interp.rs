@@ -26,8 +26,8 @@
 //! - Float arithmetic is IEEE f32. Transcendentals (exp, log, tanh, erf, sqrt, rsqrt,
 //!   pow) are computed in f64 and rounded once, so the reference is correctly rounded in
 //!   practice and does not depend on the platform's libm.
-//! - `max`/`min` propagate NaN (like `jnp.maximum`). Float comparisons are *ordered*:
-//!   every comparison with a NaN operand is false, `ne` included (Mosaic `cmpf one`).
+//! - `max`/`min` propagate NaN (like `jnp.maximum`). Float comparisons are IEEE: every
+//!   comparison with a NaN operand is false except `ne`, which is true (Mosaic `cmpf une`).
 //! - Integer `add`/`sub`/`mul`/`neg`/`abs` wrap. Integer `div` truncates toward zero and
 //!   `rem` takes the sign of the dividend (C / `lax.div`, `lax.rem`); division by zero is
 //!   defined as 0 and `x rem 0` as `x` (so `x == (x / y) * y + x rem y` still holds).
@@ -494,6 +494,9 @@ fn reduce<T: Copy>(v: &[T], shape: &[usize], axis: usize, f: impl Fn(T, T) -> T)
 fn transpose<T: Copy>(v: &[T], shape: &[usize]) -> Vec<T> {
     let r = shape.len();
     let (rows, cols) = (shape[r - 2], shape[r - 1]);
+    if rows * cols == 0 {
+        return Vec::new();
+    }
     let mut out = Vec::with_capacity(v.len());
     for m in v.chunks_exact(rows * cols) {
         for c in 0..cols {
@@ -641,7 +644,7 @@ impl<'k> Machine<'k> {
         }
         // The end of the grid flushes every output window still resident.
         for i in 0..self.blocked.len() {
-            if self.blocked[i].current.is_some() {
+            if k.ref_decl(self.blocked[i].r).kind == RefKind::Output && self.blocked[i].current.is_some() {
                 self.write_back(i);
             }
         }
@@ -926,7 +929,7 @@ impl<'k> Machine<'k> {
                 copy_box_buf(&mem.buf, &mem.view, &origin, &mut out, &lens, &vec![0; lens.len()], &lens);
                 out
             }
-            Inst::Unary(op, x) => self.unary(d, *op, &self.get(*x, d)?)?,
+            Inst::Unary(op, x) => self.unary(d, *op, &*self.get(*x, d)?)?,
             Inst::Binary(op, a, b) => {
                 let (a, b) = (self.get(*a, d)?, self.get(*b, d)?);
                 if a.buf.len() != b.buf.len() {
@@ -970,8 +973,8 @@ impl<'k> Machine<'k> {
                 }
                 Buf::I(iota(&shape, *dim))
             }
-            Inst::Reduce { op, axis, x } => self.reduce(d, *op, *axis, &self.get(*x, d)?)?,
-            Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => self.dot(d, &self.get(*lhs, d)?, &self.get(*rhs, d)?, *transpose_lhs, *transpose_rhs)?,
+            Inst::Reduce { op, axis, x } => self.reduce(d, *op, *axis, &*self.get(*x, d)?)?,
+            Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => self.dot(d, &*self.get(*lhs, d)?, &*self.get(*rhs, d)?, *transpose_lhs, *transpose_rhs)?,
             Inst::Transpose(x) => {
                 let x = self.get(*x, d)?;
                 if x.shape.len() < 2 {
@@ -1057,10 +1060,10 @@ impl<'k> Machine<'k> {
 
     fn compare(&self, d: &InstData, op: CmpOp, a: &Buf, b: &Buf) -> Result<Buf> {
         fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: &[T], b: &[T]) -> Vec<bool> {
-            // Ordered comparisons: false whenever a NaN is involved, `ne` included.
             match op {
                 CmpOp::Eq => zip_map(a, b, |x, y| x == y),
-                CmpOp::Ne => zip_map(a, b, |x, y| x < y || x > y),
+                // IEEE `!=` (Mosaic `cmpf une`): true when either side is NaN, so `x != x` finds NaNs.
+                CmpOp::Ne => zip_map(a, b, |x, y| x != y),
                 CmpOp::Lt => zip_map(a, b, |x, y| x < y),
                 CmpOp::Le => zip_map(a, b, |x, y| x <= y),
                 CmpOp::Gt => zip_map(a, b, |x, y| x > y),
