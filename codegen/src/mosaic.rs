@@ -443,14 +443,16 @@ impl Lower<'_> {
         let (av, bv) = (self.v(a), self.v(b));
         let out = ty(&t.with_dtype(DType::Bool));
         if t.dtype.is_float() {
-            // arith.CmpFPredicate: ordered comparisons, `une` for != (true on NaN, as numpy).
+            // arith.CmpFPredicate, ordered. Mosaic rejects the unordered `une`/`uno`
+            // ("Unsupported comparison direction"), and `one` is false on NaN, so `!=` is
+            // `not(oeq)`: true when either side is NaN, as in Rust and numpy.
             let p = match op {
                 CmpOp::Eq => 1,
                 CmpOp::Gt => 2,
                 CmpOp::Ge => 3,
                 CmpOp::Lt => 4,
                 CmpOp::Le => 5,
-                CmpOp::Ne => 13,
+                CmpOp::Ne => return self.float_ne(&av, &bv, &t),
             };
             self.t.op1("arith.cmpf", &[&av, &bv], &format!("{FASTMATH}, predicate = {p} : i64"), out)
         } else {
@@ -466,6 +468,14 @@ impl Lower<'_> {
             };
             self.t.op1("arith.cmpi", &[&av, &bv], &format!("predicate = {p} : i64"), out)
         }
+    }
+
+    /// `a != b` on floats as `not(a oeq b)`.
+    fn float_ne(&mut self, a: &Ssa, b: &Ssa, t: &Type) -> Ssa {
+        let bool_t = t.with_dtype(DType::Bool);
+        let eq = self.t.op1("arith.cmpf", &[a, b], &format!("{FASTMATH}, predicate = 1 : i64"), ty(&bool_t));
+        let yes = self.constant(Scalar::Bool(true), &bool_t);
+        self.t.op1("arith.xori", &[&eq, &yes], "", ty(&bool_t))
     }
 
     /// Casts go through f32 / i32 where MLIR has no direct op (e.g. i8 -> bf16).
@@ -500,9 +510,10 @@ impl Lower<'_> {
                 let i = self.convert(f, F32, I32, shape);
                 self.convert(i, I32, to, shape)
             }
+            // `x != 0`, so NaN casts to true (as in Rust and numpy).
             (F32 | BF16, Bool) => {
                 let zero = self.constant(Scalar::Float(0.0), &shape.with_dtype(from));
-                self.t.op1("arith.cmpf", &[&x, &zero], &format!("{FASTMATH}, predicate = 13 : i64"), tt(Bool))
+                self.float_ne(&x, &zero, &shape.with_dtype(from))
             }
             (I32 | I8, Bool) => {
                 let zero = self.constant(Scalar::Int(0), &shape.with_dtype(from));
