@@ -5,7 +5,7 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
-use tessera_dsl::{verify, DType, Kernel, Target, Type};
+use tessera_dsl::{DType, Kernel, Target, Type};
 use tessera_kernels::{harness, LibraryKernel, LIBRARY};
 
 #[derive(Parser)]
@@ -157,7 +157,7 @@ fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
             k.name,
             grid.join("x"),
             lowered.vmem_bytes as f64 / (1 << 20) as f64,
-            verify::vmem_limit(&kernel, &target) as f64 / (1 << 20) as f64,
+            lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
             lowered.cost.flops as f64 / 1e9,
             ms
         );

@@ -26,7 +26,7 @@ fn rows(x: &Type, target: &Target) -> usize {
     b = block([1, n], |i| [0, 0]),
     out = block([bm, n], |i| [i, 0]),
 )]
-pub fn gelu_affine_kernel(x: In<[m, n]>, a: In<[1, n]>, b: In<[1, n]>, out: Out<[m, n]>, bm: usize) {
+pub fn gelu_affine_kernel(x: In<m, n>, a: In<1, n>, b: In<1, n>, out: Out<m, n>, bm: usize) {
     let z = x[..].cast(f32) * a[..].cast(f32) + b[..].cast(f32);
     // tanh approximation, as jax.nn.gelu(approximate=True) and torch's gelu(approximate="tanh").
     let inner = 0.7978845608028654 * (z + 0.044715 * z * z * z);
@@ -44,7 +44,7 @@ pub fn gelu_affine(x: &Type, a: &Type, b: &Type, target: &Target) -> Result<Kern
     x = block([bm, n], |i| [i, 0]),
     out = block([bm, n], |i| [i, 0]),
 )]
-pub fn softmax_kernel(x: In<[m, n]>, out: Out<[m, n]>, bm: usize) {
+pub fn softmax_kernel(x: In<m, n>, out: Out<m, n>, bm: usize) {
     let v = x[..].cast(f32);
     let e = (v - v.reduce_max(1)).exp();
     out[..] = (e / e.sum(1)).cast(out.dtype);
@@ -62,7 +62,7 @@ pub fn softmax(x: &Type, target: &Target) -> Result<Kernel, KernelError> {
     w = block([1, n], |i| [0, 0]),
     out = block([bm, n], |i| [i, 0]),
 )]
-pub fn rmsnorm_kernel(x: In<[m, n]>, w: In<[1, n]>, out: Out<[m, n]>, bm: usize, eps: f32) {
+pub fn rmsnorm_kernel(x: In<m, n>, w: In<1, n>, out: Out<m, n>, bm: usize, eps: f32) {
     let v = x[..].cast(f32);
     let mean_sq = (v * v).sum(1) * (1.0 / n as f32);
     out[..] = (v * (mean_sq + eps).rsqrt() * w[..].cast(f32)).cast(out.dtype);

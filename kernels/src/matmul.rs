@@ -14,7 +14,7 @@ use crate::blocks::{fit_blocks, pick_block};
     out = block([bm, bn], |i, j, kk| [i, j]),
     acc = scratch([bm, bn], f32),
 )]
-pub fn matmul_kernel(x: In<[m, k]>, y: In<[k, n]>, out: Out<[m, n]>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
+pub fn matmul_kernel(x: In<m, k>, y: In<k, n>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
     if program_id(2) == 0 {
         acc[..] = zeros([bm, bn], f32);
     }

@@ -176,8 +176,4 @@ impl Errors {
             None => Ok(()),
         }
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_none()
-    }
 }

@@ -85,6 +85,12 @@ impl IndexMapCx<'_> {
     fn lower(&self, e: &Expr) -> syn::Result<TokenStream> {
         let span = e.span();
         if !self.is_dynamic(e) {
+            // An unsuffixed literal needs no cast (and a cast would trip clippy in user code).
+            if let Expr::Lit(syn::ExprLit { lit: syn::Lit::Int(l), .. }) = e {
+                if l.suffix().is_empty() {
+                    return Ok(quote!(::tessera_dsl::IndexExpr::Const(#l)));
+                }
+            }
             return Ok(quote_spanned!(span=> ::tessera_dsl::IndexExpr::Const((#e) as i64)));
         }
         let bin = |op: TokenStream, a: &Expr, b: &Expr| -> syn::Result<TokenStream> {

@@ -1,1 +1,47 @@
-use proc_macro::TokenStream; #[proc_macro_attribute] pub fn tpu_kernel(_a: TokenStream, i: TokenStream) -> TokenStream { i }
+//! `#[tpu_kernel]`: turns a Rust function into a function that builds Tessera's block IR
+//! through `::tessera_dsl::KernelBuilder`. See the crate README for the syntax.
+//!
+//! The expansion is split into attribute parsing ([`attr`]), the kernel signature
+//! ([`sig`]), index-map closures ([`index_map`]), body lowering ([`lower`]) and the
+//! assembly of the generated function ([`expand`]).
+
+use proc_macro::TokenStream;
+
+mod attr;
+mod expand;
+mod index_map;
+mod lower;
+mod sig;
+
+/// Declares a Tessera TPU kernel. See the crate README for the full syntax.
+///
+/// ```ignore
+/// #[tpu_kernel(
+///     grid = [m / bm, n / bn],
+///     x = block([bm, n], |i, j| [i, 0]),
+///     out = block([bm, bn], |i, j| [i, j]),
+/// )]
+/// pub fn scale(x: In<m, n>, out: Out<m, n>, bm: usize, bn: usize, s: f32) {
+///     out[..] = x[..] * s;
+/// }
+/// // expands to
+/// // pub fn scale(x: Type, out: Type, bm: usize, bn: usize, s: f32) -> Result<Kernel, KernelError>
+/// // pub const SCALE_SIGNATURE: &str = "scale(x: In[m, n], out: Out[m, n]; bm: usize, bn: usize, s: f32)";
+/// ```
+#[proc_macro_attribute]
+pub fn tpu_kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
+    let attr = match syn::parse::<attr::KernelAttr>(attr) {
+        Ok(a) => a,
+        // Emit only the error: the function body is kernel syntax, and compiling it as
+        // plain Rust would bury the real problem under unrelated type errors.
+        Err(e) => return e.to_compile_error().into(),
+    };
+    let func = match syn::parse::<syn::ItemFn>(item) {
+        Ok(f) => f,
+        Err(e) => return e.to_compile_error().into(),
+    };
+    match expand::expand(attr, func) {
+        Ok(t) => t.into(),
+        Err(e) => e.to_compile_error().into(),
+    }
+}

@@ -1,9 +1,7 @@
 //! The kernel function's parameters: operands (`In<..>`, `Out<..>`, `Prefetch<..>`,
 //! `Smem<..>`), scratch buffers (`Scratch`) and static build-time parameters.
 
-use proc_macro2::Span;
 use quote::ToTokens;
-use syn::spanned::Spanned;
 use syn::{FnArg, GenericArgument, Ident, Pat, PathArguments, Signature, Type};
 
 use crate::attr::Errors;
@@ -27,7 +25,7 @@ pub enum Dim {
     /// Checked against the actual extent.
     Lit(syn::LitInt),
     /// Anything.
-    Any(Span),
+    Any,
 }
 
 pub struct RefParam {
@@ -37,8 +35,6 @@ pub struct RefParam {
     pub smem: bool,
     /// The declared operand shape (empty for scratch, which is declared in the attribute).
     pub dims: Vec<Dim>,
-    /// The type as written, e.g. `In<m, k>`.
-    pub ty: Type,
 }
 
 impl RefParam {
@@ -64,6 +60,13 @@ impl RefParam {
         format!("{kind} `{}`", self.name)
     }
 
+    /// The type as written, e.g. `In<m, 128>`.
+    pub fn decl_text(&self) -> String {
+        let d = self.dims_text();
+        format!("{}<{}>", self.wrapper(), &d[1..d.len() - 1])
+    }
+
+    /// `[m, 128, _]`.
     pub fn dims_text(&self) -> String {
         let d: Vec<String> = self
             .dims
@@ -71,7 +74,7 @@ impl RefParam {
             .map(|d| match d {
                 Dim::Name(i) => i.to_string(),
                 Dim::Lit(l) => l.to_string(),
-                Dim::Any(_) => "_".to_string(),
+                Dim::Any => "_".to_string(),
             })
             .collect();
         format!("[{}]", d.join(", "))
@@ -87,7 +90,7 @@ pub struct StaticParam {
 
 pub enum Param {
     Ref(RefParam),
-    Static(StaticParam),
+    Static(Box<StaticParam>),
 }
 
 const PARAM_HELP: &str = "kernel parameters are `In<dims..>`, `Out<dims..>`, `Prefetch<dims..>`, `Smem<dims..>`, \
@@ -116,9 +119,9 @@ pub fn parse_params(sig: &Signature) -> syn::Result<Vec<Param>> {
                         errors.push(syn::Error::new_spanned(p.mutability, "operands are refs and cannot be `mut`; stores go through `name[..] = value`"));
                     }
                 }
-                params.push(Param::Ref(RefParam { name, kind, smem, dims, ty: (*pt.ty).clone() }))
+                params.push(Param::Ref(RefParam { name, kind, smem, dims }))
             }
-            Ok(None) => params.push(Param::Static(StaticParam { name, arg: arg.clone(), ty: (*pt.ty).clone() })),
+            Ok(None) => params.push(Param::Static(Box::new(StaticParam { name, arg: arg.clone(), ty: (*pt.ty).clone() }))),
             Err(e) => errors.push(e),
         }
     }
@@ -190,7 +193,7 @@ fn dim(arg: &GenericArgument) -> syn::Result<Dim> {
     let bad = || syn::Error::new_spanned(arg, "a dim is a name (bound to the operand's extent), an integer literal, or `_`");
     match arg {
         GenericArgument::Type(Type::Path(p)) if p.qself.is_none() => p.path.get_ident().map(|i| Dim::Name(i.clone())).ok_or_else(bad),
-        GenericArgument::Type(Type::Infer(u)) => Ok(Dim::Any(u.span())),
+        GenericArgument::Type(Type::Infer(_)) => Ok(Dim::Any),
         GenericArgument::Const(syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Int(l), .. })) => Ok(Dim::Lit(l.clone())),
         _ => Err(bad()),
     }

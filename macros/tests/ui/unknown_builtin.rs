@@ -1,0 +1,9 @@
+use tessera_macros::tpu_kernel;
+
+#[tpu_kernel(grid = [1], x = block([8, 128], |i| [0, 0]), out = block([8, 128], |i| [0, 0]))]
+fn k(x: In<8, 128>, out: Out<8, 128>) {
+    let a = gelu(x[..]);
+    out[..] = max(a, 0.0);
+}
+
+fn main() {}

@@ -1,0 +1,12 @@
+use tessera_macros::tpu_kernel;
+
+#[tpu_kernel(grid = [1], x = block([8, 128], |i| [0, 0]), out = block([8, 128], |i| [0, 0]))]
+fn k(x: In<8, 128>, out: Out<8, 128>) {
+    let mut v = x[..];
+    while v.sum(0).sum(1) > 0.0 {
+        v = v * 0.5;
+    }
+    out[..] = v;
+}
+
+fn main() {}
