@@ -84,6 +84,7 @@ impl Kernel {
                     self.print_block(out, *body, depth + 1)?;
                     write!(out, "{pad}}}")?;
                 }
+                Inst::Yield(vals) if vals.is_empty() => write!(out, "yield")?,
                 Inst::Yield(vals) => write!(out, "yield {}", join(vals, ", "))?,
             }
             writeln!(out)?;
