@@ -241,9 +241,9 @@ fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
             let file = field("file");
             let kernel = Path::new(&file).file_name().and_then(|f| f.to_str()).and_then(|f| f.split('.').next()).unwrap_or("?").to_string();
             if ok {
-                println!("{:<8} {:<12} accept  ({} s)", t.name, kernel, field("seconds"));
+                println!("{:<8} {:<12} {:<5} accept  ({} s)", t.name, kernel, dtype.name(), field("seconds"));
             } else {
-                println!("{:<8} {:<12} REJECT  {}", t.name, kernel, field("error"));
+                println!("{:<8} {:<12} {:<5} REJECT  {}", t.name, kernel, dtype.name(), field("error"));
             }
         }
         if seen != files.len() {
