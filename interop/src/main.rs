@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use tessera_dsl::{DType, Kernel, Target, Type};
-use tessera_kernels::{harness, LibraryKernel, LIBRARY};
+use tessera_kernels::{harness, LibraryKernel, OperandKind, LIBRARY};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
@@ -132,35 +132,40 @@ fn dtype(s: &Select) -> CliResult<DType> {
     }
 }
 
-fn build(k: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target) -> CliResult<Kernel> {
-    let types: Vec<Type> = shapes.iter().map(|s| Type::vector(dtype, s)).collect();
-    (k.build)(&types, target).map_err(|e| e.to_string())
+/// The op's kernels for input `shapes`, float inputs of `dtype`, each with the file stem
+/// it is written under: the op's name, or `<op>-<kernel>` for ops of several kernels.
+fn build(k: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let types: Vec<Type> = k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(if o.kind == OperandKind::Int32 { DType::I32 } else { dtype }, s)).collect();
+    let kernels = (k.build)(&types, target).map_err(|e| e.to_string())?;
+    let single = kernels.len() == 1;
+    Ok(kernels.into_iter().map(|kernel| (if single { k.name.to_string() } else { format!("{}-{}", k.name, kernel.name) }, kernel)).collect())
 }
 
 fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    println!("{:<12} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
+    println!("{:<20} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
     for (k, shapes) in selection(s)? {
         let start = Instant::now();
-        let kernel = build(k, &shapes, dtype, &target)?;
+        for (stem, kernel) in build(k, &shapes, dtype, &target)? {
         let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
         for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
-            let path = out.join(format!("{}.{ext}.mlir", k.name));
+            let path = out.join(format!("{stem}.{ext}.mlir"));
             std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         }
         let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
         println!(
-            "{:<12} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
-            k.name,
+            "{:<20} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+            stem,
             grid.join("x"),
             lowered.vmem_bytes as f64 / (1 << 20) as f64,
             lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
             lowered.cost.flops as f64 / 1e9,
             ms
         );
+        }
     }
     println!("wrote {}", out.display());
     Ok(true)
@@ -174,10 +179,13 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
     for (k, shapes) in selection(s)? {
         let r = harness::run_against_reference(k, &shapes, dtype, &target, seed).map_err(|e| e.to_string())?;
         let shape_txt: Vec<String> = shapes.iter().map(|s| dims(s)).collect();
+        let worst = r.worst();
         let verdict = if r.passed() {
             "ok".to_string()
-        } else if r.nan_count > 0 {
-            format!("FAIL: {} NaN outputs (blocks never written?)", r.nan_count)
+        } else if worst.nan_count > 0 {
+            format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
+        } else if worst.mismatches > 0 {
+            format!("FAIL: {} integer output elements differ", worst.mismatches)
         } else {
             "FAIL: error above tolerance".to_string()
         };
@@ -188,8 +196,8 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
             shape_txt.join(","),
             dtype.name(),
             dims(&r.grid),
-            r.scaled_err,
-            r.tolerance,
+            worst.scaled_err,
+            worst.tolerance,
             r.interp_time.as_secs_f64() * 1e3
         );
     }
@@ -219,11 +227,12 @@ fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
         let t = target(name)?;
         let mut files = Vec::new();
         for (k, shapes) in selection(s)? {
-            let kernel = build(k, &shapes, dtype, &t)?;
-            let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
-            let path = dir.join(format!("{}.{}.stablehlo.mlir", k.name, t.name));
-            std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;
-            files.push(path);
+            for (stem, kernel) in build(k, &shapes, dtype, &t)? {
+                let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
+                let path = dir.join(format!("{stem}.{}.stablehlo.mlir", t.name));
+                std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;
+                files.push(path);
+            }
         }
         let output = Command::new(&python).arg(&script).arg("--target").arg(t.name).args(&files).output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
         let stdout = String::from_utf8_lossy(&output.stdout);
@@ -241,9 +250,9 @@ fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
             let file = field("file");
             let kernel = Path::new(&file).file_name().and_then(|f| f.to_str()).and_then(|f| f.split('.').next()).unwrap_or("?").to_string();
             if ok {
-                println!("{:<8} {:<12} {:<5} accept  ({} s)", t.name, kernel, dtype.name(), field("seconds"));
+                println!("{:<8} {:<20} {:<5} accept  ({} s)", t.name, kernel, dtype.name(), field("seconds"));
             } else {
-                println!("{:<8} {:<12} {:<5} REJECT  {}", t.name, kernel, dtype.name(), field("error"));
+                println!("{:<8} {:<20} {:<5} REJECT  {}", t.name, kernel, dtype.name(), field("error"));
             }
         }
         if seen != files.len() {

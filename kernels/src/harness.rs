@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use tessera_dsl::interp::{self, Array, Data};
-use tessera_dsl::{DType, KernelError, Target, Type};
+use tessera_dsl::interp::{Array, Data};
+use tessera_dsl::{DType, KernelError, Target};
 
 use crate::LibraryKernel;
 
@@ -22,26 +22,63 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// How one output compares with its reference.
+#[derive(Clone, Debug)]
+pub struct OutputCheck {
+    pub dtype: DType,
+    /// `max|out - ref| / max|ref|` for float outputs (0 for integer outputs).
+    pub scaled_err: f64,
+    pub tolerance: f64,
+    /// Elements that are NaN (never written, or poisoned).
+    pub nan_count: usize,
+    /// Integer outputs must match exactly: elements that differ.
+    pub mismatches: usize,
+}
+
+impl OutputCheck {
+    pub fn passed(&self) -> bool {
+        self.nan_count == 0 && self.mismatches == 0 && self.scaled_err <= self.tolerance
+    }
+}
+
 /// The outcome of one run against the reference.
 #[derive(Clone, Debug)]
 pub struct Report {
     pub kernel: String,
     pub shapes: Vec<Vec<usize>>,
     pub dtype: DType,
+    /// The grid of the op's (first) kernel.
     pub grid: Vec<usize>,
-    pub max_abs_err: f64,
-    /// `max_abs_err / max|ref|`, compared with [`tolerance`].
-    pub scaled_err: f64,
-    pub tolerance: f64,
-    /// Output elements that are NaN (never written, or poisoned).
-    pub nan_count: usize,
+    pub outputs: Vec<OutputCheck>,
     pub interp_time: Duration,
 }
 
 impl Report {
     pub fn passed(&self) -> bool {
-        self.nan_count == 0 && self.scaled_err <= self.tolerance
+        self.outputs.iter().all(OutputCheck::passed)
     }
+
+    /// The output furthest from passing (largest error relative to its tolerance).
+    pub fn worst(&self) -> &OutputCheck {
+        let badness = |o: &OutputCheck| if o.nan_count > 0 || o.mismatches > 0 { f64::INFINITY } else { o.scaled_err / o.tolerance };
+        self.outputs.iter().max_by(|a, b| badness(a).total_cmp(&badness(b))).expect("ops have at least one output")
+    }
+}
+
+/// Compares one output with its reference: float outputs by max-norm relative error
+/// against the dtype's tolerance, integer outputs exactly.
+pub fn check_output(got: &Array, expected: &[f64]) -> OutputCheck {
+    let values = got.to_f64_vec();
+    let nan_count = values.iter().filter(|v| v.is_nan()).count();
+    let mut check = OutputCheck { dtype: got.dtype, scaled_err: 0.0, tolerance: tolerance(got.dtype), nan_count, mismatches: values.len().abs_diff(expected.len()) };
+    if got.dtype.is_float() {
+        let max_abs_err = values.iter().zip(expected).map(|(g, e)| (g - e).abs()).filter(|d| !d.is_nan()).fold(0.0, f64::max);
+        let max_ref = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        check.scaled_err = max_abs_err / max_ref.max(f64::MIN_POSITIVE);
+    } else {
+        check.mismatches += values.iter().zip(expected).filter(|(g, e)| g != e).count();
+    }
+    check
 }
 
 /// Uniform values in [-1, 1) (positive in [0.5, 1.5) for scale operands), rounded to `dtype`.
@@ -58,43 +95,28 @@ pub fn random_array(dtype: DType, shape: &[usize], rng: &mut StdRng) -> Array {
     Array { dtype, shape: shape.to_vec(), data }
 }
 
-/// Every element as f64.
-pub fn to_f64(a: &Array) -> Vec<f64> {
-    match &a.data {
-        Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
-        Data::BF16(v) => v.iter().map(|&x| x.to_f64()).collect(),
-        Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
-        Data::I8(v) => v.iter().map(|&x| x as f64).collect(),
-        Data::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
-    }
-}
 
-/// Builds `kernel` for `shapes` and `dtype` on `target`, runs it on the interpreter with
-/// inputs drawn from `seed`, and compares with the reference.
-pub fn run_against_reference(kernel: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Result<Report, KernelError> {
-    let types: Vec<Type> = shapes.iter().map(|s| Type::vector(dtype, s)).collect();
-    let k = (kernel.build)(&types, target)?;
+/// Runs the op on the interpreter with inputs drawn from `seed` for `shapes` and `dtype`
+/// (kernels built for `target`'s default blocks) and compares every output with the
+/// independent reference.
+pub fn run_against_reference(op: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Result<Report, KernelError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let inputs: Vec<Array> = shapes.iter().map(|s| random_array(dtype, s, &mut rng)).collect();
-    let refs: Vec<&Array> = inputs.iter().collect();
+    let inputs = (op.random_inputs)(shapes, dtype, &mut rng);
+    let kernels = (op.build)(&crate::types_of(&inputs), target)?;
     let start = Instant::now();
-    let outputs = interp::run(&k, &refs)?;
+    let outputs = (op.run)(&inputs, target)?;
     let interp_time = start.elapsed();
-    let host: Vec<Vec<f64>> = inputs.iter().map(to_f64).collect();
-    let expected = (kernel.reference)(&host, shapes);
-    let got = to_f64(&outputs[0]);
-    let nan_count = got.iter().filter(|v| v.is_nan()).count();
-    let max_abs_err = got.iter().zip(&expected).map(|(g, e)| (g - e).abs()).filter(|d| !d.is_nan()).fold(0.0, f64::max);
-    let max_ref = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let expected = (op.reference)(&inputs);
+    if outputs.len() != expected.len() {
+        return Err(KernelError::new(op.name, "outputs", "output-count", format!("the op produced {} outputs, its reference {}", outputs.len(), expected.len()), "make the op's run and reference agree"));
+    }
+    let checks = outputs.iter().zip(&expected).map(|(got, want)| check_output(got, want)).collect();
     Ok(Report {
-        kernel: kernel.name.to_string(),
+        kernel: op.name.to_string(),
         shapes: shapes.to_vec(),
         dtype,
-        grid: k.grid.iter().map(|g| g.extent).collect(),
-        max_abs_err,
-        scaled_err: max_abs_err / max_ref.max(f64::MIN_POSITIVE),
-        tolerance: tolerance(dtype),
-        nan_count,
+        grid: kernels.first().map(|k| k.grid.iter().map(|g| g.extent).collect()).unwrap_or_default(),
+        outputs: checks,
         interp_time,
     })
 }

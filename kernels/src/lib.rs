@@ -11,7 +11,9 @@ pub mod elementwise;
 pub mod matmul;
 pub mod reference;
 
-use tessera_dsl::{Kernel, KernelError, Target, Type};
+use rand::rngs::StdRng;
+use tessera_dsl::interp::{self, Array};
+use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 
 pub use elementwise::{gelu_affine, rmsnorm, softmax};
 pub use matmul::matmul;
@@ -19,33 +21,93 @@ pub use matmul::matmul;
 /// RMSNorm's epsilon in the library entry (the builder takes any).
 pub const RMSNORM_EPS: f32 = 1e-6;
 
-/// An input operand of a library kernel.
+/// What an input operand holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OperandKind {
+    /// Floating point data of the run's dtype (f32 or bf16).
+    Float,
+    /// int32 data (group sizes, ids, labels...).
+    Int32,
+}
+
+/// An input operand of a library op.
 #[derive(Clone, Copy, Debug)]
 pub struct Operand {
     pub name: &'static str,
     /// Symbolic shape, as in the signature (`[m, k]`).
     pub dims: &'static str,
     pub default_shape: &'static [usize],
+    pub kind: OperandKind,
 }
 
-/// A library kernel as the CLI and the tests see it.
+const fn float(name: &'static str, dims: &'static str, default_shape: &'static [usize]) -> Operand {
+    Operand { name, dims, default_shape, kind: OperandKind::Float }
+}
+
+/// A library op as the CLI and the tests see it: one or more kernels plus the host-side
+/// work around them (an op like `gmm` computes group metadata before its kernel runs).
 pub struct LibraryKernel {
     pub name: &'static str,
     pub summary: &'static str,
-    /// The op's signature: inputs, static parameters and output.
+    /// The op's signature: inputs, static parameters and outputs.
     pub signature: &'static str,
     pub inputs: &'static [Operand],
-    /// Builds the kernel for input types (same dtype for all) with the target's default blocks.
-    pub build: fn(&[Type], &Target) -> Result<Kernel, KernelError>,
-    /// The independent f64 reference: input data and shapes in, output data out.
-    pub reference: fn(&[Vec<f64>], &[Vec<usize>]) -> Vec<f64>,
+    /// The kernels the op launches for these input types (float inputs share one dtype),
+    /// with the target's default blocks: what `emit` and `check` lower.
+    pub build: fn(&[Type], &Target) -> Result<Vec<Kernel>, KernelError>,
+    /// Runs the op on the CPU interpreter: host-side preparation, then its kernels.
+    pub run: fn(&[Array], &Target) -> Result<Vec<Array>, KernelError>,
+    /// Random inputs that satisfy the op's contract, for shapes and a float dtype.
+    pub random_inputs: fn(&[Vec<usize>], DType, &mut StdRng) -> Vec<Array>,
+    /// The independent f64 reference: one vector per output, from the same inputs.
+    pub reference: fn(&[Array]) -> Vec<Vec<f64>>,
+}
+
+/// The element types of `arrays`, for building kernels from concrete inputs.
+pub fn types_of(arrays: &[Array]) -> Vec<Type> {
+    arrays.iter().map(|a| Type::vector(a.dtype, &a.shape)).collect()
+}
+
+/// `run` for an op that is one kernel taking the op's inputs in order.
+pub fn run_single(build: fn(&[Type], &Target) -> Result<Kernel, KernelError>, args: &[Array], target: &Target) -> Result<Vec<Array>, KernelError> {
+    let kernel = build(&types_of(args), target)?;
+    interp::run(&kernel, &args.iter().collect::<Vec<_>>())
+}
+
+/// Uniform random inputs in [-1, 1) of the run's dtype, for ops whose inputs are all float.
+pub fn uniform_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+    shapes.iter().map(|s| harness::random_array(dtype, s, rng)).collect()
 }
 
 fn arity<'a>(name: &str, inputs: &'a [Type], n: usize) -> Result<&'a [Type], KernelError> {
     if inputs.len() != n {
-        return Err(KernelError::new(name, "inputs", "input-count", format!("{} inputs given, the kernel takes {n}", inputs.len()), "pass one type per input operand"));
+        return Err(KernelError::new(name, "inputs", "input-count", format!("{} inputs given, the op takes {n}", inputs.len()), "pass one array per input operand"));
     }
     Ok(inputs)
+}
+
+fn f64s(a: &[Array]) -> Vec<Vec<f64>> {
+    a.iter().map(|x| x.to_f64_vec()).collect()
+}
+
+fn build_matmul(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
+    let t = arity("matmul", t, 2)?;
+    matmul(&t[0], &t[1], target)
+}
+
+fn build_gelu_affine(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
+    let t = arity("gelu_affine", t, 3)?;
+    gelu_affine(&t[0], &t[1], &t[2], target)
+}
+
+fn build_softmax(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
+    let t = arity("softmax", t, 1)?;
+    softmax(&t[0], target)
+}
+
+fn build_rmsnorm(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
+    let t = arity("rmsnorm", t, 2)?;
+    rmsnorm(&t[0], &t[1], RMSNORM_EPS, target)
 }
 
 pub const LIBRARY: &[LibraryKernel] = &[
@@ -53,53 +115,54 @@ pub const LIBRARY: &[LibraryKernel] = &[
         name: "matmul",
         summary: "tiled matmul, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis",
         signature: "matmul(x: [m, k], y: [k, n]) -> [m, n]",
-        inputs: &[Operand { name: "x", dims: "[m, k]", default_shape: &[1024, 1024] }, Operand { name: "y", dims: "[k, n]", default_shape: &[1024, 1024] }],
-        build: |t, target| {
-            let t = arity("matmul", t, 2)?;
-            matmul(&t[0], &t[1], target)
+        inputs: &[float("x", "[m, k]", &[1024, 1024]), float("y", "[k, n]", &[1024, 1024])],
+        build: |t, target| Ok(vec![build_matmul(t, target)?]),
+        run: |a, target| run_single(build_matmul, a, target),
+        random_inputs: uniform_inputs,
+        reference: |a| {
+            let x = f64s(a);
+            vec![reference::matmul(&x[0], &x[1], a[0].shape[0], a[0].shape[1], a[1].shape[1])]
         },
-        reference: |x, s| reference::matmul(&x[0], &x[1], s[0][0], s[0][1], s[1][1]),
     },
     LibraryKernel {
         name: "gelu_affine",
         summary: "fused gelu(x * a + b) (tanh approximation), a and b broadcast over rows",
         signature: "gelu_affine(x: [m, n], a: [1, n], b: [1, n]) -> [m, n]",
-        inputs: &[
-            Operand { name: "x", dims: "[m, n]", default_shape: &[1024, 1024] },
-            Operand { name: "a", dims: "[1, n]", default_shape: &[1, 1024] },
-            Operand { name: "b", dims: "[1, n]", default_shape: &[1, 1024] },
-        ],
-        build: |t, target| {
-            let t = arity("gelu_affine", t, 3)?;
-            gelu_affine(&t[0], &t[1], &t[2], target)
+        inputs: &[float("x", "[m, n]", &[1024, 1024]), float("a", "[1, n]", &[1, 1024]), float("b", "[1, n]", &[1, 1024])],
+        build: |t, target| Ok(vec![build_gelu_affine(t, target)?]),
+        run: |a, target| run_single(build_gelu_affine, a, target),
+        random_inputs: uniform_inputs,
+        reference: |a| {
+            let x = f64s(a);
+            vec![reference::gelu_affine(&x[0], &x[1], &x[2], a[0].shape[1])]
         },
-        reference: |x, s| reference::gelu_affine(&x[0], &x[1], &x[2], s[0][1]),
     },
     LibraryKernel {
         name: "softmax",
         summary: "softmax along the last dim",
         signature: "softmax(x: [m, n]) -> [m, n]",
-        inputs: &[Operand { name: "x", dims: "[m, n]", default_shape: &[1024, 1024] }],
-        build: |t, target| {
-            let t = arity("softmax", t, 1)?;
-            softmax(&t[0], target)
-        },
-        reference: |x, s| reference::softmax(&x[0], s[0][1]),
+        inputs: &[float("x", "[m, n]", &[1024, 1024])],
+        build: |t, target| Ok(vec![build_softmax(t, target)?]),
+        run: |a, target| run_single(build_softmax, a, target),
+        random_inputs: uniform_inputs,
+        reference: |a| vec![reference::softmax(&a[0].to_f64_vec(), a[0].shape[1])],
     },
     LibraryKernel {
         name: "rmsnorm",
         summary: "RMSNorm over the last dim, x * rsqrt(mean(x^2) + eps) * w, eps = 1e-6",
         signature: "rmsnorm(x: [m, n], w: [1, n]; eps: f32) -> [m, n]",
-        inputs: &[Operand { name: "x", dims: "[m, n]", default_shape: &[1024, 1024] }, Operand { name: "w", dims: "[1, n]", default_shape: &[1, 1024] }],
-        build: |t, target| {
-            let t = arity("rmsnorm", t, 2)?;
-            rmsnorm(&t[0], &t[1], RMSNORM_EPS, target)
+        inputs: &[float("x", "[m, n]", &[1024, 1024]), float("w", "[1, n]", &[1, 1024])],
+        build: |t, target| Ok(vec![build_rmsnorm(t, target)?]),
+        run: |a, target| run_single(build_rmsnorm, a, target),
+        random_inputs: uniform_inputs,
+        reference: |a| {
+            let x = f64s(a);
+            vec![reference::rmsnorm(&x[0], &x[1], a[0].shape[1], RMSNORM_EPS as f64)]
         },
-        reference: |x, s| reference::rmsnorm(&x[0], &x[1], s[0][1], RMSNORM_EPS as f64),
     },
 ];
 
-/// The library kernel called `name`.
+/// The library op called `name`.
 pub fn find(name: &str) -> Option<&'static LibraryKernel> {
     LIBRARY.iter().find(|k| k.name == name)
 }

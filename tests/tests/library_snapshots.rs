@@ -2,19 +2,22 @@
 //! and v6e: a change to generated code shows up as a reviewed snapshot diff.
 
 use tessera_dsl::{DType, Target, Type};
-use tessera_kernels::LIBRARY;
+use tessera_kernels::{OperandKind, LIBRARY};
 
 #[test]
 fn library_kernels() {
     for target in [Target::V5E, Target::V6E] {
         for k in LIBRARY {
-            let types: Vec<Type> = k.inputs.iter().map(|o| Type::vector(DType::F32, o.default_shape)).collect();
-            let kernel = (k.build)(&types, &target).unwrap();
-            let lowered = tessera_codegen::lower(&kernel, &target).unwrap();
-            let name = format!("{}_{}", k.name, target.name);
-            insta::assert_snapshot!(format!("{name}_ir"), kernel.to_string());
-            insta::assert_snapshot!(format!("{name}_mosaic"), lowered.mosaic);
-            insta::assert_snapshot!(format!("{name}_stablehlo"), lowered.stablehlo);
+            let types: Vec<Type> = k.inputs.iter().map(|o| Type::vector(if o.kind == OperandKind::Int32 { DType::I32 } else { DType::F32 }, o.default_shape)).collect();
+            let kernels = (k.build)(&types, &target).unwrap();
+            for kernel in &kernels {
+                let lowered = tessera_codegen::lower(kernel, &target).unwrap();
+                // One-kernel ops keep the op's name; ops of several kernels add the kernel's.
+                let name = if kernels.len() == 1 { format!("{}_{}", k.name, target.name) } else { format!("{}_{}_{}", k.name, kernel.name, target.name) };
+                insta::assert_snapshot!(format!("{name}_ir"), kernel.to_string());
+                insta::assert_snapshot!(format!("{name}_mosaic"), lowered.mosaic);
+                insta::assert_snapshot!(format!("{name}_stablehlo"), lowered.stablehlo);
+            }
         }
     }
 }
