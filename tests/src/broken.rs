@@ -152,15 +152,6 @@ pub fn all() -> Vec<Broken> {
             kernel: rowwise("grid_overruns_array", &[1024, 128], &[128, 128], vec![I::Grid(0), I::Const(0)], 16),
         },
         Broken {
-            name: "shape_not_multiple_of_block",
-            rule: "shape-vs-block",
-            subject: "input `x`",
-            mentions: &["1000", "128"],
-            target: v5e,
-            libtpu_rejects: None,
-            kernel: rowwise("shape_not_multiple_of_block", &[1000, 128], &[128, 128], vec![I::Grid(0), I::Const(0)], 8),
-        },
-        Broken {
             name: "parallel_reduction_axis",
             rule: "reduction-axis-semantics",
             subject: "output `out`",
