@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use tessera_dsl::{DType, Kernel, Target, Type};
-use tessera_kernels::{harness, LibraryKernel, OperandKind, LIBRARY};
+use tessera_kernels::{harness, library, LibraryKernel, OperandKind};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
@@ -85,7 +85,7 @@ fn main() -> ExitCode {
 }
 
 fn list() -> CliResult<bool> {
-    for k in LIBRARY {
+    for k in library() {
         let defaults: Vec<String> = k.inputs.iter().map(|o| format!("{}={}", o.name, dims(o.default_shape))).collect();
         println!("{:<12} {}\n{:<12} {}\n{:<12} default shapes: {}\n", k.name, k.signature, "", k.summary, "", defaults.join(" "));
     }
@@ -104,7 +104,7 @@ fn target(name: &str) -> CliResult<Target> {
 fn selection(s: &Select) -> CliResult<Vec<(&'static LibraryKernel, Vec<Vec<usize>>)>> {
     let kernels: Vec<&LibraryKernel> = match (&s.kernel, s.all) {
         (Some(name), _) => vec![tessera_kernels::find(name).ok_or_else(|| format!("unknown kernel `{name}`; `tessera list` shows the library"))?],
-        (None, true) => LIBRARY.iter().collect(),
+        (None, true) => library().collect(),
         (None, false) => return Err("name a kernel or pass --all".into()),
     };
     let mut out = Vec::new();

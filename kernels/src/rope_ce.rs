@@ -1,0 +1,6 @@
+//! (being written)
+
+use crate::LibraryKernel;
+
+/// This module's library ops.
+pub const OPS: &[LibraryKernel] = &[];
