@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use tessera_dsl::{DType, Kernel, Target, Type};
-use tessera_kernels::{harness, library, LibraryKernel, OperandKind};
+use tessera_kernels::{harness, library, LibraryKernel};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
@@ -135,7 +135,7 @@ fn dtype(s: &Select) -> CliResult<DType> {
 /// The op's kernels for input `shapes`, float inputs of `dtype`, each with the file stem
 /// it is written under: the op's name, or `<op>-<kernel>` for ops of several kernels.
 fn build(k: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
-    let types: Vec<Type> = k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(if o.kind == OperandKind::Int32 { DType::I32 } else { dtype }, s)).collect();
+    let types: Vec<Type> = k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect();
     let kernels = (k.build)(&types, target).map_err(|e| e.to_string())?;
     let single = kernels.len() == 1;
     Ok(kernels.into_iter().map(|kernel| (if single { k.name.to_string() } else { format!("{}-{}", k.name, kernel.name) }, kernel)).collect())
@@ -175,7 +175,7 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     let mut all_ok = true;
-    println!("{:<12} {:<28} {:<5} {:>12} {:>10} {:>10} {:>10}  result", "kernel", "shapes", "dtype", "grid", "max err", "tolerance", "ms");
+    println!("{:<18} {:<32} {:<5} {:>12} {:>10} {:>10} {:>10}  result", "kernel", "shapes", "dtype", "grid", "max err", "tolerance", "ms");
     for (k, shapes) in selection(s)? {
         let r = harness::run_against_reference(k, &shapes, dtype, &target, seed).map_err(|e| e.to_string())?;
         let shape_txt: Vec<String> = shapes.iter().map(|s| dims(s)).collect();
@@ -191,7 +191,7 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
         };
         all_ok &= r.passed();
         println!(
-            "{:<12} {:<28} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2}  {verdict}",
+            "{:<18} {:<32} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2}  {verdict}",
             k.name,
             shape_txt.join(","),
             dtype.name(),

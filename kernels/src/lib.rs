@@ -9,6 +9,7 @@ pub mod blocks;
 pub mod gmm;
 pub mod harness;
 pub mod norms;
+pub mod quant;
 pub mod rope_ce;
 pub mod routing;
 pub mod elementwise;
@@ -32,6 +33,22 @@ pub enum OperandKind {
     Float,
     /// int32 data (group sizes, ids, labels...).
     Int32,
+    /// int8 data (quantized weights).
+    Int8,
+    /// f32 whatever the run's dtype (scales).
+    Float32,
+}
+
+impl OperandKind {
+    /// The element type of such an operand in a run whose float dtype is `float`.
+    pub fn dtype(self, float: DType) -> DType {
+        match self {
+            OperandKind::Float => float,
+            OperandKind::Int32 => DType::I32,
+            OperandKind::Int8 => DType::I8,
+            OperandKind::Float32 => DType::F32,
+        }
+    }
 }
 
 /// An input operand of a library op.
@@ -44,7 +61,7 @@ pub struct Operand {
     pub kind: OperandKind,
 }
 
-const fn float(name: &'static str, dims: &'static str, default_shape: &'static [usize]) -> Operand {
+pub(crate) const fn float(name: &'static str, dims: &'static str, default_shape: &'static [usize]) -> Operand {
     Operand { name, dims, default_shape, kind: OperandKind::Float }
 }
 
@@ -176,7 +193,7 @@ const BASIC: &[LibraryKernel] = &[
 
 /// Every library op, in listing order.
 pub fn library() -> impl Iterator<Item = &'static LibraryKernel> {
-    [BASIC, norms::OPS, rope_ce::OPS, gmm::OPS, routing::OPS].into_iter().flatten()
+    [BASIC, norms::OPS, rope_ce::OPS, quant::OPS, gmm::OPS, routing::OPS].into_iter().flatten()
 }
 
 /// The library op called `name`.

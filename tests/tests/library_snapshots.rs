@@ -2,13 +2,13 @@
 //! and v6e: a change to generated code shows up as a reviewed snapshot diff.
 
 use tessera_dsl::{DType, Target, Type};
-use tessera_kernels::{library, OperandKind};
+use tessera_kernels::library;
 
 #[test]
 fn library_kernels() {
     for target in [Target::V5E, Target::V6E] {
         for k in library() {
-            let types: Vec<Type> = k.inputs.iter().map(|o| Type::vector(if o.kind == OperandKind::Int32 { DType::I32 } else { DType::F32 }, o.default_shape)).collect();
+            let types: Vec<Type> = k.inputs.iter().map(|o| Type::vector(o.kind.dtype(DType::F32), o.default_shape)).collect();
             let kernels = (k.build)(&types, &target).unwrap();
             for kernel in &kernels {
                 let lowered = tessera_codegen::lower(kernel, &target).unwrap();

@@ -4,7 +4,7 @@
 //! judge are rejected by it too when forced past our verifier.
 
 use tessera_dsl::{DType, Target, Type};
-use tessera_kernels::{library, OperandKind};
+use tessera_kernels::library;
 use tessera_tests::{broken, oracle};
 
 const TARGETS: [Target; 3] = [Target::V5E, Target::V6E, Target::TPU7X];
@@ -19,7 +19,7 @@ fn skip() -> bool {
 
 /// Input types of an op: float operands take `dtype`, the others are int32.
 fn op_types(k: &tessera_kernels::LibraryKernel, shapes: &[Vec<usize>], dtype: DType) -> Vec<Type> {
-    k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(if o.kind == OperandKind::Int32 { DType::I32 } else { dtype }, s)).collect()
+    k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect()
 }
 
 #[test]
