@@ -7,10 +7,6 @@
 //! [`verify`] pass that checks a kernel against a target, and the reference CPU
 //! interpreter ([`interp`]) that defines what every op means.
 
-// `KernelError` is large (it carries a message and a help text); it is on the cold path
-// only, so Results stay unboxed for readability.
-#![allow(clippy::result_large_err)]
-
 pub mod builder;
 pub mod error;
 pub mod interp;

@@ -101,7 +101,10 @@ fn target(name: &str) -> CliResult<Target> {
 }
 
 /// The selected kernels with their input shapes (defaults, overridden by `--shape`).
-fn selection(s: &Select) -> CliResult<Vec<(&'static LibraryKernel, Vec<Vec<usize>>)>> {
+/// A library op with the input shapes to run it on.
+type Selected = (&'static LibraryKernel, Vec<Vec<usize>>);
+
+fn selection(s: &Select) -> CliResult<Vec<Selected>> {
     let kernels: Vec<&LibraryKernel> = match (&s.kernel, s.all) {
         (Some(name), _) => vec![tessera_kernels::find(name).ok_or_else(|| format!("unknown kernel `{name}`; `tessera list` shows the library"))?],
         (None, true) => library().collect(),

@@ -8,7 +8,7 @@ pub fn pick_block(dim: usize, max: usize, align: usize) -> usize {
     }
     let mut b = max / align * align;
     while b >= align {
-        if dim % b == 0 {
+        if dim.is_multiple_of(b) {
             return b;
         }
         b -= align;
