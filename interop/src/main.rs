@@ -38,6 +38,12 @@ enum Cmd {
         #[arg(long, default_value = "v5e")]
         target: String,
     },
+    /// A markdown table of every library kernel's VMEM use, grid and flops per
+    /// generation at default shapes and blocks (what the kernels' README shows).
+    Table {
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+    },
     /// Compile every emitted kernel with the real TPU compiler (compile-only; needs the
     /// project venv with jax, jaxlib and libtpu: `scripts/setup-venv.sh`).
     Check {
@@ -73,6 +79,7 @@ fn main() -> ExitCode {
         Cmd::Emit { select, target, out } => emit(&select, &target, &out),
         Cmd::Run { select, seed, target } => run(&select, seed, &target),
         Cmd::Check { select, targets } => check(&select, &targets),
+        Cmd::Table { dtype } => table(&dtype),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -205,6 +212,32 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
         );
     }
     Ok(all_ok)
+}
+
+fn table(dtype_name: &str) -> CliResult<bool> {
+    let select = Select { kernel: None, all: true, shapes: vec![], dtype: dtype_name.to_string() };
+    let dtype = dtype(&select)?;
+    println!("| kernel | default inputs ({dtype_name}) | {} |", Target::ALL.map(|t| format!("{t}: grid, VMEM MiB, GFLOP")).join(" | "));
+    println!("|---|---|{}", "---|".repeat(Target::ALL.len()));
+    for (k, shapes) in selection(&select)? {
+        let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+        for target in Target::ALL {
+            for (i, (stem, kernel)) in build(k, &shapes, dtype, &target)?.into_iter().enumerate() {
+                let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
+                let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+                let cell = format!("{}, {:.2}, {:.3}", grid.join("x"), lowered.vmem_bytes as f64 / (1 << 20) as f64, lowered.cost.flops as f64 / 1e9);
+                match rows.get_mut(i) {
+                    Some(row) => row.1.push(cell),
+                    None => rows.push((stem, vec![cell])),
+                }
+            }
+        }
+        let inputs: Vec<String> = k.inputs.iter().zip(&shapes).map(|(o, s)| format!("{}={}", o.name, dims(s))).collect();
+        for (stem, cells) in rows {
+            println!("| `{stem}` | {} | {} |", inputs.join(" "), cells.join(" | "));
+        }
+    }
+    Ok(true)
 }
 
 /// The project venv's Python: `$TESSERA_PYTHON`, else `<repo>/.venv/bin/python`.
