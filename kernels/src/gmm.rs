@@ -1,6 +1,593 @@
-//! (being written)
+//! Grouped matmuls for mixture-of-experts layers (the megablox pair):
+//!
+//! - `gmm`:  `out[rows_g] = lhs[rows_g] @ rhs[g]` for every group `g`, `lhs [m, k]` with rows
+//!   sorted by group, `rhs [g, k, n]` (or `[g, n, k]` with `transpose_rhs`);
+//! - `tgmm`: `out[g] = lhs[rows_g]^T @ grad[rows_g]`, `out [g, k, n]` (the weight gradient).
+//!
+//! # Group metadata (computed on the host, passed as scalar prefetch)
+//!
+//! Rows are cut into m-tiles of `tm` rows. A *visit* is one (m-tile, group) pair whose row
+//! ranges overlap; the grid walks the visits in row order, so a tile shared by two groups
+//! is visited twice in a row. [`group_metadata`] lists them in four i32 arrays (plus two
+//! flags for `tgmm`), read by the index maps and the body:
+//!
+//! | array | per visit |
+//! |---|---|
+//! | `group` | the group, selects the `rhs` block (`gmm`) or the `out` block (`tgmm`) |
+//! | `tile` | the m-tile, selects the `lhs`/`grad` block (and `out` for `gmm`) |
+//! | `row_lo`, `row_hi` | the group's rows `[lo, hi)`; rows of the tile outside are masked |
+//! | `first`, `last` (`tgmm`) | first / last visit of the group: zero / store the accumulator |
+//!
+//! Non-empty groups overlap at most `tiles_m + G - 1` tiles in total (each group boundary
+//! inside a tile adds one visit), so the visit axis has that static extent and the arrays
+//! have static shapes: kernels are built from types alone. Unused trailing steps repeat
+//! the last visit's tile and group with an empty row range (`lo == hi`) and both flags 0:
+//! every block index stays the same (no DMA, the output window stays resident) and the
+//! body skips its work.
+//!
+//! `tgmm` must write zeros for a group with no rows (the interpreter poisons, and a TPU
+//! leaves garbage in, any output block never written), so its metadata also visits each
+//! empty group once, with an empty row range, on the tile where the group would start
+//! (as megablox's `visit_empty_groups`). `gmm` skips empty groups: they own no output rows.
+//!
+//! # Why the output stays correct when groups share a tile
+//!
+//! `gmm`'s grid is `[n-tiles, visits, k-tiles]`: for a fixed n-tile the visits run in row
+//! order, so the visits of one output tile are consecutive and its window stays resident
+//! across them. Each visit writes only its group's rows (`select(mask, new, old)`); the
+//! window starts uninitialised, but every row of the tile belongs to a non-empty group
+//! that visits it, so all rows are written before the window moves on. Rows past `m` in a
+//! partial last tile are dropped on write-back. `tgmm`'s grid is `[k-tiles, n-tiles,
+//! visits]` with the visits (the M reduction) last and `arbitrary`: a group's visits are
+//! consecutive, so its output block is revisited only consecutively. The verifier cannot
+//! check these maps (they read prefetch), so this ordering is the kernels' contract.
 
-use crate::LibraryKernel;
+use rand::{rngs::StdRng, Rng};
+use tessera_dsl::interp::{self, Array};
+use tessera_dsl::target::Generation;
+use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
+use tessera_macros::tpu_kernel;
+
+use crate::blocks::{fit_blocks, pick_block};
+use crate::{harness, LibraryKernel, Operand, OperandKind};
+
+// ---- kernels ------------------------------------------------------------------------------
+
+#[tpu_kernel(
+    grid = [n.div_ceil(tn), v, k / tk],
+    semantics = [parallel, arbitrary, arbitrary],
+    lhs = block([tm, tk], |j, t, kk| [tile[t], kk]),
+    rhs = block([None, tk, tn], |j, t, kk| [group[t], kk, j]),
+    out = block([tm, tn], |j, t, kk| [tile[t], j]),
+    acc = scratch([tm, tn], f32),
+)]
+pub fn gmm_kernel(
+    group: Prefetch<v>,
+    tile: Prefetch<v>,
+    row_lo: Prefetch<v>,
+    row_hi: Prefetch<v>,
+    lhs: In<m, k>,
+    rhs: In<g, k, n>,
+    out: Out<m, n>,
+    acc: Scratch,
+    tm: usize,
+    tk: usize,
+    tn: usize,
+) {
+    let t = program_id(1);
+    let lo = row_lo[t];
+    let hi = row_hi[t];
+    // Padding visits have an empty row range: nothing to compute or store.
+    if lo < hi {
+        if program_id(2) == 0 {
+            acc[..] = zeros([tm, tn], f32);
+        }
+        acc[..] += dot(lhs[..], rhs[..]);
+        if program_id(2) == num_programs(2) - 1 {
+            let row = iota([tm, tn], 0) + tile[t] * tm;
+            // Rows of other groups keep what their own visit writes (or wrote).
+            out[..] = select((row >= lo) & (row < hi), acc[..].cast(out.dtype), out[..]);
+        }
+    }
+}
+
+/// [`gmm_kernel`] with `rhs` stored transposed, `[g, n, k]` (`out = lhs @ rhs[g]^T`).
+#[tpu_kernel(
+    grid = [n.div_ceil(tn), v, k / tk],
+    semantics = [parallel, arbitrary, arbitrary],
+    lhs = block([tm, tk], |j, t, kk| [tile[t], kk]),
+    rhs = block([None, tn, tk], |j, t, kk| [group[t], j, kk]),
+    out = block([tm, tn], |j, t, kk| [tile[t], j]),
+    acc = scratch([tm, tn], f32),
+)]
+pub fn gmm_t_kernel(
+    group: Prefetch<v>,
+    tile: Prefetch<v>,
+    row_lo: Prefetch<v>,
+    row_hi: Prefetch<v>,
+    lhs: In<m, k>,
+    rhs: In<g, n, k>,
+    out: Out<m, n>,
+    acc: Scratch,
+    tm: usize,
+    tk: usize,
+    tn: usize,
+) {
+    let t = program_id(1);
+    let lo = row_lo[t];
+    let hi = row_hi[t];
+    if lo < hi {
+        if program_id(2) == 0 {
+            acc[..] = zeros([tm, tn], f32);
+        }
+        acc[..] += dot_t(lhs[..], rhs[..]);
+        if program_id(2) == num_programs(2) - 1 {
+            let row = iota([tm, tn], 0) + tile[t] * tm;
+            out[..] = select((row >= lo) & (row < hi), acc[..].cast(out.dtype), out[..]);
+        }
+    }
+}
+
+#[tpu_kernel(
+    grid = [k.div_ceil(tk), n.div_ceil(tn), v],
+    semantics = [parallel, parallel, arbitrary],
+    lhs = block([tm, tk], |i, j, t| [tile[t], i]),
+    grad = block([tm, tn], |i, j, t| [tile[t], j]),
+    out = block([None, tk, tn], |i, j, t| [group[t], i, j]),
+    acc = scratch([tk, tn], f32),
+)]
+pub fn tgmm_kernel(
+    group: Prefetch<v>,
+    tile: Prefetch<v>,
+    row_lo: Prefetch<v>,
+    row_hi: Prefetch<v>,
+    first: Prefetch<v>,
+    last: Prefetch<v>,
+    lhs: In<m, k>,
+    grad: In<m, n>,
+    out: Out<g, k, n>,
+    acc: Scratch,
+    tm: usize,
+    tk: usize,
+    tn: usize,
+) {
+    let t = program_id(2);
+    if first[t] == 1 {
+        acc[..] = zeros([tk, tn], f32);
+    }
+    let lo = row_lo[t];
+    let hi = row_hi[t];
+    if lo < hi {
+        // Zero the rows outside the group in both operands: M is contracted here, so a
+        // foreign row would leak into the sum, and the rows past `m` of a partial last
+        // tile are undefined (NaN * 0 is still NaN, hence both sides).
+        let row0 = tile[t] * tm;
+        let rk = iota([tm, tk], 0) + row0;
+        let rn = iota([tm, tn], 0) + row0;
+        let x = select((rk >= lo) & (rk < hi), lhs[..], 0.0);
+        let dy = select((rn >= lo) & (rn < hi), grad[..], 0.0);
+        acc[..] += dot_tn(x, dy);
+    }
+    if last[t] == 1 {
+        out[..] = acc[..].cast(out.dtype);
+    }
+}
+
+// ---- block sizes ----------------------------------------------------------------------------
+
+/// Block sizes of a grouped matmul: `tm` rows per m-tile, `tk` of the contraction (`gmm`) or
+/// of the output rows (`tgmm`), `tn` output columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GmmBlocks {
+    pub tm: usize,
+    pub tk: usize,
+    pub tn: usize,
+}
+
+/// HBM bandwidth per chip (GB/s), for the m-tile rule.
+fn hbm_gbps(target: &Target) -> f64 {
+    match target.generation {
+        Generation::V5e => 819.0,
+        Generation::V5p => 2765.0,
+        Generation::V6e => 1640.0,
+        Generation::Tpu7x => 7370.0,
+    }
+}
+
+/// The m-tile: the largest power-of-two multiple of 128 up to 1.5x the target's bf16
+/// roofline ridge (peak flop/s over HBM byte/s: v5e 240, v5p 166, v6e 561, tpu7x 313), so
+/// v5e 256, v5p 128, v6e 512, tpu7x 256. Each visit streams
+/// a `[k, n]` expert block for `2 * tm` flops per element, so a smaller tile leaves the MXU
+/// waiting on HBM, while a larger one only adds waste: every group boundary inside a tile
+/// costs one extra tile of compute. A problem smaller than that takes all rows.
+fn m_tile(m: usize, target: &Target) -> usize {
+    let ridge = target.peak_bf16_tflops * 1e12 / (hbm_gbps(target) * 1e9);
+    let mut tm = 128;
+    while (2 * tm) as f64 <= ridge * 1.5 && tm < 1024 {
+        tm *= 2;
+    }
+    if m <= tm { m } else { tm }
+}
+
+/// Blocks for `gmm` on `target`.
+///
+/// Rule: `tm` from the roofline ridge ([`m_tile`]); `tk`, `tn` as `matmul`: up to 1024,
+/// multiples of the MXU edge dividing the problem (the contraction must divide exactly:
+/// a partial K block would add undefined values to every row). Then halve `tk`, `tn`,
+/// `tm` in turn until the double-buffered `lhs`, `rhs` and `out` windows plus the f32
+/// accumulator fit 3/4 of the default scoped VMEM.
+pub fn gmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
+    let lane = target.tiling(dtype).1;
+    let mut tm = m_tile(m, target);
+    let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
+    let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
+    let vmem = |tm: usize, tk: usize, tn: usize| {
+        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tk, tn]) + target.padded_bytes(dtype, &[tm, tn])) + target.padded_bytes(DType::F32, &[tm, tn])
+    };
+    fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
+    GmmBlocks { tm, tk, tn }
+}
+
+/// Blocks for `tgmm` on `target`: `tm` as `gmm`; the `[tk, tn]` output tile up to
+/// 1024 x 1024 (its reuse of each streamed row grows with both); halve `tk`, `tn`, `tm`
+/// until the double-buffered `lhs`, `grad`, `out` windows plus the f32 accumulator fit
+/// 3/4 of the default scoped VMEM.
+pub fn tgmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
+    let lane = target.tiling(dtype).1;
+    let mut tm = m_tile(m, target);
+    let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
+    let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
+    let vmem = |tm: usize, tk: usize, tn: usize| {
+        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tm, tn]) + target.padded_bytes(dtype, &[tk, tn])) + target.padded_bytes(DType::F32, &[tk, tn])
+    };
+    fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
+    GmmBlocks { tm, tk, tn }
+}
+
+// ---- host-side metadata -------------------------------------------------------------------
+
+/// The visit list of a grouped matmul (see the module docs), padded to [`visit_capacity`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupMetadata {
+    pub group: Vec<i32>,
+    pub tile: Vec<i32>,
+    pub row_lo: Vec<i32>,
+    pub row_hi: Vec<i32>,
+    pub first: Vec<i32>,
+    pub last: Vec<i32>,
+    /// Visits that do work (the rest are padding).
+    pub visits: usize,
+}
+
+impl GroupMetadata {
+    fn push(&mut self, group: usize, tile: usize, lo: usize, hi: usize, first: bool, last: bool) {
+        self.group.push(group as i32);
+        self.tile.push(tile as i32);
+        self.row_lo.push(lo as i32);
+        self.row_hi.push(hi as i32);
+        self.first.push(first as i32);
+        self.last.push(last as i32);
+    }
+
+    /// The arrays as kernel arguments: the four shared ones, plus the flags for `tgmm`.
+    fn arrays(&self, with_flags: bool) -> Vec<Array> {
+        let n = self.group.len();
+        let mut v = vec![self.group.clone(), self.tile.clone(), self.row_lo.clone(), self.row_hi.clone()];
+        if with_flags {
+            v.extend([self.first.clone(), self.last.clone()]);
+        }
+        v.into_iter().map(|a| Array::from_i32(&[n], a)).collect()
+    }
+}
+
+/// The static length of the visit axis: `tiles_m + groups - 1` bounds the visits of both
+/// kernels (`tgmm`'s empty-group visits included, since at least one group is non-empty).
+pub fn visit_capacity(m: usize, groups: usize, tm: usize) -> usize {
+    m.div_ceil(tm) + groups.max(1) - 1
+}
+
+/// The visits of `group_sizes` (non-negative, summing to `m`) over m-tiles of `tm` rows;
+/// `visit_empty` adds one empty visit per group without rows (`tgmm`).
+pub fn group_metadata(group_sizes: &[i32], m: usize, tm: usize, visit_empty: bool) -> GroupMetadata {
+    let tiles = m.div_ceil(tm);
+    let cap = visit_capacity(m, group_sizes.len(), tm);
+    let mut md = GroupMetadata { group: Vec::with_capacity(cap), tile: Vec::with_capacity(cap), row_lo: Vec::new(), row_hi: Vec::new(), first: Vec::new(), last: Vec::new(), visits: 0 };
+    let mut start = 0usize;
+    for (g, &size) in group_sizes.iter().enumerate() {
+        let end = start + size.max(0) as usize;
+        if end > start {
+            let (t0, t1) = (start / tm, (end - 1) / tm);
+            for t in t0..=t1 {
+                md.push(g, t, start, end, t == t0, t == t1);
+            }
+        } else if visit_empty {
+            md.push(g, (start / tm).min(tiles - 1), start, start, true, true);
+        }
+        start = end;
+    }
+    md.visits = md.group.len();
+    debug_assert!(md.visits <= cap, "{} visits exceed the bound {cap}", md.visits);
+    let (g, t) = (md.group.last().copied().unwrap_or(0), md.tile.last().copied().unwrap_or(0));
+    while md.group.len() < cap {
+        md.push(g as usize, t as usize, 0, 0, false, false);
+    }
+    md
+}
+
+// ---- input checks ---------------------------------------------------------------------------
+
+fn err(op: &str, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+    KernelError::new(op, subject, rule, message, help)
+}
+
+/// Checks the types of a grouped matmul: `a [m, k]`, `b` rank `b_rank`, `group_sizes [g]`
+/// int32, float dtypes equal. Returns `(m, g)`.
+fn check_types(op: &str, a: (&str, &Type), b: (&str, &Type), b_rank: usize, group_sizes: &Type) -> Result<(usize, usize), KernelError> {
+    let (an, at) = a;
+    let (bn, bt) = b;
+    if at.rank() != 2 {
+        return Err(err(op, format!("operand `{an}`"), "operand-shape", format!("`{an}` has shape {:?}", at.shape), format!("pass `{an}` as a 2-D [rows, features] array")));
+    }
+    if bt.rank() != b_rank {
+        return Err(err(op, format!("operand `{bn}`"), "operand-shape", format!("`{bn}` has shape {:?}, rank {b_rank} expected", bt.shape), "see the op's signature"));
+    }
+    if !at.dtype.is_float() || at.dtype != bt.dtype {
+        return Err(err(op, format!("operand `{bn}`"), "operand-dtype", format!("`{an}` is {} and `{bn}` is {}", at.dtype, bt.dtype), "pass f32 or bf16 operands of one dtype"));
+    }
+    if group_sizes.dtype != DType::I32 || group_sizes.rank() != 1 || group_sizes.shape[0] == 0 {
+        return Err(err(op, "operand `group_sizes`", "operand-dtype", format!("`group_sizes` is {group_sizes}"), "pass group sizes as a non-empty 1-D int32 array"));
+    }
+    Ok((at.shape[0], group_sizes.shape[0]))
+}
+
+/// The host check on the values: sizes are non-negative and sum to `m`.
+fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, KernelError> {
+    let sizes = group_sizes.as_i32().ok_or_else(|| err(op, "operand `group_sizes`", "operand-dtype", format!("holds {} data", group_sizes.dtype), "pass an int32 array"))?.to_vec();
+    if let Some((g, s)) = sizes.iter().enumerate().find(|(_, &s)| s < 0) {
+        return Err(err(op, "operand `group_sizes`", "group-sizes", format!("group {g} has size {s}"), "group sizes are row counts, >= 0"));
+    }
+    let total: i64 = sizes.iter().map(|&s| s as i64).sum();
+    if total != m as i64 {
+        return Err(err(op, "operand `group_sizes`", "group-sizes", format!("the group sizes sum to {total}, but `lhs` has {m} rows"), "make sum(group_sizes) equal the number of rows (rows sorted by group)"));
+    }
+    Ok(sizes)
+}
+
+/// Blocks are positive and the in-kernel contraction block (`gmm`'s `tk`) divides its dim.
+fn check_blocks(op: &str, blocks: GmmBlocks, contraction: Option<(&str, usize, usize)>) -> Result<(), KernelError> {
+    if blocks.tm == 0 || blocks.tk == 0 || blocks.tn == 0 {
+        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} has a zero block"), "use positive block sizes"));
+    }
+    if let Some((name, dim, block)) = contraction.filter(|&(_, dim, block)| dim % block != 0) {
+        return Err(err(op, "blocks", "block-shape", format!("the contraction dim {name} = {dim} is not a multiple of its block {block}"), format!("use a block that divides {dim}: a partial contraction block would add undefined values")));
+    }
+    Ok(())
+}
+
+/// Headroom over the windows and scratch for Mosaic's own internal scratch: libtpu
+/// rejected a kernel whose limit was its windows' size rounded up to a MiB by 64 KiB.
+const MOSAIC_HEADROOM: usize = 2 << 20;
+
+/// Raises the kernel's scoped VMEM limit when explicit blocks need more than the default
+/// (up to the core's physical VMEM; past that the verifier reports the overflow).
+fn fit_vmem_limit(mut kernel: Kernel, target: &Target) -> Kernel {
+    let need = verify::vmem_bytes(&kernel, target) + MOSAIC_HEADROOM;
+    if need > verify::vmem_limit(&kernel, target) {
+        kernel.vmem_limit_bytes = Some(need.next_multiple_of(1 << 20).min(target.vmem_bytes));
+    }
+    kernel
+}
+
+fn ty(a: &Array) -> Type {
+    Type::vector(a.dtype, &a.shape)
+}
+
+fn meta_types(cap: usize, n: usize) -> Vec<Type> {
+    vec![Type::vector(DType::I32, &[cap]); n]
+}
+
+// ---- building and running -----------------------------------------------------------------
+
+/// The `gmm` kernel for these types and blocks (metadata shapes depend on types only).
+pub fn build_gmm(lhs: &Type, rhs: &Type, group_sizes: &Type, transpose_rhs: bool, blocks: GmmBlocks, target: &Target) -> Result<Kernel, KernelError> {
+    let (m, g) = check_types("gmm", ("lhs", lhs), ("rhs", rhs), 3, group_sizes)?;
+    let k = lhs.shape[1];
+    let (k_rhs, n) = if transpose_rhs { (rhs.shape[2], rhs.shape[1]) } else { (rhs.shape[1], rhs.shape[2]) };
+    if rhs.shape[0] != g || k_rhs != k {
+        let layout = if transpose_rhs { "[g, n, k]" } else { "[g, k, n]" };
+        return Err(err("gmm", "operand `rhs`", "operand-shape", format!("`rhs` {:?} does not match `lhs` {:?} and {g} groups", rhs.shape, lhs.shape), format!("pass rhs as {layout} with g = len(group_sizes) and k = lhs.shape[1]")));
+    }
+    check_blocks("gmm", blocks, Some(("k", k, blocks.tk)))?;
+    let md = meta_types(visit_capacity(m, g, blocks.tm), 4);
+    let out = Type::vector(lhs.dtype, &[m, n]);
+    let GmmBlocks { tm, tk, tn } = blocks;
+    let kernel = if transpose_rhs {
+        gmm_t_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn)?
+    } else {
+        gmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn)?
+    };
+    Ok(fit_vmem_limit(kernel, target))
+}
+
+/// The `tgmm` kernel for these types and blocks.
+pub fn build_tgmm(lhs: &Type, grad: &Type, group_sizes: &Type, blocks: GmmBlocks, target: &Target) -> Result<Kernel, KernelError> {
+    let (m, g) = check_types("tgmm", ("lhs", lhs), ("grad", grad), 2, group_sizes)?;
+    if grad.shape[0] != m {
+        return Err(err("tgmm", "operand `grad`", "operand-shape", format!("`grad` has {} rows, `lhs` {m}", grad.shape[0]), "pass lhs [m, k] and grad [m, n] with the same rows"));
+    }
+    check_blocks("tgmm", blocks, None)?;
+    let (k, n) = (lhs.shape[1], grad.shape[1]);
+    let md = meta_types(visit_capacity(m, g, blocks.tm), 6);
+    let out = Type::vector(lhs.dtype, &[g, k, n]);
+    let GmmBlocks { tm, tk, tn } = blocks;
+    let kernel = tgmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), md[4].clone(), md[5].clone(), lhs.clone(), grad.clone(), out, tm, tk, tn)?;
+    Ok(fit_vmem_limit(kernel, target))
+}
+
+/// The default blocks of `gmm` for these types.
+pub fn default_gmm_blocks(lhs: &Type, rhs: &Type, transpose_rhs: bool, target: &Target) -> GmmBlocks {
+    let n = rhs.shape.get(if transpose_rhs { 1 } else { 2 }).copied().unwrap_or(1);
+    gmm_blocks(lhs.shape.first().copied().unwrap_or(1), lhs.shape.get(1).copied().unwrap_or(1), n, lhs.dtype, target)
+}
+
+/// The default blocks of `tgmm` for these types.
+pub fn default_tgmm_blocks(lhs: &Type, grad: &Type, target: &Target) -> GmmBlocks {
+    tgmm_blocks(lhs.shape.first().copied().unwrap_or(1), lhs.shape.get(1).copied().unwrap_or(1), grad.shape.get(1).copied().unwrap_or(1), lhs.dtype, target)
+}
+
+/// `gmm` on the CPU interpreter with explicit blocks.
+pub fn gmm_with_blocks(lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
+    let kernel = build_gmm(&ty(lhs), &ty(rhs), &ty(group_sizes), transpose_rhs, blocks, target)?;
+    let sizes = check_sizes("gmm", group_sizes, lhs.shape[0])?;
+    let md = group_metadata(&sizes, lhs.shape[0], blocks.tm, false).arrays(false);
+    let args: Vec<&Array> = md.iter().chain([lhs, rhs]).collect();
+    Ok(interp::run(&kernel, &args)?.remove(0))
+}
+
+/// `gmm(lhs, rhs, group_sizes)`: `out[rows_g] = lhs[rows_g] @ rhs[g]` (`rhs[g]^T` with
+/// `transpose_rhs`), on the CPU interpreter with `target`'s default blocks.
+pub fn gmm(lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, target: &Target) -> Result<Array, KernelError> {
+    gmm_with_blocks(lhs, rhs, group_sizes, transpose_rhs, default_gmm_blocks(&ty(lhs), &ty(rhs), transpose_rhs, target), target)
+}
+
+/// `tgmm` on the CPU interpreter with explicit blocks.
+pub fn tgmm_with_blocks(lhs: &Array, grad: &Array, group_sizes: &Array, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
+    let kernel = build_tgmm(&ty(lhs), &ty(grad), &ty(group_sizes), blocks, target)?;
+    let sizes = check_sizes("tgmm", group_sizes, lhs.shape[0])?;
+    let md = group_metadata(&sizes, lhs.shape[0], blocks.tm, true).arrays(true);
+    let args: Vec<&Array> = md.iter().chain([lhs, grad]).collect();
+    Ok(interp::run(&kernel, &args)?.remove(0))
+}
+
+/// `tgmm(lhs, grad, group_sizes)`: `out[g] = lhs[rows_g]^T @ grad[rows_g]`, `[g, k, n]`
+/// (zeros for a group without rows), on the CPU interpreter with default blocks.
+pub fn tgmm(lhs: &Array, grad: &Array, group_sizes: &Array, target: &Target) -> Result<Array, KernelError> {
+    tgmm_with_blocks(lhs, grad, group_sizes, default_tgmm_blocks(&ty(lhs), &ty(grad), target), target)
+}
+
+// ---- library entries ------------------------------------------------------------------------
+
+fn arity<'a, T>(op: &str, inputs: &'a [T]) -> Result<&'a [T], KernelError> {
+    if inputs.len() != 3 {
+        return Err(err(op, "inputs", "input-count", format!("{} inputs given, the op takes 3", inputs.len()), "pass one array per input operand"));
+    }
+    Ok(inputs)
+}
+
+/// Random group sizes summing to `m`: uniform cut points (so boundaries fall anywhere in
+/// a tile), and with three or more groups one group emptied (its rows go to a neighbour).
+pub fn random_group_sizes(m: usize, groups: usize, rng: &mut StdRng) -> Vec<i32> {
+    let mut cuts: Vec<usize> = (0..groups.saturating_sub(1)).map(|_| rng.gen_range(0..=m)).collect();
+    cuts.sort_unstable();
+    let mut sizes: Vec<i32> = Vec::with_capacity(groups);
+    let mut prev = 0;
+    for c in cuts.into_iter().chain([m]) {
+        sizes.push((c - prev) as i32);
+        prev = c;
+    }
+    if groups >= 3 {
+        let e = rng.gen_range(0..groups);
+        let into = if e + 1 < groups { e + 1 } else { e - 1 };
+        sizes[into] += sizes[e];
+        sizes[e] = 0;
+    }
+    sizes
+}
+
+fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+    let a = harness::random_array(dtype, &shapes[0], rng);
+    let b = harness::random_array(dtype, &shapes[1], rng);
+    let groups = shapes[2][0];
+    let sizes = random_group_sizes(shapes[0][0], groups, rng);
+    vec![a, b, Array::from_i32(&[groups], sizes)]
+}
+
+fn sizes_of(a: &Array) -> Vec<usize> {
+    a.as_i32().unwrap_or(&[]).iter().map(|&s| s.max(0) as usize).collect()
+}
+
+const GROUP_SIZES_DEFAULT: Operand = Operand { name: "group_sizes", dims: "[g]", default_shape: &[8], kind: OperandKind::Int32 };
 
 /// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[];
+pub const OPS: &[LibraryKernel] = &[
+    LibraryKernel {
+        name: "gmm",
+        summary: "grouped matmul (MoE experts): out[rows_g] = lhs[rows_g] @ rhs[g]; group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows",
+        signature: "gmm(lhs: [m, k], rhs: [g, k, n], group_sizes: [g] i32; transpose_rhs=false) -> [m, n]",
+        inputs: &[crate::float("lhs", "[m, k]", &[1024, 512]), crate::float("rhs", "[g, k, n]", &[8, 512, 512]), GROUP_SIZES_DEFAULT],
+        alt_shapes: &[&[1000, 768], &[6, 768, 384], &[6]],
+        build: |t, target| {
+            let t = arity("gmm", t)?;
+            Ok(vec![build_gmm(&t[0], &t[1], &t[2], false, default_gmm_blocks(&t[0], &t[1], false, target), target)?])
+        },
+        run: |a, target| {
+            let a = arity("gmm", a)?;
+            Ok(vec![gmm(&a[0], &a[1], &a[2], false, target)?])
+        },
+        random_inputs,
+        reference: |a| vec![reference::gmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], a[1].shape[2], false)],
+    },
+    LibraryKernel {
+        name: "tgmm",
+        summary: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows_g]^T @ grad[rows_g], zeros for empty groups; M-tiles are the reduction axis",
+        signature: "tgmm(lhs: [m, k], grad: [m, n], group_sizes: [g] i32) -> [g, k, n]",
+        inputs: &[crate::float("lhs", "[m, k]", &[1024, 512]), crate::float("grad", "[m, n]", &[1024, 512]), GROUP_SIZES_DEFAULT],
+        alt_shapes: &[&[1000, 768], &[1000, 384], &[6]],
+        build: |t, target| {
+            let t = arity("tgmm", t)?;
+            Ok(vec![build_tgmm(&t[0], &t[1], &t[2], default_tgmm_blocks(&t[0], &t[1], target), target)?])
+        },
+        run: |a, target| {
+            let a = arity("tgmm", a)?;
+            Ok(vec![tgmm(&a[0], &a[1], &a[2], target)?])
+        },
+        random_inputs,
+        reference: |a| vec![reference::tgmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], a[1].shape[1])],
+    },
+];
+
+/// Independent f64 references: per-group loops over row-major data, sharing nothing with
+/// the kernels or their metadata.
+pub mod reference {
+    /// `out[r] = lhs[r] @ rhs[g(r)]` (`rhs[g(r)]^T` if `transpose_rhs`), `rhs` of
+    /// `[g, k, n]` (or `[g, n, k]`), rows of group `g` consecutive in order.
+    pub fn gmm(lhs: &[f64], rhs: &[f64], group_sizes: &[usize], k: usize, n: usize, transpose_rhs: bool) -> Vec<f64> {
+        let m = lhs.len() / k;
+        let mut out = vec![0.0; m * n];
+        let mut row = 0;
+        for (g, &size) in group_sizes.iter().enumerate() {
+            let w = &rhs[g * k * n..(g + 1) * k * n];
+            for r in row..row + size {
+                for j in 0..n {
+                    let mut s = 0.0;
+                    for p in 0..k {
+                        let b = if transpose_rhs { w[j * k + p] } else { w[p * n + j] };
+                        s += lhs[r * k + p] * b;
+                    }
+                    out[r * n + j] = s;
+                }
+            }
+            row += size;
+        }
+        out
+    }
+
+    /// `out[g] = lhs[rows_g]^T @ grad[rows_g]`, `[g, k, n]`; zeros for empty groups.
+    pub fn tgmm(lhs: &[f64], grad: &[f64], group_sizes: &[usize], k: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0; group_sizes.len() * k * n];
+        let mut row = 0;
+        for (g, &size) in group_sizes.iter().enumerate() {
+            let o = &mut out[g * k * n..(g + 1) * k * n];
+            for r in row..row + size {
+                for p in 0..k {
+                    let a = lhs[r * k + p];
+                    for j in 0..n {
+                        o[p * n + j] += a * grad[r * n + j];
+                    }
+                }
+            }
+            row += size;
+        }
+        out
+    }
+}

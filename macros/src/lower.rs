@@ -34,11 +34,11 @@ enum Var {
     Static { depth: usize },
 }
 
-const BUILTINS: &[&str] = &["dot", "dot_t", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds"];
+const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds"];
 const UNARY_METHODS: &[(&str, &str)] = &[("exp", "Exp"), ("log", "Log"), ("tanh", "Tanh"), ("erf", "Erf"), ("sqrt", "Sqrt"), ("rsqrt", "Rsqrt"), ("abs", "Abs")];
 const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, max(b), min(b), pow(b), \
 cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), t(), reshape([dims]), broadcast_to([dims])";
-const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
+const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x); ds(start, len) inside ref indices";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
 
@@ -373,7 +373,7 @@ impl<'a> Lowerer<'a> {
         if BUILTINS.contains(&name.as_str()) {
             let want = match name.as_str() {
                 "program_id" | "num_programs" | "sigmoid" => 1,
-                "dot" | "dot_t" | "iota" | "zeros" | "ds" => 2,
+                "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
                 _ => 3,
             };
             if args.len() != want {
@@ -381,10 +381,12 @@ impl<'a> Lowerer<'a> {
             }
         }
         match name.as_str() {
-            "dot" | "dot_t" => {
+            "dot" | "dot_t" | "dot_tn" => {
                 let (a, b) = (self.value(args[0])?, self.value(args[1])?);
-                let t = name == "dot_t";
-                Ok(quote!({ let __l = #a; let __r = #b; __b.dot(__l, __r, false, #t) }))
+                // dot_t = a @ b.T, dot_tn = a.T @ b: the transposed operand is expressed by
+                // its contracting dim, not by a separate transpose.
+                let (tl, tr) = (name == "dot_tn", name == "dot_t");
+                Ok(quote!({ let __l = #a; let __r = #b; __b.dot(__l, __r, #tl, #tr) }))
             }
             "select" => {
                 let cond = self.value(args[0])?;

@@ -225,6 +225,18 @@ fn prefetch_smem_and_control_flow() {
     assert_eq!((e.rule, e.subject.as_str()), ("operand-dtype", "prefetch `ids`"));
 }
 
+/// `dot_tn(a, b)` is `a.T @ b`: a dot with a transposed lhs, contracting the rows.
+#[tpu_kernel(grid = [1], a = block([16, 128], |i| [0, 0]), b = block([16, 256], |i| [0, 0]), out = block([128, 256], |i| [0, 0]))]
+fn gram(a: In<r, k>, b: In<r, n>, out: Out<k, n>) {
+    out[..] = dot_tn(a[..], b[..]);
+}
+
+#[test]
+fn dot_tn_transposes_lhs() {
+    let k = gram(f32s(&[16, 128]), f32s(&[16, 256]), f32s(&[128, 256])).unwrap();
+    assert_eq!(count(&k, |i| matches!(i, Inst::Dot { transpose_lhs: true, transpose_rhs: false, .. })), 1);
+}
+
 /// Builder type errors surface from the generated function with the user's line.
 #[tpu_kernel(grid = [1], x = block([8, 128], |i| [0, 0]), out = block([8, 128], |i| [0, 0]))]
 fn bad_types(x: In<8, 128>, out: Out<8, 128>) {

@@ -1,7 +1,7 @@
 //! RoPE (both variants) and fused cross-entropy, forward and backward: the kernels on the
 //! interpreter against the independent f64 references (f32 and bf16, edge shapes), the
-//! backward references against central finite differences of the forward references,
-//! and the variants outside the registry through libtpu.
+//! backward references against central finite differences of the forward references.
+//! (libtpu compiles every registered op, both RoPE variants included, in tpu_compiler.rs.)
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tessera_dsl::interp::Array;
