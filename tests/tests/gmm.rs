@@ -1,0 +1,244 @@
+//! Grouped matmuls (`gmm`, `tgmm`): numerics on the interpreter against the independent
+//! per-group f64 references, through the library harness (random group sizes with an
+//! empty group and unaligned boundaries) and through direct calls with chosen group
+//! sizes; host-side errors; the metadata's visit bound; and, with
+//! `TESSERA_TPU_ORACLE=1`, libtpu compiles of a large-block configuration.
+
+use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Target, Type};
+use tessera_kernels::gmm::{self, group_metadata, reference, visit_capacity, GmmBlocks};
+use tessera_kernels::harness::{check_output, random_array, run_against_reference};
+use tessera_tests::oracle;
+
+const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+fn harness(name: &str, sets: &[[&[usize]; 3]]) {
+    assert!(sets.len() >= 5);
+    let op = tessera_kernels::find(name).unwrap();
+    for dtype in DTYPES {
+        for target in [Target::V5E, Target::V6E] {
+            for (i, set) in sets.iter().enumerate() {
+                let shapes: Vec<Vec<usize>> = set.iter().map(|s| s.to_vec()).collect();
+                let r = run_against_reference(op, &shapes, dtype, &target, 17 + i as u64).unwrap_or_else(|e| panic!("{name} {shapes:?} {dtype}: {e}"));
+                assert!(r.passed(), "{name} {shapes:?} {dtype} on {target} (grid {:?}): {:?}", r.grid, r.outputs);
+            }
+        }
+    }
+}
+
+#[test]
+fn gmm_against_reference_random_groups() {
+    harness(
+        "gmm",
+        &[
+            [&[1024, 512], &[8, 512, 512], &[8]],
+            [&[1000, 768], &[6, 768, 384], &[6]],
+            [&[256, 128], &[1, 128, 256], &[1]],
+            [&[200, 256], &[4, 256, 128], &[4]],
+            [&[64, 128], &[3, 128, 128], &[3]],
+            [&[520, 384], &[16, 384, 256], &[16]],
+        ],
+    );
+}
+
+#[test]
+fn tgmm_against_reference_random_groups() {
+    harness(
+        "tgmm",
+        &[
+            [&[1024, 512], &[1024, 512], &[8]],
+            [&[1000, 768], &[1000, 384], &[6]],
+            [&[256, 128], &[256, 256], &[1]],
+            [&[200, 256], &[200, 128], &[4]],
+            [&[64, 128], &[64, 128], &[3]],
+            [&[520, 384], &[520, 256], &[16]],
+        ],
+    );
+}
+
+/// Chosen group sizes for `m` rows: empty groups at both ends and inside, one group with
+/// every row, boundaries off the tile grid, and sizes that are multiples of the tile.
+fn cases(m: usize) -> Vec<Vec<i32>> {
+    let m = m as i32;
+    vec![
+        vec![m],
+        vec![0, 0, m, 0],
+        vec![0, 1, m - 2, 0, 1, 0],
+        vec![m / 3, 0, m / 3, m - 2 * (m / 3)],
+        vec![7, 121, 0, 0, m - 128 - 5, 5],
+        vec![m / 2, m - m / 2],
+    ]
+}
+
+fn inputs(dtype: DType, shapes: &[&[usize]; 2], seed: u64) -> (Array, Array) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (random_array(dtype, shapes[0], &mut rng), random_array(dtype, shapes[1], &mut rng))
+}
+
+fn assert_close(what: &str, got: &Array, want: &[f64]) {
+    let c = check_output(got, want);
+    assert!(c.passed(), "{what}: {c:?}");
+}
+
+fn sizes_usize(s: &[i32]) -> Vec<usize> {
+    s.iter().map(|&v| v as usize).collect()
+}
+
+/// Blocks small enough that groups share tiles, and the target's defaults.
+fn block_choices(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> Vec<GmmBlocks> {
+    vec![GmmBlocks { tm: 128.min(m), tk: 128, tn: 128 }, gmm::gmm_blocks(m, k, n, dtype, target)]
+}
+
+#[test]
+fn gmm_direct_calls_chosen_groups() {
+    let target = Target::V5E;
+    for dtype in DTYPES {
+        for (m, k, n) in [(640, 256, 256), (300, 128, 384), (1024, 512, 256), (136, 256, 128), (520, 384, 128)] {
+            for (c, sizes) in cases(m).into_iter().enumerate() {
+                let g = sizes.len();
+                let gs = Array::from_i32(&[g], sizes.clone());
+                for transpose_rhs in [false, true] {
+                    let rhs_shape: &[usize] = if transpose_rhs { &[g, n, k] } else { &[g, k, n] };
+                    let (lhs, rhs) = inputs(dtype, &[&[m, k], rhs_shape], c as u64);
+                    let want = reference::gmm(&lhs.to_f64_vec(), &rhs.to_f64_vec(), &sizes_usize(&sizes), k, n, transpose_rhs);
+                    for blocks in block_choices(m, k, n, dtype, &target) {
+                        let out = gmm::gmm_with_blocks(&lhs, &rhs, &gs, transpose_rhs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+                        assert_eq!(out.shape, vec![m, n]);
+                        assert_eq!(out.dtype, dtype);
+                        assert_close(&format!("gmm m={m} k={k} n={n} {sizes:?} t={transpose_rhs} {blocks:?} {dtype}"), &out, &want);
+                    }
+                    let out = gmm::gmm(&lhs, &rhs, &gs, transpose_rhs, &Target::V6E).unwrap();
+                    assert_close(&format!("gmm v6e defaults m={m} {sizes:?} t={transpose_rhs} {dtype}"), &out, &want);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tgmm_direct_calls_chosen_groups() {
+    let target = Target::V5E;
+    for dtype in DTYPES {
+        for (m, k, n) in [(640, 256, 256), (300, 128, 384), (1024, 512, 256), (136, 256, 128), (520, 384, 128)] {
+            for (c, sizes) in cases(m).into_iter().enumerate() {
+                let g = sizes.len();
+                let gs = Array::from_i32(&[g], sizes.clone());
+                let (lhs, grad) = inputs(dtype, &[&[m, k], &[m, n]], 100 + c as u64);
+                let want = reference::tgmm(&lhs.to_f64_vec(), &grad.to_f64_vec(), &sizes_usize(&sizes), k, n);
+                for blocks in block_choices(m, k, n, dtype, &target) {
+                    let out = gmm::tgmm_with_blocks(&lhs, &grad, &gs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+                    assert_eq!(out.shape, vec![g, k, n]);
+                    assert_close(&format!("tgmm m={m} k={k} n={n} {sizes:?} {blocks:?} {dtype}"), &out, &want);
+                    // Empty groups are exactly zero, not merely small.
+                    let vals = out.to_f64_vec();
+                    for (gi, _) in sizes.iter().enumerate().filter(|(_, &s)| s == 0) {
+                        assert!(vals[gi * k * n..(gi + 1) * k * n].iter().all(|&v| v == 0.0), "tgmm group {gi} of {sizes:?} is not zero");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn host_checks_are_kernel_errors() {
+    let t = Target::V5E;
+    let (lhs, rhs) = inputs(DType::F32, &[&[256, 128], &[2, 128, 128]], 0);
+    let sum_off = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[2], vec![100, 100]), false, &t).unwrap_err();
+    assert_eq!((sum_off.kernel.as_str(), sum_off.rule, sum_off.subject.as_str()), ("gmm", "group-sizes", "operand `group_sizes`"));
+    assert!(sum_off.message.contains("sum to 200") && sum_off.message.contains("256 rows"), "{sum_off}");
+    let negative = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[2], vec![300, -44]), false, &t).unwrap_err();
+    assert_eq!(negative.rule, "group-sizes");
+    let groups_off = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[3], vec![100, 100, 56]), false, &t).unwrap_err();
+    assert_eq!((groups_off.rule, groups_off.subject.as_str()), ("operand-shape", "operand `rhs`"));
+    let bf = Array::zeros(DType::BF16, &[2, 128, 128]);
+    let mixed = gmm::gmm(&lhs, &bf, &Array::from_i32(&[2], vec![128, 128]), false, &t).unwrap_err();
+    assert_eq!(mixed.rule, "operand-dtype");
+    let float_sizes = gmm::gmm(&lhs, &rhs, &Array::zeros(DType::F32, &[2]), false, &t).unwrap_err();
+    assert_eq!(float_sizes.subject, "operand `group_sizes`");
+    let bad_tk = gmm::gmm_with_blocks(&lhs, &rhs, &Array::from_i32(&[2], vec![128, 128]), false, GmmBlocks { tm: 128, tk: 96, tn: 128 }, &t).unwrap_err();
+    assert_eq!(bad_tk.rule, "block-shape");
+    let grad = Array::zeros(DType::F32, &[200, 128]);
+    let rows_off = gmm::tgmm(&lhs, &grad, &Array::from_i32(&[2], vec![128, 128]), &t).unwrap_err();
+    assert_eq!((rows_off.kernel.as_str(), rows_off.subject.as_str()), ("tgmm", "operand `grad`"));
+    let grad = Array::zeros(DType::F32, &[256, 128]);
+    let tsum = gmm::tgmm(&lhs, &grad, &Array::from_i32(&[2], vec![1, 2]), &t).unwrap_err();
+    assert_eq!((tsum.kernel.as_str(), tsum.rule), ("tgmm", "group-sizes"));
+}
+
+#[test]
+fn metadata_stays_within_the_static_visit_bound() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for (m, g, tm) in [(1024, 8, 128), (1000, 6, 256), (100, 3, 100), (4096, 64, 512), (520, 16, 128), (128, 1, 128)] {
+        let cap = visit_capacity(m, g, tm);
+        for _ in 0..50 {
+            let sizes = gmm::random_group_sizes(m, g, &mut rng);
+            assert_eq!(sizes.iter().sum::<i32>() as usize, m);
+            if g >= 3 {
+                assert!(sizes.contains(&0), "{sizes:?}");
+            }
+            for visit_empty in [false, true] {
+                let md = group_metadata(&sizes, m, tm, visit_empty);
+                assert_eq!(md.group.len(), cap);
+                assert!(md.visits <= cap);
+                // Tiles never go back (output windows are revisited only consecutively).
+                assert!(md.tile.windows(2).all(|w| w[0] <= w[1]), "{:?}", md.tile);
+                // Padding repeats the last visit with an empty range and no flags.
+                for v in md.visits..cap {
+                    assert_eq!((md.group[v], md.tile[v]), (md.group[md.visits - 1], md.tile[md.visits - 1]));
+                    assert!(md.row_lo[v] >= md.row_hi[v] && md.first[v] == 0 && md.last[v] == 0);
+                }
+                let groups_seen = md.group[..md.visits].iter().collect::<std::collections::BTreeSet<_>>().len();
+                let nonempty = sizes.iter().filter(|&&s| s > 0).count();
+                assert_eq!(groups_seen, if visit_empty { g } else { nonempty });
+            }
+        }
+    }
+}
+
+/// The default blocks follow the documented rule.
+#[test]
+fn default_blocks() {
+    let b = |t: &Target| gmm::gmm_blocks(4096, 1024, 1024, DType::BF16, t);
+    assert_eq!(b(&Target::V5E), GmmBlocks { tm: 256, tk: 1024, tn: 1024 });
+    assert_eq!(b(&Target::V6E).tm, 512);
+    assert_eq!(b(&Target::TPU7X).tm, 256);
+    assert_eq!(b(&Target::V5P).tm, 128);
+    // Fewer rows than a tile: one full-height tile.
+    assert_eq!(gmm::gmm_blocks(100, 256, 256, DType::F32, &Target::V5E).tm, 100);
+}
+
+/// Large blocks (512 x 1024 x 1024) build, verify with a raised scoped VMEM limit, and,
+/// with the oracle on, compile with libtpu on v5e, v6e and tpu7x.
+#[test]
+fn large_block_gmm_compiles() {
+    let blocks = GmmBlocks { tm: 512, tk: 1024, tn: 1024 };
+    let mut modules = Vec::new();
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        for dtype in DTYPES {
+            let (lhs, rhs, gs) = (Type::vector(dtype, &[4096, 2048]), Type::vector(dtype, &[8, 2048, 2048]), Type::vector(DType::I32, &[8]));
+            for transpose_rhs in [false, true] {
+                let k = gmm::build_gmm(&lhs, &rhs, &gs, transpose_rhs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+                let need = tessera_dsl::verify::vmem_bytes(&k, &target);
+                assert!(need <= tessera_dsl::verify::vmem_limit(&k, &target));
+                let lowered = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{target} {dtype}: {e}"));
+                modules.push((target, format!("gmm-large-{dtype}-t{transpose_rhs}"), lowered.stablehlo));
+            }
+            let grad = Type::vector(dtype, &[4096, 2048]);
+            let k = gmm::build_tgmm(&lhs, &grad, &gs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+            let lowered = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{target} {dtype}: {e}"));
+            modules.push((target, format!("tgmm-large-{dtype}"), lowered.stablehlo));
+        }
+    }
+    if !oracle::enabled() {
+        eprintln!("libtpu part skipped: set TESSERA_TPU_ORACLE=1");
+        return;
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mine: Vec<(String, String)> = modules.iter().filter(|m| m.0 == target).map(|m| (m.1.clone(), m.2.clone())).collect();
+        let verdicts = oracle::compile(&mine, target.name);
+        let rejected: Vec<String> = verdicts.iter().filter(|v| !v.ok).map(|v| format!("{} on {}: {}", v.name, v.target, v.error)).collect();
+        assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
+    }
+}
