@@ -1,0 +1,279 @@
+//! MoE routing ops (`router_topk`, `permute`, `combine`) on the CPU interpreter against
+//! their independent f64 references, in f32 and bf16, on shape sets that cover k = 1, 2,
+//! 4, 8, expert counts that are not powers of two, token counts that are not multiples of
+//! the tiles (partial edge blocks) and experts that receive no tokens; plus the host-side
+//! plan, tie-breaking, the permute -> combine round trip, an MoE-style composition, and
+//! the errors users get for bad parameters.
+
+use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Target};
+use tessera_kernels::harness::{check_output, random_array, run_against_reference};
+use tessera_kernels::routing::{self, reference, Gate, Routing};
+
+const TARGETS: [Target; 2] = [Target::V5E, Target::TPU7X];
+const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+fn library_op(name: &str, sets: &[&[&[usize]]]) {
+    assert!(sets.len() >= 5);
+    let op = tessera_kernels::find(name).unwrap();
+    for dtype in DTYPES {
+        for target in TARGETS {
+            for (i, set) in sets.iter().enumerate() {
+                let shapes: Vec<Vec<usize>> = set.iter().map(|s| s.to_vec()).collect();
+                let r = run_against_reference(op, &shapes, dtype, &target, i as u64).unwrap_or_else(|e| panic!("{name} {shapes:?} {dtype}: {e}"));
+                assert!(r.passed(), "{name} {shapes:?} {dtype} on {target} (grid {:?}): {:?}", r.grid, r.outputs);
+            }
+        }
+    }
+}
+
+/// (T, E, k, gate, normalize): T = 1000 and 300 are not multiples of the 256-row block.
+const ROUTER_CASES: &[(usize, usize, usize, Gate, bool)] = &[
+    (512, 8, 2, Gate::Softmax, true),
+    (1000, 60, 4, Gate::Softmax, false),
+    (37, 6, 1, Gate::Sigmoid, false),
+    (300, 8, 8, Gate::Softmax, true),
+    (96, 128, 8, Gate::Sigmoid, true),
+    (5, 3, 3, Gate::Softmax, false),
+];
+
+#[test]
+fn router_topk_matches_reference() {
+    for dtype in DTYPES {
+        for target in TARGETS {
+            for (n, &(t, e, k, gate, normalize)) in ROUTER_CASES.iter().enumerate() {
+                let mut rng = StdRng::seed_from_u64(n as u64);
+                // Spread the logits so softmax weights are far from uniform.
+                let logits = random_array(DType::F32, &[t, e], &mut rng).to_f32_vec().iter().map(|v| 4.0 * v).collect::<Vec<_>>();
+                let logits = if dtype == DType::BF16 { Array::from_f32_as_bf16(&[t, e], &logits) } else { Array::from_f32(&[t, e], logits) };
+                let (w, ids) = routing::route(&logits, k, gate, normalize, &target).unwrap_or_else(|err| panic!("{t}x{e} k={k}: {err}"));
+                assert_eq!((w.dtype, &w.shape[..], ids.dtype, &ids.shape[..]), (dtype, &[t, k][..], DType::I32, &[t, k][..]));
+                let (want_w, want_ids) = reference::router_topk(&logits.to_f64_vec(), e, k, gate == Gate::Sigmoid, normalize);
+                let want_ids: Vec<f64> = want_ids.into_iter().map(|i| i as f64).collect();
+                let (cw, ci) = (check_output(&w, &want_w), check_output(&ids, &want_ids));
+                assert!(cw.passed() && ci.passed(), "{t}x{e} k={k} {gate:?} normalize={normalize} {dtype} on {target}: weights {cw:?}, ids {ci:?}");
+                if normalize {
+                    for row in w.to_f64_vec().chunks(k) {
+                        assert!((row.iter().sum::<f64>() - 1.0).abs() < 4.0 * harness_tol(dtype), "normalised weights sum to {}", row.iter().sum::<f64>());
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn harness_tol(dtype: DType) -> f64 {
+    tessera_kernels::harness::tolerance(dtype)
+}
+
+#[test]
+fn router_topk_ties_go_to_the_lowest_expert() {
+    let rows: [[f32; 5]; 3] = [
+        [1.0, 3.0, 3.0, 0.0, 3.0],
+        [f32::NEG_INFINITY; 5], // all tied: still k distinct experts
+        [2.0, 2.0, 2.0, 2.0, 2.0],
+    ];
+    let logits = Array::from_f32(&[3, 5], rows.iter().flatten().copied().collect());
+    let (w, ids) = routing::route(&logits, 3, Gate::Softmax, true, &Target::V5E).unwrap();
+    assert_eq!(ids.as_i32().unwrap(), &[1, 2, 4, 0, 1, 2, 0, 1, 2]);
+    let w = w.as_f32().unwrap();
+    assert!(w[..3].iter().all(|&v| (v - 1.0 / 3.0).abs() < 1e-6), "{w:?}");
+    assert!(w[6..].iter().all(|&v| (v - 1.0 / 3.0).abs() < 1e-6), "{w:?}");
+}
+
+#[test]
+fn permute_matches_reference() {
+    // [x: T x D], [expert_ids: T x k]; tiles are 512: T = 1000, T*k = 4000 and D = 640
+    // leave partial edge blocks, and random routings always leave expert 1 empty.
+    library_op(
+        "permute",
+        &[
+            &[&[512, 512], &[512, 2]],
+            &[&[1000, 384], &[1000, 4]],
+            &[&[37, 200], &[37, 1]],
+            &[&[300, 128], &[300, 8]],
+            &[&[128, 640], &[128, 2]],
+            &[&[600, 256], &[600, 1]],
+        ],
+    );
+}
+
+#[test]
+fn combine_matches_reference() {
+    // [y: T*k x D], [weights: T x k], [expert_ids: T x k].
+    library_op(
+        "combine",
+        &[
+            &[&[1024, 512], &[512, 2], &[512, 2]],
+            &[&[4000, 384], &[1000, 4], &[1000, 4]],
+            &[&[37, 200], &[37, 1], &[37, 1]],
+            &[&[2400, 128], &[300, 8], &[300, 8]],
+            &[&[256, 640], &[128, 2], &[128, 2]],
+            &[&[600, 256], &[600, 1], &[600, 1]],
+        ],
+    );
+}
+
+#[test]
+fn router_topk_library_entry_matches_reference() {
+    library_op("router_topk", &[&[&[512, 8]], &[&[1000, 60]], &[&[37, 6]], &[&[300, 128]], &[&[8, 2]]]);
+}
+
+#[test]
+fn plan_sorts_stably_by_expert_and_counts_empty_groups() {
+    // T = 4, k = 2, E = 6: experts 1, 4 and 5 get nothing.
+    let ids = Array::from_i32(&[4, 2], vec![3, 0, 0, 2, 3, 2, 0, 3]);
+    let r = routing::plan(&ids, 6).unwrap();
+    assert_eq!(r.group_sizes, vec![3, 0, 2, 3, 0, 0]);
+    // Sorted pairs (t*k + j): expert 0: 1, 2, 6; expert 2: 3, 5; expert 3: 0, 4, 7.
+    assert_eq!(r.src, vec![0, 1, 3, 1, 2, 0, 2, 3]);
+    assert_eq!(r.pos, vec![5, 0, 1, 3, 6, 4, 2, 7]);
+    let order = reference::sorted_order(&[3, 0, 0, 2, 3, 2, 0, 3]);
+    for (row, n) in order.into_iter().enumerate() {
+        assert_eq!(r.pos[n] as usize, row);
+    }
+}
+
+#[test]
+fn plan_rejects_out_of_range_ids() {
+    let ids = Array::from_i32(&[2, 2], vec![0, 1, 7, 2]);
+    let e = routing::plan(&ids, 4).unwrap_err();
+    assert_eq!(e.rule, "expert-id-range");
+    assert!(e.message.contains("token 1 slot 0") && e.message.contains("expert 7"), "{e}");
+    let e = routing::plan(&Array::from_f32(&[2, 2], vec![0.0; 4]), 4).unwrap_err();
+    assert_eq!(e.rule, "operand-shape");
+}
+
+#[test]
+fn permute_then_combine_is_the_identity() {
+    for dtype in DTYPES {
+        for &(t, d, k) in &[(37usize, 200usize, 1usize), (600, 256, 2), (300, 128, 4)] {
+            let mut rng = StdRng::seed_from_u64(t as u64);
+            let x = random_array(dtype, &[t, d], &mut rng);
+            let ids = routing::random_expert_ids(t, k, &mut rng);
+            let r = routing::plan(&ids, routing::random_routing_experts(k)).unwrap();
+            assert_eq!(r.group_sizes[1], 0, "expert 1 receives no tokens");
+            let xs = routing::permute(&x, &r, &Target::V6E).unwrap();
+            // Weights 1/k are exact in bf16, and so is the f32 sum of k halves/quarters.
+            let w = random_array(dtype, &[t, k], &mut rng);
+            let w = Array { data: filled(&w, 1.0 / k as f32), ..w };
+            let back = routing::combine(&xs, &w, &r, &Target::V6E).unwrap();
+            assert_eq!(back, x, "{t}x{d} k={k} {dtype}");
+        }
+    }
+}
+
+fn filled(like: &Array, v: f32) -> tessera_dsl::interp::Data {
+    let n = like.len();
+    match like.dtype {
+        DType::BF16 => Array::from_f32_as_bf16(&[n], &vec![v; n]).data,
+        _ => Array::from_f32(&[n], vec![v; n]).data,
+    }
+}
+
+#[test]
+fn moe_layer_composition_matches_a_direct_loop() {
+    // route -> plan -> permute -> per-expert scale (a stand-in for gmm) -> combine, with
+    // experts 2 and 5 of 7 never chosen.
+    let (t, e, d, k) = (300usize, 7usize, 256usize, 2usize);
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut logits = random_array(DType::F32, &[t, e], &mut rng).to_f32_vec();
+    for row in logits.chunks_mut(e) {
+        row[2] = -10.0;
+        row[5] = -10.0;
+    }
+    let logits = Array::from_f32(&[t, e], logits);
+    let x = random_array(DType::F32, &[t, d], &mut rng);
+    let target = Target::V5E;
+    let (w, ids) = routing::route(&logits, k, Gate::Softmax, true, &target).unwrap();
+    let r: Routing = routing::plan(&ids, e).unwrap();
+    assert_eq!((r.group_sizes[2], r.group_sizes[5]), (0, 0));
+    assert_eq!(r.group_sizes.iter().sum::<i32>() as usize, t * k);
+    let xs = routing::permute(&x, &r, &target).unwrap().to_f32_vec();
+    // Expert `g` multiplies by (g + 1): walk the groups in sorted order.
+    let mut ys = Vec::with_capacity(xs.len());
+    let mut rows = xs.chunks(d);
+    for (g, &size) in r.group_sizes.iter().enumerate() {
+        for row in rows.by_ref().take(size as usize) {
+            ys.extend(row.iter().map(|v| v * (g + 1) as f32));
+        }
+    }
+    let out = routing::combine(&Array::from_f32(&[t * k, d], ys), &w, &r, &target).unwrap();
+    let (wv, iv, xv) = (w.to_f64_vec(), ids.as_i32().unwrap(), x.to_f64_vec());
+    let mut want = vec![0.0; t * d];
+    for tok in 0..t {
+        for j in 0..k {
+            let scale = wv[tok * k + j] * (iv[tok * k + j] + 1) as f64;
+            for c in 0..d {
+                want[tok * d + c] += scale * xv[tok * d + c];
+            }
+        }
+    }
+    let check = check_output(&out, &want);
+    assert!(check.passed(), "{check:?}");
+}
+
+#[test]
+fn bad_parameters_are_errors_not_panics() {
+    let logits = Array::from_f32(&[16, 4], vec![0.0; 64]);
+    for k in [0, 5, 9] {
+        let e = routing::route(&logits, k, Gate::Softmax, true, &Target::V5E).unwrap_err();
+        assert_eq!((e.kernel.as_str(), e.rule), ("router_topk", "top-k"), "{e}");
+    }
+    let e = routing::route(&Array::from_i32(&[16, 4], vec![0; 64]), 2, Gate::Softmax, true, &Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "operand-dtype");
+    let r = routing::plan(&Array::from_i32(&[4, 2], vec![0, 1, 1, 0, 2, 0, 1, 2]), 3).unwrap();
+    let e = routing::permute(&Array::from_f32(&[5, 128], vec![0.0; 640]), &r, &Target::V5E).unwrap_err();
+    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "routing-shape"), "{e}");
+    let y = Array::from_f32(&[8, 128], vec![0.0; 1024]);
+    let e = routing::combine(&y, &Array::from_f32(&[4, 3], vec![0.0; 12]), &r, &Target::V5E).unwrap_err();
+    assert_eq!((e.kernel.as_str(), e.rule), ("combine", "routing-shape"), "{e}");
+    // The library entry derives E from the ids; a negative id is an error too.
+    let op = tessera_kernels::find("permute").unwrap();
+    let e = (op.run)(&[Array::from_f32(&[2, 128], vec![0.0; 256]), Array::from_i32(&[2, 1], vec![0, -1])], &Target::V5E).unwrap_err();
+    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "expert-id-range"), "{e}");
+}
+
+#[test]
+fn routing_kernels_verify_on_every_generation() {
+    for target in Target::ALL {
+        for dtype in DTYPES {
+            let x = tessera_dsl::Type::vector(dtype, &[1000, 640]);
+            let k = routing::router_topk(&tessera_dsl::Type::vector(dtype, &[1000, 60]), 8, Gate::Sigmoid, true, &target).unwrap();
+            tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+            let k = routing::permute_for(&x, 4000, &target).unwrap();
+            tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+            let w = tessera_dsl::Type::vector(dtype, &[1000, 4]);
+            let p = tessera_dsl::Type::vector(DType::I32, &[1000, 4]);
+            let k = routing::combine_for(&w, &p, &tessera_dsl::Type::vector(dtype, &[4000, 640]), &target).unwrap();
+            tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn libtpu_compiles_router_variants_and_ragged_tiles() {
+    if !tessera_tests::oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    use tessera_dsl::Type;
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mut modules = Vec::new();
+        for dtype in DTYPES {
+            for &(t, e, k, gate, normalize) in ROUTER_CASES {
+                let kernel = routing::router_topk(&Type::vector(dtype, &[t, e]), k, gate, normalize, &target).unwrap();
+                modules.push((format!("router_{t}x{e}_k{k}_{gate:?}_{normalize}_{dtype}"), kernel));
+            }
+            // D = 640 and T = 37 / 600: partial D tiles and token tiles.
+            modules.push((format!("permute_37x640_k1_{dtype}"), routing::permute_for(&Type::vector(dtype, &[37, 640]), 37, &target).unwrap()));
+            let (w, p) = (Type::vector(dtype, &[600, 8]), Type::vector(DType::I32, &[600, 8]));
+            modules.push((format!("combine_600x640_k8_{dtype}"), routing::combine_for(&w, &p, &Type::vector(dtype, &[4800, 640]), &target).unwrap()));
+        }
+        let modules: Vec<(String, String)> = modules.into_iter().map(|(n, k)| (n, tessera_codegen::lower(&k, &target).unwrap().stablehlo)).collect();
+        for v in tessera_tests::oracle::compile(&modules, target.name) {
+            assert!(v.ok, "{} on {}: {}", v.name, v.target, v.error);
+        }
+    }
+}
