@@ -96,3 +96,25 @@ fn layout(rank: usize) -> String {
         }
     }
 }
+
+/// Where the base64 Mosaic body sits inside an emitted module's `backend_config`.
+fn body_range(module: &str) -> Option<std::ops::Range<usize>> {
+    const KEY: &str = "\\22body\\22: \\22";
+    let start = module.find(KEY)? + KEY.len();
+    let len = module[start..].find("\\22")?;
+    Some(start..start + len)
+}
+
+/// The Mosaic text carried by an emitted StableHLO module (for tools and tests).
+pub fn decode_body(module: &str) -> Option<String> {
+    use base64::Engine;
+    let b64 = &module[body_range(module)?];
+    String::from_utf8(base64::engine::general_purpose::STANDARD.decode(b64).ok()?).ok()
+}
+
+/// The module with its base64 body replaced by a short note, for snapshots and reading:
+/// the body is the Mosaic text, which is snapshotted on its own.
+pub fn redact_body(module: &str) -> Option<String> {
+    let r = body_range(module)?;
+    Some(format!("{}<base64 of the Mosaic text, {} bytes>{}", &module[..r.start], r.len(), &module[r.end..]))
+}

@@ -3,19 +3,14 @@
 
 mod common;
 
-use base64::Engine;
-use tessera_codegen::lower;
+use tessera_codegen::{lower, stablehlo};
 use tessera_dsl::Target;
 
-/// The StableHLO text with the base64 body replaced by a note (the body is the Mosaic
-/// snapshot; the test checks that it decodes to exactly that).
+/// The StableHLO text with the base64 body replaced by a note, after checking that the
+/// body decodes to exactly the Mosaic snapshot.
 fn redact_body(stablehlo: &str, mosaic: &str) -> String {
-    let start = stablehlo.find("\\22body\\22: \\22").expect("body field") + "\\22body\\22: \\22".len();
-    let len = stablehlo[start..].find("\\22").unwrap();
-    let b64 = &stablehlo[start..start + len];
-    let decoded = base64::engine::general_purpose::STANDARD.decode(b64).unwrap();
-    assert_eq!(String::from_utf8(decoded).unwrap(), mosaic, "body must be the base64 of the Mosaic text");
-    format!("{}<base64 of the mosaic snapshot, {} bytes>{}", &stablehlo[..start], b64.len(), &stablehlo[start + len..])
+    assert_eq!(stablehlo::decode_body(stablehlo).as_deref(), Some(mosaic), "body must be the base64 of the Mosaic text");
+    stablehlo::redact_body(stablehlo).unwrap()
 }
 
 macro_rules! snap {
