@@ -489,6 +489,32 @@ pub const OPS: &[LibraryKernel] = &[
         },
     },
     LibraryKernel {
+        name: "cross_entropy_with_grad",
+        summary: "the training step's loss op: cross_entropy then cross_entropy_bwd with dloss = 1, giving per-token loss and the logit gradient; never holds the [t, v] probabilities",
+        signature: "cross_entropy_with_grad(logits: [t, v], labels: i32[t]) -> (loss: f32[t], dlogits: [t, v])",
+        inputs: CE_INPUTS,
+        alt_shapes: &[&[300, 50257], &[300]],
+        build: |t, target| {
+            arity("cross_entropy_with_grad", t.len(), 2)?;
+            Ok(vec![build_cross_entropy(&t[0], target)?, build_cross_entropy_bwd(&t[0], DType::F32, DType::F32, target)?])
+        },
+        run: |a, target| {
+            arity("cross_entropy_with_grad", a.len(), 2)?;
+            let (loss, lse) = cross_entropy(&a[0], &a[1], target)?;
+            let ones = Array::from_f32(&[a[0].shape[0]], vec![1.0; a[0].shape[0]]);
+            let dlogits = cross_entropy_bwd(&a[0], &a[1], &lse, &ones, target)?;
+            Ok(vec![loss, dlogits])
+        },
+        random_inputs: ce_inputs,
+        reference: |a| {
+            let labels = labels_of(&a[1]);
+            let v = a[0].shape[1];
+            let logits = a[0].to_f64_vec();
+            let (loss, _) = reference::cross_entropy(&logits, &labels, v);
+            vec![loss, reference::cross_entropy_bwd(&logits, &labels, &vec![1.0; a[0].shape[0]], v)]
+        },
+    },
+    LibraryKernel {
         name: "cross_entropy_bwd",
         summary: "gradient of cross_entropy: dlogits = (softmax - onehot(label)) * dloss by vocab tiles, softmax recomputed from lse",
         signature: "cross_entropy_bwd(logits: [t, v], labels: i32[t], lse: [t, 1], dloss: [t]) -> [t, v]",
