@@ -74,6 +74,11 @@ fn cross_entropy_bwd() {
 
 /// The chunk rule: lane-aligned chunks of whole heads, else the whole row.
 #[test]
+fn cross_entropy_with_grad() {
+    fixed(find("cross_entropy_with_grad").unwrap(), &ce_sets(false));
+}
+
+#[test]
 fn rope_chunks() {
     assert_eq!(rope_ce::rope_chunk(8 * 128, 128), 128);
     assert_eq!(rope_ce::rope_chunk(8 * 64, 64), 128);
