@@ -262,6 +262,17 @@ impl Lower<'_> {
                 self.for_loop(&d.results, *lo, *hi, *step, init, *body)?;
                 None
             }
+            Inst::DmaStart { src, dst, sem, sem_index } => {
+                let (s, d, m) = self.dma_operands(src, dst, *sem, *sem_index);
+                let attrs = "operandSegmentSizes = array<i32: 1, 0, 1, 1, 0, 0>, priority = 0 : i32, strict_ordering = false";
+                self.t.op0("tpu.enqueue_dma", &[&s, &d, &m], attrs);
+                None
+            }
+            Inst::DmaWait { src, dst, sem, sem_index } => {
+                let (s, d, m) = self.dma_operands(src, dst, *sem, *sem_index);
+                self.t.op0("tpu.wait_dma2", &[&m, &s, &d], "operandSegmentSizes = array<i32: 1, 1, 1, 0, 0>, strict_ordering = false");
+                None
+            }
             Inst::Yield(vals) => {
                 let vs: Vec<Ssa> = vals.iter().map(|&v| self.v(v)).collect();
                 let refs: Vec<&Ssa> = vs.iter().collect();
@@ -345,6 +356,66 @@ impl Lower<'_> {
             loaded
         } else {
             self.t.op1("vector.shape_cast", &[&loaded], "", vector_ty(r.dtype, &view))
+        }
+    }
+
+    /// The memrefs a DMA names (source, destination, one semaphore), as Pallas builds them:
+    /// `tpu.memref_slice` at i32 offsets, then `tpu.memref_squeeze` of the leading 1s that
+    /// make one side's rank exceed the other's (integer indices such as `buf[slot]`).
+    fn dma_operands(&mut self, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value) -> (Ssa, Ssa, Ssa) {
+        let (ss, ds) = (self.memref_box(src), self.memref_box(dst));
+        let rank = ss.len().min(ds.len());
+        let s = self.dma_side(src, &ss[ss.len() - rank..]);
+        let d = self.dma_side(dst, &ds[ds.len() - rank..]);
+        let r = self.k.ref_decl(sem).clone();
+        let mem = self.refs[sem.index()].clone();
+        let i = self.v(sem_index);
+        let one = self.t.op1("tpu.memref_slice", &[&mem, &i], "operandSegmentSizes = array<i32: 1, 1, 0>", memref_ty(r.dtype, &[1], r.memory));
+        let m = self.t.op1("tpu.memref_squeeze", &[&one], "", memref_ty(r.dtype, &[], r.memory));
+        (s, d, m)
+    }
+
+    /// The shape of a DMA side over the whole memref (squeezed block dims as 1).
+    fn memref_box(&self, dr: &DmaRef) -> Vec<usize> {
+        let r = self.k.ref_decl(dr.r);
+        let mut lens = dr.slices.iter().map(|s| s.len);
+        match &r.block {
+            Some(b) => b.block_shape.iter().map(|d| if d.is_none() { 1 } else { lens.next().unwrap_or(1) }).collect(),
+            None => lens.collect(),
+        }
+    }
+
+    /// `ref[slices]` as a memref of `shape` (the slice box without leading 1s to drop).
+    fn dma_side(&mut self, dr: &DmaRef, shape: &[usize]) -> Ssa {
+        let r = self.k.ref_decl(dr.r).clone();
+        let mem = self.refs[dr.r.index()].clone();
+        let lens = self.memref_box(dr);
+        let squeezed: Vec<bool> = match &r.block {
+            Some(b) => b.block_shape.iter().map(|d| d.is_none()).collect(),
+            None => vec![false; r.shape.len()],
+        };
+        let whole = lens == r.window() && dr.slices.iter().all(|s| self.k.as_const(s.start) == Some(Scalar::Int(0)));
+        let sliced = if whole {
+            mem
+        } else {
+            let mut starts = Vec::with_capacity(lens.len());
+            let mut sl = dr.slices.iter();
+            for sq in squeezed {
+                let v = if sq { None } else { sl.next().map(|s| s.start) };
+                starts.push(match v {
+                    Some(v) => self.v(v),
+                    None => self.const_i32(0),
+                });
+            }
+            let mut ops = vec![&mem];
+            ops.extend(starts.iter());
+            let attrs = format!("operandSegmentSizes = {}", dense_array("i32", [1, starts.len() as i64, 0]));
+            self.t.op1("tpu.memref_slice", &ops, &attrs, memref_ty(r.dtype, &lens, r.memory))
+        };
+        if lens == shape {
+            sliced
+        } else {
+            self.t.op1("tpu.memref_squeeze", &[&sliced], "", memref_ty(r.dtype, shape, r.memory))
         }
     }
 

@@ -110,8 +110,14 @@ pub(crate) fn vector_ty(dtype: DType, shape: &[usize]) -> String {
     format!("vector<{}>", shaped(dtype, shape))
 }
 
+/// A memref type; in semaphore memory the element is `!tpu.dma_semaphore` whatever `dtype`.
 pub(crate) fn memref_ty(dtype: DType, shape: &[usize], memory: MemorySpace) -> String {
-    format!("memref<{}, #tpu.memory_space<{}>>", shaped(dtype, shape), memory.name())
+    let elems = if memory == MemorySpace::Semaphore {
+        shape.iter().map(|d| format!("{d}x")).collect::<String>() + "!tpu.dma_semaphore"
+    } else {
+        shaped(dtype, shape)
+    };
+    format!("memref<{elems}, #tpu.memory_space<{}>>", memory.name())
 }
 
 /// `8x128xf32`; a rank-0 shape is just the element type.
@@ -203,6 +209,8 @@ mod tests {
     fn types() {
         assert_eq!(vector_ty(DType::F32, &[8, 128]), "vector<8x128xf32>");
         assert_eq!(memref_ty(DType::I32, &[4], MemorySpace::Smem), "memref<4xi32, #tpu.memory_space<smem>>");
+        assert_eq!(memref_ty(DType::I32, &[2], MemorySpace::Semaphore), "memref<2x!tpu.dma_semaphore, #tpu.memory_space<semaphore_mem>>");
+        assert_eq!(memref_ty(DType::I32, &[], MemorySpace::Semaphore), "memref<!tpu.dma_semaphore, #tpu.memory_space<semaphore_mem>>");
         assert_eq!(symbol("a.b"), "@a.b");
         assert_eq!(symbol("1x"), "@\"1x\"");
     }

@@ -31,6 +31,7 @@ snap!(softmax_bf16);
 snap!(prefetch_loop);
 snap!(op_zoo);
 snap!(unblocked_operands);
+snap!(dma_double_buffer);
 
 #[test]
 fn matmul_cost() {

@@ -161,6 +161,11 @@ impl KernelBuilder {
         self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype, shape: shape.to_vec(), memory, block: None })
     }
 
+    /// `n` DMA semaphores (Pallas `SemaphoreType.DMA((n,))`), a scratch operand.
+    pub fn semaphores(&mut self, name: &str, n: usize) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype: DType::I32, shape: vec![n], memory: MemorySpace::Semaphore, block: None })
+    }
+
     pub fn ref_decl(&self, r: RefId) -> &RefDecl {
         self.k.ref_decl(r)
     }
@@ -283,6 +288,15 @@ impl KernelBuilder {
 
     fn slices(&mut self, r: RefId, what: &str, index: &[Index]) -> Option<Vec<Slice>> {
         let decl = self.k.ref_decl(r).clone();
+        if decl.memory == MemorySpace::Semaphore {
+            self.fail(
+                format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
+                "semaphore-access",
+                "DMA semaphores cannot be loaded, stored or copied",
+                "name the semaphore as the last argument of dma_start / dma_wait",
+            );
+            return None;
+        }
         let view = decl.view();
         if index.len() != view.len() && !index.is_empty() {
             self.fail(
@@ -368,6 +382,76 @@ impl KernelBuilder {
             }
         }
         self.push(Inst::Store { dst: r, slices, value }, vec![]);
+    }
+
+    // ---- async copies ----------------------------------------------------------------------
+
+    /// Starts the async copy `src[src_index] -> dst[dst_index]` (an index may name a prefix
+    /// of the dims; the rest are whole), signalling `sem[sem_index]`
+    /// on completion (Pallas `make_async_copy(src.at[..], dst.at[..], sem.at[i]).start()`).
+    /// The destination must not be read until [`KernelBuilder::dma_wait`] with the same
+    /// descriptor.
+    pub fn dma_start(&mut self, src: RefId, src_index: &[Index], dst: RefId, dst_index: &[Index], sem: RefId, sem_index: impl Into<Arg>) {
+        if let Some((src, dst, sem_index)) = self.dma_descriptor("dma_start", src, src_index, dst, dst_index, sem, sem_index.into()) {
+            self.push(Inst::DmaStart { src, dst, sem, sem_index }, vec![]);
+        }
+    }
+
+    /// Waits until the copy described by the same arguments as its [`KernelBuilder::dma_start`]
+    /// has landed in `dst` (Pallas `.wait()`).
+    pub fn dma_wait(&mut self, src: RefId, src_index: &[Index], dst: RefId, dst_index: &[Index], sem: RefId, sem_index: impl Into<Arg>) {
+        if let Some((src, dst, sem_index)) = self.dma_descriptor("dma_wait", src, src_index, dst, dst_index, sem, sem_index.into()) {
+            self.push(Inst::DmaWait { src, dst, sem, sem_index }, vec![]);
+        }
+    }
+
+    /// Checks and lowers a copy descriptor: slices in bounds, same dtype, same box shape
+    /// (up to leading 1s), a writable destination, and one semaphore of a semaphore array.
+    #[allow(clippy::too_many_arguments)]
+    fn dma_descriptor(&mut self, what: &str, src: RefId, src_index: &[Index], dst: RefId, dst_index: &[Index], sem: RefId, sem_index: Arg) -> Option<(DmaRef, DmaRef, Value)> {
+        let (sd, dd, sem_decl) = (self.k.ref_decl(src).clone(), self.k.ref_decl(dst).clone(), self.k.ref_decl(sem).clone());
+        let subject = format!("{what} `{}` -> `{}`", sd.name, dd.name);
+        if sem_decl.memory != MemorySpace::Semaphore {
+            self.fail(
+                &subject,
+                "dma-semaphore",
+                format!("{} `{}` is not a DMA semaphore array", sem_decl.kind.name(), sem_decl.name),
+                "declare semaphores with `semaphores(n)` and pass one of them, e.g. `sem[slot]`",
+            );
+            return None;
+        }
+        if matches!(dd.kind, RefKind::Input | RefKind::Prefetch) {
+            self.fail(&subject, "dma-destination", format!("the destination is {} `{}`, which is read-only", dd.kind.name(), dd.name), "copy into a scratch buffer or an output");
+        }
+        if sd.dtype != dd.dtype {
+            self.fail(&subject, "dma-dtype", format!("copying {} into {}", sd.dtype, dd.dtype), "DMA copies bytes as they are: make source and destination the same dtype (cast after the copy)");
+        }
+        // As with Pallas' `ref.at[i]`, trailing dims left out are taken whole.
+        let pad = |index: &[Index], rank: usize| -> Vec<Index> { index.iter().copied().chain(std::iter::repeat(Index::Full)).take(rank.max(index.len())).collect() };
+        let src_slices = self.slices(src, what, &pad(src_index, sd.view().len()))?;
+        let dst_slices = self.slices(dst, what, &pad(dst_index, dd.view().len()))?;
+        let (src, dst) = (DmaRef { r: src, slices: src_slices }, DmaRef { r: dst, slices: dst_slices });
+        let (ss, ds) = (src.shape(), dst.shape());
+        if dma_box(&ss) != dma_box(&ds) {
+            self.fail(
+                &subject,
+                "dma-shape",
+                format!("the source slice is {ss:?} and the destination slice {ds:?}"),
+                "copy boxes of the same shape (leading size-1 dims are ignored, so `buf[slot]` matches `x[page]`)",
+            );
+        }
+        let sem_index = self.lift(sem_index, Some(DType::I32));
+        if self.ty(sem_index) != &Type::scalar(DType::I32) {
+            let t = self.ty(sem_index).clone();
+            self.fail(&subject, "index-type", format!("the semaphore index has type {t}"), "semaphore indices are i32 scalars");
+        }
+        let count: usize = sem_decl.shape.iter().product();
+        if let Some(Scalar::Int(i)) = self.k.as_const(sem_index) {
+            if i < 0 || i as usize >= count {
+                self.fail(&subject, "static-out-of-bounds", format!("semaphore {i} of `{}`, which has {count}", sem_decl.name), "use a semaphore index below the array's length");
+            }
+        }
+        Some((src, dst, sem_index))
     }
 
     // ---- elementwise -----------------------------------------------------------------------

@@ -13,6 +13,21 @@
 //! - Poison is NaN for floats, `MIN` for integers and `false` for bools, so a kernel
 //!   that reads an output before writing it, or never writes a block, produces NaN.
 //! - Scratch buffers persist across grid steps and start poisoned.
+//! - Async copies (`dma_start` / `dma_wait`) are simulated so that a missing or wrong wait
+//!   fails loudly instead of passing by luck:
+//!   - `dma_start` reads the source box *at start* (the snapshot is what lands; a DMA
+//!     engine may read its source any time before completion, so writing the source while
+//!     the copy is in flight is a race whose outcome the kernel must not rely on), poisons
+//!     the destination box at once, and records the copy as pending on its semaphore;
+//!   - `dma_wait` on a semaphore completes its oldest pending copy (semaphores count, and
+//!     completion order on one semaphore is issue order here), writing the snapshot into
+//!     the destination. A wait with nothing pending is `dma-wait-without-start`; a wait
+//!     whose descriptor moves a different number of bytes than the copy it completes is
+//!     `dma-wait-mismatch`;
+//!   - so reading a destination before its wait reads poison (NaN), and a copy never
+//!     waited for is `dma-unwaited`: at the end of the kernel always, and at the end of a
+//!     grid step unless every grid dim is `arbitrary` (only then do consecutive steps run on
+//!     one core in order, which cross-step prefetching relies on).
 //! - Unblocked operands (no block spec) are seen whole by the kernel.
 //! - A block that extends past the end of the array (array dim not a multiple of the
 //!   block dim, which the verifier rejects but Pallas allows) is read with poison
@@ -339,6 +354,22 @@ struct Machine<'k> {
     blocked: Vec<Blocked>,
     grid: Vec<usize>,
     stats: RunStats,
+    /// Async copies started and not yet waited for, in issue order.
+    dmas: Vec<PendingDma>,
+}
+
+/// An async copy in flight (see the module docs).
+struct PendingDma {
+    /// The semaphore array and the semaphore in it.
+    sem: (RefId, usize),
+    /// The source box, read when the copy started.
+    data: Buf,
+    dst: RefId,
+    origin: Vec<usize>,
+    lens: Vec<usize>,
+    bytes: usize,
+    /// `dma_start` at ...: where it was issued, for errors.
+    issued: String,
 }
 
 fn row_major_strides(shape: &[usize]) -> Vec<usize> {
@@ -547,7 +578,7 @@ impl<'k> Machine<'k> {
     }
 
     fn new(k: &'k Kernel, args: &[&Array]) -> Result<Self> {
-        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default() };
+        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new() };
         let expected = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).count();
         if args.len() != expected {
             let names: Vec<&str> = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).map(|r| r.name.as_str()).collect();
@@ -641,6 +672,10 @@ impl<'k> Machine<'k> {
             let yielded = self.exec_block(k.body)?;
             debug_assert!(yielded.is_empty());
             self.stats.grid_steps += 1;
+            let sequential = k.grid.iter().all(|g| g.semantics == crate::types::Semantics::Arbitrary);
+            if !sequential || step + 1 == steps {
+                self.check_no_pending_dma(step + 1 == steps)?;
+            }
         }
         // The end of the grid flushes every output window still resident.
         for i in 0..self.blocked.len() {
@@ -805,6 +840,8 @@ impl<'k> Machine<'k> {
             match &d.inst {
                 Inst::Yield(vs) => return vs.iter().map(|&v| self.get(v, d)).collect(),
                 Inst::Store { dst, slices, value } => self.store(d, *dst, slices, *value)?,
+                Inst::DmaStart { src, dst, sem, sem_index } => self.dma_start(d, src, dst, *sem, *sem_index)?,
+                Inst::DmaWait { src, dst, sem, sem_index } => self.dma_wait(d, src, dst, *sem, *sem_index)?,
                 Inst::If { cond, then_block, else_block } => {
                     let taken = if self.scalar_bool(*cond, d)? { *then_block } else { *else_block };
                     let outs = self.exec_block(taken)?;
@@ -871,11 +908,16 @@ impl<'k> Machine<'k> {
                 .err(&subject, "hbm-direct-access", "the operand stays in HBM (memory space ANY) and cannot be loaded or stored directly", "copy it into VMEM scratch with a DMA")
                 .at(d.loc.clone()));
         };
-        if slices.len() != mem.view.len() {
-            return Err(self.malformed(d, format!("{} slices for a view of rank {}", slices.len(), mem.view.len())));
+        self.eval_box(d, subject, &mem.view, slices)
+    }
+
+    /// Evaluates slice starts against `view`; returns the box origin and shape.
+    fn eval_box(&self, d: &InstData, subject: String, view: &[usize], slices: &[Slice]) -> Result<(Vec<usize>, Vec<usize>)> {
+        if slices.len() != view.len() {
+            return Err(self.malformed(d, format!("{} slices for a view of rank {}", slices.len(), view.len())));
         }
         let mut origin = Vec::with_capacity(slices.len());
-        for (dim, (s, &extent)) in slices.iter().zip(&mem.view).enumerate() {
+        for (dim, (s, &extent)) in slices.iter().zip(view).enumerate() {
             let start = self.scalar_i32(s.start, d)? as i64;
             if start < 0 || start + s.len as i64 > extent as i64 {
                 return Err(self
@@ -890,6 +932,115 @@ impl<'k> Machine<'k> {
             origin.push(start as usize);
         }
         Ok((origin, slices.iter().map(|s| s.len).collect()))
+    }
+
+    // ---- async copies ----
+
+    /// The memory a DMA side reads or writes: the window / whole array of a VMEM or SMEM
+    /// ref, or the HBM array of an ANY operand; with the shape it is laid out in.
+    fn dma_mem(&mut self, r: RefId) -> Option<(&mut Buf, Vec<usize>)> {
+        if let Some(mem) = self.mems.get_mut(r.index())?.as_mut() {
+            return Some((&mut mem.buf, mem.view.clone()));
+        }
+        let shape = self.k.refs.get(r.index())?.shape.clone();
+        let b = self.blocked.iter_mut().find(|b| b.r == r)?;
+        Some((&mut b.array, shape))
+    }
+
+    fn dma_side_box(&mut self, d: &InstData, side: &str, dr: &DmaRef) -> Result<(Vec<usize>, Vec<usize>)> {
+        let decl = self.k.refs.get(dr.r.index()).ok_or_else(|| self.malformed(d, format!("{} does not exist", dr.r)))?;
+        let subject = format!("DMA {side} {} `{}`", decl.kind.name(), decl.name);
+        let Some((_, view)) = self.dma_mem(dr.r) else { return Err(self.malformed(d, format!("{} has no memory", dr.r))) };
+        self.eval_box(d, subject, &view, &dr.slices)
+    }
+
+    /// The semaphore `sem[index]`, checked against the array.
+    fn semaphore(&self, d: &InstData, sem: RefId, index: Value) -> Result<(RefId, usize)> {
+        let decl = self.k.refs.get(sem.index()).ok_or_else(|| self.malformed(d, format!("{sem} does not exist")))?;
+        if decl.memory != MemorySpace::Semaphore {
+            return Err(self.malformed(d, format!("`{}` is not a semaphore array", decl.name)));
+        }
+        let i = self.scalar_i32(index, d)?;
+        let n: usize = decl.shape.iter().product();
+        if i < 0 || i as usize >= n {
+            return Err(self
+                .err(format!("semaphore `{}`", decl.name), "slice-out-of-bounds", format!("at grid step {:?}: semaphore {i} of an array of {n}", self.grid), "keep semaphore indices inside the array")
+                .at(d.loc.clone()));
+        }
+        Ok((sem, i as usize))
+    }
+
+    fn sem_name(&self, sem: (RefId, usize)) -> String {
+        format!("`{}[{}]`", self.k.refs[sem.0.index()].name, sem.1)
+    }
+
+    fn dma_start(&mut self, d: &InstData, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value) -> Result<()> {
+        let sem = self.semaphore(d, sem, sem_index)?;
+        let (src_origin, src_lens) = self.dma_side_box(d, "source", src)?;
+        let (origin, lens) = self.dma_side_box(d, "destination", dst)?;
+        if dma_box(&src_lens) != dma_box(&lens) {
+            return Err(self.malformed(d, format!("copying a {src_lens:?} box into a {lens:?} box")));
+        }
+        let dtype = self.k.refs[dst.r.index()].dtype;
+        let count: usize = lens.iter().product();
+        let mut data = Buf::poison(dtype, count);
+        let (buf, shape) = self.dma_mem(src.r).expect("checked by dma_side_box");
+        if !copy_box_buf(buf, &shape, &src_origin, &mut data, &src_lens, &vec![0; src_lens.len()], &src_lens) {
+            return Err(self.malformed(d, "source and destination dtypes differ"));
+        }
+        // In flight: the destination holds garbage until the wait.
+        let poison = Buf::poison(dtype, count);
+        let (buf, shape) = self.dma_mem(dst.r).expect("checked by dma_side_box");
+        copy_box_buf(&poison, &lens, &vec![0; lens.len()], buf, &shape, &origin, &lens);
+        let issued = d.loc.as_ref().map_or_else(|| "dma_start".to_string(), |l| format!("dma_start at {l}"));
+        let bytes = count * dtype.bytes();
+        self.dmas.push(PendingDma { sem, data, dst: dst.r, origin, lens, bytes, issued });
+        Ok(())
+    }
+
+    fn dma_wait(&mut self, d: &InstData, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value) -> Result<()> {
+        let sem = self.semaphore(d, sem, sem_index)?;
+        let (_, lens) = self.dma_side_box(d, "destination", dst)?;
+        self.dma_side_box(d, "source", src)?;
+        let bytes = lens.iter().product::<usize>() * self.k.refs[dst.r.index()].dtype.bytes();
+        let Some(pos) = self.dmas.iter().position(|p| p.sem == sem) else {
+            return Err(self
+                .err(
+                    format!("semaphore {}", self.sem_name(sem)),
+                    "dma-wait-without-start",
+                    format!("at grid step {:?} a dma_wait finds no copy in flight on this semaphore", self.grid),
+                    "start the copy (dma_start with the same semaphore) before waiting for it; on a TPU this wait would hang",
+                )
+                .at(d.loc.clone()));
+        };
+        if self.dmas[pos].bytes != bytes {
+            let p = &self.dmas[pos];
+            return Err(self
+                .err(
+                    format!("semaphore {}", self.sem_name(sem)),
+                    "dma-wait-mismatch",
+                    format!("at grid step {:?} the wait describes {bytes} bytes but the oldest copy on this semaphore ({}) moves {}", self.grid, p.issued, p.bytes),
+                    "wait with the same descriptor (source, destination, semaphore) the copy was started with",
+                )
+                .at(d.loc.clone()));
+        }
+        let p = self.dmas.remove(pos);
+        let (buf, shape) = self.dma_mem(p.dst).expect("checked at start");
+        copy_box_buf(&p.data, &p.lens, &vec![0; p.lens.len()], buf, &shape, &p.origin, &p.lens);
+        Ok(())
+    }
+
+    /// `dma-unwaited` if a copy is still in flight at the end of a grid step or the kernel.
+    fn check_no_pending_dma(&self, end_of_kernel: bool) -> Result<()> {
+        let Some(p) = self.dmas.first() else { return Ok(()) };
+        let when = if end_of_kernel { "the kernel ends" } else { "the grid step ends" };
+        let why = if end_of_kernel { "" } else { " (copies may stay in flight across grid steps only when every grid dim is `arbitrary`)" };
+        Err(self.err(
+            format!("semaphore {}", self.sem_name(p.sem)),
+            "dma-unwaited",
+            format!("{when} at grid step {:?} with {} copy(ies) in flight; the first was issued by {} into `{}`{why}", self.grid, self.dmas.len(), p.issued, self.k.refs[p.dst.index()].name),
+            "wait for every copy you start (dma_wait with the same descriptor) before its destination is read and before the step ends",
+        ))
     }
 
     fn store(&mut self, d: &InstData, dst: RefId, slices: &[Slice], value: Value) -> Result<()> {
@@ -988,7 +1139,9 @@ impl<'k> Machine<'k> {
             }
             // Row-major reshape keeps the element order; `bind` checks the count.
             Inst::Reshape(x) => self.get(*x, d)?.buf.clone(),
-            Inst::Store { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => return Err(self.malformed(d, "not a single-result op")),
+            Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => {
+                return Err(self.malformed(d, "not a single-result op"))
+            }
         };
         Ok(Val { shape, buf })
     }
@@ -1190,6 +1343,8 @@ fn inst_name(i: &Inst) -> &'static str {
         Inst::Reshape(_) => "reshape",
         Inst::If { .. } => "if",
         Inst::For { .. } => "for",
+        Inst::DmaStart { .. } => "dma_start",
+        Inst::DmaWait { .. } => "dma_wait",
         Inst::Yield(_) => "yield",
     }
 }

@@ -332,6 +332,29 @@ pub struct Slice {
     pub len: usize,
 }
 
+/// One side of an async copy: `ref[slices]`, one slice per dim of the ref's view (for the
+/// usual ANY operands and scratch buffers, the whole array).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DmaRef {
+    pub r: RefId,
+    pub slices: Vec<Slice>,
+}
+
+impl DmaRef {
+    /// The copied box's shape (the slice lengths).
+    pub fn shape(&self) -> Vec<usize> {
+        self.slices.iter().map(|s| s.len).collect()
+    }
+}
+
+/// The shape both sides of a copy must agree on: `shape` without its leading 1s, so that
+/// `buf[slot]` (`[1, 8, 128]`) and `x[p]` (`[1, 1, 8, 128]`) describe the same `[8, 128]`
+/// box, as Pallas' integer indexing squeezes them.
+pub fn dma_box(shape: &[usize]) -> &[usize] {
+    let lead = shape.iter().take_while(|&&d| d == 1).count().min(shape.len().saturating_sub(1));
+    &shape[lead..]
+}
+
 /// The instructions of the block IR. Vectors are whole blocks: every op works on
 /// the entire value at once.
 #[derive(Clone, Debug, PartialEq)]
@@ -368,6 +391,12 @@ pub enum Inst {
     /// `for i in lo..hi (step)`, with loop-carried values. The body's parameters are the
     /// induction variable (i32) then the carries; it yields the next carries.
     For { lo: Value, hi: Value, step: i64, init: Vec<Value>, body: BlockId },
+    /// Starts an async copy `src -> dst` that signals `sem[sem_index]` when done (Pallas
+    /// `make_async_copy(...).start()`). `dst` is not written until the matching wait.
+    DmaStart { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value },
+    /// Waits on `sem[sem_index]` for a copy of the described size (Pallas `.wait()`, which
+    /// takes the same descriptor as the start).
+    DmaWait { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value },
     /// Ends an `If` branch or a `For` body.
     Yield(Vec<Value>),
 }
@@ -393,6 +422,9 @@ impl Inst {
                 let mut v = vec![*lo, *hi];
                 v.extend(init);
                 v
+            }
+            Inst::DmaStart { src, dst, sem_index, .. } | Inst::DmaWait { src, dst, sem_index, .. } => {
+                src.slices.iter().chain(&dst.slices).map(|s| s.start).chain([*sem_index]).collect()
             }
             Inst::Yield(vals) => vals.clone(),
         }

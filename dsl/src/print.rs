@@ -84,6 +84,12 @@ impl Kernel {
                     self.print_block(out, *body, depth + 1)?;
                     write!(out, "{pad}}}")?;
                 }
+                Inst::DmaStart { src, dst, sem, sem_index } => {
+                    write!(out, "dma_start {}[{}] -> {}[{}] sem {sem}[{sem_index}]", src.r, slices(&src.slices), dst.r, slices(&dst.slices))?
+                }
+                Inst::DmaWait { src, dst, sem, sem_index } => {
+                    write!(out, "dma_wait {}[{}] -> {}[{}] sem {sem}[{sem_index}]", src.r, slices(&src.slices), dst.r, slices(&dst.slices))?
+                }
                 Inst::Yield(vals) if vals.is_empty() => write!(out, "yield")?,
                 Inst::Yield(vals) => write!(out, "yield {}", join(vals, ", "))?,
             }

@@ -122,6 +122,10 @@ pub enum MemorySpace {
     Smem,
     /// Left in HBM (Pallas `ANY`): the kernel sees the whole array and moves data by DMA.
     Any,
+    /// DMA semaphores (Mosaic `semaphore_mem`): a scratch array of `!tpu.dma_semaphore`,
+    /// named by [`crate::Inst::DmaStart`] / [`crate::Inst::DmaWait`] and never loaded or
+    /// stored. Its `RefDecl` dtype is `i32` (the semaphore counter) and takes no memory.
+    Semaphore,
 }
 
 impl MemorySpace {
@@ -130,6 +134,7 @@ impl MemorySpace {
             MemorySpace::Vmem => "vmem",
             MemorySpace::Smem => "smem",
             MemorySpace::Any => "any",
+            MemorySpace::Semaphore => "semaphore_mem",
         }
     }
 }

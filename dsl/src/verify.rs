@@ -79,6 +79,9 @@ impl Verifier<'_> {
             // A 1-D VMEM buffer is legal but lays out poorly; Mosaic wants >= 2-D vectors.
             return Err(self.err(&subject, "vmem-rank", format!("VMEM scratch of rank {}", r.shape.len()), "give VMEM scratch at least 2 dims, e.g. [1, n]"));
         }
+        if r.memory == MemorySpace::Semaphore && (r.kind != RefKind::Scratch || r.shape.len() != 1 || r.block.is_some()) {
+            return Err(self.err(&subject, "semaphore-decl", format!("a {} in semaphore memory of shape {:?}", r.kind.name(), r.shape), "DMA semaphores are rank-1 scratch arrays: declare them with `semaphores(n)`"));
+        }
         let Some(b) = &r.block else { return Ok(()) };
         if r.memory != MemorySpace::Vmem {
             return Err(self.err(&subject, "blocked-memory-space", format!("a block spec in {}", r.memory.name()), "blocked operands live in VMEM; ANY/SMEM operands take the whole array"));
@@ -306,7 +309,12 @@ impl Verifier<'_> {
                         result = Err(self
                             .err(format!("operand `{}`", r.name), "hbm-direct-access", "the operand stays in HBM (memory space ANY) and cannot be loaded or stored directly", "copy it into VMEM scratch with a DMA")
                             .at(at));
+                    } else if r.memory == MemorySpace::Semaphore {
+                        result = Err(self.err(format!("{} `{}`", r.kind.name(), r.name), "semaphore-access", "DMA semaphores cannot be loaded or stored", "use them only in dma_start / dma_wait").at(at));
                     }
+                }
+                Inst::DmaStart { src, dst, sem, .. } | Inst::DmaWait { src, dst, sem, .. } => {
+                    result = self.dma(src, dst, *sem).map_err(|e| e.at(at));
                 }
                 _ => {}
             }
@@ -320,6 +328,53 @@ impl Verifier<'_> {
             }
         });
         result
+    }
+}
+
+impl Verifier<'_> {
+    /// A copy descriptor: real refs on both sides, a semaphore array, same dtype and box,
+    /// and slices that are not statically out of bounds.
+    fn dma(&self, src: &DmaRef, dst: &DmaRef, sem: RefId) -> Result<()> {
+        let (sd, dd, md) = (self.k.ref_decl(src.r), self.k.ref_decl(dst.r), self.k.ref_decl(sem));
+        let subject = format!("DMA `{}` -> `{}`", sd.name, dd.name);
+        if md.memory != MemorySpace::Semaphore {
+            return Err(self.err(&subject, "dma-semaphore", format!("`{}` is not a DMA semaphore array", md.name), "declare semaphores with `semaphores(n)`"));
+        }
+        for (side, r) in [("source", sd), ("destination", dd)] {
+            if r.memory == MemorySpace::Semaphore {
+                return Err(self.err(&subject, "semaphore-access", format!("the {side} `{}` is a semaphore array", r.name), "copy between HBM (ANY), VMEM and SMEM refs"));
+            }
+        }
+        if matches!(dd.kind, RefKind::Input | RefKind::Prefetch) {
+            return Err(self.err(&subject, "dma-destination", format!("the destination is {} `{}`, which is read-only", dd.kind.name(), dd.name), "copy into a scratch buffer or an output"));
+        }
+        if sd.dtype != dd.dtype {
+            return Err(self.err(&subject, "dma-dtype", format!("copying {} into {}", sd.dtype, dd.dtype), "make source and destination the same dtype"));
+        }
+        if dma_box(&src.shape()) != dma_box(&dst.shape()) {
+            return Err(self.err(&subject, "dma-shape", format!("the source slice is {:?} and the destination slice {:?}", src.shape(), dst.shape()), "copy boxes of the same shape"));
+        }
+        for (side, r, d) in [("source", sd, src), ("destination", dd, dst)] {
+            let view = r.view();
+            if d.slices.len() != view.len() {
+                return Err(self.err(&subject, "index-rank", format!("{} slices for the {side} `{}` of rank {}", d.slices.len(), r.name, view.len()), "give one slice per dim"));
+            }
+            for (dim, (s, &extent)) in d.slices.iter().zip(&view).enumerate() {
+                let start = match self.k.as_const(s.start) {
+                    Some(Scalar::Int(i)) => i,
+                    _ => 0,
+                };
+                if s.len == 0 || start < 0 || start as usize + s.len > extent {
+                    return Err(self.err(
+                        &subject,
+                        "dma-out-of-bounds",
+                        format!("the {side} slice of `{}` covers elements {start}..{} of dim {dim}, which has {extent}", r.name, start + s.len as i64),
+                        "keep DMA slices inside the array",
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

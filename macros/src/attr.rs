@@ -28,11 +28,20 @@ pub struct BlockAttr {
     pub index_map: ExprClosure,
 }
 
-/// `name = scratch([dims], dtype)` or `scratch_smem(...)`.
+/// `name = scratch([dims], dtype)`, `scratch_smem(...)` or `semaphores(n)`.
 pub struct ScratchAttr {
     pub shape: Vec<Expr>,
-    pub dtype: Expr,
-    pub smem: bool,
+    /// `None` for semaphores.
+    pub dtype: Option<Expr>,
+    pub memory: ScratchMemory,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum ScratchMemory {
+    Vmem,
+    Smem,
+    /// DMA semaphores (`semaphores(n)`).
+    Semaphore,
 }
 
 struct Item {
@@ -50,7 +59,7 @@ impl Parse for Item {
 
 const ATTR_HELP: &str = "expected `grid = [..]`, `semantics = [..]`, `vmem_limit_bytes = ..`, or \
 `<operand> = block([dims], |grid indices| [block indices])`, `<name> = scratch([dims], dtype)`, \
-`<name> = scratch_smem([dims], dtype)`";
+`<name> = scratch_smem([dims], dtype)`, `<name> = semaphores(n)`";
 
 impl Parse for KernelAttr {
     fn parse(input: ParseStream) -> syn::Result<Self> {
@@ -152,7 +161,14 @@ fn parse_operand(key: &Ident, value: Expr) -> syn::Result<OperandAttr> {
                 return Err(syn::Error::new_spanned(call, format!("expected `{f}([dims], dtype)`")));
             };
             let shape = array(shape, "scratch shape")?.elems.into_iter().collect();
-            Ok(OperandAttr::Scratch(ScratchAttr { shape, dtype: dtype.clone(), smem: f == "scratch_smem" }))
+            let memory = if f == "scratch_smem" { ScratchMemory::Smem } else { ScratchMemory::Vmem };
+            Ok(OperandAttr::Scratch(ScratchAttr { shape, dtype: Some(dtype.clone()), memory }))
+        }
+        Some("semaphores") => {
+            let [n] = args[..] else {
+                return Err(syn::Error::new_spanned(call, "expected `semaphores(n)`: an array of n DMA semaphores"));
+            };
+            Ok(OperandAttr::Scratch(ScratchAttr { shape: vec![n.clone()], dtype: None, memory: ScratchMemory::Semaphore }))
         }
         _ => Err(syn::Error::new_spanned(&call.func, format!("unknown operand declaration; {ATTR_HELP}"))),
     }

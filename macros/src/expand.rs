@@ -8,10 +8,10 @@ use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::{Ident, ItemFn};
 
-use crate::attr::{Errors, KernelAttr};
+use crate::attr::{Errors, KernelAttr, ScratchMemory};
 use crate::index_map::lower_index_map;
 use crate::lower::{Lowerer, RefInfo};
-use crate::sig::{parse_params, signature_text, Dim, Param, RefKind, RefParam};
+use crate::sig::{parse_params, signature_text, Dim, Param, Place, RefKind, RefParam};
 
 pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
@@ -46,7 +46,7 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
     let find = |name: &Ident| refs.iter().find(|r| &r.name == name).copied();
     for (key, spec) in &attr.blocks {
         match find(key) {
-            Some(r) if r.kind == RefKind::Input && !r.smem || r.kind == RefKind::Output => {
+            Some(r) if r.blocked() => {
                 if spec.shape.len() != r.dims.len() {
                     errors.push(syn::Error::new(
                         spec.shape_span,
@@ -66,7 +66,7 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
         }
     }
     for r in &refs {
-        let blocked = r.kind == RefKind::Input && !r.smem || r.kind == RefKind::Output;
+        let blocked = r.blocked();
         if blocked && !attr.blocks.iter().any(|(k, _)| k == &r.name) {
             errors.push(syn::Error::new_spanned(
                 &r.name,
@@ -265,10 +265,11 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
     let prefetch: HashMap<String, Ident> = refs.iter().filter(|r| r.kind == RefKind::Prefetch).map(|r| (r.name.to_string(), format_ident!("__ref_{}", r.name))).collect();
     for r in refs {
         let (var, ty, name) = (format_ident!("__ref_{}", r.name), format_ident!("__ty_{}", r.name), r.name.to_string());
-        let decl = match (r.kind, r.smem) {
+        let decl = match (r.kind, r.place) {
             (RefKind::Prefetch, _) => quote!(__b.prefetch(#name, &#ty.shape)),
-            (RefKind::Input, true) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),
-            (RefKind::Input | RefKind::Output, false) => {
+            (RefKind::Input, Place::Smem) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),
+            (RefKind::Input, Place::Any) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
+            (RefKind::Input | RefKind::Output, _) => {
                 let Some((_, spec)) = attr.blocks.iter().find(|(k, _)| k == &r.name) else { continue };
                 if spec.shape.len() != r.dims.len() {
                     continue; // already reported
@@ -284,10 +285,16 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
                 let f = if r.kind == RefKind::Input { quote!(input) } else { quote!(output) };
                 quote!(__b.#f(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::BlockSpec { block_shape: #blk, index_map: #map }))
             }
-            (RefKind::Output, true) => unreachable!("outputs are never SMEM"),
             (RefKind::Scratch, _) => {
                 let Some((_, s)) = attr.scratch.iter().find(|(k, _)| k == &r.name) else { continue };
-                let dtype = match lowerer.dtype(&s.dtype) {
+                if s.memory == ScratchMemory::Semaphore {
+                    let n = &s.shape[0];
+                    out.extend(quote!(let #ty = ::tessera_dsl::Type::vector(::tessera_dsl::DType::I32, &[#n]);));
+                    out.extend(quote!(let #var: ::tessera_dsl::RefId = __b.semaphores(#name, #ty.shape[0]);));
+                    continue;
+                }
+                let Some(dtype) = &s.dtype else { continue };
+                let dtype = match lowerer.dtype(dtype) {
                     Ok(d) => d,
                     Err(e) => {
                         errors.push(e);
@@ -295,7 +302,7 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
                     }
                 };
                 let dims = &s.shape;
-                let mem = if s.smem { quote!(Smem) } else { quote!(Vmem) };
+                let mem = if s.memory == ScratchMemory::Smem { quote!(Smem) } else { quote!(Vmem) };
                 out.extend(quote!(let #ty = ::tessera_dsl::Type::vector(#dtype, &[#(#dims),*]);));
                 quote!(__b.scratch(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::#mem))
             }

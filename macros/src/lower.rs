@@ -34,12 +34,13 @@ enum Var {
     Static { depth: usize },
 }
 
-const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds"];
+const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait"];
 const UNARY_METHODS: &[(&str, &str)] = &[("exp", "Exp"), ("log", "Log"), ("tanh", "Tanh"), ("erf", "Erf"), ("sqrt", "Sqrt"), ("rsqrt", "Rsqrt"), ("abs", "Abs")];
 const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, max(b), min(b), pow(b), \
 cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
-full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x); ds(start, len) inside ref indices";
+full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
+ds(start, len) inside ref indices";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
 
 pub struct Lowerer<'a> {
@@ -373,6 +374,7 @@ impl<'a> Lowerer<'a> {
         if BUILTINS.contains(&name.as_str()) {
             let want = match name.as_str() {
                 "program_id" | "num_programs" | "sigmoid" => 1,
+                "dma_start" | "dma_wait" => 3,
                 "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
                 _ => 3,
             };
@@ -421,6 +423,22 @@ impl<'a> Lowerer<'a> {
                     let __e = __b.unary(::tessera_dsl::UnaryOp::Exp, __n);
                     let __d = __b.binary(::tessera_dsl::BinaryOp::Add, ::tessera_dsl::Arg::Float(1.0), __e);
                     __b.binary(::tessera_dsl::BinaryOp::Div, ::tessera_dsl::Arg::Float(1.0), __d)
+                }))
+            }
+            "dma_start" | "dma_wait" => {
+                let (src, src_idx) = self.dma_side(args[0])?;
+                let (dst, dst_idx) = self.dma_side(args[1])?;
+                let sem_err = "the third argument of a DMA is one semaphore: `sem[i]`, with `sem = semaphores(n)` declared in the attribute";
+                let Expr::Index(sem_ix) = strip(args[2]) else { return err(args[2], sem_err) };
+                let Some(sem) = self.ref_of(&sem_ix.expr) else { return err(args[2], sem_err) };
+                let sem = &sem.var;
+                let i = self.arg(&sem_ix.index)?;
+                let f = format_ident!("{}", name);
+                Ok(quote!({
+                    let __src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
+                    let __dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
+                    let __s = #i;
+                    __b.#f(#src, &__src, #dst, &__dst, #sem, __s)
                 }))
             }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
@@ -486,6 +504,19 @@ impl<'a> Lowerer<'a> {
         };
         let (lets, names) = self.index(&ix.index)?;
         Ok((r, lets, names))
+    }
+
+    /// One side of a DMA: `x[index]` (a prefix of the dims; the rest are whole) or a bare
+    /// ref (all of it). Returns the ref variable and an expression for its `Vec<Index>`.
+    fn dma_side(&mut self, e: &Expr) -> syn::Result<(Ident, TokenStream)> {
+        if let Some(r) = self.ref_of(e) {
+            return Ok((r.var.clone(), quote!(::std::vec::Vec::new())));
+        }
+        let Expr::Index(ix) = strip(e) else {
+            return err(e, "a DMA source or destination is a ref or a ref slice, e.g. `k_hbm[(h, ds(p * 16, 16))]` or `buf[slot]`");
+        };
+        let (r, lets, idx) = self.ref_access(ix)?;
+        Ok((r.var.clone(), quote!({ #lets ::std::vec![#(#idx),*] })))
     }
 
     fn load(&mut self, ix: &ExprIndex) -> syn::Result<TokenStream> {

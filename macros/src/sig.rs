@@ -28,22 +28,37 @@ pub enum Dim {
     Any,
 }
 
+/// Where an operand lives: blocked in VMEM, or seen whole in SMEM or HBM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    Vmem,
+    /// `Smem<..>` inputs and prefetch operands live whole in SMEM.
+    Smem,
+    /// `Any<..>` inputs stay whole in HBM (Pallas `ANY`); the body moves them by DMA.
+    Any,
+}
+
 pub struct RefParam {
     pub name: Ident,
     pub kind: RefKind,
-    /// `Smem<..>` inputs and prefetch operands live whole in SMEM.
-    pub smem: bool,
+    pub place: Place,
     /// The declared operand shape (empty for scratch, which is declared in the attribute).
     pub dims: Vec<Dim>,
 }
 
 impl RefParam {
+    /// Whether the operand takes a block spec (`In<..>`, `Out<..>`).
+    pub fn blocked(&self) -> bool {
+        self.kind == RefKind::Output || self.kind == RefKind::Input && self.place == Place::Vmem
+    }
+
     /// The parameter kind as written by the user.
     pub fn wrapper(&self) -> &'static str {
-        match (self.kind, self.smem) {
+        match (self.kind, self.place) {
             (RefKind::Prefetch, _) => "Prefetch",
-            (RefKind::Input, false) => "In",
-            (RefKind::Input, true) => "Smem",
+            (RefKind::Input, Place::Vmem) => "In",
+            (RefKind::Input, Place::Smem) => "Smem",
+            (RefKind::Input, Place::Any) => "Any",
             (RefKind::Output, _) => "Out",
             (RefKind::Scratch, _) => "Scratch",
         }
@@ -93,7 +108,7 @@ pub enum Param {
     Static(Box<StaticParam>),
 }
 
-const PARAM_HELP: &str = "kernel parameters are `In<dims..>`, `Out<dims..>`, `Prefetch<dims..>`, `Smem<dims..>`, \
+const PARAM_HELP: &str = "kernel parameters are `In<dims..>`, `Out<dims..>`, `Prefetch<dims..>`, `Smem<dims..>`, `Any<dims..>`, \
 `Scratch`, or plain build-time values (`usize`, `f32`, `bool`, ...); dims are names, integer literals or `_`, \
 e.g. `x: In<m, k>`";
 
@@ -113,13 +128,13 @@ pub fn parse_params(sig: &Signature) -> syn::Result<Vec<Param>> {
             }
         };
         match classify(&pt.ty) {
-            Ok(Some((kind, smem, dims))) => {
+            Ok(Some((kind, place, dims))) => {
                 if let Pat::Ident(p) = &*pt.pat {
                     if p.mutability.is_some() {
                         errors.push(syn::Error::new_spanned(p.mutability, "operands are refs and cannot be `mut`; stores go through `name[..] = value`"));
                     }
                 }
-                params.push(Param::Ref(RefParam { name, kind, smem, dims }))
+                params.push(Param::Ref(RefParam { name, kind, place, dims }))
             }
             Ok(None) => params.push(Param::Static(Box::new(StaticParam { name, arg: arg.clone(), ty: (*pt.ty).clone() }))),
             Err(e) => errors.push(e),
@@ -151,8 +166,8 @@ pub fn parse_params(sig: &Signature) -> syn::Result<Vec<Param>> {
     Ok(params)
 }
 
-/// `Some((kind, smem, dims))` for a ref parameter, `None` for a static one.
-fn classify(ty: &Type) -> syn::Result<Option<(RefKind, bool, Vec<Dim>)>> {
+/// `Some((kind, place, dims))` for a ref parameter, `None` for a static one.
+fn classify(ty: &Type) -> syn::Result<Option<(RefKind, Place, Vec<Dim>)>> {
     let Type::Path(tp) = ty else {
         return match ty {
             Type::Reference(_) | Type::Ptr(_) => Err(syn::Error::new_spanned(ty, format!("reference and pointer parameters are not supported; {PARAM_HELP}"))),
@@ -166,16 +181,17 @@ fn classify(ty: &Type) -> syn::Result<Option<(RefKind, bool, Vec<Dim>)>> {
         return Ok(None);
     }
     let seg = &tp.path.segments[0];
-    let (kind, smem) = match seg.ident.to_string().as_str() {
-        "In" => (RefKind::Input, false),
-        "Smem" => (RefKind::Input, true),
-        "Out" => (RefKind::Output, false),
-        "Prefetch" => (RefKind::Prefetch, true),
+    let (kind, place) = match seg.ident.to_string().as_str() {
+        "In" => (RefKind::Input, Place::Vmem),
+        "Smem" => (RefKind::Input, Place::Smem),
+        "Any" => (RefKind::Input, Place::Any),
+        "Out" => (RefKind::Output, Place::Vmem),
+        "Prefetch" => (RefKind::Prefetch, Place::Smem),
         "Scratch" => {
             if !seg.arguments.is_none() {
                 return Err(syn::Error::new_spanned(&seg.arguments, "`Scratch` takes no dims: declare the buffer in the attribute, e.g. `acc = scratch([bm, bn], f32)`"));
             }
-            return Ok(Some((RefKind::Scratch, false, Vec::new())));
+            return Ok(Some((RefKind::Scratch, Place::Vmem, Vec::new())));
         }
         _ => return Ok(None),
     };
@@ -186,7 +202,7 @@ fn classify(ty: &Type) -> syn::Result<Option<(RefKind, bool, Vec<Dim>)>> {
         }
         PathArguments::Parenthesized(p) => return Err(syn::Error::new_spanned(p, PARAM_HELP)),
     };
-    Ok(Some((kind, smem, dims)))
+    Ok(Some((kind, place, dims)))
 }
 
 fn dim(arg: &GenericArgument) -> syn::Result<Dim> {

@@ -252,6 +252,58 @@ pub fn unblocked_operands() -> Kernel {
     b.finish().unwrap()
 }
 
+/// Double-buffered paged gather: each grid step sums `n` 16x128 pages of an HBM array
+/// `x[h, page]` picked by a prefetch table, through a [2, 16, 128] VMEM buffer (the next
+/// page's copy starts before the current one is used); a second copy goes into a
+/// [2, 1, 16, 128] buffer, so one side keeps its leading 1s and one is squeezed.
+pub fn dma_double_buffer() -> Kernel {
+    use tessera_dsl::ir::{BinaryOp, RefKind};
+    let (n, steps) = (4usize, 3usize);
+    let mut b = KernelBuilder::new("dma_double_buffer");
+    b.grid(&[(steps, Semantics::Parallel)]);
+    let idx = b.prefetch("idx", &[steps * n]);
+    let x = b.unblocked(RefKind::Input, "x", DType::BF16, &[2, 8, 16, 128], MemorySpace::Any);
+    let o = b.output("o", DType::F32, &[steps, 16, 128], BlockSpec { block_shape: vec![None, Some(16), Some(128)], index_map: vec![g(0), c(0), c(0)] });
+    let buf = b.scratch("buf", DType::BF16, &[2, 16, 128], MemorySpace::Vmem);
+    let buf4 = b.scratch("buf4", DType::BF16, &[2, 1, 16, 128], MemorySpace::Vmem);
+    let sem = b.semaphores("sem", 3);
+    let page = |b: &mut KernelBuilder, j: tessera_dsl::Value| {
+        let i = b.program_id(0);
+        let base = b.mul(i, n as i64);
+        let at = b.add(base, j);
+        b.load(idx, &[ds(at, 1)])
+    };
+    let zero = b.i32(0);
+    let p0 = page(&mut b, zero);
+    b.dma_start(x, &[ds(1, 1), ds(p0, 1)], buf, &[ds(0, 1)], sem, 0);
+    let acc0 = b.zeros(&[16, 128], DType::F32);
+    let acc = b.for_range(0, n as i64, 1, &[acc0], |b, j, cs| {
+        let slot = b.binary(BinaryOp::Rem, j, 2);
+        let other = b.sub(1, slot);
+        let next = b.add(j, 1);
+        let more = b.cmp(CmpOp::Lt, next, n as i64);
+        b.when(more, |b| {
+            let p = page(b, next);
+            b.dma_start(x, &[ds(1, 1), ds(p, 1)], buf, &[ds(other, 1)], sem, other);
+        });
+        let p = page(b, j);
+        b.dma_wait(x, &[ds(1, 1), ds(p, 1)], buf, &[ds(slot, 1)], sem, slot);
+        let t = b.load(buf, &[ds(slot, 1), Index::Full, Index::Full]);
+        let t = b.reshape(t, &[16, 128]);
+        let t = b.cast(t, DType::F32);
+        vec![b.add(cs[0], t)]
+    });
+    // Same-rank sides: no squeeze.
+    b.dma_start(x, &[ds(0, 1), ds(p0, 1)], buf4, &[ds(1, 1), ds(0, 1)], sem, 2);
+    b.dma_wait(x, &[ds(0, 1), ds(p0, 1)], buf4, &[ds(1, 1), ds(0, 1)], sem, 2);
+    let t = b.load(buf4, &[ds(1, 1), ds(0, 1), Index::Full, Index::Full]);
+    let t = b.reshape(t, &[16, 128]);
+    let t = b.cast(t, DType::F32);
+    let out = b.add(acc[0], t);
+    b.store(o, &[], out);
+    b.finish().unwrap()
+}
+
 pub fn all() -> Vec<Kernel> {
-    vec![matmul_f32(), gelu_affine(), softmax_bf16(), prefetch_loop(), op_zoo(), unblocked_operands()]
+    vec![matmul_f32(), gelu_affine(), softmax_bf16(), prefetch_loop(), op_zoo(), unblocked_operands(), dma_double_buffer()]
 }

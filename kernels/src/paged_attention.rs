@@ -1,0 +1,238 @@
+//! Paged attention for decoding (one query token per sequence), torch_xla's
+//! `paged_attention(q, k_pages, v_pages, lengths, page_indices, pages_per_compute_block)`.
+//!
+//! - `q: [B, H, D]`; `k_pages`, `v_pages: [Hkv, num_pages, page_size, D]` stay in HBM;
+//!   `lengths: [B]` i32 and `page_indices: [B, pages_per_seq]` i32 are scalar prefetch.
+//!   Sequence `b`'s token `t` lives in page `page_indices[b, t / page_size]`, row
+//!   `t % page_size`. Contract: `0 <= lengths[b] <= pages_per_seq * page_size` and every
+//!   `page_indices` entry is a valid page (entries past a sequence's end are fetched, then
+//!   masked; the interpreter reports an out-of-range page as `slice-out-of-bounds`).
+//! - No softmax scale (as in torch_xla and JAX): pre-scale `q`. No logit soft-cap.
+//! - GQA: `H = Hkv * G`; the `G` query heads of one kv head are one `[G, D]` block (the
+//!   host reshapes `q` to `[B, Hkv, G, D]`, a free row-major view).
+//! - Grid `(B, Hkv)`, both parallel. Each step walks its sequence in compute blocks of
+//!   `pages_per_compute_block` pages: the pages of block `i + 1` are copied (manual DMA,
+//!   one copy per page for K and for V) into the other slot of a two-slot VMEM buffer
+//!   while block `i` is computed, with an online softmax across blocks; positions
+//!   `>= length` are masked. Every copy is waited for within its grid step.
+//! - An empty sequence (`length == 0`) attends to nothing: its output is zeros.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use tessera_dsl::interp::{self, Array};
+use tessera_dsl::{DType, Kernel, KernelError, Type};
+use tessera_macros::tpu_kernel;
+
+use crate::{harness, LibraryKernel, Operand, OperandKind};
+
+/// Attention of one decode token per sequence over its pages (see the module docs);
+/// `q` is `[B, Hkv, G, D]`, the output likewise.
+#[tpu_kernel(
+    grid = [b, hkv],
+    q = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
+    o = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
+    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
+    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    sem = semaphores(4),
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_kernel(
+    lengths: Prefetch<b>,
+    page_indices: Prefetch<b, pps>,
+    q: In<b, hkv, g, d>,
+    k_pages: Any<hkv, np, ps, d>,
+    v_pages: Any<hkv, np, ps, d>,
+    o: Out<b, hkv, g, d>,
+    k_buf: Scratch,
+    v_buf: Scratch,
+    sem: Scratch,
+    ppcb: usize,
+) {
+    let bi = program_id(0);
+    let h = program_id(1);
+    let len = lengths[bi];
+    let bs = ppcb * ps;
+    let nblocks = (len + (bs - 1)) / bs;
+    // Slot `s` uses semaphores 2s (K) and 2s + 1 (V); one copy per page on each.
+    if nblocks > 0 {
+        for j in 0..ppcb {
+            let page = page_indices[(bi, j.min(pps - 1))];
+            dma_start(k_pages[(h, page)], k_buf[(0, j)], sem[0]);
+            dma_start(v_pages[(h, page)], v_buf[(0, j)], sem[1]);
+        }
+    }
+    let qv = q[..];
+    let mut m = full([g, 1], f32, f32::NEG_INFINITY);
+    let mut l = zeros([g, 1], f32);
+    let mut acc = zeros([g, d], f32);
+    for i in 0..nblocks {
+        let slot = i % 2;
+        let next = 1 - slot;
+        if i + 1 < nblocks {
+            // Prefetch block i + 1 into the other slot before computing on this one.
+            for j in 0..ppcb {
+                let page = page_indices[(bi, ((i + 1) * ppcb + j).min(pps - 1))];
+                dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[2 * next]);
+                dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[2 * next + 1]);
+            }
+        }
+        for j in 0..ppcb {
+            let page = page_indices[(bi, (i * ppcb + j).min(pps - 1))];
+            dma_wait(k_pages[(h, page)], k_buf[(slot, j)], sem[2 * slot]);
+            dma_wait(v_pages[(h, page)], v_buf[(slot, j)], sem[2 * slot + 1]);
+        }
+        let k = k_buf[(slot, .., .., ..)].reshape([bs, d]);
+        let v = v_buf[(slot, .., .., ..)].reshape([bs, d]);
+        let s = dot_t(qv, k);
+        let pos = iota([g, bs], 1) + i * bs;
+        let s = select(pos < len, s, f32::NEG_INFINITY);
+        // Every block before `nblocks` holds a valid position, so `m_new` is finite.
+        let m_new = m.max(s.reduce_max(1));
+        let p = (s - m_new).exp();
+        let alpha = (m - m_new).exp();
+        l = alpha * l + p.sum(1);
+        acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
+        m = m_new;
+    }
+    let out = select(l > 0.0, acc / l, 0.0);
+    o[..] = out.cast(o.dtype);
+}
+
+/// Default compute block: 256 tokens' worth of pages (at least one page, at most all).
+pub fn default_pages_per_compute_block(page_size: usize, pages_per_seq: usize) -> usize {
+    (256 / page_size.max(1)).clamp(1, pages_per_seq.max(1))
+}
+
+fn err(subject: &str, rule: &'static str, message: String, help: &str) -> KernelError {
+    KernelError::new("paged_attention", subject, rule, message, help)
+}
+
+/// Checks the op's operand types and returns `(B, H, D, Hkv)`.
+fn check(q: &Type, k: &Type, v: &Type, lengths: &Type, pages: &Type) -> Result<(usize, usize, usize, usize), KernelError> {
+    let (&[b, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
+        return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [B, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
+    };
+    if v.shape != k.shape || v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same dtype"));
+    }
+    if dk != d || hkv == 0 || h % hkv != 0 {
+        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "the head dims must agree and H must be a multiple of Hkv (GQA)"));
+    }
+    if lengths.shape != [b] || pages.rank() != 2 || pages.shape[0] != b || lengths.dtype != DType::I32 || pages.dtype != DType::I32 {
+        return Err(err("operands", "operand-shape", format!("lengths {lengths}, page_indices {pages} for a batch of {b}"), "lengths is [B] i32 and page_indices [B, pages_per_seq] i32"));
+    }
+    Ok((b, h, d, hkv))
+}
+
+/// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`.
+pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>) -> Result<Kernel, KernelError> {
+    let [q, k, v, lengths, pages] = inputs else {
+        return Err(err("inputs", "input-count", format!("{} inputs given", inputs.len()), "pass q, k_pages, v_pages, lengths, page_indices"));
+    };
+    let (b, h, d, hkv) = check(q, k, v, lengths, pages)?;
+    let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1]));
+    if ppcb == 0 {
+        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
+    }
+    let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
+    paged_attention_kernel(lengths.clone(), pages.clone(), q4.clone(), k.clone(), v.clone(), q4, ppcb)
+}
+
+/// Runs the op on the interpreter: `(q, k_pages, v_pages, lengths, page_indices) -> o`.
+pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, pages_per_compute_block: Option<usize>) -> Result<Array, KernelError> {
+    let types = crate::types_of(&[q.clone(), k.clone(), v.clone(), lengths.clone(), page_indices.clone()]);
+    let kernel = build(&types, pages_per_compute_block)?;
+    run_kernel(&kernel, q, k, v, lengths, page_indices)
+}
+
+/// Runs an already built paged-attention kernel (e.g. a modified one in a test).
+pub fn run_kernel(kernel: &Kernel, q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array) -> Result<Array, KernelError> {
+    let (b, h, d, hkv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[0]);
+    let q4 = Array { shape: vec![b, hkv, h / hkv, d], ..q.clone() };
+    let mut out = interp::run(kernel, &[lengths, page_indices, &q4, k, v])?.remove(0);
+    out.shape = vec![b, h, d];
+    Ok(out)
+}
+
+/// Random valid inputs: uniform q, k, v; lengths from 0 to the capacity, with sequence 0
+/// empty and sequence 1 a single token when the batch allows; random page tables.
+pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+    let q = harness::random_array(dtype, &shapes[0], rng);
+    let k = harness::random_array(dtype, &shapes[1], rng);
+    let v = harness::random_array(dtype, &shapes[2], rng);
+    let (b, pps) = (shapes[4][0], shapes[4][1]);
+    let (num_pages, ps) = (shapes[1][1], shapes[1][2]);
+    let lengths: Vec<i32> = (0..b)
+        .map(|i| match i {
+            0 => 0,
+            1 => 1,
+            _ => rng.gen_range(0..=pps * ps) as i32,
+        })
+        .collect();
+    let pages: Vec<i32> = (0..b * pps).map(|_| rng.gen_range(0..num_pages) as i32).collect();
+    vec![q, k, v, Array::from_i32(&[b], lengths), Array::from_i32(&[b, pps], pages)]
+}
+
+const LENGTHS: Operand = Operand { name: "lengths", dims: "[b]", default_shape: &[8], kind: OperandKind::Int32 };
+const PAGE_INDICES: Operand = Operand { name: "page_indices", dims: "[b, pages_per_seq]", default_shape: &[8, 16], kind: OperandKind::Int32 };
+
+/// This module's library ops.
+pub const OPS: &[LibraryKernel] = &[LibraryKernel {
+    name: "paged_attention",
+    summary: "decode attention over a paged KV cache: pages fetched by manual DMA into double-buffered VMEM, online softmax, GQA, length masking; empty sequences give zeros",
+    signature: "paged_attention(q: [b, h, d], k_pages: [hkv, num_pages, page_size, d], v_pages: [hkv, num_pages, page_size, d], lengths: [b] i32, page_indices: [b, pages_per_seq] i32; pages_per_compute_block) -> [b, h, d]",
+    inputs: &[
+        crate::float("q", "[b, h, d]", &[8, 32, 128]),
+        crate::float("k_pages", "[hkv, num_pages, page_size, d]", &[4, 128, 16, 128]),
+        crate::float("v_pages", "[hkv, num_pages, page_size, d]", &[4, 128, 16, 128]),
+        LENGTHS,
+        PAGE_INDICES,
+    ],
+    alt_shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]],
+    build: |t, _| Ok(vec![build(t, None)?]),
+    run: |a, _| {
+        let [q, k, v, lengths, pages] = a else {
+            return Err(err("inputs", "input-count", format!("{} inputs given", a.len()), "pass q, k_pages, v_pages, lengths, page_indices"));
+        };
+        Ok(vec![paged_attention(q, k, v, lengths, pages, None)?])
+    },
+    random_inputs,
+    reference: |a| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])],
+}];
+
+/// Independent f64 reference: gathers each sequence's keys and values token by token
+/// from the page table and runs an explicit (two-pass) softmax.
+pub mod reference {
+    use tessera_dsl::interp::Array;
+
+    pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array) -> Vec<f64> {
+        let (qs, ks, vs) = (q.to_f64_vec(), k.to_f64_vec(), v.to_f64_vec());
+        let (b, h, d) = (q.shape[0], q.shape[1], q.shape[2]);
+        let (hkv, num_pages, ps) = (k.shape[0], k.shape[1], k.shape[2]);
+        let pps = page_indices.shape[1];
+        let (lens, table) = (lengths.as_i32().unwrap(), page_indices.as_i32().unwrap());
+        let group = h / hkv;
+        let mut out = vec![0.0; b * h * d];
+        for s in 0..b {
+            let len = lens[s].max(0) as usize;
+            for head in 0..h {
+                let kv = head / group;
+                let row = |t: usize| {
+                    let page = table[s * pps + t / ps] as usize;
+                    ((kv * num_pages + page) * ps + t % ps) * d
+                };
+                let qrow = &qs[(s * h + head) * d..][..d];
+                let scores: Vec<f64> = (0..len).map(|t| (0..d).map(|e| qrow[e] * ks[row(t) + e]).sum()).collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for (t, w) in weights.iter().enumerate() {
+                    for e in 0..d {
+                        out[(s * h + head) * d + e] += w / total * vs[row(t) + e];
+                    }
+                }
+            }
+        }
+        out
+    }
+}
