@@ -5,10 +5,12 @@
 //! [`library()`] lists them all with their default shapes and independent references, for
 //! the CLI and the test suite.
 
+pub mod attention;
 pub mod blocks;
 pub mod gmm;
 pub mod harness;
 pub mod norms;
+pub mod paged_attention;
 pub mod quant;
 pub mod rope_ce;
 pub mod routing;
@@ -193,7 +195,7 @@ const BASIC: &[LibraryKernel] = &[
 
 /// Every library op, in listing order.
 pub fn library() -> impl Iterator<Item = &'static LibraryKernel> {
-    [BASIC, norms::OPS, rope_ce::OPS, quant::OPS, gmm::OPS, routing::OPS].into_iter().flatten()
+    [BASIC, norms::OPS, rope_ce::OPS, quant::OPS, gmm::OPS, routing::OPS, attention::OPS, paged_attention::OPS].into_iter().flatten()
 }
 
 /// The library op called `name`.

@@ -1,0 +1,1044 @@
+//! Flash attention, forward and backward, for TPU: `q [B, H, Sq, D]`, `k`/`v [B, Hkv, Skv, D]`
+//! with `H % Hkv == 0` (GQA/MQA: query head `h` reads kv head `h / (H / Hkv)`).
+//!
+//! `logits = softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)` when a cap is
+//! given, masked by the causal rule (query row `r` sees key `c` iff `c <= r`, top-left
+//! aligned as Pallas' `flash_attention`, also when `Sq != Skv`) and by segment ids (a query
+//! sees only keys of its own segment); `o = softmax(logits) @ v`, `lse = logsumexp(logits)`.
+//!
+//! # Forward
+//!
+//! Grid `(B, H, q blocks, kv blocks)`, the kv axis last and `arbitrary`. B and H are
+//! squeezed from the block specs, so the body sees `[bq, D]` / `[bk, D]` blocks. The online
+//! softmax state (running max `m`, running sum `l`, accumulator `acc`) lives in f32 VMEM
+//! scratch: set at kv block 0, folded into `o` and `lse` at the last kv block. bf16 inputs
+//! go to the MXU as bf16 (the probabilities are cast to v's dtype for `p @ v`), f32 inputs
+//! as f32; both accumulate in f32.
+//!
+//! Causal blocks entirely above the diagonal are skipped: the body is under `if kv_start <=
+//! q_end`, and the k/v index maps clamp the kv block to the last one the q block needs
+//! (`min(j, q_end / bk)`), so a skipped step maps to the block already resident and no DMA
+//! is issued. Masks (iota compares) are built only for blocks that need them: the diagonal
+//! blocks, the last kv block when `Skv % bk != 0`, and every block with segment ids.
+//!
+//! # Layouts
+//!
+//! - `lse` (and the backward's `di = rowsum(do * o)`) are f32 `[B, H, Sq, 1]` in the
+//!   kernels: a `[bq, 1]` column block broadcasts along lanes against the `[bq, bk]` scores
+//!   with no relayout (it occupies `[bq, 128]` of VMEM). The public functions and library
+//!   ops show it as `[B, H, Sq]` (the same bytes).
+//! - Segment ids are int32 `[B, Sq]` / `[B, Skv]`, passed to the kernels as `[B, Sq, 1]` (a
+//!   column block) and `[B, 1, Skv]` (a row block), so their compare broadcasts to the
+//!   score tile. Without segment ids the kernels take 1-element dummies whose index map is
+//!   constant (one 4 KiB window each, fetched once): one kernel body serves both cases.
+//!
+//! # Backward
+//!
+//! Three kernels: `di = rowsum(do * o)` (f32 `[B, H, Sq, 1]`); the dkv kernel, grid `(B,
+//! Hkv, kv blocks, G, q blocks)` with `G = H / Hkv`, whose two inner `arbitrary` axes walk the
+//! group's query heads and the q blocks while `dk`, `dv` accumulate in f32 scratch (so the
+//! GQA sum over a kv head's query heads happens in VMEM, not on the host); and the dq
+//! kernel, grid `(B, H, q blocks, kv blocks)` like the forward. Both recompute `p =
+//! exp(logits - lse)` and skip causal blocks with clamped index maps (the dkv kernel clamps
+//! the q block up to the first one that sees its keys).
+//!
+//! # Edges
+//!
+//! Sequence lengths need not be multiples of the blocks. Reads past the end of an array are
+//! undefined (NaN in the interpreter), and `0 * NaN` is NaN, so the edge blocks zero the
+//! rows past the end of every operand that a dot contracts over, and mask the scores.
+//! Writes past the end are dropped. A query row that sees no key at all (possible only with
+//! segment ids) gets `o = 0` and `lse = f32::MIN` (standing for -inf).
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use tessera_dsl::interp::{self, Array};
+use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
+use tessera_macros::tpu_kernel;
+
+use crate::blocks::fit_blocks;
+use crate::{LibraryKernel, Operand, OperandKind};
+
+/// Masked logits and the running max's start: finite, so `exp(m_old - m_new)` never sees
+/// `-inf - -inf`; a row's garbage from fully masked blocks is wiped (`exp(MASKED - m) = 0`)
+/// by its first real key.
+const MASKED: f32 = f32::MIN;
+
+/// How far past a q block's first row its keys can reach: `bq - 1` when causal, else past
+/// the end (the block test is always true and the index-map clamp the identity).
+fn reach(causal: bool, bq: usize, skv: usize) -> usize {
+    if causal { bq - 1 } else { skv }
+}
+
+// ---- kernels ------------------------------------------------------------------------------
+
+#[tpu_kernel(
+    grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
+    semantics = [parallel, parallel, parallel, arbitrary],
+    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
+    o = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
+    m_run = scratch([bq, 1], f32),
+    l_run = scratch([bq, 1], f32),
+    acc = scratch([bq, d], f32),
+)]
+pub fn flash_attention_fwd_kernel(
+    q: In<bsz, heads, sq, d>,
+    k: In<bsz, kv_heads, skv, d>,
+    v: In<bsz, kv_heads, skv, d>,
+    q_seg: In<_, _, 1>,
+    kv_seg: In<_, 1, _>,
+    o: Out<bsz, heads, sq, d>,
+    lse: Out<bsz, heads, sq, 1>,
+    m_run: Scratch,
+    l_run: Scratch,
+    acc: Scratch,
+    bq: usize,
+    bk: usize,
+    causal: bool,
+    segmented: bool,
+    sm_scale: f32,
+    soft_cap: f32,
+) {
+    let i = program_id(2);
+    let j = program_id(3);
+    if j == 0 {
+        m_run[..] = full([bq, 1], f32, MASKED);
+        l_run[..] = zeros([bq, 1], f32);
+        acc[..] = zeros([bq, d], f32);
+    }
+    let q_start = i * (bq as i32);
+    let kv_start = j * (bk as i32);
+    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+        let mut s = dot_t(q[..], k[..]) * sm_scale;
+        if soft_cap > 0.0 {
+            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
+        }
+        let mut vb = v[..];
+        let mut needs_mask = segmented | ((skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32));
+        if causal {
+            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
+        }
+        if needs_mask {
+            let col = iota([bq, bk], 1) + kv_start;
+            let mut keep = col < (skv as i32);
+            if causal {
+                keep = keep & (col <= iota([bq, bk], 0) + q_start);
+            }
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            s = select(keep, s, MASKED);
+            if skv % bk != 0 {
+                vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
+            }
+        }
+        let m_old = m_run[..];
+        let m_new = m_old.max(s.reduce_max(1));
+        let alpha = (m_old - m_new).exp();
+        let p = (s - m_new).exp();
+        l_run[..] = alpha * l_run[..] + p.sum(1);
+        acc[..] = alpha * acc[..] + dot(p.cast(v.dtype), vb);
+        m_run[..] = m_new;
+    }
+    if j == num_programs(3) - 1 {
+        let m = m_run[..];
+        let l = l_run[..];
+        // Rows that saw no key (segment ids only) still hold MASKED: define them as o = 0.
+        let seen = m > MASKED;
+        o[..] = select(seen, acc[..] / l, 0.0).cast(o.dtype);
+        lse[..] = select(seen, m + l.log(), MASKED);
+    }
+}
+
+/// `di = rowsum(do * o)` in f32, the backward's softmax correction term.
+#[tpu_kernel(
+    grid = [bsz, heads, sq.div_ceil(bq)],
+    semantics = [parallel, parallel, parallel],
+    o = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
+    dout = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
+    di = block([None, None, bq, 1], |b, h, i| [b, h, i, 0]),
+)]
+pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, sq, d>, di: Out<bsz, heads, sq, 1>, bq: usize) {
+    di[..] = (o[..].cast(f32) * dout[..].cast(f32)).sum(1);
+}
+
+/// dk, dv: kv blocks outside, the group's query heads and the q blocks inside (`arbitrary`).
+#[tpu_kernel(
+    grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, sq.div_ceil(bq)],
+    semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
+    q = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    k = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    v = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, i| [b * usize::from(segmented), min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, i| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
+    dout = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    lse = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    di = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    dk = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    dv = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    dk_acc = scratch([bk, d], f32),
+    dv_acc = scratch([bk, d], f32),
+)]
+pub fn flash_attention_dkv_kernel(
+    q: In<bsz, heads, sq, d>,
+    k: In<bsz, kv_heads, skv, d>,
+    v: In<bsz, kv_heads, skv, d>,
+    q_seg: In<_, _, 1>,
+    kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>,
+    lse: In<bsz, heads, sq, 1>,
+    di: In<bsz, heads, sq, 1>,
+    dk: Out<bsz, kv_heads, skv, d>,
+    dv: Out<bsz, kv_heads, skv, d>,
+    dk_acc: Scratch,
+    dv_acc: Scratch,
+    bq: usize,
+    bk: usize,
+    causal: bool,
+    segmented: bool,
+    sm_scale: f32,
+    soft_cap: f32,
+) {
+    let j = program_id(2);
+    let g = program_id(3);
+    let i = program_id(4);
+    if (g == 0) & (i == 0) {
+        dk_acc[..] = zeros([bk, d], f32);
+        dv_acc[..] = zeros([bk, d], f32);
+    }
+    let q_start = i * (bq as i32);
+    let kv_start = j * (bk as i32);
+    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+        let mut qb = q[..];
+        let mut dob = dout[..];
+        let mut lse_b = lse[..];
+        let mut di_b = di[..];
+        let mut kb = k[..];
+        let mut vb = v[..];
+        let ragged_q = (sq % bq != 0) & (i == (sq.div_ceil(bq) - 1) as i32);
+        let ragged_kv = (skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32);
+        let mut needs_mask = segmented | ragged_q | ragged_kv;
+        if causal {
+            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
+        }
+        // The dots below contract over q rows and kv rows: zero the undefined rows past
+        // the ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
+        if needs_mask {
+            if sq % bq != 0 {
+                let row_ok = iota([bq, 1], 0) + q_start < (sq as i32);
+                qb = select(row_ok, qb, 0.0);
+                dob = select(row_ok, dob, 0.0);
+                lse_b = select(row_ok, lse_b, 0.0);
+                di_b = select(row_ok, di_b, 0.0);
+            }
+            if skv % bk != 0 {
+                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
+                kb = select(key_ok, kb, 0.0);
+                vb = select(key_ok, vb, 0.0);
+            }
+        }
+        let mut s = dot_t(qb, kb) * sm_scale;
+        if soft_cap > 0.0 {
+            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
+        }
+        let mut p = (s - lse_b).exp();
+        if needs_mask {
+            let row = iota([bq, bk], 0) + q_start;
+            let col = iota([bq, bk], 1) + kv_start;
+            let mut keep = (row < (sq as i32)) & (col < (skv as i32));
+            if causal {
+                keep = keep & (col <= row);
+            }
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            p = select(keep, p, 0.0);
+        }
+        dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
+        let mut ds = p * (dot_t(dob, vb) - di_b);
+        if soft_cap > 0.0 {
+            // d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = 1 - (capped / cap)^2.
+            let t = s * (1.0 / soft_cap);
+            ds = ds * (1.0 - t * t);
+        }
+        dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
+    }
+    if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
+        dk[..] = dk_acc[..].cast(dk.dtype);
+        dv[..] = dv_acc[..].cast(dv.dtype);
+    }
+}
+
+/// dq: q blocks outside, kv blocks inside (`arbitrary`), as the forward.
+#[tpu_kernel(
+    grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
+    semantics = [parallel, parallel, parallel, arbitrary],
+    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
+    dout = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
+    di = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
+    dq = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    dq_acc = scratch([bq, d], f32),
+)]
+pub fn flash_attention_dq_kernel(
+    q: In<bsz, heads, sq, d>,
+    k: In<bsz, kv_heads, skv, d>,
+    v: In<bsz, kv_heads, skv, d>,
+    q_seg: In<_, _, 1>,
+    kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>,
+    lse: In<bsz, heads, sq, 1>,
+    di: In<bsz, heads, sq, 1>,
+    dq: Out<bsz, heads, sq, d>,
+    dq_acc: Scratch,
+    bq: usize,
+    bk: usize,
+    causal: bool,
+    segmented: bool,
+    sm_scale: f32,
+    soft_cap: f32,
+) {
+    let i = program_id(2);
+    let j = program_id(3);
+    if j == 0 {
+        dq_acc[..] = zeros([bq, d], f32);
+    }
+    let q_start = i * (bq as i32);
+    let kv_start = j * (bk as i32);
+    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+        let mut kb = k[..];
+        let mut vb = v[..];
+        let mut needs_mask = segmented | ((skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32));
+        if causal {
+            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
+        }
+        // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
+        // past Sq are independent here and their writes are dropped.)
+        if needs_mask {
+            if skv % bk != 0 {
+                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
+                kb = select(key_ok, kb, 0.0);
+                vb = select(key_ok, vb, 0.0);
+            }
+        }
+        let mut s = dot_t(q[..], kb) * sm_scale;
+        if soft_cap > 0.0 {
+            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
+        }
+        let mut p = (s - lse[..]).exp();
+        if needs_mask {
+            let col = iota([bq, bk], 1) + kv_start;
+            let mut keep = col < (skv as i32);
+            if causal {
+                keep = keep & (col <= iota([bq, bk], 0) + q_start);
+            }
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            p = select(keep, p, 0.0);
+        }
+        let mut ds = p * (dot_t(dout[..], vb) - di[..]);
+        if soft_cap > 0.0 {
+            let t = s * (1.0 / soft_cap);
+            ds = ds * (1.0 - t * t);
+        }
+        dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
+    }
+    if j == num_programs(3) - 1 {
+        dq[..] = dq_acc[..].cast(dq.dtype);
+    }
+}
+
+// ---- parameters and block sizes -------------------------------------------------------------
+
+/// The static options of an attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionParams {
+    pub causal: bool,
+    /// Multiplies `q @ k^T` (usually `1 / sqrt(D)`).
+    pub sm_scale: f32,
+    /// `logits = cap * tanh(logits / cap)` (Gemma 2 style), applied after `sm_scale`.
+    pub soft_cap: Option<f32>,
+}
+
+impl AttentionParams {
+    /// `sm_scale = 1 / sqrt(head_dim)`, no soft cap.
+    pub fn new(head_dim: usize, causal: bool) -> Self {
+        AttentionParams { causal, sm_scale: 1.0 / (head_dim as f32).sqrt(), soft_cap: None }
+    }
+
+    pub fn with_soft_cap(self, cap: f32) -> Self {
+        AttentionParams { soft_cap: Some(cap), ..self }
+    }
+}
+
+/// Segment ids: int32 `q [B, Sq]` and `kv [B, Skv]`; a query attends only to keys with its id.
+#[derive(Clone, Debug)]
+pub struct SegmentIds {
+    pub q: Array,
+    pub kv: Array,
+}
+
+/// Rows per q block and per kv block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionBlocks {
+    pub block_q: usize,
+    pub block_kv: usize,
+}
+
+/// `[bq, bk]` f32 temporaries a step keeps live (scores, probabilities, mask, `ds`...):
+/// Mosaic places them in its internal VMEM scratch, inside the scoped limit.
+const FWD_TEMPS: usize = 4;
+const BWD_TEMPS: usize = 6;
+
+/// Headroom over our own count for Mosaic's internal scratch (as gmm).
+const MOSAIC_HEADROOM: usize = 2 << 20;
+
+/// VMEM of one step at blocks `(bq, bk)`: windows double-buffered, scratch, temporaries.
+fn vmem_estimate(bq: usize, bk: usize, d: usize, dtype: DType, segmented: bool, backward: bool, target: &Target) -> usize {
+    let t = target;
+    let qb = t.padded_bytes(dtype, &[bq, d]);
+    let kb = t.padded_bytes(dtype, &[bk, d]);
+    let col = t.padded_bytes(DType::F32, &[bq, 1]);
+    let seg = if segmented { t.padded_bytes(DType::I32, &[bq, 1]) + t.padded_bytes(DType::I32, &[1, bk]) } else { 0 };
+    let scores = t.padded_bytes(DType::F32, &[bq, bk]);
+    if backward {
+        // dkv kernel (the larger): q, do, lse, di, k, v in; dk, dv out; two f32 accumulators.
+        2 * (2 * qb + 2 * col + 4 * kb + seg) + 2 * t.padded_bytes(DType::F32, &[bk, d]) + BWD_TEMPS * scores
+    } else {
+        2 * (2 * qb + 2 * kb + col + seg) + 2 * col + t.padded_bytes(DType::F32, &[bq, d]) + FWD_TEMPS * scores
+    }
+}
+
+/// Default blocks for attention over `sq` queries and `skv` keys of head dim `d` on `target`.
+///
+/// Rule: `2 x MXU` rows per block, i.e. 256 on v5e/v5p (128-wide MXU) and 512 on v6e/tpu7x
+/// (256-wide): the `[bq, bk]` score tile is then 2 x 2 MXU passes per `D` chunk, enough
+/// that the MXU work per step hides the VPU/EUP softmax work on the previous tile and the
+/// ~0.35 us step overhead, while causal skipping still drops nearly half the tiles. A
+/// sequence shorter than that takes one whole-length block (always legal); a longer one
+/// need not be a multiple (the edge block is masked). Then halve `bk`, then `bq` (never
+/// below 128) until the step's VMEM ([`vmem_estimate`]: double-buffered windows, scratch
+/// and the `[bq, bk]` f32 temporaries) fits 3/4 of the default scoped VMEM. The backward
+/// uses the same rule with its larger footprint.
+pub fn default_blocks(sq: usize, skv: usize, d: usize, dtype: DType, segmented: bool, backward: bool, target: &Target) -> AttentionBlocks {
+    let base = 2 * target.mxu;
+    let mut bq = sq.min(base);
+    let mut bk = skv.min(base);
+    let budget = target.default_scoped_vmem_bytes * 3 / 4;
+    fit_blocks(&mut [(&mut bk, skv.next_multiple_of(base)), (&mut bq, sq.next_multiple_of(base))], budget, |b| vmem_estimate(b[1], b[0], d, dtype, segmented, backward, target));
+    AttentionBlocks { block_q: bq, block_kv: bk }
+}
+
+// ---- checks ---------------------------------------------------------------------------------
+
+fn err(op: &str, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+    KernelError::new(op, subject, rule, message, help)
+}
+
+/// `(B, H, Hkv, Sq, Skv, D)` of `q`, `k`, `v`, checked.
+fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, usize, usize, usize), KernelError> {
+    let (&[b, h, sq, d], &[bk, hkv, skv, dk]) = (&q.shape[..], &k.shape[..]) else {
+        return Err(err(op, "operands `q`, `k`", "operand-shape", format!("q is {:?} and k is {:?}", q.shape, k.shape), "pass q as [B, H, Sq, D] and k, v as [B, Hkv, Skv, D]"));
+    };
+    if v.shape != k.shape {
+        return Err(err(op, "operand `v`", "operand-shape", format!("v is {:?}, k is {:?}", v.shape, k.shape), "pass k and v of the same shape [B, Hkv, Skv, D]"));
+    }
+    if bk != b || dk != d {
+        return Err(err(op, "operand `k`", "operand-shape", format!("q is {:?} and k is {:?}", q.shape, k.shape), "k needs q's batch and head dim: [B, Hkv, Skv, D]"));
+    }
+    if hkv == 0 || h % hkv != 0 {
+        return Err(err(op, "operand `k`", "operand-shape", format!("{h} query heads over {hkv} kv heads"), "the number of query heads must be a multiple of the number of kv heads (GQA)"));
+    }
+    if !q.dtype.is_float() || k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(err(op, "operands `q`, `k`, `v`", "operand-dtype", format!("q is {}, k is {}, v is {}", q.dtype, k.dtype, v.dtype), "pass f32 or bf16 q, k, v of one dtype"));
+    }
+    Ok((b, h, hkv, sq, skv, d))
+}
+
+fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Result<(), KernelError> {
+    let AttentionBlocks { block_q, block_kv } = blocks;
+    if block_q == 0 || block_kv == 0 || block_q > sq || block_kv > skv {
+        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} for Sq = {sq}, Skv = {skv}"), "use blocks between 1 and the sequence length"));
+    }
+    Ok(())
+}
+
+/// Raises the scoped VMEM limit when explicit blocks need more than the default (up to
+/// the core's VMEM; past that the verifier reports the overflow).
+fn fit_vmem_limit(mut kernel: Kernel, temps: usize, target: &Target) -> Kernel {
+    let need = verify::vmem_bytes(&kernel, target) + temps + MOSAIC_HEADROOM;
+    if need > verify::vmem_limit(&kernel, target) {
+        kernel.vmem_limit_bytes = Some(need.next_multiple_of(1 << 20).min(target.vmem_bytes));
+    }
+    kernel
+}
+
+/// The kernels' segment-id operand types: `[B, Sq, 1]`, `[B, 1, Skv]`, or 1-element dummies.
+fn segment_types(segmented: bool, b: usize, sq: usize, skv: usize) -> (Type, Type) {
+    if segmented {
+        (Type::vector(DType::I32, &[b, sq, 1]), Type::vector(DType::I32, &[b, 1, skv]))
+    } else {
+        (Type::vector(DType::I32, &[1, 1, 1]), Type::vector(DType::I32, &[1, 1, 1]))
+    }
+}
+
+fn cap_of(params: &AttentionParams) -> f32 {
+    params.soft_cap.unwrap_or(0.0)
+}
+
+fn check_cap(op: &str, params: &AttentionParams) -> Result<(), KernelError> {
+    match params.soft_cap {
+        Some(c) if !(c > 0.0 && c.is_finite()) => Err(err(op, "soft_cap", "soft-cap", format!("soft cap {c}"), "use a positive, finite soft cap, or None")),
+        _ => Ok(()),
+    }
+}
+
+// ---- building -------------------------------------------------------------------------------
+
+/// The forward kernel for these types and blocks (outputs `o` of q's dtype, `lse` f32
+/// `[B, H, Sq, 1]`).
+pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
+    let op = "flash_attention";
+    let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
+    check_blocks(op, blocks, sq, skv)?;
+    check_cap(op, params)?;
+    let (qs, ks) = segment_types(segmented, b, sq, skv);
+    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    let kernel = flash_attention_fwd_kernel(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        qs,
+        ks,
+        q.clone(),
+        Type::vector(DType::F32, &[b, h, sq, 1]),
+        bq,
+        bk,
+        params.causal,
+        segmented,
+        params.sm_scale,
+        cap_of(params),
+    )?;
+    Ok(fit_vmem_limit(kernel, FWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]), target))
+}
+
+/// The three backward kernels (di, dkv, dq) for these types and blocks.
+pub fn build_flash_attention_bwd(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Vec<Kernel>, KernelError> {
+    let op = "flash_attention_bwd";
+    let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
+    check_blocks(op, blocks, sq, skv)?;
+    check_cap(op, params)?;
+    let (qs, ks) = segment_types(segmented, b, sq, skv);
+    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
+    let (causal, scale, cap) = (params.causal, params.sm_scale, cap_of(params));
+    let temps = BWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]);
+    let di = flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), bq)?;
+    let dkv = flash_attention_dkv_kernel(q.clone(), k.clone(), v.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), bq, bk, causal, segmented, scale, cap)?;
+    let dq = flash_attention_dq_kernel(q.clone(), k.clone(), v.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), bq, bk, causal, segmented, scale, cap)?;
+    Ok(vec![fit_vmem_limit(di, 0, target), fit_vmem_limit(dkv, temps, target), fit_vmem_limit(dq, temps, target)])
+}
+
+/// The default forward blocks for these types.
+pub fn default_forward_blocks(q: &Type, k: &Type, segmented: bool, target: &Target) -> AttentionBlocks {
+    let at = |t: &Type, i: usize| t.shape.get(i).copied().unwrap_or(1).max(1);
+    default_blocks(at(q, 2), at(k, 2), at(q, 3), q.dtype, segmented, false, target)
+}
+
+/// The default backward blocks for these types.
+pub fn default_backward_blocks(q: &Type, k: &Type, segmented: bool, target: &Target) -> AttentionBlocks {
+    let at = |t: &Type, i: usize| t.shape.get(i).copied().unwrap_or(1).max(1);
+    default_blocks(at(q, 2), at(k, 2), at(q, 3), q.dtype, segmented, true, target)
+}
+
+// ---- running --------------------------------------------------------------------------------
+
+fn ty(a: &Array) -> Type {
+    Type::vector(a.dtype, &a.shape)
+}
+
+fn reshaped(a: &Array, shape: &[usize]) -> Array {
+    Array { shape: shape.to_vec(), ..a.clone() }
+}
+
+/// The kernels' segment-id arrays for `segment_ids` (checked), or the dummies.
+fn segment_arrays(op: &str, segment_ids: Option<&SegmentIds>, b: usize, sq: usize, skv: usize) -> Result<(Array, Array), KernelError> {
+    let Some(s) = segment_ids else {
+        let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
+        return Ok((dummy.clone(), dummy));
+    };
+    for (name, a, n) in [("q_segment_ids", &s.q, sq), ("kv_segment_ids", &s.kv, skv)] {
+        if a.dtype != DType::I32 || a.shape != [b, n] {
+            return Err(err(op, format!("operand `{name}`"), "operand-shape", format!("{name} is {}{:?}", a.dtype, a.shape), format!("pass int32 segment ids of shape [{b}, {n}]")));
+        }
+    }
+    Ok((reshaped(&s.q, &[b, sq, 1]), reshaped(&s.kv, &[b, 1, skv])))
+}
+
+/// Flash attention on the CPU interpreter with explicit blocks: `(o, lse)`, `o` of q's
+/// dtype `[B, H, Sq, D]`, `lse` f32 `[B, H, Sq]`.
+pub fn flash_attention_with_blocks(q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<(Array, Array), KernelError> {
+    let kernel = build_flash_attention(&ty(q), &ty(k), &ty(v), segment_ids.is_some(), params, blocks, target)?;
+    verify::verify(&kernel, target)?;
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (qs, ks) = segment_arrays("flash_attention", segment_ids, b, sq, k.shape[2])?;
+    let mut out = interp::run(&kernel, &[q, k, v, &qs, &ks])?;
+    let lse = out.pop().expect("two outputs");
+    let o = out.pop().expect("two outputs");
+    Ok((o, reshaped(&lse, &[b, h, sq])))
+}
+
+/// Flash attention on the CPU interpreter with `target`'s default blocks.
+pub fn flash_attention(q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array), KernelError> {
+    let blocks = default_forward_blocks(&ty(q), &ty(k), segment_ids.is_some(), target);
+    flash_attention_with_blocks(q, k, v, segment_ids, params, blocks, target)
+}
+
+/// The gradients `(dq, dk, dv)` of `sum(o * do)` with explicit blocks, from the forward's
+/// `o` and `lse` (`[B, H, Sq]` or `[B, H, Sq, 1]`).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_bwd_with_blocks(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    o: &Array,
+    lse: &Array,
+    dout: &Array,
+    segment_ids: Option<&SegmentIds>,
+    params: &AttentionParams,
+    blocks: AttentionBlocks,
+    target: &Target,
+) -> Result<(Array, Array, Array), KernelError> {
+    let op = "flash_attention_bwd";
+    let kernels = build_flash_attention_bwd(&ty(q), &ty(k), &ty(v), segment_ids.is_some(), params, blocks, target)?;
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    for (name, a, dtype) in [("o", o, q.dtype), ("do", dout, q.dtype)] {
+        if a.shape != q.shape || a.dtype != dtype {
+            return Err(err(op, format!("operand `{name}`"), "operand-shape", format!("{name} is {}{:?}, q is {}{:?}", a.dtype, a.shape, q.dtype, q.shape), format!("pass {name} with q's shape and dtype")));
+        }
+    }
+    if lse.len() != b * h * sq || !lse.dtype.is_float() {
+        return Err(err(op, "operand `lse`", "operand-shape", format!("lse is {}{:?}", lse.dtype, lse.shape), format!("pass the forward's f32 lse of shape [{b}, {h}, {sq}]")));
+    }
+    let lse = match lse.dtype {
+        DType::F32 => reshaped(lse, &[b, h, sq, 1]),
+        _ => Array::from_f32(&[b, h, sq, 1], lse.to_f32_vec()),
+    };
+    let (qs, ks) = segment_arrays(op, segment_ids, b, sq, k.shape[2])?;
+    for kernel in &kernels {
+        verify::verify(kernel, target)?;
+    }
+    let di = interp::run(&kernels[0], &[o, dout])?.remove(0);
+    let mut dkv = interp::run(&kernels[1], &[q, k, v, &qs, &ks, dout, &lse, &di])?;
+    let dq = interp::run(&kernels[2], &[q, k, v, &qs, &ks, dout, &lse, &di])?.remove(0);
+    let dv = dkv.pop().expect("two outputs");
+    let dk = dkv.pop().expect("two outputs");
+    Ok((dq, dk, dv))
+}
+
+/// The backward on the CPU interpreter with `target`'s default (backward) blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_bwd(q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array, Array), KernelError> {
+    let blocks = default_backward_blocks(&ty(q), &ty(k), segment_ids.is_some(), target);
+    flash_attention_bwd_with_blocks(q, k, v, o, lse, dout, segment_ids, params, blocks, target)
+}
+
+// ---- library entries ------------------------------------------------------------------------
+
+/// Gemma 2's attention-logit soft cap, for the segmented library entry.
+pub const LIBRARY_SOFT_CAP: f32 = 50.0;
+
+/// The library variants: which options an entry fixes.
+#[derive(Clone, Copy)]
+struct Variant {
+    causal: bool,
+    soft_cap: Option<f32>,
+    segmented: bool,
+}
+
+const CAUSAL: Variant = Variant { causal: true, soft_cap: None, segmented: false };
+const NONCAUSAL: Variant = Variant { causal: false, soft_cap: None, segmented: false };
+const SEGMENTED: Variant = Variant { causal: true, soft_cap: Some(LIBRARY_SOFT_CAP), segmented: true };
+
+impl Variant {
+    fn params(self, q: &Type) -> AttentionParams {
+        AttentionParams { causal: self.causal, sm_scale: 1.0 / (q.shape.get(3).copied().unwrap_or(1) as f32).sqrt(), soft_cap: self.soft_cap }
+    }
+
+    fn inputs(self, backward: bool) -> usize {
+        (if backward { 6 } else { 3 }) + if self.segmented { 2 } else { 0 }
+    }
+}
+
+fn arity<T>(op: &str, inputs: &[T], n: usize) -> Result<(), KernelError> {
+    if inputs.len() == n {
+        return Ok(());
+    }
+    Err(err(op, "inputs", "input-count", format!("{} inputs given, the op takes {n}", inputs.len()), "pass one array per input operand"))
+}
+
+fn op_build(t: &[Type], target: &Target, var: Variant, backward: bool) -> Result<Vec<Kernel>, KernelError> {
+    let op = if backward { "flash_attention_bwd" } else { "flash_attention" };
+    arity(op, t, var.inputs(backward))?;
+    let params = var.params(&t[0]);
+    if backward {
+        let blocks = default_backward_blocks(&t[0], &t[1], var.segmented, target);
+        build_flash_attention_bwd(&t[0], &t[1], &t[2], var.segmented, &params, blocks, target)
+    } else {
+        let blocks = default_forward_blocks(&t[0], &t[1], var.segmented, target);
+        Ok(vec![build_flash_attention(&t[0], &t[1], &t[2], var.segmented, &params, blocks, target)?])
+    }
+}
+
+fn op_segments(a: &[Array], var: Variant, at: usize) -> Option<SegmentIds> {
+    var.segmented.then(|| SegmentIds { q: a[at].clone(), kv: a[at + 1].clone() })
+}
+
+fn op_run(a: &[Array], target: &Target, var: Variant, backward: bool) -> Result<Vec<Array>, KernelError> {
+    let op = if backward { "flash_attention_bwd" } else { "flash_attention" };
+    arity(op, a, var.inputs(backward))?;
+    let params = var.params(&ty(&a[0]));
+    if backward {
+        let seg = op_segments(a, var, 6);
+        let (dq, dk, dv) = flash_attention_bwd(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], seg.as_ref(), &params, target)?;
+        Ok(vec![dq, dk, dv])
+    } else {
+        let seg = op_segments(a, var, 3);
+        let (o, lse) = flash_attention(&a[0], &a[1], &a[2], seg.as_ref(), &params, target)?;
+        Ok(vec![o, lse])
+    }
+}
+
+fn float_array(dtype: DType, shape: &[usize], vals: Vec<f32>) -> Array {
+    match dtype {
+        DType::BF16 => Array::from_f32_as_bf16(shape, &vals),
+        _ => Array::from_f32(shape, vals),
+    }
+}
+
+fn uniform(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
+}
+
+/// Segment ids for `b` sequences: ids that increase along the sequence in random runs, the
+/// same segmentation of positions for queries and keys, every boundary below
+/// `min(Sq, Skv)` so each query sees at least one key (its segment's first position) under
+/// the causal rule too.
+pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> SegmentIds {
+    let span = sq.min(skv).max(1);
+    let (mut qs, mut ks) = (Vec::with_capacity(b * sq), Vec::with_capacity(b * skv));
+    for _ in 0..b {
+        let mut cuts: Vec<usize> = (0..rng.gen_range(1..=4)).map(|_| rng.gen_range(1..span.max(2))).collect();
+        cuts.sort_unstable();
+        let seg = |p: usize| cuts.iter().filter(|&&c| c <= p).count() as i32;
+        qs.extend((0..sq).map(seg));
+        ks.extend((0..skv).map(seg));
+    }
+    SegmentIds { q: Array::from_i32(&[b, sq], qs), kv: Array::from_i32(&[b, skv], ks) }
+}
+
+/// q, k in [-2, 2) (logits spread enough to exercise the running max), v in [-1, 1);
+/// segment ids from [`random_segment_ids`] for the segmented entries.
+fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, segmented: bool) -> Vec<Array> {
+    let n = |s: &Vec<usize>| s.iter().product::<usize>();
+    let mut a = vec![
+        float_array(dtype, &shapes[0], uniform(n(&shapes[0]), 2.0, rng)),
+        float_array(dtype, &shapes[1], uniform(n(&shapes[1]), 2.0, rng)),
+        float_array(dtype, &shapes[2], uniform(n(&shapes[2]), 1.0, rng)),
+    ];
+    if segmented {
+        let s = random_segment_ids(shapes[0][0], shapes[0][2], shapes[1][2], rng);
+        a.extend([s.q, s.kv]);
+    }
+    a
+}
+
+fn reference_params(a: &[Array], var: Variant) -> reference::Attention {
+    let (q, k) = (&a[0].shape, &a[1].shape);
+    // Segment ids come last in both the forward's and the backward's inputs.
+    let seg = |i: usize| var.segmented.then(|| a[i].as_i32().unwrap_or(&[]).to_vec());
+    let at = a.len().saturating_sub(2);
+    reference::Attention {
+        b: q[0],
+        h: q[1],
+        hkv: k[1],
+        sq: q[2],
+        skv: k[2],
+        d: q[3],
+        causal: var.causal,
+        sm_scale: 1.0 / (q[3] as f64).sqrt(),
+        soft_cap: var.soft_cap.map(f64::from),
+        q_segments: seg(at),
+        kv_segments: seg(at + 1),
+    }
+}
+
+/// Forward inputs plus the reference forward's `o` (rounded to the dtype), `lse` (f32) and
+/// a random `do`; segment ids last.
+fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, var: Variant) -> Vec<Array> {
+    let mut fwd = forward_inputs(shapes, dtype, rng, var.segmented);
+    let cfg = reference_params(&fwd, var);
+    let (o, lse) = reference::forward(&cfg, &fwd[0].to_f64_vec(), &fwd[1].to_f64_vec(), &fwd[2].to_f64_vec());
+    let q_shape = shapes[0].clone();
+    let seg: Vec<Array> = fwd.drain(3..).collect();
+    fwd.push(float_array(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
+    fwd.push(Array::from_f32(&q_shape[..3], lse.iter().map(|&x| x as f32).collect()));
+    fwd.push(float_array(dtype, &q_shape, uniform(q_shape.iter().product(), 1.0, rng)));
+    fwd.extend(seg);
+    fwd
+}
+
+fn op_reference(a: &[Array], var: Variant, backward: bool) -> Vec<Vec<f64>> {
+    let cfg = reference_params(a, var);
+    let (q, k, v) = (a[0].to_f64_vec(), a[1].to_f64_vec(), a[2].to_f64_vec());
+    if backward {
+        let (dq, dk, dv) = reference::backward(&cfg, &q, &k, &v, &a[5].to_f64_vec());
+        vec![dq, dk, dv]
+    } else {
+        let (o, lse) = reference::forward(&cfg, &q, &k, &v);
+        vec![o, lse]
+    }
+}
+
+const FWD_INPUTS: &[Operand] = &[
+    Operand { name: "q", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "k", dims: "[b, hkv, skv, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "v", dims: "[b, hkv, skv, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
+];
+const BWD_INPUTS: &[Operand] = &[
+    FWD_INPUTS[0],
+    FWD_INPUTS[1],
+    FWD_INPUTS[2],
+    Operand { name: "o", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "lse", dims: "[b, h, sq]", default_shape: &[1, 8, 1024], kind: OperandKind::Float32 },
+    Operand { name: "do", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
+];
+/// GQA 4:1, D = 64, Sq != Skv and neither a multiple of the blocks.
+const ALT_Q: &[usize] = &[2, 8, 700, 64];
+const ALT_KV: &[usize] = &[2, 2, 1000, 64];
+
+const SEG_INPUTS: &[Operand] = &[
+    Operand { name: "q", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "k", dims: "[b, hkv, skv, d]", default_shape: &[2, 2, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "v", dims: "[b, hkv, skv, d]", default_shape: &[2, 2, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "q_segment_ids", dims: "[b, sq]", default_shape: &[2, 1024], kind: OperandKind::Int32 },
+    Operand { name: "kv_segment_ids", dims: "[b, skv]", default_shape: &[2, 1024], kind: OperandKind::Int32 },
+];
+const SEG_BWD_INPUTS: &[Operand] = &[
+    SEG_INPUTS[0],
+    SEG_INPUTS[1],
+    SEG_INPUTS[2],
+    Operand { name: "o", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
+    Operand { name: "lse", dims: "[b, h, sq]", default_shape: &[2, 8, 1024], kind: OperandKind::Float32 },
+    Operand { name: "do", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
+    SEG_INPUTS[3],
+    SEG_INPUTS[4],
+];
+
+/// This module's library ops.
+pub const OPS: &[LibraryKernel] = &[
+    LibraryKernel {
+        name: "flash_attention",
+        summary: "flash attention forward, causal, sm_scale = 1/sqrt(D), GQA; online softmax in f32 VMEM scratch over the kv axis, causal blocks skipped (body and DMA)",
+        signature: "flash_attention(q: [b, h, sq, d], k: [b, hkv, skv, d], v: [b, hkv, skv, d]; causal = true, sm_scale = 1/sqrt(d), soft_cap = None) -> (o: [b, h, sq, d], lse: f32[b, h, sq])",
+        inputs: FWD_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV],
+        build: |t, target| op_build(t, target, CAUSAL, false),
+        run: |a, target| op_run(a, target, CAUSAL, false),
+        random_inputs: |s, d, rng| forward_inputs(s, d, rng, false),
+        reference: |a| op_reference(a, CAUSAL, false),
+    },
+    LibraryKernel {
+        name: "flash_attention_bwd",
+        summary: "flash attention backward (causal): di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel",
+        signature: "flash_attention_bwd(q, k, v, o: [b, h, sq, d], lse: f32[b, h, sq], do: [b, h, sq, d]; causal = true, sm_scale = 1/sqrt(d)) -> (dq, dk, dv)",
+        inputs: BWD_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q],
+        build: |t, target| op_build(t, target, CAUSAL, true),
+        run: |a, target| op_run(a, target, CAUSAL, true),
+        random_inputs: |s, d, rng| backward_inputs(s, d, rng, CAUSAL),
+        reference: |a| op_reference(a, CAUSAL, true),
+    },
+    LibraryKernel {
+        name: "flash_attention_noncausal",
+        summary: "flash attention forward, non-causal (every block computed)",
+        signature: "flash_attention(q: [b, h, sq, d], k: [b, hkv, skv, d], v: [b, hkv, skv, d]; causal = false, sm_scale = 1/sqrt(d)) -> (o, lse)",
+        inputs: FWD_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV],
+        build: |t, target| op_build(t, target, NONCAUSAL, false),
+        run: |a, target| op_run(a, target, NONCAUSAL, false),
+        random_inputs: |s, d, rng| forward_inputs(s, d, rng, false),
+        reference: |a| op_reference(a, NONCAUSAL, false),
+    },
+    LibraryKernel {
+        name: "flash_attention_noncausal_bwd",
+        summary: "flash attention backward, non-causal",
+        signature: "flash_attention_bwd(q, k, v, o, lse, do; causal = false, sm_scale = 1/sqrt(d)) -> (dq, dk, dv)",
+        inputs: BWD_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q],
+        build: |t, target| op_build(t, target, NONCAUSAL, true),
+        run: |a, target| op_run(a, target, NONCAUSAL, true),
+        random_inputs: |s, d, rng| backward_inputs(s, d, rng, NONCAUSAL),
+        reference: |a| op_reference(a, NONCAUSAL, true),
+    },
+    LibraryKernel {
+        name: "flash_attention_segmented",
+        summary: "flash attention forward with segment ids (packed sequences), causal, logit soft cap 50, GQA 4:1",
+        signature: "flash_attention(q: [b, h, sq, d], k, v: [b, hkv, skv, d], q_segment_ids: i32[b, sq], kv_segment_ids: i32[b, skv]; causal = true, soft_cap = 50) -> (o, lse)",
+        inputs: SEG_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, &[2, 700], &[2, 1000]],
+        build: |t, target| op_build(t, target, SEGMENTED, false),
+        run: |a, target| op_run(a, target, SEGMENTED, false),
+        random_inputs: |s, d, rng| forward_inputs(s, d, rng, true),
+        reference: |a| op_reference(a, SEGMENTED, false),
+    },
+    LibraryKernel {
+        name: "flash_attention_segmented_bwd",
+        summary: "flash attention backward with segment ids, causal, logit soft cap 50, GQA 4:1",
+        signature: "flash_attention_bwd(q, k, v, o, lse, do, q_segment_ids, kv_segment_ids; causal = true, soft_cap = 50) -> (dq, dk, dv)",
+        inputs: SEG_BWD_INPUTS,
+        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q, &[2, 700], &[2, 1000]],
+        build: |t, target| op_build(t, target, SEGMENTED, true),
+        run: |a, target| op_run(a, target, SEGMENTED, true),
+        random_inputs: |s, d, rng| backward_inputs(s, d, rng, SEGMENTED),
+        reference: |a| op_reference(a, SEGMENTED, true),
+    },
+];
+
+/// Independent f64 references: explicit scores, mask, softmax and weighted sum per query
+/// row, and the explicit backward formulas. They share no code with the kernels.
+pub mod reference {
+    /// An attention problem: shapes and options. `q_segments`/`kv_segments` are `[b, sq]` /
+    /// `[b, skv]` ids when given.
+    #[derive(Clone, Debug)]
+    pub struct Attention {
+        pub b: usize,
+        pub h: usize,
+        pub hkv: usize,
+        pub sq: usize,
+        pub skv: usize,
+        pub d: usize,
+        pub causal: bool,
+        pub sm_scale: f64,
+        pub soft_cap: Option<f64>,
+        pub q_segments: Option<Vec<i32>>,
+        pub kv_segments: Option<Vec<i32>>,
+    }
+
+    impl Attention {
+        fn visible(&self, b: usize, r: usize, c: usize) -> bool {
+            let causal_ok = !self.causal || c <= r;
+            let seg_ok = match (&self.q_segments, &self.kv_segments) {
+                (Some(qs), Some(ks)) => qs[b * self.sq + r] == ks[b * self.skv + c],
+                _ => true,
+            };
+            causal_ok && seg_ok
+        }
+
+        fn q_row(&self, b: usize, h: usize, r: usize) -> usize {
+            ((b * self.h + h) * self.sq + r) * self.d
+        }
+
+        fn kv_row(&self, b: usize, h: usize, c: usize) -> usize {
+            let kh = h / (self.h / self.hkv);
+            ((b * self.hkv + kh) * self.skv + c) * self.d
+        }
+
+        /// The raw product `x = sm_scale * q.k` and the logit `z = cap * tanh(x / cap)`
+        /// (or `x`) with `dz/dx`, for every key of one query row; `None` when masked.
+        fn logits(&self, q: &[f64], k: &[f64], b: usize, h: usize, r: usize) -> Vec<Option<(f64, f64)>> {
+            let qr = &q[self.q_row(b, h, r)..][..self.d];
+            (0..self.skv)
+                .map(|c| {
+                    if !self.visible(b, r, c) {
+                        return None;
+                    }
+                    let kr = &k[self.kv_row(b, h, c)..][..self.d];
+                    let x = self.sm_scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>();
+                    Some(match self.soft_cap {
+                        Some(cap) => {
+                            let t = (x / cap).tanh();
+                            (cap * t, 1.0 - t * t)
+                        }
+                        None => (x, 1.0),
+                    })
+                })
+                .collect()
+        }
+
+        /// Softmax probabilities of one row (0 where masked) and its logsumexp.
+        fn probs(&self, z: &[Option<(f64, f64)>]) -> (Vec<f64>, f64) {
+            let m = z.iter().flatten().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                return (vec![0.0; z.len()], f64::NEG_INFINITY);
+            }
+            let e: Vec<f64> = z.iter().map(|p| p.map_or(0.0, |(zz, _)| (zz - m).exp())).collect();
+            let sum: f64 = e.iter().sum();
+            (e.iter().map(|x| x / sum).collect(), m + sum.ln())
+        }
+    }
+
+    /// `(o [b, h, sq, d], lse [b, h, sq])`; a row with no visible key gets `o = 0`, `lse = -inf`.
+    pub fn forward(a: &Attention, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let mut o = vec![0.0; a.b * a.h * a.sq * a.d];
+        let mut lse = vec![0.0; a.b * a.h * a.sq];
+        for b in 0..a.b {
+            for h in 0..a.h {
+                for r in 0..a.sq {
+                    let (p, l) = a.probs(&a.logits(q, k, b, h, r));
+                    lse[(b * a.h + h) * a.sq + r] = l;
+                    let out = &mut o[a.q_row(b, h, r)..][..a.d];
+                    for (c, &pc) in p.iter().enumerate() {
+                        let vr = &v[a.kv_row(b, h, c)..][..a.d];
+                        for (x, &vv) in out.iter_mut().zip(vr) {
+                            *x += pc * vv;
+                        }
+                    }
+                }
+            }
+        }
+        (o, lse)
+    }
+
+    /// Gradients of `sum(o * do)`: with `P = softmax(Z)`, `dV = P^T dO`, `dP = dO V^T`,
+    /// `dZ = P (dP - rowsum(P dP))`, `dX = dZ dz/dx`, `dQ = sm_scale dX K`, `dK = sm_scale
+    /// dX^T Q`; dK, dV of a kv head summed over its query heads.
+    pub fn backward(a: &Attention, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let mut dq = vec![0.0; q.len()];
+        let mut dk = vec![0.0; k.len()];
+        let mut dv = vec![0.0; v.len()];
+        for b in 0..a.b {
+            for h in 0..a.h {
+                for r in 0..a.sq {
+                    let z = a.logits(q, k, b, h, r);
+                    let (p, _) = a.probs(&z);
+                    let dor = &dout[a.q_row(b, h, r)..][..a.d];
+                    let dp: Vec<f64> = (0..a.skv).map(|c| v[a.kv_row(b, h, c)..][..a.d].iter().zip(dor).map(|(x, y)| x * y).sum()).collect();
+                    let pdp: f64 = p.iter().zip(&dp).map(|(x, y)| x * y).sum();
+                    for c in 0..a.skv {
+                        let Some((_, dzdx)) = z[c] else { continue };
+                        let kv = a.kv_row(b, h, c);
+                        let dx = p[c] * (dp[c] - pdp) * dzdx * a.sm_scale;
+                        let qr = a.q_row(b, h, r);
+                        for e in 0..a.d {
+                            dq[qr + e] += dx * k[kv + e];
+                            dk[kv + e] += dx * q[qr + e];
+                            dv[kv + e] += p[c] * dor[e];
+                        }
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+}

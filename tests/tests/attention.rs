@@ -1,0 +1,326 @@
+//! Flash attention forward and backward on the interpreter against the independent f64
+//! reference (f32 and bf16; GQA ratios 1, 4, 8; causal on and off; soft cap; segment ids;
+//! Sq != Skv; lengths that are not multiples of the blocks), the reference backward
+//! against central finite differences of the reference forward, causal block skipping
+//! (no DMA for skipped blocks), block-size rules and overrides, and libtpu on large blocks.
+//! (libtpu compiles every registered attention op at default and alt shapes in
+//! tpu_compiler.rs.)
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use tessera_dsl::interp::{self, Array};
+use tessera_dsl::{DType, Target, Type};
+use tessera_kernels::attention::{self, reference, AttentionBlocks, AttentionParams, SegmentIds};
+use tessera_kernels::harness::{check_output, random_array, run_against_reference};
+use tessera_kernels::find;
+use tessera_tests::oracle;
+
+/// One problem: `(B, H, Hkv, Sq, Skv, D)`.
+type Shape = (usize, usize, usize, usize, usize, usize);
+
+/// GQA 1, 4, 8; aligned and ragged lengths; Sq < Skv and Sq > Skv; D 32 / 64 / 128.
+const SHAPES: [Shape; 5] = [(1, 2, 2, 256, 256, 128), (2, 4, 1, 200, 333, 64), (1, 8, 1, 130, 130, 32), (1, 4, 1, 384, 200, 128), (2, 2, 2, 77, 300, 64)];
+
+/// Small blocks so that every shape has several q and kv blocks (the defaults would take
+/// one whole-length block): online softmax across kv blocks, causal skips, edge blocks.
+const SMALL: AttentionBlocks = AttentionBlocks { block_q: 32, block_kv: 128 };
+
+struct Case {
+    q: Array,
+    k: Array,
+    v: Array,
+    seg: Option<SegmentIds>,
+    cfg: reference::Attention,
+}
+
+fn case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, seed: u64) -> Case {
+    let (b, h, hkv, sq, skv, d) = shape;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let scaled = |a: Array, s: f32| {
+        let v: Vec<f32> = a.to_f32_vec().iter().map(|x| x * s).collect();
+        if dtype == DType::BF16 { Array::from_f32_as_bf16(&a.shape, &v) } else { Array::from_f32(&a.shape, v) }
+    };
+    let q = scaled(random_array(dtype, &[b, h, sq, d], &mut rng), 2.0);
+    let k = scaled(random_array(dtype, &[b, hkv, skv, d], &mut rng), 2.0);
+    let v = random_array(dtype, &[b, hkv, skv, d], &mut rng);
+    let seg = segmented.then(|| attention::random_segment_ids(b, sq, skv, &mut rng));
+    let cfg = reference::Attention {
+        b,
+        h,
+        hkv,
+        sq,
+        skv,
+        d,
+        causal: params.causal,
+        sm_scale: params.sm_scale as f64,
+        soft_cap: params.soft_cap.map(f64::from),
+        q_segments: seg.as_ref().map(|s| s.q.as_i32().unwrap().to_vec()),
+        kv_segments: seg.as_ref().map(|s| s.kv.as_i32().unwrap().to_vec()),
+    };
+    Case { q, k, v, seg, cfg }
+}
+
+fn assert_close(what: &str, got: &Array, want: &[f64], tol: f64) {
+    let c = check_output(got, want);
+    assert!(c.nan_count == 0 && c.scaled_err <= tol, "{what}: scaled error {:.3e} (tolerance {tol:.1e}), {} NaN", c.scaled_err, c.nan_count);
+}
+
+/// bf16 rounds q, k, v, the probabilities fed to `p @ v` and `ds` fed to the gradient dots.
+fn tol(dtype: DType, backward: bool) -> f64 {
+    match (dtype, backward) {
+        (DType::BF16, false) => 1.6e-2,
+        (DType::BF16, true) => 3e-2,
+        (_, false) => 1e-5,
+        _ => 2e-5,
+    }
+}
+
+fn forward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
+    let c = case(shape, dtype, params, segmented, seed);
+    let (o, lse) = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (o_ref, lse_ref) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
+    let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
+    assert_eq!(o.dtype, dtype);
+    assert_eq!(lse.shape, vec![shape.0, shape.1, shape.3]);
+    assert_close(&format!("o of {what}"), &o, &o_ref, tol(dtype, false));
+    assert_close(&format!("lse of {what}"), &lse, &lse_ref, tol(DType::F32, false));
+}
+
+fn backward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
+    let c = case(shape, dtype, params, segmented, seed);
+    let (q, k, v) = (c.q.to_f64_vec(), c.k.to_f64_vec(), c.v.to_f64_vec());
+    let (o_ref, lse_ref) = reference::forward(&c.cfg, &q, &k, &v);
+    let round = |x: &[f64], shape: &[usize]| {
+        let f: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        if dtype == DType::BF16 { Array::from_f32_as_bf16(shape, &f) } else { Array::from_f32(shape, f) }
+    };
+    let o = round(&o_ref, &c.q.shape);
+    let lse = Array::from_f32(&c.q.shape[..3], lse_ref.iter().map(|&x| x as f32).collect());
+    let mut rng = StdRng::seed_from_u64(seed + 1000);
+    let dout = random_array(dtype, &c.q.shape, &mut rng);
+    let (dq, dk, dv) = attention::flash_attention_bwd_with_blocks(&c.q, &c.k, &c.v, &o, &lse, &dout, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (dq_ref, dk_ref, dv_ref) = reference::backward(&c.cfg, &q, &k, &v, &dout.to_f64_vec());
+    let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
+    assert_close(&format!("dq of {what}"), &dq, &dq_ref, tol(dtype, true));
+    assert_close(&format!("dk of {what}"), &dk, &dk_ref, tol(dtype, true));
+    assert_close(&format!("dv of {what}"), &dv, &dv_ref, tol(dtype, true));
+}
+
+/// The option combinations each shape runs with.
+fn option_sets(d: usize) -> Vec<(AttentionParams, bool)> {
+    vec![
+        (AttentionParams::new(d, true), false),
+        (AttentionParams::new(d, false), false),
+        (AttentionParams::new(d, true).with_soft_cap(2.0), false),
+        (AttentionParams::new(d, true), true),
+        (AttentionParams::new(d, false).with_soft_cap(5.0), true),
+    ]
+}
+
+#[test]
+fn forward_matches_reference() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (n, &shape) in SHAPES.iter().enumerate() {
+            for (m, (params, seg)) in option_sets(shape.5).into_iter().enumerate() {
+                let target = if (n + m) % 2 == 0 { Target::V5E } else { Target::TPU7X };
+                forward_case(shape, dtype, &params, seg, SMALL, &target, (10 * n + m) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_matches_reference() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (n, &shape) in SHAPES.iter().enumerate() {
+            for (m, (params, seg)) in option_sets(shape.5).into_iter().enumerate() {
+                let target = if (n + m) % 2 == 0 { Target::V6E } else { Target::TPU7X };
+                backward_case(shape, dtype, &params, seg, SMALL, &target, (10 * n + m) as u64);
+            }
+        }
+    }
+}
+
+/// Blocks that are not powers of two or that leave one partial block per axis.
+#[test]
+fn odd_blocks() {
+    let shape = (1, 4, 2, 200, 300, 64);
+    for blocks in [AttentionBlocks { block_q: 48, block_kv: 256 }, AttentionBlocks { block_q: 200, block_kv: 300 }, AttentionBlocks { block_q: 8, block_kv: 8 }] {
+        for causal in [true, false] {
+            let params = AttentionParams::new(64, causal);
+            forward_case(shape, DType::F32, &params, false, blocks, &Target::V5E, 7);
+            backward_case(shape, DType::F32, &params, false, blocks, &Target::V5E, 7);
+        }
+    }
+}
+
+/// The library entries at their default blocks (one whole-length block at these sizes on
+/// v6e, two on v5e) through the shared harness.
+#[test]
+fn library_entries_match_reference() {
+    let fwd = |q: [usize; 4], kv: [usize; 4]| vec![q.to_vec(), kv.to_vec(), kv.to_vec()];
+    let bwd = |q: [usize; 4], kv: [usize; 4]| vec![q.to_vec(), kv.to_vec(), kv.to_vec(), q.to_vec(), q[..3].to_vec(), q.to_vec()];
+    let seg = |mut s: Vec<Vec<usize>>, q: [usize; 4], kv: [usize; 4]| {
+        s.extend([vec![q[0], q[2]], vec![kv[0], kv[2]]]);
+        s
+    };
+    let (q, kv) = ([1, 4, 300, 64], [1, 1, 420, 64]);
+    for dtype in [DType::F32, DType::BF16] {
+        for target in [Target::V5E, Target::V6E] {
+            for (name, shapes) in [
+                ("flash_attention", fwd(q, kv)),
+                ("flash_attention_noncausal", fwd(q, kv)),
+                ("flash_attention_segmented", seg(fwd(q, kv), q, kv)),
+                ("flash_attention_bwd", bwd(q, kv)),
+                ("flash_attention_noncausal_bwd", bwd(q, kv)),
+                ("flash_attention_segmented_bwd", seg(bwd(q, kv), q, kv)),
+            ] {
+                let op = find(name).unwrap();
+                let r = run_against_reference(op, &shapes, dtype, &target, 3).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let bwd_bf16 = dtype == DType::BF16 && name.ends_with("bwd");
+                let ok = r.outputs.iter().all(|o| o.nan_count == 0 && o.scaled_err <= if bwd_bf16 { tol(dtype, true) } else { o.tolerance });
+                assert!(ok, "{name} {dtype} on {target} (grid {:?}): {:?}", r.grid, r.outputs);
+            }
+        }
+    }
+}
+
+/// Causal: skipped blocks are neither computed nor fetched. The forward at 4 x 4 blocks
+/// fetches k and v only for blocks on or below the diagonal, and gives the same output as
+/// with blocks that skip nothing (one kv block).
+#[test]
+fn causal_skips_blocks_and_their_dma() {
+    let (b, h, s, d) = (1, 1, 512, 128);
+    let params = AttentionParams::new(d, true);
+    let c = case((b, h, h, s, s, d), DType::F32, &params, false, 1);
+    let blocks = AttentionBlocks { block_q: 128, block_kv: 128 };
+    let kernel = attention::build_flash_attention(&Type::vector(DType::F32, &c.q.shape), &Type::vector(DType::F32, &c.k.shape), &Type::vector(DType::F32, &c.v.shape), false, &params, blocks, &Target::V5E).unwrap();
+    let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
+    let (out, stats) = interp::run_with_stats(&kernel, &[&c.q, &c.k, &c.v, &dummy, &dummy]).unwrap();
+    // q: 4 blocks. k, v: q block i maps kv steps 0..4 to blocks min(j, i); a window is
+    // fetched only when its block changes: 1 + 1 + 3 + 4 fetches each (the 10 visible
+    // blocks, less two that are still resident). The two dummies: once each.
+    assert_eq!(stats.block_loads, 4 + 2 * 9 + 2, "{stats:?}");
+    let full = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, None, &params, AttentionBlocks { block_q: 128, block_kv: 512 }, &Target::V5E).unwrap().0;
+    let (o_ref, _) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
+    assert_close("o (skipping)", &out[0], &o_ref, 1e-5);
+    assert_close("o (one kv block)", &full, &o_ref, 1e-5);
+
+    // The dkv kernel clamps the q block up to the first one that sees its keys.
+    let bwd = attention::build_flash_attention_bwd(&Type::vector(DType::F32, &c.q.shape), &Type::vector(DType::F32, &c.k.shape), &Type::vector(DType::F32, &c.v.shape), false, &params, blocks, &Target::V5E).unwrap();
+    let col = Array::from_f32(&[b, h, s, 1], vec![0.0; s]);
+    let (_, stats) = interp::run_with_stats(&bwd[1], &[&c.q, &c.k, &c.v, &dummy, &dummy, &c.q, &col, &col]).unwrap();
+    // k, v: 4 blocks each. q, do, lse, di: kv block j maps q steps 0..4 to blocks
+    // max(i, j): 4 + 3 + 2 + 0 fetches each (the 10 visible blocks, less the resident
+    // ones). The dummies: once each.
+    assert_eq!(stats.block_loads, 2 * 4 + 4 * 9 + 2, "{stats:?}");
+}
+
+#[test]
+fn reference_backward_matches_finite_differences() {
+    // Tiny: B 1, H 2 over 1 kv head, Sq 3, Skv 4, D 2, causal with a soft cap and segments.
+    let cfg = reference::Attention {
+        b: 1,
+        h: 2,
+        hkv: 1,
+        sq: 3,
+        skv: 4,
+        d: 2,
+        causal: true,
+        sm_scale: 0.7,
+        soft_cap: Some(1.5),
+        q_segments: Some(vec![0, 0, 1]),
+        kv_segments: Some(vec![0, 0, 1, 1]),
+    };
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut draw = |n: usize| (0..n).map(|_| rng.gen_range(-1.5..1.5)).collect::<Vec<f64>>();
+    let (q, k, v, dout) = (draw(12), draw(8), draw(8), draw(12));
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| reference::forward(&cfg, q, k, v).0.iter().zip(&dout).map(|(o, g)| o * g).sum::<f64>();
+    let (dq, dk, dv) = reference::backward(&cfg, &q, &k, &v, &dout);
+    let eps = 1e-6;
+    for (which, grad) in [(0, &dq), (1, &dk), (2, &dv)] {
+        for i in 0..grad.len() {
+            let mut args = [q.clone(), k.clone(), v.clone()];
+            args[which][i] += eps;
+            let up = loss(&args[0], &args[1], &args[2]);
+            args[which][i] -= 2.0 * eps;
+            let down = loss(&args[0], &args[1], &args[2]);
+            let fd = (up - down) / (2.0 * eps);
+            assert!((fd - grad[i]).abs() < 1e-7, "operand {which} element {i}: finite difference {fd}, formula {}", grad[i]);
+        }
+    }
+}
+
+#[test]
+fn default_blocks_follow_the_generation() {
+    let b = |sq, skv, t: &Target| attention::default_blocks(sq, skv, 128, DType::BF16, false, false, t);
+    assert_eq!(b(4096, 4096, &Target::V5E), AttentionBlocks { block_q: 256, block_kv: 256 });
+    assert_eq!(b(4096, 4096, &Target::V5P), AttentionBlocks { block_q: 256, block_kv: 256 });
+    assert_eq!(b(4096, 4096, &Target::V6E), AttentionBlocks { block_q: 512, block_kv: 512 });
+    assert_eq!(b(4096, 4096, &Target::TPU7X), AttentionBlocks { block_q: 512, block_kv: 512 });
+    // A short sequence is one block; a long one need not be a multiple.
+    assert_eq!(b(100, 1000, &Target::V6E), AttentionBlocks { block_q: 100, block_kv: 512 });
+    // Every default kernel fits the default scoped VMEM (no raised limit).
+    for t in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let q = Type::vector(DType::F32, &[1, 8, 8192, 256]);
+        for k in attention::OPS.iter().filter(|k| !k.name.contains("segmented")) {
+            let types = if k.name.ends_with("bwd") { vec![q.clone(), q.clone(), q.clone(), q.clone(), Type::vector(DType::F32, &[1, 8, 8192]), q.clone()] } else { vec![q.clone(), q.clone(), q.clone()] };
+            for kernel in (k.build)(&types, &t).unwrap() {
+                assert_eq!(kernel.vmem_limit_bytes, None, "{} {} on {t}", k.name, kernel.name);
+                tessera_dsl::verify::verify(&kernel, &t).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn rejected_override_names_the_operand() {
+    let c = case((1, 2, 2, 256, 256, 128), DType::F32, &AttentionParams::new(128, true), false, 0);
+    let bad = AttentionBlocks { block_q: 100, block_kv: 128 };
+    let e = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, None, &AttentionParams::new(128, true), bad, &Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "block-tiling", "{e}");
+    assert!(e.subject.contains("`q`"), "{e}");
+    assert!(e.to_string().contains("100"), "{e}");
+    // Segment ids put bk in the lane dim of the kv segment block: 64 is not a multiple of 128.
+    let c = case((1, 2, 2, 256, 256, 128), DType::F32, &AttentionParams::new(128, true), true, 0);
+    let e = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, c.seg.as_ref(), &AttentionParams::new(128, true), AttentionBlocks { block_q: 64, block_kv: 64 }, &Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "block-tiling", "{e}");
+    assert!(e.subject.contains("kv_seg"), "{e}");
+    // Shapes: H not a multiple of Hkv.
+    let q = random_array(DType::F32, &[1, 3, 16, 8], &mut StdRng::seed_from_u64(0));
+    let k = random_array(DType::F32, &[1, 2, 16, 8], &mut StdRng::seed_from_u64(0));
+    let e = attention::flash_attention(&q, &k, &k, None, &AttentionParams::new(8, true), &Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "operand-shape", "{e}");
+}
+
+/// Large blocks (1024 x 1024, vmem_limit raised by the builder where the default scoped
+/// VMEM is too small) compile for all three targets, forward and backward, f32 and bf16.
+#[test]
+fn libtpu_compiles_large_blocks() {
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    let blocks = AttentionBlocks { block_q: 1024, block_kv: 1024 };
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mut modules = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            let q = Type::vector(dtype, &[1, 8, 4096, 128]);
+            let kv = Type::vector(dtype, &[1, 2, 4096, 128]);
+            let params = AttentionParams::new(128, true);
+            let mut kernels = vec![attention::build_flash_attention(&q, &kv, &kv, false, &params, blocks, &target).unwrap()];
+            kernels.extend(attention::build_flash_attention_bwd(&q, &kv, &kv, false, &params, blocks, &target).unwrap());
+            for kernel in kernels {
+                // v5e's 16 MiB default scoped VMEM is too small for these tiles.
+                if target == Target::V5E && !kernel.name.contains("di") {
+                    assert!(kernel.vmem_limit_bytes.is_some(), "{} needs a raised limit on v5e", kernel.name);
+                }
+                let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+                modules.push((format!("{}-{dtype}-1024", kernel.name), lowered.stablehlo));
+            }
+        }
+        for v in oracle::compile(&modules, target.name) {
+            eprintln!("{:<6} {:<44} {}", v.target, v.name, if v.ok { "accept" } else { "REJECT" });
+            assert!(v.ok, "{} on {}: {}", v.name, v.target, v.error);
+        }
+    }
+}
