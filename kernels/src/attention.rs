@@ -119,7 +119,7 @@ pub fn flash_attention_fwd_kernel(
             s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
         }
         let mut vb = v[..];
-        let mut needs_mask = segmented | ((skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32));
+        let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
@@ -133,7 +133,7 @@ pub fn flash_attention_fwd_kernel(
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
             s = select(keep, s, MASKED);
-            if skv % bk != 0 {
+            if !skv.is_multiple_of(bk) {
                 vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
             }
         }
@@ -220,8 +220,8 @@ pub fn flash_attention_dkv_kernel(
         let mut di_b = di[..];
         let mut kb = k[..];
         let mut vb = v[..];
-        let ragged_q = (sq % bq != 0) & (i == (sq.div_ceil(bq) - 1) as i32);
-        let ragged_kv = (skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32);
+        let ragged_q = !sq.is_multiple_of(bq) & (i == (sq.div_ceil(bq) - 1) as i32);
+        let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
         let mut needs_mask = segmented | ragged_q | ragged_kv;
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
@@ -229,14 +229,14 @@ pub fn flash_attention_dkv_kernel(
         // The dots below contract over q rows and kv rows: zero the undefined rows past
         // the ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
         if needs_mask {
-            if sq % bq != 0 {
+            if !sq.is_multiple_of(bq) {
                 let row_ok = iota([bq, 1], 0) + q_start < (sq as i32);
                 qb = select(row_ok, qb, 0.0);
                 dob = select(row_ok, dob, 0.0);
                 lse_b = select(row_ok, lse_b, 0.0);
                 di_b = select(row_ok, di_b, 0.0);
             }
-            if skv % bk != 0 {
+            if !skv.is_multiple_of(bk) {
                 let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
                 kb = select(key_ok, kb, 0.0);
                 vb = select(key_ok, vb, 0.0);
@@ -317,14 +317,14 @@ pub fn flash_attention_dq_kernel(
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
         let mut kb = k[..];
         let mut vb = v[..];
-        let mut needs_mask = segmented | ((skv % bk != 0) & (j == (skv.div_ceil(bk) - 1) as i32));
+        let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
         // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
         // past Sq are independent here and their writes are dropped.)
         if needs_mask {
-            if skv % bk != 0 {
+            if !skv.is_multiple_of(bk) {
                 let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
                 kb = select(key_ok, kb, 0.0);
                 vb = select(key_ok, vb, 0.0);
