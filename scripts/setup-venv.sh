@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Creates the project-local Python venv (.venv) with the pinned real TPU compiler stack:
-# jax/jaxlib 0.10.2 and libtpu 0.0.52, which compile for TPUs without one (DESIGN §4).
+# jax/jaxlib 0.10.2 and libtpu 0.0.52, which compile for TPUs without one (DESIGN §4),
+# and torch 2.15.0 (PyPI's build; runs on the CPU), the reference for attention.
 # Idempotent: a venv that already has the pins is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PINS=(jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.52 numpy==2.4.6)
+PINS=(jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.52 numpy==2.4.6 torch==2.15.0)
 PY=${PYTHON:-python3}
 
 if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then
