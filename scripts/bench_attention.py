@@ -18,8 +18,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
-import time
 import types
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,15 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as fa
-
-
-def median_time(fn, runs):
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from benchlib import median_time
 
 
 def forcing_interpret():

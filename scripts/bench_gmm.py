@@ -12,8 +12,6 @@ Execution only: every function is compiled once before timing.
 import argparse
 import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -21,15 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
-
-
-def median_time(fn, runs):
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from benchlib import median_time
 
 
 def main():

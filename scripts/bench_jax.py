@@ -11,7 +11,6 @@ Prints one JSON object with medians in seconds:
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # export targets TPU by name; execution is on the CPU
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from benchlib import median_time
 
 
 def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
@@ -51,15 +51,6 @@ def pallas_matmul(x, y, bm=128, bk=128, bn=128, interpret=False):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(x, y)
-
-
-def median_time(fn, runs):
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def export_matmul():

@@ -8,10 +8,8 @@
 //! attention (`scripts/bench_attention.py`). Ratios of medians are printed and written to
 //! `target/bench_attention.json`.
 
-use std::path::Path;
-use std::process::Command;
-
 use criterion::{black_box, Criterion};
+use tessera_tests::bench::{criterion_median, run_jax_script, summary_path};
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::{DType, Target, Type};
 use tessera_kernels::attention::{self, AttentionBlocks, AttentionParams};
@@ -22,27 +20,7 @@ const H: usize = 8;
 const S: usize = 1024;
 const D: usize = 128;
 
-fn criterion_median(id: &str) -> Option<f64> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/criterion").join(id).join("new/estimates.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
-    Some(v["median"]["point_estimate"].as_f64()? * 1e-9)
-}
 
-fn jax_side(block: usize) -> Option<serde_json::Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = std::env::var_os("TESSERA_PYTHON").map(Into::into).unwrap_or_else(|| root.join(".venv/bin/python"));
-    if !python.exists() {
-        eprintln!("no venv at {}: run scripts/setup-venv.sh for the JAX side", python.display());
-        return None;
-    }
-    let out = Command::new(python)
-        .arg(root.join("scripts/bench_attention.py"))
-        .args(["--b", &B.to_string(), "--h", &H.to_string(), "--s", &S.to_string(), "--d", &D.to_string(), "--block", &block.to_string()])
-        .output()
-        .ok()?;
-    let line = String::from_utf8_lossy(&out.stdout).lines().rfind(|l| l.starts_with('{'))?.to_string();
-    serde_json::from_str(&line).ok()
-}
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
@@ -66,7 +44,8 @@ fn main() {
 
     let ours = |id: &str| criterion_median(&format!("attention/{id}")).unwrap_or(f64::NAN);
     println!("\nflash attention forward B{B} H{H} S{S} D{D} f32, v5e default blocks {default:?}");
-    let jax = jax_side(default.block_q);
+    let args = [("--b", B), ("--h", H), ("--s", S), ("--d", D), ("--block", default.block_q)].map(|(flag, v)| [flag.to_string(), v.to_string()]).concat();
+    let jax = run_jax_script("bench_attention.py", &args);
     let mut summary = serde_json::json!({
         "problem": {"b": B, "h": H, "s": S, "d": D, "dtype": "f32", "default_blocks": [default.block_q, default.block_kv]},
         "jax": jax,
@@ -85,7 +64,7 @@ fn main() {
         summary[format!("ratio_pallas_interpret_over_interp_{tag}_128")] = (p128 / t128).into();
         summary[format!("ratio_interp_over_xla_{tag}_default")] = (tdef / xla).into();
     }
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench_attention.json");
+    let path = summary_path("bench_attention");
     let _ = std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap());
     println!("  written to {}", path.display());
 }

@@ -6,10 +6,8 @@
 //! at both tilings and a per-group XLA-CPU `jnp.dot` (`scripts/bench_gmm.py`, same group
 //! sizes). Ratios of medians are printed and written to `target/bench_gmm.json`.
 
-use std::path::Path;
-use std::process::Command;
-
 use criterion::{black_box, Criterion};
+use tessera_tests::bench::{criterion_median, run_jax_script, summary_path};
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
@@ -21,30 +19,7 @@ const K: usize = 1024;
 const N: usize = 1024;
 const G: usize = 8;
 
-fn criterion_median(id: &str) -> Option<f64> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/criterion").join(id).join("new/estimates.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
-    Some(v["median"]["point_estimate"].as_f64()? * 1e-9)
-}
 
-fn jax_side(sizes: &[i32], blocks: GmmBlocks) -> Option<serde_json::Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = std::env::var_os("TESSERA_PYTHON").map(Into::into).unwrap_or_else(|| root.join(".venv/bin/python"));
-    if !python.exists() {
-        eprintln!("no venv at {}: run scripts/setup-venv.sh for the JAX side", python.display());
-        return None;
-    }
-    let list = |v: &[String]| v.join(",");
-    let out = Command::new(python)
-        .arg(root.join("scripts/bench_gmm.py"))
-        .args(["--m", &M.to_string(), "--k", &K.to_string(), "--n", &N.to_string()])
-        .args(["--group-sizes", &list(&sizes.iter().map(i32::to_string).collect::<Vec<_>>())])
-        .args(["--tiling", &list(&[blocks.tm, blocks.tk, blocks.tn].map(|b| b.to_string()))])
-        .output()
-        .ok()?;
-    let line = String::from_utf8_lossy(&out.stdout).lines().rfind(|l| l.starts_with('{'))?.to_string();
-    serde_json::from_str(&line).ok()
-}
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
@@ -67,7 +42,13 @@ fn main() {
     let (t128, tdef) = (ours("gmm/interp_blocks128"), ours("gmm/interp_default_blocks"));
     println!("\ngmm m={M} k={K} n={N} g={G} bf16, group sizes {sizes:?}");
     println!("  tessera interp: {:.1} ms (128^3 blocks), {:.1} ms (v5e default blocks {default:?})", t128 * 1e3, tdef * 1e3);
-    let Some(jax) = jax_side(&sizes, default) else { return };
+    let list = |v: Vec<String>| v.join(",");
+    let args = [
+        "--m".to_string(), M.to_string(), "--k".to_string(), K.to_string(), "--n".to_string(), N.to_string(),
+        "--group-sizes".to_string(), list(sizes.iter().map(i32::to_string).collect()),
+        "--tiling".to_string(), list([default.tm, default.tk, default.tn].map(|b| b.to_string()).to_vec()),
+    ];
+    let Some(jax) = run_jax_script("bench_gmm.py", &args) else { return };
     let j = |k: &str| jax[k].as_f64().unwrap_or(f64::NAN);
     let (p128, pdef, xla) = (j("interpret_gmm_128"), j("interpret_gmm_blocks"), j("xla_per_group"));
     println!("  megablox gmm, pallas interpret=True: {:.1} ms (128^3), {:.1} ms (same blocks as ours)", p128 * 1e3, pdef * 1e3);
@@ -82,7 +63,7 @@ fn main() {
         "ratio_interp_over_xla_per_group_128": t128 / xla,
         "ratio_interp_over_xla_per_group_default": tdef / xla,
     });
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench_gmm.json");
+    let path = summary_path("bench_gmm");
     let _ = std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap());
     println!("  written to {}", path.display());
 }

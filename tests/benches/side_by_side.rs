@@ -9,10 +9,8 @@
 //! the JAX side; the ratios of medians are printed at the end and written to
 //! `target/side_by_side.json`.
 
-use std::path::Path;
-use std::process::Command;
-
 use criterion::{black_box, Criterion};
+use tessera_tests::bench::{criterion_median, run_jax_script, summary_path};
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::{interp, DType, Target, Type};
 use tessera_kernels::harness::random_array;
@@ -40,24 +38,7 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-/// Criterion's median estimate (seconds) for a benchmark id like `interp/matmul_1024_blocks128`.
-fn criterion_median(id: &str) -> Option<f64> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/criterion").join(id).join("new/estimates.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
-    Some(v["median"]["point_estimate"].as_f64()? * 1e-9)
-}
 
-fn jax_side() -> Option<serde_json::Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = std::env::var_os("TESSERA_PYTHON").map(Into::into).unwrap_or_else(|| root.join(".venv/bin/python"));
-    if !python.exists() {
-        eprintln!("no venv at {}: run scripts/setup-venv.sh for the JAX side", python.display());
-        return None;
-    }
-    let out = Command::new(python).arg(root.join("scripts/bench_jax.py")).output().ok()?;
-    let line = String::from_utf8_lossy(&out.stdout).lines().rfind(|l| l.starts_with('{'))?.to_string();
-    serde_json::from_str(&line).ok()
-}
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
@@ -67,7 +48,7 @@ fn main() {
     let lower = ours("lower_matmul_512");
     let interp128 = ours("interp/matmul_1024_blocks128");
     let interp_def = ours("interp/matmul_1024_default_blocks");
-    let Some(jax) = jax_side() else { return };
+    let Some(jax) = run_jax_script("bench_jax.py", &[]) else { return };
     let j = |k: &str| jax[k].as_f64().unwrap_or(f64::NAN);
     println!("\nside by side (medians)");
     println!("  lowering matmul 512^3 -> StableHLO: tessera {:.1} us, jax.export {:.1} ms (warm), {:.1} ms (first in process): {:.0}x / {:.0}x faster", lower * 1e6, j("export_matmul_warm") * 1e3, j("export_matmul_first") * 1e3, j("export_matmul_warm") / lower, j("export_matmul_first") / lower);
@@ -79,7 +60,7 @@ fn main() {
         "ratio_interp_vs_pallas_interpret": j("interpret_matmul") / interp128,
         "ratio_interp_time_over_xla_dot": interp128 / j("xla_dot"),
     });
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/side_by_side.json");
+    let path = summary_path("side_by_side");
     let _ = std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap());
     println!("  written to {}", path.display());
 }

@@ -1,4 +1,5 @@
 //! Shared fixtures for Tessera's cross-crate tests (see `tests/`).
 
+pub mod bench;
 pub mod broken;
 pub mod oracle;
