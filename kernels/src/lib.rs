@@ -12,6 +12,7 @@ pub mod harness;
 pub mod norms;
 pub mod paged_attention;
 pub mod quant;
+pub mod ragged_paged_attention;
 pub mod rope_ce;
 pub mod routing;
 pub mod elementwise;
@@ -195,7 +196,7 @@ const BASIC: &[LibraryKernel] = &[
 
 /// Every library op, in listing order.
 pub fn library() -> impl Iterator<Item = &'static LibraryKernel> {
-    [BASIC, norms::OPS, rope_ce::OPS, quant::OPS, gmm::OPS, routing::OPS, attention::OPS, paged_attention::OPS].into_iter().flatten()
+    [BASIC, norms::OPS, rope_ce::OPS, quant::OPS, gmm::OPS, routing::OPS, attention::OPS, paged_attention::OPS, ragged_paged_attention::OPS].into_iter().flatten()
 }
 
 /// The library op called `name`.

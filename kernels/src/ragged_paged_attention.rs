@@ -1,0 +1,451 @@
+//! Ragged paged attention: prefill, chunked prefill and decode sequences mixed in one
+//! batch over a paged KV cache (torch_xla's `ragged_paged_attention`, the vLLM-TPU shape).
+//!
+//! # Operands
+//!
+//! - `q: [T, H, D]`: the batch's query tokens, sequence after sequence; sequence `s` owns
+//!   tokens `cu_q_lens[s] .. cu_q_lens[s + 1]`. Tokens from `cu_q_lens[num_seqs]` on are
+//!   padding: their output is zeros.
+//! - `k_pages`, `v_pages: [Hkv, num_pages, page_size, D]`, left in HBM. We take separate
+//!   K and V caches (as `paged_attention`) rather than torch_xla's combined `kv_pages`:
+//!   a page of one kv head is then one contiguous DMA per cache, with no strided copy to
+//!   de-interleave K from V.
+//! - Scalar prefetch (all i32, all in SMEM): `kv_lens: [S]`, `page_indices: [S,
+//!   pages_per_seq]`, `cu_q_lens: [S + 1]`, `num_seqs: [1]`. Sequences `>= num_seqs` are
+//!   ignored. Sequence `s`'s key `t` lives in page `page_indices[s, t / page_size]`, row
+//!   `t % page_size`. Contract: `cu_q_lens` is non-decreasing up to `num_seqs` with
+//!   `cu_q_lens[num_seqs] <= T`, `q_len_s <= kv_len_s <= pages_per_seq * page_size`, and the
+//!   table entries of the pages holding a sequence's first `kv_len` keys are valid pages
+//!   (later entries are never read).
+//! - Static: `sm_scale` (scores are `sm_scale * q.k`), optional `sliding_window` (a query
+//!   at position `p` sees keys `p - window < k <= p`), optional `soft_cap` (scores become
+//!   `cap * tanh(score / cap)` before masking).
+//! - Causal within a sequence: its query `i` sits at position `kv_len - q_len + i`, so a
+//!   decode token (q_len 1) sees the whole cache, a prefill (q_len = kv_len) is plain
+//!   causal attention and a chunked prefill continues a cached prefix. A query that sees
+//!   no key (only with invalid `q_len > kv_len`) outputs zeros.
+//!
+//! # Design
+//!
+//! Grid `(T / bq, Hkv)`, both parallel. The host views `q` as `[Hkv, G, Tp, D]` (GQA
+//! group `G = H / Hkv` next to the tokens, `T` zero-padded to `Tp`, a multiple of `bq`),
+//! so one step's block `[G, bq, D]` reshapes for free to `G * bq` score rows: the query
+//! heads of one kv head share every K/V page fetched. A step walks `s = 0 .. num_seqs`
+//! (a scalar loop over SMEM) and, for each sequence whose tokens overlap the block, its
+//! kv compute blocks (`pages_per_compute_block` pages) that any of those tokens can see:
+//! up to the last token's position (causal), from the first token's window start
+//! (sliding window). Pages are copied by manual DMA into a two-slot VMEM buffer, block
+//! `i + 1` in flight while block `i` is computed (as `paged_attention`). One online
+//! softmax state per score row runs across all sequences of the block: a row outside the
+//! sequence is masked (its weights are exactly 0 and its running max unchanged), so each
+//! row only ever accumulates its own sequence.
+//!
+//! # Cost
+//!
+//! - MXU: every visited kv block costs `4 * G * bq * bs * D` flops whatever the number
+//!   of block rows in the sequence, so a decode token (1 row of `bq`) pays for `bq` rows.
+//!   The default `bq` fills 128 score rows (`bq = 128 / G`, at least 16): 16 rows for
+//!   GQA 8, 128 for MHA. Decode-heavy batches are memory-bound, so this mostly trades
+//!   idle MXU cycles; a smaller `bq` helps pure decode, a larger one long prefills.
+//! - HBM: a sequence's visible pages are read once per q block it overlaps (a prefill of
+//!   `n` tokens reads its causal prefix `n / bq` times, as flash attention re-reads K/V),
+//!   once per kv head; pages of the last compute block past `kv_len` are clamped to the
+//!   sequence's last page (re-read, masked).
+//! - Pipelining is per sequence: the first compute block of each sequence is not
+//!   prefetched behind the previous sequence's last one (one exposed DMA per sequence
+//!   and step). The scalar walk over `num_seqs` is SMEM-only and cheap.
+//! - Host: `q` is transposed (and padded) into the kernel layout and the output back:
+//!   `2 * T * H * D` elements each way, small next to the KV cache.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use tessera_dsl::interp::{self, Array, Data};
+use tessera_dsl::{DType, Kernel, KernelError, Type};
+use tessera_macros::tpu_kernel;
+
+use crate::{harness, LibraryKernel, Operand, OperandKind};
+
+/// Attention of the query tokens of `q` (`[Hkv, G, Tp, D]`, the host layout of the module
+/// docs) over their sequences' pages; the output has `q`'s layout.
+#[tpu_kernel(
+    grid = [tp / bq, hkv],
+    q = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
+    o = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
+    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
+    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    sem = semaphores(4),
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn ragged_paged_attention_kernel(
+    kv_lens: Prefetch<ms>,
+    page_indices: Prefetch<ms, pps>,
+    cu_q_lens: Prefetch<ms1>,
+    num_seqs: Prefetch<1>,
+    q: In<hkv, g, tp, d>,
+    k_pages: Any<hkv, np, ps, d>,
+    v_pages: Any<hkv, np, ps, d>,
+    o: Out<hkv, g, tp, d>,
+    k_buf: Scratch,
+    v_buf: Scratch,
+    sem: Scratch,
+    bq: usize,
+    ppcb: usize,
+    sm_scale: f32,
+    window: usize,
+    soft_cap: f32,
+) {
+    let h = program_id(1);
+    let q0 = program_id(0) * bq;
+    let q1 = q0 + bq;
+    let rows = g * bq;
+    let bs = ppcb * ps;
+    // Without a window every earlier key is visible: a reach far beyond any cache.
+    let reach = if window > 0 { window as i32 } else { 1 << 30 };
+    let qv = q[..].reshape([rows, d]);
+    // Score row r is query head r / bq of token q0 + r % bq; column c is key c of a block.
+    let tok = iota([rows, bs], 0) % bq + q0;
+    let col = iota([rows, bs], 1);
+    let mut m = full([rows, 1], f32, f32::MIN);
+    let mut l = zeros([rows, 1], f32);
+    let mut acc = zeros([rows, d], f32);
+    for s in 0..num_seqs[0].min(ms) {
+        let start = cu_q_lens[s];
+        let end = cu_q_lens[s + 1];
+        let kv_len = kv_lens[s];
+        // Token t of the sequence is at position t - start + kv_len - q_len = t + shift.
+        let shift = kv_len - end;
+        let lo = start.max(q0);
+        let hi = end.min(q1);
+        // Keys visible to tokens lo .. hi: from lo's window start to hi - 1's position.
+        let kv_end = (hi + shift).min(kv_len);
+        let first = (lo + shift + 1 - reach).max(0) / bs;
+        let last = (kv_end + (bs - 1)) / bs;
+        // Pages past the end of the visible keys repeat the sequence's last one (masked).
+        let last_page = ((kv_end + (ps - 1)) / ps - 1).min(pps - 1);
+        if hi > lo && last > first {
+            for j in 0..ppcb {
+                let page = page_indices[(s, (first * ppcb + j).min(last_page))];
+                dma_start(k_pages[(h, page)], k_buf[(0, j)], sem[0]);
+                dma_start(v_pages[(h, page)], v_buf[(0, j)], sem[1]);
+            }
+            for i in first..last {
+                // Slot `sl` uses semaphores 2 sl (K) and 2 sl + 1 (V), one copy per page.
+                let sl = (i - first) % 2;
+                let next = 1 - sl;
+                if i + 1 < last {
+                    for j in 0..ppcb {
+                        let page = page_indices[(s, ((i + 1) * ppcb + j).min(last_page))];
+                        dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[2 * next]);
+                        dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[2 * next + 1]);
+                    }
+                }
+                for j in 0..ppcb {
+                    let page = page_indices[(s, (i * ppcb + j).min(last_page))];
+                    dma_wait(k_pages[(h, page)], k_buf[(sl, j)], sem[2 * sl]);
+                    dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[2 * sl + 1]);
+                }
+                let k = k_buf[(sl, .., .., ..)].reshape([bs, d]);
+                let v = v_buf[(sl, .., .., ..)].reshape([bs, d]);
+                let mut sc = dot_t(qv, k) * sm_scale;
+                if soft_cap > 0.0 {
+                    sc = (sc / soft_cap).tanh() * soft_cap;
+                }
+                let qpos = tok + shift;
+                let kpos = col + i * bs;
+                // tok < hi also bounds qpos below kv_len, so kpos <= qpos is in the cache.
+                let visible = (tok >= lo) & (tok < hi) & (kpos <= qpos) & (kpos > qpos - reach);
+                // Masked scores are f32::MIN, not -inf, so no `-inf - -inf` NaN can arise;
+                // their weights are then zeroed exactly.
+                let sc = select(visible, sc, f32::MIN);
+                let m_new = m.max(sc.reduce_max(1));
+                let p = select(visible, (sc - m_new).exp(), 0.0);
+                let alpha = (m - m_new).exp();
+                l = alpha * l + p.sum(1);
+                acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
+                m = m_new;
+            }
+        }
+    }
+    let out = select(l > 0.0, acc / l, 0.0);
+    o[..] = out.reshape([g, bq, d]).cast(o.dtype);
+}
+
+/// Static options of the op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Options {
+    pub sm_scale: f32,
+    /// Keys with `q_pos - window < k_pos` only.
+    pub sliding_window: Option<usize>,
+    /// `cap * tanh(score / cap)`.
+    pub soft_cap: Option<f32>,
+    /// Query tokens per block (a multiple of 16); default [`default_block_q`].
+    pub block_q: Option<usize>,
+    /// Pages per kv compute block; default: 256 tokens' worth, as `paged_attention`.
+    pub pages_per_compute_block: Option<usize>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { sm_scale: 1.0, sliding_window: None, soft_cap: None, block_q: None, pages_per_compute_block: None }
+    }
+}
+
+/// Default q block: enough tokens that the `G` heads fill 128 score rows (one MXU pass
+/// on v5e, half of one on v6e/tpu7x), a multiple of 16 (the bf16 sublane tiling, so the
+/// `[G, bq, D] -> [G * bq, D]` reshape is free), at least 16, at most the padded batch.
+pub fn default_block_q(total_tokens: usize, group: usize) -> usize {
+    let bq = (128 / group.max(1)) / 16 * 16;
+    bq.max(16).min(total_tokens.max(1).next_multiple_of(16))
+}
+
+fn err(subject: &str, rule: &'static str, message: String, help: &str) -> KernelError {
+    KernelError::new("ragged_paged_attention", subject, rule, message, help)
+}
+
+/// The checked dims of the op's operands.
+struct Dims {
+    t: usize,
+    h: usize,
+    d: usize,
+    hkv: usize,
+}
+
+fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
+    let [q, k, v, kv_lens, pages, cu, ns] = inputs else {
+        return Err(err("inputs", "input-count", format!("{} inputs given", inputs.len()), "pass q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs"));
+    };
+    let (&[t, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
+        return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [T, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
+    };
+    if v.shape != k.shape || !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same float dtype"));
+    }
+    if t == 0 || dk != d || hkv == 0 || h % hkv != 0 {
+        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
+    }
+    let ms = kv_lens.shape.first().copied().unwrap_or(0);
+    let ints = [kv_lens, pages, cu, ns].iter().all(|x| x.dtype == DType::I32);
+    if !ints || kv_lens.rank() != 1 || pages.rank() != 2 || pages.shape[0] != ms || cu.shape != [ms + 1] || ns.shape != [1] {
+        return Err(err(
+            "operands",
+            "operand-shape",
+            format!("kv_lens {kv_lens}, page_indices {pages}, cu_q_lens {cu}, num_seqs {ns}"),
+            "kv_lens is [S] i32, page_indices [S, pages_per_seq] i32, cu_q_lens [S + 1] i32 and num_seqs [1] i32",
+        ));
+    }
+    Ok(Dims { t, h, d, hkv })
+}
+
+/// `(bq, Tp)`: the q block and the padded token count.
+fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError> {
+    let bq = opts.block_q.unwrap_or_else(|| default_block_q(dims.t, dims.h / dims.hkv));
+    if bq == 0 || !bq.is_multiple_of(16) {
+        return Err(err("block_q", "block-shape", format!("block_q = {bq}"), "use a positive multiple of 16 query tokens per block"));
+    }
+    Ok((bq, dims.t.next_multiple_of(bq)))
+}
+
+/// Builds the kernel for op-order types `(q, k_pages, v_pages, kv_lens, page_indices,
+/// cu_q_lens, num_seqs)`.
+pub fn build(inputs: &[Type], opts: &Options) -> Result<Kernel, KernelError> {
+    let dims = check(inputs)?;
+    let (bq, tp) = q_blocking(&dims, opts)?;
+    let (k, pages) = (&inputs[1], &inputs[4]);
+    let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1]));
+    if ppcb == 0 {
+        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
+    }
+    let window = match opts.sliding_window {
+        Some(0) => return Err(err("sliding_window", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
+        Some(w) => w.min(1 << 29),
+        None => 0,
+    };
+    let soft_cap = match opts.soft_cap {
+        Some(c) if !(c > 0.0 && c.is_finite()) => return Err(err("soft_cap", "option-value", format!("soft_cap = {c}"), "use a positive finite cap, or none")),
+        Some(c) => c,
+        None => 0.0,
+    };
+    let qk = Type::vector(inputs[0].dtype, &[dims.hkv, dims.h / dims.hkv, tp, dims.d]);
+    #[rustfmt::skip]
+    let kernel = ragged_paged_attention_kernel(
+        inputs[3].clone(), inputs[4].clone(), inputs[5].clone(), inputs[6].clone(),
+        qk.clone(), inputs[1].clone(), inputs[2].clone(), qk,
+        bq, ppcb, opts.sm_scale, window, soft_cap,
+    );
+    kernel
+}
+
+/// Moves `q` between the op layout `[T, Hkv * G, D]` and the kernel layout `[Hkv, G, Tp,
+/// D]` (zero padding; rows past `T` dropped on the way back).
+fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_kernel: bool) -> Array {
+    fn go<T: Copy + Default>(x: &[T], t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_kernel: bool) -> Vec<T> {
+        let mut out = vec![T::default(); if to_kernel { hkv * g * tp * d } else { t * hkv * g * d }];
+        for tok in 0..t {
+            for head in 0..hkv * g {
+                let op = (tok * hkv * g + head) * d;
+                let kp = (head * tp + tok) * d;
+                let (src, dst) = if to_kernel { (op, kp) } else { (kp, op) };
+                out[dst..dst + d].copy_from_slice(&x[src..src + d]);
+            }
+        }
+        out
+    }
+    let data = match &a.data {
+        Data::F32(x) => Data::F32(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::BF16(x) => Data::BF16(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::I32(x) => Data::I32(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::I8(x) => Data::I8(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::Bool(x) => Data::Bool(go(x, t, hkv, g, tp, d, to_kernel)),
+    };
+    let shape = if to_kernel { vec![hkv, g, tp, d] } else { vec![t, hkv * g, d] };
+    Array::new(&shape, data)
+}
+
+/// Runs the op on the interpreter: `(q, k_pages, v_pages, kv_lens, page_indices,
+/// cu_q_lens, num_seqs) -> o: [T, H, D]`.
+pub fn ragged_paged_attention(args: &[Array], opts: &Options) -> Result<Array, KernelError> {
+    let kernel = build(&crate::types_of(args), opts)?;
+    run_kernel(&kernel, args)
+}
+
+/// Runs an already built kernel (e.g. a modified one in a test) on op-order arrays.
+pub fn run_kernel(kernel: &Kernel, args: &[Array]) -> Result<Array, KernelError> {
+    let dims = check(&crate::types_of(args))?;
+    let (hkv, g, tp) = (dims.hkv, dims.h / dims.hkv, kernel.find_ref("q").map_or(dims.t, |r| kernel.refs[r.0 as usize].shape.get(2).copied().unwrap_or(dims.t)));
+    let qk = relayout(&args[0], dims.t, hkv, g, tp, dims.d, true);
+    let out = interp::run(kernel, &[&args[3], &args[4], &args[5], &args[6], &qk, &args[1], &args[2]])?.remove(0);
+    Ok(relayout(&out, dims.t, hkv, g, tp, dims.d, false))
+}
+
+/// Random valid inputs: uniform q, k, v; `num_seqs` one less than `S` when `S > 2` (the
+/// last sequence's metadata is garbage that must be ignored); sequence 0 empty (no
+/// queries, no cache), sequence 1 a decode token, sequence 2 (if any) a decode step with
+/// no query scheduled, the others a random mix of decode, prefill and chunked prefill,
+/// as many tokens as `T` allows; trailing tokens are padding. Random page tables.
+pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+    let q = harness::random_array(dtype, &shapes[0], rng);
+    let k = harness::random_array(dtype, &shapes[1], rng);
+    let v = harness::random_array(dtype, &shapes[2], rng);
+    let t = shapes[0][0];
+    let (num_pages, ps) = (shapes[1][1], shapes[1][2]);
+    let (ms, pps) = (shapes[4][0], shapes[4][1]);
+    let cap = pps * ps;
+    let ns = if ms > 2 { ms - 1 } else { ms };
+    let (mut kv_lens, mut cu) = (vec![0i32; ms], vec![0i32; ms + 1]);
+    let mut used = 0;
+    for s in 0..ns {
+        let left = t - used;
+        let (q_len, kv_len) = match s {
+            0 => (0, 0),
+            1 => (left.min(1), rng.gen_range(1..=cap)),
+            2 => (0, rng.gen_range(1..=cap)),
+            _ => match rng.gen_range(0..3) {
+                0 => (left.min(1), rng.gen_range(1..=cap)),
+                1 => {
+                    let n = rng.gen_range(1..=cap).min(left);
+                    (n, n)
+                }
+                _ => {
+                    let kv = rng.gen_range(1..=cap);
+                    (rng.gen_range(1..=kv).min(left), kv)
+                }
+            },
+        };
+        used += q_len;
+        kv_lens[s] = kv_len.max(q_len) as i32;
+        cu[s + 1] = used as i32;
+    }
+    for s in ns..ms {
+        kv_lens[s] = cap as i32 + 7;
+        cu[s + 1] = (t + 3) as i32;
+    }
+    let pages: Vec<i32> = (0..ms * pps).map(|_| rng.gen_range(0..num_pages) as i32).collect();
+    vec![q, k, v, Array::from_i32(&[ms], kv_lens), Array::from_i32(&[ms, pps], pages), Array::from_i32(&[ms + 1], cu), Array::from_i32(&[1], vec![ns as i32])]
+}
+
+/// The library entry's options: `sm_scale = 1 / sqrt(D)`, no window, no cap.
+fn library_options(inputs: &[Type]) -> Options {
+    let d = inputs.first().and_then(|q| q.shape.last()).copied().unwrap_or(1);
+    Options { sm_scale: 1.0 / (d as f32).sqrt(), ..Options::default() }
+}
+
+const fn int(name: &'static str, dims: &'static str, default_shape: &'static [usize]) -> Operand {
+    Operand { name, dims, default_shape, kind: OperandKind::Int32 }
+}
+
+/// This module's library ops.
+pub const OPS: &[LibraryKernel] = &[LibraryKernel {
+    name: "ragged_paged_attention",
+    summary: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA",
+    signature: "ragged_paged_attention(q: [t, h, d], k_pages: [hkv, num_pages, page_size, d], v_pages: [hkv, num_pages, page_size, d], kv_lens: [s] i32, page_indices: [s, pages_per_seq] i32, cu_q_lens: [s + 1] i32, num_seqs: [1] i32; sm_scale = 1/sqrt(d), sliding_window?, soft_cap?, block_q, pages_per_compute_block) -> [t, h, d]",
+    inputs: &[
+        crate::float("q", "[t, h, d]", &[256, 32, 128]),
+        crate::float("k_pages", "[hkv, num_pages, page_size, d]", &[8, 128, 16, 128]),
+        crate::float("v_pages", "[hkv, num_pages, page_size, d]", &[8, 128, 16, 128]),
+        int("kv_lens", "[s]", &[8]),
+        int("page_indices", "[s, pages_per_seq]", &[8, 32]),
+        int("cu_q_lens", "[s + 1]", &[9]),
+        int("num_seqs", "[1]", &[1]),
+    ],
+    alt_shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]],
+    build: |t, _| Ok(vec![build(t, &library_options(t))?]),
+    run: |a, _| Ok(vec![ragged_paged_attention(a, &library_options(&crate::types_of(a)))?]),
+    random_inputs,
+    reference: |a| {
+        let d = a[0].shape[2];
+        vec![reference::ragged_paged_attention(a, 1.0 / (d as f64).sqrt(), None, None)]
+    },
+}];
+
+/// Independent f64 reference: for each sequence, each query token and each head, gathers
+/// the visible keys token by token from the page table and runs an explicit softmax.
+pub mod reference {
+    use tessera_dsl::interp::Array;
+
+    /// `a` = `(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)`; returns
+    /// the `[T, H, D]` output (zeros for padding tokens and rows that see no key).
+    pub fn ragged_paged_attention(a: &[Array], sm_scale: f64, sliding_window: Option<usize>, soft_cap: Option<f64>) -> Vec<f64> {
+        let (qs, ks, vs) = (a[0].to_f64_vec(), a[1].to_f64_vec(), a[2].to_f64_vec());
+        let (t, h, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
+        let (hkv, num_pages, ps) = (a[1].shape[0], a[1].shape[1], a[1].shape[2]);
+        let pps = a[4].shape[1];
+        let (kv_lens, table, cu) = (a[3].as_i32().unwrap(), a[4].as_i32().unwrap(), a[5].as_i32().unwrap());
+        let num_seqs = a[6].as_i32().unwrap()[0] as usize;
+        let group = h / hkv;
+        let mut out = vec![0.0; t * h * d];
+        for s in 0..num_seqs.min(kv_lens.len()) {
+            let (first, last) = (cu[s] as usize, cu[s + 1] as usize);
+            let kv_len = kv_lens[s] as i64;
+            let q_len = (last - first) as i64;
+            for i in 0..last - first {
+                let pos = kv_len - q_len + i as i64;
+                let keys: Vec<usize> = (0..kv_len.max(0))
+                    .filter(|&kp| kp <= pos && sliding_window.is_none_or(|w| kp > pos - w as i64))
+                    .map(|kp| kp as usize)
+                    .collect();
+                for head in 0..h {
+                    let kv = head / group;
+                    let row = |kp: usize| ((kv * num_pages + table[s * pps + kp / ps] as usize) * ps + kp % ps) * d;
+                    let o = ((first + i) * h + head) * d;
+                    let qrow = &qs[o..o + d];
+                    let scores: Vec<f64> = keys
+                        .iter()
+                        .map(|&kp| {
+                            let x = sm_scale * (0..d).map(|e| qrow[e] * ks[row(kp) + e]).sum::<f64>();
+                            soft_cap.map_or(x, |c| c * (x / c).tanh())
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                    let total: f64 = weights.iter().sum();
+                    for (&kp, w) in keys.iter().zip(&weights) {
+                        for e in 0..d {
+                            out[o + e] += w / total * vs[row(kp) + e];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,216 @@
+//! Ragged paged attention: numerics against the f64 reference (f32, bf16; GQA 1/4/8;
+//! mixed decode / prefill / chunked-prefill batches with empty and single-token sequences
+//! and `num_seqs < max_seqs`; causal, sliding window, soft cap; several block sizes), the
+//! interpreter catching a missing DMA wait, and libtpu acceptance of a large-block config.
+
+use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Inst, Target, Type};
+use tessera_kernels::harness::check_output;
+use tessera_kernels::ragged_paged_attention::{self as rpa, reference, Options};
+use tessera_tests::oracle;
+
+/// (T, H, Hkv, D, num_pages, page_size, max_seqs, pages_per_seq, block_q, pages_per_compute_block).
+type Set = (usize, usize, usize, usize, usize, usize, usize, usize, usize, usize);
+const SHAPES: &[Set] = &[
+    (64, 8, 2, 128, 24, 16, 6, 4, 16, 2),   // GQA 4, several q blocks
+    (50, 4, 4, 128, 16, 16, 5, 5, 16, 2),   // MHA, T not a multiple of the block
+    (40, 8, 1, 128, 20, 16, 4, 6, 16, 4),   // GQA 8 (MQA)
+    (96, 2, 2, 128, 12, 32, 7, 3, 32, 1),   // 32-token pages, one page per block
+    (33, 16, 4, 128, 30, 16, 3, 8, 48, 3),  // one q block larger than T, 3 pages per block
+    (24, 2, 1, 256, 9, 16, 4, 4, 16, 4),    // D = 256
+];
+
+fn shapes(&(t, h, hkv, d, np, ps, ms, pps, ..): &Set) -> Vec<Vec<usize>> {
+    vec![vec![t, h, d], vec![hkv, np, ps, d], vec![hkv, np, ps, d], vec![ms], vec![ms, pps], vec![ms + 1], vec![1]]
+}
+
+fn types(set: &Set, dtype: DType) -> Vec<Type> {
+    shapes(set).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect()
+}
+
+fn inputs(set: usize, dtype: DType, seed: u64) -> Vec<Array> {
+    rpa::random_inputs(&shapes(&SHAPES[set]), dtype, &mut StdRng::seed_from_u64(seed))
+}
+
+fn opts(set: &Set, d: usize) -> Options {
+    Options { sm_scale: 1.0 / (d as f32).sqrt(), block_q: Some(set.8), pages_per_compute_block: Some(set.9), ..Options::default() }
+}
+
+fn check(a: &[Array], o: Options, what: &str) {
+    let out = rpa::ragged_paged_attention(a, &o).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want = reference::ragged_paged_attention(a, o.sm_scale as f64, o.sliding_window, o.soft_cap.map(f64::from));
+    let c = check_output(&out, &want);
+    assert!(c.passed(), "{what}: {c:?}; kv_lens {:?} cu_q_lens {:?}", a[3].as_i32().unwrap(), a[5].as_i32().unwrap());
+}
+
+#[test]
+fn matches_the_reference_f32_and_bf16() {
+    for (set, sh) in SHAPES.iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16] {
+            for seed in 0..3 {
+                let a = inputs(set, dtype, 100 * set as u64 + seed);
+                check(&a, opts(sh, sh.3), &format!("set {set} {dtype} seed {seed}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn sliding_window_and_soft_cap() {
+    for (set, sh) in SHAPES.iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16] {
+            let a = inputs(set, dtype, 7 + set as u64);
+            let base = opts(sh, sh.3);
+            for window in [1, 5, 16, 37] {
+                check(&a, Options { sliding_window: Some(window), ..base }, &format!("set {set} {dtype} window {window}"));
+            }
+            check(&a, Options { soft_cap: Some(2.0), sm_scale: 1.0, ..base }, &format!("set {set} {dtype} soft cap"));
+            check(&a, Options { soft_cap: Some(3.0), sliding_window: Some(9), ..base }, &format!("set {set} {dtype} both"));
+        }
+    }
+}
+
+/// Hand-built batch: empty sequences (no queries; no queries and no cache), decode tokens,
+/// a full prefill and a chunked prefill that straddle q-block and page boundaries, padding
+/// tokens, and garbage metadata past `num_seqs`.
+#[test]
+fn hand_built_mixed_batch() {
+    let (t, h, hkv, d, np, ps, pps) = (45, 8, 2, 128, 40, 16, 6);
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut a = rpa::random_inputs(&[vec![t, h, d], vec![hkv, np, ps, d], vec![hkv, np, ps, d], vec![8], vec![8, pps], vec![9], vec![1]], DType::F32, &mut rng);
+    // (q_len, kv_len) per sequence.
+    let seqs = [(0, 0), (1, 1), (17, 17), (0, 30), (1, 77), (20, 50), (3, 3)];
+    let mut cu = vec![0i32];
+    let mut lens = vec![];
+    for &(ql, kl) in &seqs {
+        cu.push(cu.last().unwrap() + ql);
+        lens.push(kl);
+    }
+    assert!(*cu.last().unwrap() as usize <= t - 3, "leaves padding tokens");
+    lens.push(9999);
+    cu.push(-5);
+    a[3] = Array::from_i32(&[8], lens);
+    a[5] = Array::from_i32(&[9], cu.clone());
+    a[6] = Array::from_i32(&[1], vec![seqs.len() as i32]);
+    for bq in [16, 32, 48] {
+        for ppcb in [1, 2, 5] {
+            let o = Options { sm_scale: 0.125, block_q: Some(bq), pages_per_compute_block: Some(ppcb), ..Options::default() };
+            check(&a, o, &format!("bq {bq} ppcb {ppcb}"));
+            check(&a, Options { sliding_window: Some(7), soft_cap: Some(1.5), ..o }, &format!("bq {bq} ppcb {ppcb} window + cap"));
+        }
+    }
+    // The single-token, single-key sequence returns its value row; padding tokens are zero.
+    let out = rpa::ragged_paged_attention(&a, &Options { sm_scale: 0.125, ..Options::default() }).unwrap().to_f64_vec();
+    let page = a[4].as_i32().unwrap()[pps] as usize;
+    let v = a[2].to_f64_vec();
+    for head in 0..h {
+        let kv = head / (h / hkv);
+        let row = &v[(kv * np + page) * ps * d..][..d];
+        assert!(row.iter().zip(&out[head * d..][..d]).all(|(x, y)| (x - y).abs() < 1e-6), "head {head}");
+    }
+    let used = *cu.last().unwrap() as usize;
+    assert!(out[cu[seqs.len()] as usize * h * d..].iter().all(|&x| x == 0.0), "padding after token {used}");
+}
+
+#[test]
+fn num_seqs_zero_gives_zeros() {
+    let mut a = inputs(0, DType::F32, 3);
+    a[6] = Array::from_i32(&[1], vec![0]);
+    let out = rpa::ragged_paged_attention(&a, &Options::default()).unwrap();
+    assert!(out.to_f64_vec().iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn default_blocks_and_bad_options() {
+    assert_eq!(rpa::default_block_q(1000, 1), 128);
+    assert_eq!(rpa::default_block_q(1000, 4), 32);
+    assert_eq!(rpa::default_block_q(1000, 8), 16);
+    assert_eq!(rpa::default_block_q(5, 1), 16);
+    let a = inputs(0, DType::F32, 3);
+    check(&a, Options { sm_scale: 0.1, ..Options::default() }, "default blocks");
+    let t = tessera_kernels::types_of(&a);
+    for (o, rule) in [
+        (Options { block_q: Some(24), ..Options::default() }, "block-shape"),
+        (Options { pages_per_compute_block: Some(0), ..Options::default() }, "block-shape"),
+        (Options { sliding_window: Some(0), ..Options::default() }, "option-value"),
+        (Options { soft_cap: Some(-1.0), ..Options::default() }, "option-value"),
+    ] {
+        assert_eq!(rpa::build(&t, &o).unwrap_err().rule, rule, "{o:?}");
+    }
+    assert_eq!(rpa::build(&t[..6], &Options::default()).unwrap_err().rule, "input-count");
+    let mut bad = t.clone();
+    bad[5] = Type::vector(DType::I32, &[3]);
+    assert_eq!(rpa::build(&bad, &Options::default()).unwrap_err().rule, "operand-shape");
+}
+
+#[test]
+fn removing_a_dma_wait_fails_loudly() {
+    let a = inputs(0, DType::F32, 5);
+    let mut k = rpa::build(&tessera_kernels::types_of(&a), &opts(&SHAPES[0], 128)).unwrap();
+    let v_buf = k.find_ref("v_buf").unwrap();
+    let waits: Vec<_> = k.insts.iter().enumerate().filter(|(_, d)| matches!(&d.inst, Inst::DmaWait { dst, .. } if dst.r == v_buf)).map(|(i, _)| tessera_dsl::InstId(i as u32)).collect();
+    assert_eq!(waits.len(), 1);
+    for b in &mut k.blocks {
+        b.insts.retain(|i| !waits.contains(i));
+    }
+    let e = rpa::run_kernel(&k, &a).unwrap_err();
+    assert_eq!(e.rule, "dma-unwaited", "{e}");
+}
+
+#[test]
+fn verifies_on_every_target() {
+    for (set, sh) in SHAPES.iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16] {
+            let k = rpa::build(&types(sh, dtype), &Options { sliding_window: Some(64), soft_cap: Some(30.0), ..opts(sh, sh.3) }).unwrap();
+            for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+                tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("set {set} {dtype} {target}: {e}"));
+            }
+        }
+    }
+}
+
+/// Every shape set (with window and cap on) plus a large configuration: 2048 tokens in
+/// 128-token q blocks (MHA rows) / GQA 8 with 64-token blocks, 32-page (512-token) compute
+/// blocks over a big cache, f32 and bf16.
+#[test]
+fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mut modules = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            for (set, sh) in SHAPES.iter().enumerate() {
+                let o = Options { sliding_window: Some(64), soft_cap: Some(30.0), ..opts(sh, sh.3) };
+                let l = tessera_codegen::lower(&rpa::build(&types(sh, dtype), &o).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
+                modules.push((format!("ragged_paged_attention_set{set}_{dtype}"), l.stablehlo));
+            }
+            for (h, hkv, bq) in [(32, 32, 128), (32, 4, 64)] {
+                let (t, d, np, ps, ms, pps) = (2048, 128, 1024, 16, 64, 128);
+                let sh: Set = (t, h, hkv, d, np, ps, ms, pps, bq, 32);
+                let k = rpa::build(&types(&sh, dtype), &opts(&sh, d)).unwrap();
+                let l = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{e}"));
+                modules.push((format!("ragged_paged_attention_large_h{h}_hkv{hkv}_{dtype}"), l.stablehlo));
+            }
+        }
+        for v in oracle::compile(&modules, target.name) {
+            assert!(v.ok, "{} on {}: {}", v.name, v.target, v.error);
+        }
+    }
+}
+
+/// The library entry (sm_scale = 1/sqrt(d)) at its default and alt shapes, as the CLI runs it.
+#[test]
+fn library_entry_matches_its_reference() {
+    let op = tessera_kernels::find("ragged_paged_attention").unwrap();
+    let defaults: Vec<Vec<usize>> = op.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
+    let alt: Vec<Vec<usize>> = op.alt_shapes.iter().map(|s| s.to_vec()).collect();
+    for shapes in [defaults, alt] {
+        for dtype in [DType::F32, DType::BF16] {
+            let r = tessera_kernels::harness::run_against_reference(op, &shapes, dtype, &Target::V6E, 3).unwrap_or_else(|e| panic!("{e}"));
+            assert!(r.passed(), "{shapes:?} {dtype}: {:?}", r.worst());
+        }
+    }
+}
