@@ -12,7 +12,9 @@ use tessera_kernels::types_of;
 use tessera_tests::oracle;
 
 /// (B, H, Hkv, D, num_pages, page_size, pages_per_seq, pages_per_compute_block).
-const SHAPES: &[(usize, usize, usize, usize, usize, usize, usize, usize)] = &[
+type Set = (usize, usize, usize, usize, usize, usize, usize, usize);
+
+const SHAPES: &[Set] = &[
     (4, 8, 2, 128, 16, 16, 4, 2),   // GQA 4, two compute blocks
     (3, 8, 8, 128, 12, 16, 5, 2),   // MHA (group 1), pages_per_seq not a multiple of the block
     (5, 8, 1, 128, 20, 16, 6, 4),   // GQA 8 (MQA)
@@ -21,7 +23,7 @@ const SHAPES: &[(usize, usize, usize, usize, usize, usize, usize, usize)] = &[
     (3, 2, 2, 256, 9, 16, 4, 4),    // D = 256, everything in one block
 ];
 
-fn shapes(&(b, h, hkv, d, np, ps, pps, _): &(usize, usize, usize, usize, usize, usize, usize, usize)) -> Vec<Vec<usize>> {
+fn shapes(&(b, h, hkv, d, np, ps, pps, _): &Set) -> Vec<Vec<usize>> {
     vec![vec![b, h, d], vec![hkv, np, ps, d], vec![hkv, np, ps, d], vec![b], vec![b, pps]]
 }
 
@@ -40,10 +42,10 @@ fn inputs(set: usize, dtype: DType, seed: u64) -> Vec<Array> {
 
 #[test]
 fn matches_the_reference_f32_and_bf16() {
-    for set in 0..SHAPES.len() {
+    for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
             let a = inputs(set, dtype, 7 + set as u64);
-            let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(SHAPES[set].7)).unwrap_or_else(|e| panic!("{e}"));
+            let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(sh.7)).unwrap_or_else(|e| panic!("{e}"));
             let want = reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4]);
             let check = check_output(&out, &want);
             assert!(check.passed(), "set {set} {dtype}: {check:?}; lengths {:?}", a[3].as_i32().unwrap());
@@ -124,10 +126,10 @@ fn copying_the_wrong_page_is_caught() {
 
 #[test]
 fn verifies_on_every_target() {
-    for set in 0..SHAPES.len() {
+    for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
-            let t: Vec<Type> = shapes(&SHAPES[set]).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
-            let k = pa::build(&t, Some(SHAPES[set].7)).unwrap();
+            let t: Vec<Type> = shapes(sh).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
+            let k = pa::build(&t, Some(sh.7)).unwrap();
             for target in [Target::V5E, Target::V6E, Target::TPU7X] {
                 tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("set {set} {dtype} {target}: {e}"));
             }
