@@ -20,7 +20,7 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{DType, Kernel, KernelError, Type};
+use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::{harness, LibraryKernel, Operand, OperandKind};
@@ -98,9 +98,13 @@ pub fn paged_attention_kernel(
     o[..] = out.cast(o.dtype);
 }
 
-/// Default compute block: 256 tokens' worth of pages (at least one page, at most all).
-pub fn default_pages_per_compute_block(page_size: usize, pages_per_seq: usize) -> usize {
-    (256 / page_size.max(1)).clamp(1, pages_per_seq.max(1))
+/// Default compute block: twice the MXU edge in tokens — 256 on v5e/v5p, 512 on
+/// v6e/tpu7x — so each `[G, D] x [D, tokens]` score matmul fills the systolic array's
+/// width twice (at least one page, at most all of a sequence's pages). Double-buffered K
+/// and V blocks then take `4 * tokens * D * bytes`: 1 MiB at 512 x 128 f32, far inside
+/// every generation's scoped VMEM.
+pub fn default_pages_per_compute_block(page_size: usize, pages_per_seq: usize, target: &Target) -> usize {
+    (2 * target.mxu / page_size.max(1)).clamp(1, pages_per_seq.max(1))
 }
 
 fn err(subject: &str, rule: &'static str, message: String, help: &str) -> KernelError {
@@ -124,13 +128,14 @@ fn check(q: &Type, k: &Type, v: &Type, lengths: &Type, pages: &Type) -> Result<(
     Ok((b, h, d, hkv))
 }
 
-/// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`.
-pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>) -> Result<Kernel, KernelError> {
+/// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`;
+/// `None` takes `target`'s default compute block.
+pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &Target) -> Result<Kernel, KernelError> {
     let [q, k, v, lengths, pages] = inputs else {
         return Err(err("inputs", "input-count", format!("{} inputs given", inputs.len()), "pass q, k_pages, v_pages, lengths, page_indices"));
     };
     let (b, h, d, hkv) = check(q, k, v, lengths, pages)?;
-    let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1]));
+    let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
     if ppcb == 0 {
         return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
     }
@@ -139,9 +144,9 @@ pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>) -> Result<
 }
 
 /// Runs the op on the interpreter: `(q, k_pages, v_pages, lengths, page_indices) -> o`.
-pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, pages_per_compute_block: Option<usize>) -> Result<Array, KernelError> {
+pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, pages_per_compute_block: Option<usize>, target: &Target) -> Result<Array, KernelError> {
     let types = crate::types_of(&[q.clone(), k.clone(), v.clone(), lengths.clone(), page_indices.clone()]);
-    let kernel = build(&types, pages_per_compute_block)?;
+    let kernel = build(&types, pages_per_compute_block, target)?;
     run_kernel(&kernel, q, k, v, lengths, page_indices)
 }
 
@@ -189,12 +194,12 @@ pub const OPS: &[LibraryKernel] = &[LibraryKernel {
         PAGE_INDICES,
     ],
     alt_shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]],
-    build: |t, _| Ok(vec![build(t, None)?]),
-    run: |a, _| {
+    build: |t, target| Ok(vec![build(t, None, target)?]),
+    run: |a, target| {
         let [q, k, v, lengths, pages] = a else {
             return Err(err("inputs", "input-count", format!("{} inputs given", a.len()), "pass q, k_pages, v_pages, lengths, page_indices"));
         };
-        Ok(vec![paged_attention(q, k, v, lengths, pages, None)?])
+        Ok(vec![paged_attention(q, k, v, lengths, pages, None, target)?])
     },
     random_inputs,
     reference: |a| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])],

@@ -60,7 +60,7 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::{self, Array, Data};
-use tessera_dsl::{DType, Kernel, KernelError, Type};
+use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::{harness, LibraryKernel, Operand, OperandKind};
@@ -246,12 +246,13 @@ fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError
 }
 
 /// Builds the kernel for op-order types `(q, k_pages, v_pages, kv_lens, page_indices,
-/// cu_q_lens, num_seqs)`.
-pub fn build(inputs: &[Type], opts: &Options) -> Result<Kernel, KernelError> {
+/// cu_q_lens, num_seqs)`; an unset compute block takes `target`'s default (as
+/// `paged_attention`: twice the MXU edge in tokens).
+pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel, KernelError> {
     let dims = check(inputs)?;
     let (bq, tp) = q_blocking(&dims, opts)?;
     let (k, pages) = (&inputs[1], &inputs[4]);
-    let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1]));
+    let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
     if ppcb == 0 {
         return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
     }
@@ -303,8 +304,8 @@ fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_k
 
 /// Runs the op on the interpreter: `(q, k_pages, v_pages, kv_lens, page_indices,
 /// cu_q_lens, num_seqs) -> o: [T, H, D]`.
-pub fn ragged_paged_attention(args: &[Array], opts: &Options) -> Result<Array, KernelError> {
-    let kernel = build(&crate::types_of(args), opts)?;
+pub fn ragged_paged_attention(args: &[Array], opts: &Options, target: &Target) -> Result<Array, KernelError> {
+    let kernel = build(&crate::types_of(args), opts, target)?;
     run_kernel(&kernel, args)
 }
 
@@ -388,8 +389,8 @@ pub const OPS: &[LibraryKernel] = &[LibraryKernel {
         int("num_seqs", "[1]", &[1]),
     ],
     alt_shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]],
-    build: |t, _| Ok(vec![build(t, &library_options(t))?]),
-    run: |a, _| Ok(vec![ragged_paged_attention(a, &library_options(&crate::types_of(a)))?]),
+    build: |t, target| Ok(vec![build(t, &library_options(t), target)?]),
+    run: |a, target| Ok(vec![ragged_paged_attention(a, &library_options(&crate::types_of(a)), target)?]),
     random_inputs,
     reference: |a| {
         let d = a[0].shape[2];

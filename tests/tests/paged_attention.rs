@@ -45,7 +45,7 @@ fn matches_the_reference_f32_and_bf16() {
     for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
             let a = inputs(set, dtype, 7 + set as u64);
-            let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(sh.7)).unwrap_or_else(|e| panic!("{e}"));
+            let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(sh.7), &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
             let want = reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4]);
             let check = check_output(&out, &want);
             assert!(check.passed(), "set {set} {dtype}: {check:?}; lengths {:?}", a[3].as_i32().unwrap());
@@ -56,11 +56,19 @@ fn matches_the_reference_f32_and_bf16() {
     }
 }
 
+/// The default compute block follows the MXU: 256 tokens on v5e, 512 on v6e.
+#[test]
+fn default_compute_block_is_per_generation() {
+    assert_eq!(pa::default_pages_per_compute_block(16, 64, &Target::V5E), 16);
+    assert_eq!(pa::default_pages_per_compute_block(16, 64, &Target::V6E), 32);
+    assert_eq!(pa::default_pages_per_compute_block(16, 8, &Target::TPU7X), 8);
+}
+
 #[test]
 fn single_token_sequences_return_their_value_row() {
     let a = inputs(0, DType::F32, 3);
     assert_eq!(a[3].as_i32().unwrap()[1], 1);
-    let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], None).unwrap().to_f64_vec();
+    let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], None, &Target::V5E).unwrap().to_f64_vec();
     let (h, d, hkv, np, ps) = (8, 128, 2, 16, 16);
     let page = a[4].as_i32().unwrap()[4] as usize; // sequence 1, page 0
     let v = a[2].to_f64_vec();
@@ -77,13 +85,13 @@ fn every_compute_block_size_agrees() {
     let a = inputs(4, DType::F32, 11);
     let want = reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4]);
     for ppcb in 1..=9 {
-        let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(ppcb)).unwrap();
+        let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(ppcb), &Target::V5E).unwrap();
         assert!(check_output(&out, &want).passed(), "pages_per_compute_block {ppcb}");
     }
 }
 
 fn kernel_for(a: &[Array], ppcb: usize) -> Kernel {
-    pa::build(&types_of(a), Some(ppcb)).unwrap()
+    pa::build(&types_of(a), Some(ppcb), &Target::V5E).unwrap()
 }
 
 fn ref_named(k: &Kernel, name: &str) -> tessera_dsl::RefId {
@@ -129,7 +137,7 @@ fn verifies_on_every_target() {
     for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
             let t: Vec<Type> = shapes(sh).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
-            let k = pa::build(&t, Some(sh.7)).unwrap();
+            let k = pa::build(&t, Some(sh.7), &Target::V5E).unwrap();
             for target in [Target::V5E, Target::V6E, Target::TPU7X] {
                 tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("set {set} {dtype} {target}: {e}"));
             }
@@ -150,7 +158,7 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
         for dtype in [DType::F32, DType::BF16] {
             for (set, sh) in SHAPES.iter().enumerate() {
                 let t: Vec<Type> = shapes(sh).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
-                let l = tessera_codegen::lower(&pa::build(&t, Some(sh.7)).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
+                let l = tessera_codegen::lower(&pa::build(&t, Some(sh.7), &Target::V5E).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
                 modules.push((format!("paged_attention_set{set}_{dtype}"), l.stablehlo));
             }
             let (b, h, hkv, d, np, ps, pps) = (16, 32, 8, 128, 1024, 16, 64);
@@ -161,7 +169,7 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
                 Type::vector(DType::I32, &[b]),
                 Type::vector(DType::I32, &[b, pps]),
             ];
-            let k = pa::build(&t, Some(32)).unwrap();
+            let k = pa::build(&t, Some(32), &Target::V5E).unwrap();
             let l = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{e}"));
             modules.push((format!("paged_attention_large_{dtype}"), l.stablehlo));
         }

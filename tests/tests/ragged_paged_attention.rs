@@ -38,7 +38,7 @@ fn opts(set: &Set, d: usize) -> Options {
 }
 
 fn check(a: &[Array], o: Options, what: &str) {
-    let out = rpa::ragged_paged_attention(a, &o).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let out = rpa::ragged_paged_attention(a, &o, &Target::V5E).unwrap_or_else(|e| panic!("{what}: {e}"));
     let want = reference::ragged_paged_attention(a, o.sm_scale as f64, o.sliding_window, o.soft_cap.map(f64::from));
     let c = check_output(&out, &want);
     assert!(c.passed(), "{what}: {c:?}; kv_lens {:?} cu_q_lens {:?}", a[3].as_i32().unwrap(), a[5].as_i32().unwrap());
@@ -101,7 +101,7 @@ fn hand_built_mixed_batch() {
         }
     }
     // The single-token, single-key sequence returns its value row; padding tokens are zero.
-    let out = rpa::ragged_paged_attention(&a, &Options { sm_scale: 0.125, ..Options::default() }).unwrap().to_f64_vec();
+    let out = rpa::ragged_paged_attention(&a, &Options { sm_scale: 0.125, ..Options::default() }, &Target::V5E).unwrap().to_f64_vec();
     let page = a[4].as_i32().unwrap()[pps] as usize;
     let v = a[2].to_f64_vec();
     for head in 0..h {
@@ -117,7 +117,7 @@ fn hand_built_mixed_batch() {
 fn num_seqs_zero_gives_zeros() {
     let mut a = inputs(0, DType::F32, 3);
     a[6] = Array::from_i32(&[1], vec![0]);
-    let out = rpa::ragged_paged_attention(&a, &Options::default()).unwrap();
+    let out = rpa::ragged_paged_attention(&a, &Options::default(), &Target::V5E).unwrap();
     assert!(out.to_f64_vec().iter().all(|&x| x == 0.0));
 }
 
@@ -136,18 +136,18 @@ fn default_blocks_and_bad_options() {
         (Options { sliding_window: Some(0), ..Options::default() }, "option-value"),
         (Options { soft_cap: Some(-1.0), ..Options::default() }, "option-value"),
     ] {
-        assert_eq!(rpa::build(&t, &o).unwrap_err().rule, rule, "{o:?}");
+        assert_eq!(rpa::build(&t, &o, &Target::V5E).unwrap_err().rule, rule, "{o:?}");
     }
-    assert_eq!(rpa::build(&t[..6], &Options::default()).unwrap_err().rule, "input-count");
+    assert_eq!(rpa::build(&t[..6], &Options::default(), &Target::V5E).unwrap_err().rule, "input-count");
     let mut bad = t.clone();
     bad[5] = Type::vector(DType::I32, &[3]);
-    assert_eq!(rpa::build(&bad, &Options::default()).unwrap_err().rule, "operand-shape");
+    assert_eq!(rpa::build(&bad, &Options::default(), &Target::V5E).unwrap_err().rule, "operand-shape");
 }
 
 #[test]
 fn removing_a_dma_wait_fails_loudly() {
     let a = inputs(0, DType::F32, 5);
-    let mut k = rpa::build(&tessera_kernels::types_of(&a), &opts(&SHAPES[0], 128)).unwrap();
+    let mut k = rpa::build(&tessera_kernels::types_of(&a), &opts(&SHAPES[0], 128), &Target::V5E).unwrap();
     let v_buf = k.find_ref("v_buf").unwrap();
     let waits: Vec<_> = k.insts.iter().enumerate().filter(|(_, d)| matches!(&d.inst, Inst::DmaWait { dst, .. } if dst.r == v_buf)).map(|(i, _)| tessera_dsl::InstId(i as u32)).collect();
     assert_eq!(waits.len(), 1);
@@ -162,7 +162,7 @@ fn removing_a_dma_wait_fails_loudly() {
 fn verifies_on_every_target() {
     for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
-            let k = rpa::build(&types(sh, dtype), &Options { sliding_window: Some(64), soft_cap: Some(30.0), ..opts(sh, sh.3) }).unwrap();
+            let k = rpa::build(&types(sh, dtype), &Options { sliding_window: Some(64), soft_cap: Some(30.0), ..opts(sh, sh.3) }, &Target::V5E).unwrap();
             for target in [Target::V5E, Target::V6E, Target::TPU7X] {
                 tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("set {set} {dtype} {target}: {e}"));
             }
@@ -184,13 +184,13 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
         for dtype in [DType::F32, DType::BF16] {
             for (set, sh) in SHAPES.iter().enumerate() {
                 let o = Options { sliding_window: Some(64), soft_cap: Some(30.0), ..opts(sh, sh.3) };
-                let l = tessera_codegen::lower(&rpa::build(&types(sh, dtype), &o).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
+                let l = tessera_codegen::lower(&rpa::build(&types(sh, dtype), &o, &target).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
                 modules.push((format!("ragged_paged_attention_set{set}_{dtype}"), l.stablehlo));
             }
             for (h, hkv, bq) in [(32, 32, 128), (32, 4, 64)] {
                 let (t, d, np, ps, ms, pps) = (2048, 128, 1024, 16, 64, 128);
                 let sh: Set = (t, h, hkv, d, np, ps, ms, pps, bq, 32);
-                let k = rpa::build(&types(&sh, dtype), &opts(&sh, d)).unwrap();
+                let k = rpa::build(&types(&sh, dtype), &opts(&sh, d), &Target::V5E).unwrap();
                 let l = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{e}"));
                 modules.push((format!("ragged_paged_attention_large_h{h}_hkv{hkv}_{dtype}"), l.stablehlo));
             }
