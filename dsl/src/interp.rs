@@ -134,6 +134,18 @@ impl Array {
         Array::new(shape, Data::BF16(data.iter().map(|&x| bf16::from_f32(x)).collect()))
     }
 
+    /// A float array of `dtype` from f32 values: f32 as given, bf16 rounded to nearest-even.
+    ///
+    /// # Panics
+    /// If `dtype` is not a float type.
+    pub fn from_f32_in(dtype: DType, shape: &[usize], data: Vec<f32>) -> Array {
+        match dtype {
+            DType::F32 => Array::from_f32(shape, data),
+            DType::BF16 => Array::from_f32_as_bf16(shape, &data),
+            other => panic!("from_f32_in: {other} is not a float dtype"),
+        }
+    }
+
     pub fn from_i32(shape: &[usize], data: Vec<i32>) -> Array {
         Array::new(shape, Data::I32(data))
     }

@@ -57,7 +57,7 @@ use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::fit_blocks;
-use crate::{LibraryKernel, Operand, OperandKind};
+use crate::{harness, LibraryKernel, Operand, OperandKind};
 
 /// Masked logits and the running max's start: finite, so `exp(m_old - m_new)` never sees
 /// `-inf - -inf`; a row's garbage from fully masked blocks is wiped (`exp(MASKED - m) = 0`)
@@ -719,16 +719,6 @@ fn op_run(a: &[Array], target: &Target, var: Variant, backward: bool) -> Result<
     }
 }
 
-fn float_array(dtype: DType, shape: &[usize], vals: Vec<f32>) -> Array {
-    match dtype {
-        DType::BF16 => Array::from_f32_as_bf16(shape, &vals),
-        _ => Array::from_f32(shape, vals),
-    }
-}
-
-fn uniform(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
-    (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
-}
 
 /// Segment ids for `b` sequences: ids that increase along the sequence in random runs, the
 /// same segmentation of positions for queries and keys, every boundary below
@@ -752,9 +742,9 @@ pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> 
 fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, segmented: bool) -> Vec<Array> {
     let n = |s: &Vec<usize>| s.iter().product::<usize>();
     let mut a = vec![
-        float_array(dtype, &shapes[0], uniform(n(&shapes[0]), 2.0, rng)),
-        float_array(dtype, &shapes[1], uniform(n(&shapes[1]), 2.0, rng)),
-        float_array(dtype, &shapes[2], uniform(n(&shapes[2]), 1.0, rng)),
+        Array::from_f32_in(dtype, &shapes[0], harness::uniform(n(&shapes[0]), 2.0, rng)),
+        Array::from_f32_in(dtype, &shapes[1], harness::uniform(n(&shapes[1]), 2.0, rng)),
+        Array::from_f32_in(dtype, &shapes[2], harness::uniform(n(&shapes[2]), 1.0, rng)),
     ];
     if segmented {
         let s = random_segment_ids(shapes[0][0], shapes[0][2], shapes[1][2], rng);
@@ -791,9 +781,9 @@ fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, var: V
     let (o, lse) = reference::forward(&cfg, &fwd[0].to_f64_vec(), &fwd[1].to_f64_vec(), &fwd[2].to_f64_vec());
     let q_shape = shapes[0].clone();
     let seg: Vec<Array> = fwd.drain(3..).collect();
-    fwd.push(float_array(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
+    fwd.push(Array::from_f32_in(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
     fwd.push(Array::from_f32(&q_shape[..3], lse.iter().map(|&x| x as f32).collect()));
-    fwd.push(float_array(dtype, &q_shape, uniform(q_shape.iter().product(), 1.0, rng)));
+    fwd.push(Array::from_f32_in(dtype, &q_shape, harness::uniform(q_shape.iter().product(), 1.0, rng)));
     fwd.extend(seg);
     fwd
 }

@@ -81,10 +81,14 @@ pub fn check_output(got: &Array, expected: &[f64]) -> OutputCheck {
     check
 }
 
+/// `n` values uniform in `[-scale, scale)`.
+pub fn uniform(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
+}
+
 /// Uniform values in [-1, 1) (positive in [0.5, 1.5) for scale operands), rounded to `dtype`.
 pub fn random_array(dtype: DType, shape: &[usize], rng: &mut StdRng) -> Array {
-    let n: usize = shape.iter().product();
-    let vals: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let vals = uniform(shape.iter().product(), 1.0, rng);
     let data = match dtype {
         DType::BF16 => Data::BF16(vals.iter().map(|&v| bf16::from_f32(v)).collect()),
         DType::I32 => Data::I32(vals.iter().map(|&v| (v * 100.0) as i32).collect()),
@@ -94,7 +98,6 @@ pub fn random_array(dtype: DType, shape: &[usize], rng: &mut StdRng) -> Array {
     };
     Array { dtype, shape: shape.to_vec(), data }
 }
-
 
 /// Runs the op on the interpreter with inputs drawn from `seed` for `shapes` and `dtype`
 /// (kernels built for `target`'s default blocks) and compares every output with the

@@ -30,7 +30,7 @@ use tessera_dsl::interp::{self, Array, Data};
 use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::{LibraryKernel, Operand, OperandKind};
+use crate::{harness, LibraryKernel, Operand, OperandKind};
 
 /// RoPE's base in the library entries (the builders take any).
 pub const ROPE_THETA: f64 = 10000.0;
@@ -333,21 +333,11 @@ fn arity(op: &str, n: usize, want: usize) -> Result<(), KernelError> {
     Err(KernelError::new(op, "inputs", "input-count", format!("{n} inputs given, the op takes {want}"), "pass one array per input operand"))
 }
 
-fn float_array(dtype: DType, shape: &[usize], vals: Vec<f32>) -> Array {
-    match dtype {
-        DType::BF16 => Array::from_f32_as_bf16(shape, &vals),
-        _ => Array::from_f32(shape, vals),
-    }
-}
-
-fn uniform(n: usize, scale: f32, rng: &mut StdRng) -> Vec<f32> {
-    (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
-}
 
 /// x in [-1, 1) and positions drawn from [0, 8192) in no particular order.
 fn rope_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
     let (xs, ts) = (&shapes[0], shapes[1][0]);
-    let x = float_array(dtype, xs, uniform(xs.iter().product(), 1.0, rng));
+    let x = Array::from_f32_in(dtype, xs, harness::uniform(xs.iter().product(), 1.0, rng));
     let pos = Array::from_i32(&[ts], (0..ts).map(|_| rng.gen_range(0..8192)).collect());
     vec![x, pos]
 }
@@ -372,7 +362,7 @@ fn rope_op_reference(a: &[Array], interleaved: bool, backward: bool) -> Vec<Vec<
 /// Logits in [-4, 4) (a spread that exercises the max subtraction), labels in [0, v).
 fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
     let (t, v) = (shapes[0][0], shapes[0][1]);
-    let logits = float_array(dtype, &[t, v], uniform(t * v, 4.0, rng));
+    let logits = Array::from_f32_in(dtype, &[t, v], harness::uniform(t * v, 4.0, rng));
     let labels = Array::from_i32(&[t], (0..t).map(|_| rng.gen_range(0..v as i32)).collect());
     vec![logits, labels]
 }
@@ -389,8 +379,8 @@ fn ce_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<A
             (m + row.iter().map(|z| (z - m).exp()).sum::<f64>().ln()) as f32
         })
         .collect();
-    a.push(float_array(dtype, &[t, 1], lse));
-    a.push(float_array(dtype, &[t], uniform(t, 1.0, rng)));
+    a.push(Array::from_f32_in(dtype, &[t, 1], lse));
+    a.push(Array::from_f32_in(dtype, &[t], harness::uniform(t, 1.0, rng)));
     a
 }
 

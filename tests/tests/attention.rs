@@ -37,7 +37,7 @@ fn case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, s
     let mut rng = StdRng::seed_from_u64(seed);
     let scaled = |a: Array, s: f32| {
         let v: Vec<f32> = a.to_f32_vec().iter().map(|x| x * s).collect();
-        if dtype == DType::BF16 { Array::from_f32_as_bf16(&a.shape, &v) } else { Array::from_f32(&a.shape, v) }
+        Array::from_f32_in(dtype, &a.shape, v)
     };
     let q = scaled(random_array(dtype, &[b, h, sq, d], &mut rng), 2.0);
     let k = scaled(random_array(dtype, &[b, hkv, skv, d], &mut rng), 2.0);
@@ -91,7 +91,7 @@ fn backward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented
     let (o_ref, lse_ref) = reference::forward(&c.cfg, &q, &k, &v);
     let round = |x: &[f64], shape: &[usize]| {
         let f: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        if dtype == DType::BF16 { Array::from_f32_as_bf16(shape, &f) } else { Array::from_f32(shape, f) }
+        Array::from_f32_in(dtype, shape, f)
     };
     let o = round(&o_ref, &c.q.shape);
     let lse = Array::from_f32(&c.q.shape[..3], lse_ref.iter().map(|&x| x as f32).collect());

@@ -7,10 +7,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
 use tessera_kernels::attention::{flash_attention, flash_attention_bwd, AttentionParams};
+use tessera_kernels::harness::uniform;
 
 struct Case {
     name: &'static str,
@@ -25,11 +26,7 @@ struct Case {
 }
 
 fn random(shape: &[usize], dtype: DType, rng: &mut StdRng) -> Array {
-    let v: Vec<f32> = (0..shape.iter().product::<usize>()).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    match dtype {
-        DType::BF16 => Array::from_f32_as_bf16(shape, &v),
-        _ => Array::from_f32(shape, v),
-    }
+    Array::from_f32_in(dtype, shape, uniform(shape.iter().product(), 1.0, rng))
 }
 
 fn write(dir: &Path, file: String, a: &Array) {

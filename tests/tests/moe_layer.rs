@@ -3,11 +3,12 @@
 //! against a straightforward f64 per-token reference, in output and in the expert-weight
 //! gradients (tgmm, with gmm(transpose_rhs) and swiglu_bwd for the chain rule).
 
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
 use tessera_kernels::routing::{self, Gate};
-use tessera_kernels::{gmm, harness::check_output, norms, run_single};
+use tessera_kernels::harness::{check_output, uniform};
+use tessera_kernels::{gmm, norms, run_single};
 
 const E: usize = 4;
 const K: usize = 2;
@@ -22,11 +23,7 @@ struct Layer {
 }
 
 fn random(dtype: DType, shape: &[usize], scale: f32, rng: &mut StdRng) -> Array {
-    let v: Vec<f32> = (0..shape.iter().product::<usize>()).map(|_| rng.gen_range(-scale..scale)).collect();
-    match dtype {
-        DType::BF16 => Array::from_f32_as_bf16(shape, &v),
-        _ => Array::from_f32(shape, v),
-    }
+    Array::from_f32_in(dtype, shape, uniform(shape.iter().product(), scale, rng))
 }
 
 fn layer(t: usize, d: usize, f: usize, dtype: DType, seed: u64) -> Layer {
@@ -66,7 +63,7 @@ fn with_kernels(l: &Layer, target: &Target) -> (Array, Array, Array, Array) {
     }
     let d = l.dout.shape[1];
     let dy: Vec<f32> = douts.to_f32_vec().iter().enumerate().map(|(i, v)| v * row_weight[i / d]).collect();
-    let dy = if l.x.dtype == DType::BF16 { Array::from_f32_as_bf16(&douts.shape, &dy) } else { Array::from_f32(&douts.shape, dy) };
+    let dy = Array::from_f32_in(l.x.dtype, &douts.shape, dy);
     let dw_down = gmm::tgmm(&h, &dy, &group_sizes, target).unwrap();
     let dh = gmm::gmm(&dy, &l.w_down, &group_sizes, true, target).unwrap();
     let (dgate, dup) = norms::swiglu_bwd(&gate, &up, &dh, target).unwrap();

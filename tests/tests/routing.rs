@@ -46,7 +46,7 @@ fn router_topk_matches_reference() {
                 let mut rng = StdRng::seed_from_u64(n as u64);
                 // Spread the logits so softmax weights are far from uniform.
                 let logits = random_array(DType::F32, &[t, e], &mut rng).to_f32_vec().iter().map(|v| 4.0 * v).collect::<Vec<_>>();
-                let logits = if dtype == DType::BF16 { Array::from_f32_as_bf16(&[t, e], &logits) } else { Array::from_f32(&[t, e], logits) };
+                let logits = Array::from_f32_in(dtype, &[t, e], logits);
                 let (w, ids) = routing::route(&logits, k, gate, normalize, &target).unwrap_or_else(|err| panic!("{t}x{e} k={k}: {err}"));
                 assert_eq!((w.dtype, &w.shape[..], ids.dtype, &ids.shape[..]), (dtype, &[t, k][..], DType::I32, &[t, k][..]));
                 let (want_w, want_ids) = reference::router_topk(&logits.to_f64_vec(), e, k, gate == Gate::Sigmoid, normalize);
