@@ -56,3 +56,14 @@ pub fn compile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
     let _ = std::fs::remove_dir_all(&dir);
     verdicts
 }
+
+/// Compiles `modules` for `target`, prints each verdict, and fails listing every module
+/// libtpu rejected.
+pub fn assert_accepted(modules: &[(String, String)], target: &str) {
+    let verdicts = compile(modules, target);
+    for v in &verdicts {
+        eprintln!("{:<6} {:<44} {}", v.target, v.name, if v.ok { "accept" } else { "REJECT" });
+    }
+    let rejected: Vec<String> = verdicts.iter().filter(|v| !v.ok).map(|v| format!("{} on {}: {}", v.name, v.target, v.error)).collect();
+    assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
+}
