@@ -1,0 +1,1 @@
+from tessera import _native
