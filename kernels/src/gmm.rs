@@ -270,7 +270,7 @@ impl GroupMetadata {
     }
 
     /// The arrays as kernel arguments: the four shared ones, plus the flags for `tgmm`.
-    fn arrays(&self, with_flags: bool) -> Vec<Array> {
+    pub fn arrays(&self, with_flags: bool) -> Vec<Array> {
         let n = self.group.len();
         let mut v = vec![self.group.clone(), self.tile.clone(), self.row_lo.clone(), self.row_hi.clone()];
         if with_flags {
@@ -341,7 +341,7 @@ fn check_types(op: &str, a: (&str, &Type), b: (&str, &Type), b_rank: usize, grou
 }
 
 /// The host check on the values: sizes are non-negative and sum to `m`.
-fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, KernelError> {
+pub fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, KernelError> {
     let sizes = group_sizes.as_i32().ok_or_else(|| err(op, "operand `group_sizes`", "operand-dtype", format!("holds {} data", group_sizes.dtype), "pass an int32 array"))?.to_vec();
     if let Some((g, s)) = sizes.iter().enumerate().find(|(_, &s)| s < 0) {
         return Err(err(op, "operand `group_sizes`", "group-sizes", format!("group {g} has size {s}"), "group sizes are row counts, >= 0"));

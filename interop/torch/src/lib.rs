@@ -1,7 +1,329 @@
+//! `tessera._native`: the Rust side of the `tessera` Python package.
+//!
+//! It knows the ops ([`ops::OPS`]), turns a call into a cached [`plan::Plan`], runs plans on
+//! the interpreter over tensor memory (CPU tensors and the emulated host-memory `tpu`
+//! device), and hands the Python side each launch's StableHLO module for TorchTPU.
+//!
+//! Tensors cross as their `data_ptr()`; see [`TensorRef`] for the contract.
+
+pub mod ops;
+pub mod plan;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use half::bf16;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyList, PyTuple};
+use tessera_dsl::interp::{Array, Data};
+use tessera_dsl::{DType, KernelError, Target, Type};
+
+use ops::{Call, Static};
+use plan::{Layout, Plan, Source};
+
+/// Kernel errors reach Python as `ValueError` carrying the full diagnostic (kernel,
+/// operand, rule and what to change).
+fn py_err(e: KernelError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn target_named(name: &str) -> PyResult<Target> {
+    Target::by_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown TPU target {name:?}; use v5e, v5p, v6e or tpu7x")))
+}
+
+// ---- tensors ------------------------------------------------------------------------------------
+
+/// The torch dtypes we take, in [`DType`] order of `TORCH_DTYPES`.
+const TORCH_DTYPES: [(&str, DType); 5] = [("float32", DType::F32), ("bfloat16", DType::BF16), ("int32", DType::I32), ("int8", DType::I8), ("bool", DType::Bool)];
+
+/// `torch.float32` etc., looked up once, compared by identity.
+fn torch_dtypes(py: Python<'_>) -> PyResult<&'static [Py<PyAny>]> {
+    static CELL: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
+    CELL.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        TORCH_DTYPES.iter().map(|(name, _)| Ok(torch.getattr(*name)?.unbind())).collect()
+    })
+    .map(Vec::as_slice)
+}
+
+fn torch_empty(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
+    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("empty")?.unbind()))
+}
+
+/// A tensor as the native side sees it.
+///
+/// Contract (the Python side guarantees it): the tensor is contiguous, its memory is
+/// host memory (a CPU tensor, or the emulated `tpu` device, whose allocator is host
+/// memory), and it stays alive and unaliased by outputs for the duration of the call
+/// (the caller holds it, and the GIL is held throughout).
+struct TensorRef {
+    ty: Type,
+    ptr: usize,
+}
+
+impl TensorRef {
+    fn extract(t: &Bound<'_, PyAny>) -> PyResult<TensorRef> {
+        let py = t.py();
+        let dtype_obj = t.getattr("dtype")?;
+        let dtypes = torch_dtypes(py)?;
+        let Some(i) = dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else {
+            return Err(PyValueError::new_err(format!("tessera: tensors of {dtype_obj} are not supported; use float32, bfloat16, int32, int8 or bool")));
+        };
+        let shape: Vec<usize> = t.getattr("shape")?.extract()?;
+        let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+        Ok(TensorRef { ty: Type::vector(TORCH_DTYPES[i].1, &shape), ptr })
+    }
+
+    /// A copy of the tensor's elements.
+    fn read(&self) -> Array {
+        let n = self.ty.num_elements();
+        // SAFETY: per the type's contract, `ptr` addresses `n` contiguous, initialised
+        // elements of `ty.dtype` (bf16 is a transparent u16; bool a byte of 0/1) that
+        // outlive this call; a zero-size tensor may have a null pointer, so it is not read.
+        unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a [T] {
+            if n == 0 { &[] } else { unsafe { std::slice::from_raw_parts(ptr as *const T, n) } }
+        }
+        let data = unsafe {
+            match self.ty.dtype {
+                DType::F32 => Data::F32(slice::<f32>(self.ptr, n).to_vec()),
+                DType::BF16 => Data::BF16(slice::<bf16>(self.ptr, n).to_vec()),
+                DType::I32 => Data::I32(slice::<i32>(self.ptr, n).to_vec()),
+                DType::I8 => Data::I8(slice::<i8>(self.ptr, n).to_vec()),
+                DType::Bool => Data::Bool(slice::<u8>(self.ptr, n).iter().map(|&b| b != 0).collect()),
+            }
+        };
+        Array::new(&self.ty.shape, data)
+    }
+
+    /// Copies `a` (same dtype and element count) into the tensor's memory.
+    fn write(&self, a: &Array) {
+        let n = self.ty.num_elements();
+        assert_eq!(a.len(), n, "result size");
+        // SAFETY: as in `read`; the tensor is a fresh output no one else references.
+        unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a mut [T] {
+            if n == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) } }
+        }
+        unsafe {
+            match &a.data {
+                Data::F32(v) => slice::<f32>(self.ptr, n).copy_from_slice(v),
+                Data::BF16(v) => slice::<bf16>(self.ptr, n).copy_from_slice(v),
+                Data::I32(v) => slice::<i32>(self.ptr, n).copy_from_slice(v),
+                Data::I8(v) => slice::<i8>(self.ptr, n).copy_from_slice(v),
+                Data::Bool(v) => slice::<u8>(self.ptr, n).iter_mut().zip(v).for_each(|(d, &b)| *d = b as u8),
+            }
+        }
+    }
+}
+
+fn torch_dtype_of(py: Python<'_>, dtype: DType) -> PyResult<Bound<'_, PyAny>> {
+    let i = TORCH_DTYPES.iter().position(|(_, d)| *d == dtype).expect("every DType has a torch dtype");
+    Ok(torch_dtypes(py)?[i].bind(py).clone())
+}
+
+/// A fresh tensor of `ty` on `device`.
+fn empty<'py>(py: Python<'py>, ty: &Type, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("dtype", torch_dtype_of(py, ty.dtype)?)?;
+    kwargs.set_item("device", device)?;
+    torch_empty(py)?.bind(py).call((PyTuple::new(py, &ty.shape)?,), Some(&kwargs))
+}
+
+// ---- statics and the plan cache -------------------------------------------------------------
+
+fn statics_of(t: &Bound<'_, PyTuple>) -> PyResult<Vec<Static>> {
+    t.iter()
+        .map(|v| {
+            Ok(if v.is_none() {
+                Static::None
+            } else if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
+                Static::Bool(b.is_true())
+            } else if let Ok(i) = v.extract::<i64>() {
+                Static::Int(i)
+            } else if let Ok(x) = v.extract::<f64>() {
+                Static::Float(x)
+            } else if let Ok(s) = v.extract::<String>() {
+                Static::Str(s)
+            } else {
+                return Err(PyValueError::new_err(format!("tessera: unsupported static argument {v}")));
+            })
+        })
+        .collect()
+}
+
+type PlanKey = (&'static str, String, Vec<Option<Type>>, &'static str);
+
+/// Plans by op, statics, input types and target: built once, shared.
+fn plan_for(name: &str, statics: &[Static], inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
+    static PLANS: Mutex<Option<HashMap<PlanKey, Arc<Plan>>>> = Mutex::new(None);
+    let op = ops::find(name).ok_or_else(|| PyValueError::new_err(format!("tessera: no op named {name:?}")))?;
+    let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
+    if let Some(p) = PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).get(&key) {
+        return Ok(p.clone());
+    }
+    let plan = Arc::new((op.plan)(&Call { op: op.name, inputs, statics, target }).map_err(py_err)?);
+    for launch in &plan.launches {
+        tessera_dsl::verify::verify(&launch.kernel, target).map_err(py_err)?;
+    }
+    PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).insert(key, plan.clone());
+    Ok(plan)
+}
+
+fn tensor_refs(inputs: &Bound<'_, PyList>) -> PyResult<Vec<Option<TensorRef>>> {
+    inputs.iter().map(|t| if t.is_none() { Ok(None) } else { TensorRef::extract(&t).map(Some) }).collect()
+}
+
+// ---- the Python API ---------------------------------------------------------------------------
+
+/// `[(name, schema, doc)]` of every op.
+#[pyfunction]
+fn op_table() -> Vec<(&'static str, &'static str, &'static str)> {
+    ops::OPS.iter().map(|o| (o.name, o.schema, o.doc)).collect()
+}
+
+/// Runs op `name` on the interpreter over host-memory tensors (`None` for an absent
+/// optional tensor) and returns fresh result tensors on `device`.
+#[pyfunction]
+fn run<'py>(py: Python<'py>, name: &str, statics: &Bound<'py, PyTuple>, inputs: &Bound<'py, PyList>, device: &Bound<'py, PyAny>, target: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let target = target_named(target)?;
+    let refs = tensor_refs(inputs)?;
+    let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
+    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let arrays: Vec<Option<Array>> = refs.iter().map(|r| r.as_ref().map(TensorRef::read)).collect();
+    let results = plan::execute(&plan, &arrays).map_err(py_err)?;
+    results
+        .iter()
+        .zip(&plan.results)
+        .map(|(a, r)| {
+            let t = empty(py, &r.ty, device)?;
+            TensorRef { ty: r.ty.clone(), ptr: t.call_method0("data_ptr")?.extract()? }.write(a);
+            Ok(t)
+        })
+        .collect()
+}
+
+/// A plan, for the Python side of the TorchTPU path.
+#[pyclass(frozen, name = "Plan")]
+struct PyPlan(Arc<Plan>);
+
+fn layout_tuple(l: Layout) -> Option<(usize, usize, usize)> {
+    match l {
+        Layout::View => None,
+        Layout::HeadMajor { hkv, group, padded_tokens } => Some((hkv, group, padded_tokens)),
+    }
+}
+
+type OperandTuple = (&'static str, usize, usize, Option<(usize, usize, usize)>, Vec<usize>, &'static str);
+
+fn operand_tuple(o: &plan::Operand) -> OperandTuple {
+    let (kind, a, b) = match o.source {
+        Source::Input(i) => ("input", i, 0),
+        Source::Host(i) => ("host", i, 0),
+        Source::Result { launch, output } => ("result", launch, output),
+    };
+    (kind, a, b, layout_tuple(o.layout), o.ty.shape.clone(), plan::dtype_to_torch(o.ty.dtype))
+}
+
+#[pymethods]
+impl PyPlan {
+    /// The number of kernel launches.
+    fn __len__(&self) -> usize {
+        self.0.launches.len()
+    }
+
+    /// Launch `i`'s kernel name (unique within the op).
+    fn kernel_name(&self, i: usize) -> PyResult<String> {
+        Ok(format!("tessera.{}.{}", self.0.op, self.launch(i)?.kernel.name))
+    }
+
+    /// Launch `i`'s StableHLO module text (lowered on first use).
+    fn module(&self, i: usize) -> PyResult<String> {
+        let target = self.0.target;
+        self.launch(i)?.module(&target).map(str::to_string).map_err(PyRuntimeError::new_err)
+    }
+
+    /// Launch `i`'s operands: `(kind, index, output, layout, shape, dtype)` with kind
+    /// `input`/`host`/`result`, layout `None` or `(hkv, group, padded_tokens)`.
+    fn args(&self, i: usize) -> PyResult<Vec<OperandTuple>> {
+        Ok(self.launch(i)?.args.iter().map(operand_tuple).collect())
+    }
+
+    /// Launch `i`'s outputs as `(shape, dtype)`.
+    fn outputs(&self, i: usize) -> PyResult<Vec<(Vec<usize>, &'static str)>> {
+        Ok(self.launch(i)?.outputs.iter().map(|t| (t.shape.clone(), plan::dtype_to_torch(t.dtype))).collect())
+    }
+
+    /// The op's results, as operands.
+    fn results(&self) -> Vec<OperandTuple> {
+        self.0.results.iter().map(operand_tuple).collect()
+    }
+
+    /// The op inputs whose values the host side reads.
+    #[getter]
+    fn host_reads(&self) -> Vec<usize> {
+        self.0.host_reads.clone()
+    }
+
+    /// The host arrays for one call, as fresh CPU tensors, from the values of the
+    /// `host_reads` inputs (CPU tensors).
+    fn host_arrays<'py>(&self, py: Python<'py>, values: &Bound<'py, PyList>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let refs = tensor_refs(values)?;
+        let arrays: Vec<Array> = refs.iter().flatten().map(TensorRef::read).collect();
+        let host = self.0.host_arrays(&arrays.iter().collect::<Vec<_>>()).map_err(py_err)?;
+        let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;
+        host.iter()
+            .map(|a| {
+                let ty = Type::vector(a.dtype, &a.shape);
+                let t = empty(py, &ty, &cpu)?;
+                TensorRef { ty, ptr: t.call_method0("data_ptr")?.extract()? }.write(a);
+                Ok(t)
+            })
+            .collect()
+    }
+
+    /// Runs launch `i`'s kernel on the interpreter: `inputs` are its operands (already in
+    /// kernel layout) and `outputs` fresh tensors of its output types, all host memory.
+    fn emulate(&self, i: usize, inputs: &Bound<'_, PyList>, outputs: &Bound<'_, PyList>) -> PyResult<()> {
+        let launch = self.launch(i)?;
+        let ins: Vec<Array> = tensor_refs(inputs)?.iter().flatten().map(TensorRef::read).collect();
+        let outs = tensor_refs(outputs)?;
+        let results = tessera_dsl::interp::run(&launch.kernel, &ins.iter().collect::<Vec<_>>()).map_err(py_err)?;
+        if outs.len() != results.len() || outs.iter().zip(&results).any(|(o, r)| o.as_ref().is_none_or(|o| o.ty.dtype != r.dtype || o.ty.num_elements() != r.len())) {
+            return Err(PyValueError::new_err(format!("{}: output tensors do not match the kernel's outputs {:?}", self.kernel_name(i)?, launch.outputs)));
+        }
+        outs.iter().flatten().zip(&results).for_each(|(o, r)| o.write(r));
+        Ok(())
+    }
+}
+
+impl PyPlan {
+    fn launch(&self, i: usize) -> PyResult<&plan::Launch> {
+        self.0.launches.get(i).ok_or_else(|| PyValueError::new_err(format!("launch {i} of {}", self.0.launches.len())))
+    }
+}
+
+/// The plan of op `name` for inputs given as `(dtype, shape)` (or `None`) and statics.
+#[pyfunction]
+fn make_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: Vec<Option<(String, Vec<usize>)>>, target: &str) -> PyResult<PyPlan> {
+    let target = target_named(target)?;
+    let types = inputs
+        .into_iter()
+        .map(|i| {
+            i.map(|(dtype, shape)| plan::dtype_from_torch(&dtype).map(|d| Type::vector(d, &shape)).ok_or_else(|| PyValueError::new_err(format!("tessera: unsupported dtype {dtype}"))))
+                .transpose()
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(PyPlan(plan_for(name, &statics_of(statics)?, &types, &target)?))
+}
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(op_table, m)?)?;
+    m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(make_plan, m)?)?;
+    m.add_class::<PyPlan>()?;
     Ok(())
 }

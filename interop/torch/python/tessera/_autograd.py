@@ -1,0 +1,162 @@
+"""Autograd for the ops that have backward kernels.
+
+Each backward is made of `torch.ops.tpu.*` calls (the backward kernels), so it runs on
+whatever device the forward ran on and `torch.compile` traces it like any op.
+Outputs that are statistics for the backward (`lse`) are not differentiable.
+"""
+
+import torch
+
+tpu = torch.ops.tpu
+
+
+def _matmul_backward(ctx, g):
+    x, y = ctx.saved_tensors
+    dx = tpu.matmul(g, y.t()) if ctx.needs_input_grad[0] else None
+    dy = tpu.matmul(x.t(), g) if ctx.needs_input_grad[1] else None
+    return dx, dy
+
+
+def _matmul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, w, eps = inputs
+    ctx.save_for_backward(x, w)
+    ctx.eps = eps
+
+
+def _rmsnorm_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    dx, dw = tpu.rmsnorm_bwd(x, w, dy, ctx.eps)
+    return dx, dw, None
+
+
+def _rmsnorm_residual_setup(ctx, inputs, output):
+    x, residual, w, eps = inputs
+    ctx.save_for_backward(output[1], w)
+    ctx.eps = eps
+
+
+def _rmsnorm_residual_backward(ctx, dout, dh):
+    h, w = ctx.saved_tensors
+    dx, dw = tpu.rmsnorm_bwd(h, w, dout, ctx.eps)
+    if dh is not None:
+        dx = dx + dh
+    return dx, dx, dw, None
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy):
+    a, b = ctx.saved_tensors
+    da, db = tpu.swiglu_bwd(a, b, dy)
+    return da, db
+
+
+def _rope_setup(ctx, inputs, output):
+    x, position_ids, theta, interleaved = inputs
+    ctx.save_for_backward(position_ids)
+    ctx.statics = (theta, interleaved)
+
+
+def _rope_backward(ctx, dy):
+    (position_ids,) = ctx.saved_tensors
+    return tpu.rope_bwd(dy, position_ids, *ctx.statics), None, None, None
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, labels = inputs
+    loss, lse = output
+    ctx.save_for_backward(logits, labels, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _cross_entropy_backward(ctx, dloss, dlse):
+    logits, labels, lse = ctx.saved_tensors
+    return tpu.cross_entropy_bwd(logits, labels, lse, dloss), None
+
+
+def _gmm_setup(ctx, inputs, output):
+    lhs, rhs, group_sizes, transpose_rhs = inputs
+    ctx.save_for_backward(lhs, rhs, group_sizes)
+    ctx.transpose_rhs = transpose_rhs
+
+
+def _gmm_backward(ctx, grad):
+    lhs, rhs, group_sizes = ctx.saved_tensors
+    dlhs = tpu.gmm(grad, rhs, group_sizes, not ctx.transpose_rhs) if ctx.needs_input_grad[0] else None
+    drhs = None
+    if ctx.needs_input_grad[1]:
+        # rhs [g, k, n]: lhs^T @ grad per group; rhs [g, n, k] (transposed): grad^T @ lhs.
+        drhs = tpu.tgmm(grad, lhs, group_sizes) if ctx.transpose_rhs else tpu.tgmm(lhs, grad, group_sizes)
+    return dlhs, drhs, None, None
+
+
+def _permute_setup(ctx, inputs, output):
+    x, expert_ids, num_experts = inputs
+    ctx.save_for_backward(expert_ids)
+    ctx.num_experts = num_experts
+    ctx.mark_non_differentiable(output[1])
+
+
+def _permute_backward(ctx, dxs, dgroup_sizes):
+    (ids,) = ctx.saved_tensors
+    # Each token's rows summed back: combine with unit weights.
+    ones = torch.ones(ids.shape, dtype=dxs.dtype, device=dxs.device)
+    return tpu.combine(dxs, ones, ids, ctx.num_experts), None, None
+
+
+def _combine_setup(ctx, inputs, output):
+    y, weights, expert_ids, num_experts = inputs
+    ctx.save_for_backward(y, weights, expert_ids)
+    ctx.num_experts = num_experts
+
+
+def _combine_backward(ctx, dout):
+    y, weights, ids = ctx.saved_tensors
+    # Row r of y holds (token, slot) = divmod(order[r], k): expert-sorted, stable.
+    order = torch.argsort(ids.reshape(-1).to(torch.int64), stable=True)
+    dout_rows = tpu.permute(dout, ids, ctx.num_experts)[0]
+    w_rows = weights.reshape(-1)[order].unsqueeze(1)
+    dy = (dout_rows.float() * w_rows.float()).to(y.dtype)
+    dw_rows = (dout_rows.float() * y.float()).sum(1)
+    dw = torch.empty_like(dw_rows).index_copy_(0, order, dw_rows).reshape(weights.shape).to(weights.dtype)
+    return dy, dw, None, None
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, causal, sm_scale, soft_cap, q_seg, kv_seg = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, q_seg, kv_seg)
+    ctx.statics = (causal, sm_scale, soft_cap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _flash_backward(ctx, do, dlse):
+    q, k, v, o, lse, q_seg, kv_seg = ctx.saved_tensors
+    causal, sm_scale, soft_cap = ctx.statics
+    dq, dk, dv = tpu.flash_attention_bwd(q, k, v, o, lse, do, causal, sm_scale, soft_cap, q_seg, kv_seg)
+    return dq, dk, dv, None, None, None, None, None
+
+
+BACKWARDS = {
+    "matmul": (_matmul_setup, _matmul_backward),
+    "rmsnorm": (_rmsnorm_setup, _rmsnorm_backward),
+    "rmsnorm_residual": (_rmsnorm_residual_setup, _rmsnorm_residual_backward),
+    "swiglu": (_swiglu_setup, _swiglu_backward),
+    "rope": (_rope_setup, _rope_backward),
+    "cross_entropy": (_cross_entropy_setup, _cross_entropy_backward),
+    "gmm": (_gmm_setup, _gmm_backward),
+    "permute": (_permute_setup, _permute_backward),
+    "combine": (_combine_setup, _combine_backward),
+    "flash_attention_fwd": (_flash_setup, _flash_backward),
+}
+
+
+def register(lib):
+    for name, (setup, backward) in BACKWARDS.items():
+        torch.library.register_autograd(f"tpu::{name}", backward, setup_context=setup, lib=lib)
