@@ -20,8 +20,9 @@ use pyo3::types::{PyList, PyTuple};
 use tessera_dsl::interp::{Array, Data};
 use tessera_dsl::{DType, KernelError, Target, Type};
 
-use ops::{Call, Static};
-use plan::{Layout, Plan, Source};
+pub use ops::{Call, OpDef, Static};
+pub use plan::{Launch, Operand, Plan};
+use plan::{Layout, Source};
 
 /// Kernel errors reach Python as `ValueError` carrying the full diagnostic (kernel,
 /// operand, rule and what to change).
@@ -158,7 +159,7 @@ type PlanKey = (&'static str, String, Vec<Option<Type>>, &'static str);
 /// Plans by op, statics, input types and target: built once, shared.
 fn plan_for(name: &str, statics: &[Static], inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
     static PLANS: Mutex<Option<HashMap<PlanKey, Arc<Plan>>>> = Mutex::new(None);
-    let op = ops::find(name).ok_or_else(|| PyValueError::new_err(format!("tessera: no op named {name:?}")))?;
+    let op = op_named(name)?;
     let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
     if let Some(p) = PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).get(&key) {
         return Ok(p.clone());
@@ -177,10 +178,19 @@ fn tensor_refs(inputs: &Bound<'_, PyList>) -> PyResult<Vec<Option<TensorRef>>> {
 
 // ---- the Python API ---------------------------------------------------------------------------
 
+/// The ops this extension module serves: the library's, or a user crate's (see
+/// [`init_module`]). Each extension module (cdylib) has its own.
+static TABLE: std::sync::OnceLock<&'static [OpDef]> = std::sync::OnceLock::new();
+
+fn op_named(name: &str) -> PyResult<&'static OpDef> {
+    let table = TABLE.get().copied().unwrap_or_default();
+    table.iter().find(|o| o.name == name).ok_or_else(|| PyValueError::new_err(format!("tessera: no op named {name:?} in this module")))
+}
+
 /// `[(name, schema, doc)]` of every op.
 #[pyfunction]
 fn op_table() -> Vec<(&'static str, &'static str, &'static str)> {
-    ops::OPS.iter().map(|o| (o.name, o.schema, o.doc)).collect()
+    TABLE.get().copied().unwrap_or_default().iter().map(|o| (o.name, o.schema, o.doc)).collect()
 }
 
 /// Runs op `name` on the interpreter over host-memory tensors (`None` for an absent
@@ -318,12 +328,22 @@ fn make_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: Vec<Option<(Strin
     Ok(PyPlan(plan_for(name, &statics_of(statics)?, &types, &target)?))
 }
 
-#[pymodule]
-fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+/// Fills a Python extension module serving `ops`: the library's `tessera._native`, or a
+/// user crate's own module, which `tessera.register_ops(module)` then registers as
+/// `torch.ops.tpu.*` exactly like the library (see `interop/torch/example`).
+pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<()> {
+    if TABLE.set(ops).is_err() && !std::ptr::eq(*TABLE.get().expect("set"), ops) {
+        return Err(PyRuntimeError::new_err("tessera: this extension module was initialised with another op table"));
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_class::<PyPlan>()?;
     Ok(())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_module(m, ops::OPS)
 }

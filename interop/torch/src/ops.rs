@@ -42,17 +42,17 @@ pub struct OpDef {
 }
 
 impl Call<'_> {
-    fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+    pub fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
         KernelError::new(self.op, subject, rule, message, help)
     }
 
     /// Tensor input `i`, which must be given.
-    fn input(&self, i: usize) -> Result<&Type, KernelError> {
+    pub fn input(&self, i: usize) -> Result<&Type, KernelError> {
         self.inputs.get(i).and_then(Option::as_ref).ok_or_else(|| self.err(format!("tensor input {i}"), "missing-input", "a required tensor is missing", "pass every required tensor"))
     }
 
     /// Tensor input `i` of rank `rank` (its dims) and, if given, dtype class.
-    fn dims(&self, i: usize, name: &str, rank: usize) -> Result<&[usize], KernelError> {
+    pub fn dims(&self, i: usize, name: &str, rank: usize) -> Result<&[usize], KernelError> {
         let t = self.input(i)?;
         if t.rank() != rank {
             return Err(self.err(format!("input `{name}`"), "operand-rank", format!("{name} is {t}, rank {}", t.rank()), format!("pass {name} with {rank} dims")));
@@ -61,7 +61,7 @@ impl Call<'_> {
     }
 
     /// Tensor input `i` seen as `[rows, last dim]` (any rank >= 1).
-    fn rows(&self, i: usize, name: &str) -> Result<Type, KernelError> {
+    pub fn rows(&self, i: usize, name: &str) -> Result<Type, KernelError> {
         let t = self.input(i)?;
         let Some((&n, lead)) = t.shape.split_last() else {
             return Err(self.err(format!("input `{name}`"), "operand-rank", format!("{name} is a scalar"), format!("pass {name} with at least one dim")));
@@ -70,7 +70,7 @@ impl Call<'_> {
     }
 
     /// Tensor input `i` seen as a `[1, n]` row (from `[n]` or `[1, n]`).
-    fn row_vector(&self, i: usize, name: &str, n: usize) -> Result<Type, KernelError> {
+    pub fn row_vector(&self, i: usize, name: &str, n: usize) -> Result<Type, KernelError> {
         let t = self.input(i)?;
         if t.num_elements() != n || t.rank() > 2 || (t.rank() == 2 && t.shape[0] != 1) {
             return Err(self.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass {name} of shape [{n}]")));
@@ -78,11 +78,11 @@ impl Call<'_> {
         Ok(Type::vector(t.dtype, &[1, n]))
     }
 
-    fn bool(&self, i: usize) -> bool {
+    pub fn bool(&self, i: usize) -> bool {
         matches!(self.statics.get(i), Some(Static::Bool(true)))
     }
 
-    fn f64_opt(&self, i: usize) -> Option<f64> {
+    pub fn f64_opt(&self, i: usize) -> Option<f64> {
         match self.statics.get(i) {
             Some(Static::Float(x)) => Some(*x),
             Some(Static::Int(x)) => Some(*x as f64),
@@ -90,7 +90,7 @@ impl Call<'_> {
         }
     }
 
-    fn usize_opt(&self, i: usize, name: &str) -> Result<Option<usize>, KernelError> {
+    pub fn usize_opt(&self, i: usize, name: &str) -> Result<Option<usize>, KernelError> {
         match self.statics.get(i) {
             Some(Static::Int(x)) if *x >= 0 => Ok(Some(*x as usize)),
             Some(Static::Int(x)) => Err(self.err(format!("argument `{name}`"), "option-value", format!("{name} = {x}"), format!("pass a non-negative {name}"))),
@@ -98,11 +98,11 @@ impl Call<'_> {
         }
     }
 
-    fn usize(&self, i: usize, name: &str) -> Result<usize, KernelError> {
+    pub fn usize(&self, i: usize, name: &str) -> Result<usize, KernelError> {
         self.usize_opt(i, name)?.ok_or_else(|| self.err(format!("argument `{name}`"), "missing-argument", format!("{name} is not given"), format!("pass {name}")))
     }
 
-    fn str(&self, i: usize) -> &str {
+    pub fn str(&self, i: usize) -> &str {
         match self.statics.get(i) {
             Some(Static::Str(s)) => s,
             _ => "",
@@ -110,20 +110,20 @@ impl Call<'_> {
     }
 }
 
-fn input(i: usize, ty: Type) -> Operand {
+pub fn input(i: usize, ty: Type) -> Operand {
     Operand::view(Source::Input(i), ty)
 }
 
-fn host(i: usize, ty: Type) -> Operand {
+pub fn host(i: usize, ty: Type) -> Operand {
     Operand::view(Source::Host(i), ty)
 }
 
-fn result(launch: usize, output: usize, ty: Type) -> Operand {
+pub fn result(launch: usize, output: usize, ty: Type) -> Operand {
     Operand::view(Source::Result { launch, output }, ty)
 }
 
 /// A plan of one kernel whose results are its outputs seen with `shapes` (`None`: as is).
-fn single(c: &Call, kernel: tessera_dsl::Kernel, args: Vec<Operand>, shapes: &[Option<Vec<usize>>]) -> Plan {
+pub fn single(c: &Call, kernel: tessera_dsl::Kernel, args: Vec<Operand>, shapes: &[Option<Vec<usize>>]) -> Plan {
     let launch = Launch::new(kernel, args);
     let results = launch.outputs.iter().enumerate().map(|(j, t)| {
         let shape = shapes.get(j).cloned().flatten().unwrap_or_else(|| t.shape.clone());
@@ -618,8 +618,3 @@ pub const OPS: &[OpDef] = &[
         plan: plan_ragged_paged_attention,
     },
 ];
-
-/// The op called `name`.
-pub fn find(name: &str) -> Option<&'static OpDef> {
-    OPS.iter().find(|o| o.name == name)
-}

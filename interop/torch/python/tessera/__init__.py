@@ -8,7 +8,7 @@ device (the kernels compiled for the TPU), and on the emulated host-memory `tpu`
 """
 
 from tessera import _native
-from tessera._ops import SPECS, get_target, set_target
+from tessera._ops import SPECS, get_target, register_ops, set_target
 
 __version__ = _native.__version__
 
@@ -18,4 +18,4 @@ def ops():
     return {name: f"tpu::{name}{spec.schema}" for name, spec in SPECS.items()}
 
 
-__all__ = ["ops", "set_target", "get_target", "__version__"]
+__all__ = ["ops", "register_ops", "set_target", "get_target", "__version__"]

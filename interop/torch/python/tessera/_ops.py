@@ -38,8 +38,9 @@ def get_target() -> str:
 class OpSpec:
     """One op: where its tensors and static arguments sit in the schema."""
 
-    def __init__(self, name, schema, doc):
+    def __init__(self, name, schema, doc, native):
         self.name = name
+        self.native = native
         self.qualname = f"{NAMESPACE}::{name}"
         self.schema = schema
         self.doc = doc
@@ -76,7 +77,7 @@ SPECS = {}
 
 def _cpu_kernel(spec):
     name, single, tensor_idx, static_idx, defaults = spec.name, spec.single, spec.tensor_idx, spec.static_idx, spec.defaults
-    run = _native.run
+    run = spec.native.run
     cpu = torch.device("cpu")
 
     def cpu_impl(*args):
@@ -95,22 +96,37 @@ def _tpu_kernel(spec):
 
     def tpu_impl(*args):
         tensors, statics = spec.split(args)
-        return spec.pack(_tpu.run_plan(spec.name, statics, tensors, _target))
+        return spec.pack(_tpu.run_plan(spec.native, spec.name, statics, tensors, _target))
 
     tpu_impl.__name__ = f"tessera_{spec.name}_tpu"
     return tpu_impl
 
 
-def _register():
-    from tessera import _fake
+def register_ops(native, fakes):
+    """Registers every op of `native` as `torch.ops.tpu.<name>`.
 
-    for name, schema, doc in _native.op_table():
-        spec = OpSpec(name, schema, doc)
+    `native` is an extension module filled by `tessera_torch::init_module` (the library's
+    `tessera._native`, or a user crate's); `fakes` maps each op name to its fake (meta)
+    function, which returns empty outputs of the right shapes and dtypes.
+    """
+    for name, schema, doc in native.op_table():
+        if name in SPECS:
+            raise ValueError(f"tessera: torch.ops.tpu.{name} is already registered; pick another name")
+        fake = fakes.get(name) if isinstance(fakes, dict) else getattr(fakes, name, None)
+        if fake is None:
+            raise ValueError(f"tessera: no fake implementation given for {name}; pass one in `fakes`")
+        spec = OpSpec(name, schema, doc, native)
         SPECS[name] = spec
         _LIB.define(f"{name}{schema}")
         _LIB.impl(name, _cpu_kernel(spec), "CPU")
         _LIB.impl(name, _tpu_kernel(spec), "PrivateUse1")
-        torch.library.register_fake(spec.qualname, getattr(_fake, name), lib=_LIB)
+        torch.library.register_fake(spec.qualname, fake, lib=_LIB)
+
+
+def _register_library():
+    from tessera import _autograd, _fake
+
+    register_ops(_native, _fake)
 
     # flash_attention: the output of flash_attention_fwd (the user-facing op, as in
     # torch_xla); a composite, so autograd flows through flash_attention_fwd's backward.
@@ -121,11 +137,8 @@ def _register():
         return torch.ops.tpu.flash_attention_fwd(q, k, v, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids)[0]
 
     _LIB.impl("flash_attention", flash_attention, "CompositeImplicitAutograd")
-    SPECS["flash_attention"] = OpSpec("flash_attention", schema, "flash attention output (differentiable)")
-
-    from tessera import _autograd
-
+    SPECS["flash_attention"] = OpSpec("flash_attention", schema, "flash attention output (differentiable)", _native)
     _autograd.register(_LIB)
 
 
-_register()
+_register_library()

@@ -18,8 +18,6 @@ import hashlib
 
 import torch
 
-from tessera import _native
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}
 
 
@@ -103,15 +101,16 @@ def _layout(t, layout, shape):
     return t[:, :, :tokens].permute(2, 0, 1, 3).reshape(shape)
 
 
-def plan_for(name, statics, tensors, target):
+def plan_for(native, name, statics, tensors, target):
+    """The (cached) plan of op `name` of extension module `native` for these tensors."""
     metas = [None if t is None else (str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]
-    return _native.make_plan(name, statics, metas, target)
+    return native.make_plan(name, statics, metas, target)
 
 
-def run_plan(name, statics, tensors, target, run=None):
+def run_plan(native, name, statics, tensors, target, run=None):
     """Runs op `name` on tensors of one device through `run` (default: `runner()`)."""
     run = run or runner()
-    plan = plan_for(name, statics, tensors, target)
+    plan = plan_for(native, name, statics, tensors, target)
     device = next(t.device for t in tensors if t is not None)
     host = plan.host_arrays([tensors[i].cpu() for i in plan.host_reads])
     host = [h.to(device) for h in host]
