@@ -3,22 +3,37 @@
 # real TPU compiler; cargo fetches the crates), then runs
 #   1. the Rust test suite (unit, snapshot, trybuild, proptest numerics, verifier,
 #      comparisons with PyTorch),
-#   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x.
+#   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x,
+#   3. the PyTorch face: builds and installs the `tessera` package (and the user-kernel
+#      example) into the venv, then runs tests/python with pytest (torch.ops.tpu.* on the
+#      CPU and on the emulated `tpu` device, opcheck, torch.compile, the TorchTPU path,
+#      Llama/MoE blocks, transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
-step "python venv: jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.52, torch 2.15.0"
+step "python venv: jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.52, torch 2.15.0, torch-tpu 0.2.0"
 bash scripts/setup-venv.sh
 
 step "cargo test (workspace)"
 export TESSERA_TPU_ORACLE=1          # enables the tests that call the real TPU compiler
 export TESSERA_TORCH=1               # enables the comparisons with PyTorch
 export TESSERA_PYTHON="$PWD/.venv/bin/python"
-cargo test --workspace --release 2>&1
+# The Python extension crates are built by maturin below, not linked into test binaries.
+cargo test --workspace --release --exclude tessera-torch --exclude tessera-example 2>&1
 
 step "tessera check: every library kernel through libtpu (f32 and bf16)"
 cargo run --release -q -p tessera-cli -- check --all --dtype f32
 cargo run --release -q -p tessera-cli -- check --all --dtype bf16
+
+step "tessera Python package: build (maturin) and install into .venv"
+# --no-build-isolation: maturin comes from the pinned venv, and the build reuses target/.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --disable-pip-version-check -q \
+    --no-build-isolation --force-reinstall --no-deps ./interop/torch ./interop/torch/example
+
+step "pytest tests/python (the PyTorch face)"
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0   # TorchTPU must not claim the `tpu` device here
+export TESSERA_CACHE_DIR="$PWD/target/tessera-cache"   # the emulated device's C++ build
+.venv/bin/python -m pytest -q tests/python

@@ -49,6 +49,11 @@ fn torch_dtypes(py: Python<'_>) -> PyResult<&'static [Py<PyAny>]> {
     .map(Vec::as_slice)
 }
 
+fn int64(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
+    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("int64")?.unbind()))
+}
+
 fn torch_empty(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
     static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("empty")?.unbind()))
@@ -56,26 +61,41 @@ fn torch_empty(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
 
 /// A tensor as the native side sees it.
 ///
-/// Contract (the Python side guarantees it): the tensor is contiguous, its memory is
-/// host memory (a CPU tensor, or the emulated `tpu` device, whose allocator is host
-/// memory), and it stays alive and unaliased by outputs for the duration of the call
-/// (the caller holds it, and the GIL is held throughout).
-struct TensorRef {
+/// Contract (the Python side guarantees it): the tensor's memory is host memory (a CPU
+/// tensor, or the emulated `tpu` device, whose allocator is host memory), and it stays
+/// alive and unaliased by outputs for the duration of the call (the caller holds it, and
+/// the GIL is held throughout). Contiguity and index dtype are handled here: a
+/// non-contiguous tensor is read through a contiguous copy and int64 through an int32
+/// copy (`owner` keeps the copy alive); contiguous tensors are read in place.
+struct TensorRef<'py> {
     ty: Type,
     ptr: usize,
+    _owner: Option<Bound<'py, PyAny>>,
 }
 
-impl TensorRef {
-    fn extract(t: &Bound<'_, PyAny>) -> PyResult<TensorRef> {
+impl<'py> TensorRef<'py> {
+    fn extract(t: &Bound<'py, PyAny>) -> PyResult<TensorRef<'py>> {
         let py = t.py();
-        let dtype_obj = t.getattr("dtype")?;
+        let mut owner = None;
+        let mut t = t.clone();
+        let mut dtype_obj = t.getattr("dtype")?;
         let dtypes = torch_dtypes(py)?;
+        if dtype_obj.is(int64(py)?.bind(py)) {
+            // Index tensors (positions, labels, ids) arrive as int64 from most code.
+            t = t.call_method1("to", (dtypes[2].bind(py),))?;
+            dtype_obj = t.getattr("dtype")?;
+            owner = Some(t.clone());
+        }
         let Some(i) = dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else {
             return Err(PyValueError::new_err(format!("tessera: tensors of {dtype_obj} are not supported; use float32, bfloat16, int32, int8 or bool")));
         };
+        if !t.call_method0("is_contiguous")?.is_truthy()? {
+            t = t.call_method0("contiguous")?;
+            owner = Some(t.clone());
+        }
         let shape: Vec<usize> = t.getattr("shape")?.extract()?;
         let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-        Ok(TensorRef { ty: Type::vector(TORCH_DTYPES[i].1, &shape), ptr })
+        Ok(TensorRef { ty: Type::vector(TORCH_DTYPES[i].1, &shape), ptr, _owner: owner })
     }
 
     /// A copy of the tensor's elements.
@@ -172,7 +192,7 @@ fn plan_for(name: &str, statics: &[Static], inputs: &[Option<Type>], target: &Ta
     Ok(plan)
 }
 
-fn tensor_refs(inputs: &Bound<'_, PyList>) -> PyResult<Vec<Option<TensorRef>>> {
+fn tensor_refs<'py>(inputs: &Bound<'py, PyList>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
     inputs.iter().map(|t| if t.is_none() { Ok(None) } else { TensorRef::extract(&t).map(Some) }).collect()
 }
 
@@ -208,10 +228,31 @@ fn run<'py>(py: Python<'py>, name: &str, statics: &Bound<'py, PyTuple>, inputs: 
         .zip(&plan.results)
         .map(|(a, r)| {
             let t = empty(py, &r.ty, device)?;
-            TensorRef { ty: r.ty.clone(), ptr: t.call_method0("data_ptr")?.extract()? }.write(a);
+            TensorRef { ty: r.ty.clone(), ptr: t.call_method0("data_ptr")?.extract()?, _owner: None }.write(a);
             Ok(t)
         })
         .collect()
+}
+
+/// The median seconds of `iters` executions of op `name`'s plan on the interpreter, over
+/// inputs already in host arrays: the kernels' own time, without the torch call around
+/// it (for the per-call overhead benchmark).
+#[pyfunction]
+fn time_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: &Bound<'_, PyList>, target: &str, iters: usize) -> PyResult<f64> {
+    let target = target_named(target)?;
+    let refs = tensor_refs(inputs)?;
+    let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
+    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let arrays: Vec<Option<Array>> = refs.iter().map(|r| r.as_ref().map(TensorRef::read)).collect();
+    let mut times = (0..iters.max(1))
+        .map(|_| {
+            let start = std::time::Instant::now();
+            plan::execute(&plan, &arrays).map_err(py_err)?;
+            Ok(start.elapsed().as_secs_f64())
+        })
+        .collect::<PyResult<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 /// A plan, for the Python side of the TorchTPU path.
@@ -287,7 +328,7 @@ impl PyPlan {
             .map(|a| {
                 let ty = Type::vector(a.dtype, &a.shape);
                 let t = empty(py, &ty, &cpu)?;
-                TensorRef { ty, ptr: t.call_method0("data_ptr")?.extract()? }.write(a);
+                TensorRef { ty, ptr: t.call_method0("data_ptr")?.extract()?, _owner: None }.write(a);
                 Ok(t)
             })
             .collect()
@@ -339,6 +380,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<(
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(time_plan, m)?)?;
     m.add_class::<PyPlan>()?;
     Ok(())
 }

@@ -128,6 +128,34 @@ def _combine_backward(ctx, dout):
     return dy, dw, None, None
 
 
+def _router_setup(ctx, inputs, output):
+    logits, k, gate, normalize = inputs
+    weights, ids = output
+    ctx.save_for_backward(logits, weights, ids)
+    ctx.statics = (gate, normalize)
+    ctx.mark_non_differentiable(ids)
+
+
+def _router_backward(ctx, dweights, dids):
+    # Closed forms (f32) of the gate's gradient at the chosen experts; others get 0.
+    logits, weights, ids = ctx.saved_tensors
+    gate, normalize = ctx.statics
+    ids = ids.to(torch.int64)
+    dw, w = dweights.float(), weights.float()
+    if gate == "softmax" and normalize:
+        # w is a softmax over the chosen logits alone.
+        dl = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, ids, w * (dw - (w * dw).sum(1, keepdim=True)))
+    elif gate == "softmax":
+        p = torch.softmax(logits.float(), dim=1)
+        dp = torch.zeros_like(p).scatter_(1, ids, dw)
+        dl = p * (dp - (p * dp).sum(1, keepdim=True))
+    else:
+        s = torch.sigmoid(logits.float().gather(1, ids))
+        ds = (dw - (w * dw).sum(1, keepdim=True)) / s.sum(1, keepdim=True) if normalize else dw
+        dl = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, ids, ds * s * (1 - s))
+    return dl.to(logits.dtype), None, None, None
+
+
 def _flash_setup(ctx, inputs, output):
     q, k, v, causal, sm_scale, soft_cap, q_seg, kv_seg = inputs
     o, lse = output
@@ -151,6 +179,7 @@ BACKWARDS = {
     "rope": (_rope_setup, _rope_backward),
     "cross_entropy": (_cross_entropy_setup, _cross_entropy_backward),
     "gmm": (_gmm_setup, _gmm_backward),
+    "router_topk": (_router_setup, _router_backward),
     "permute": (_permute_setup, _permute_backward),
     "combine": (_combine_setup, _combine_backward),
     "flash_attention_fwd": (_flash_setup, _flash_backward),

@@ -81,8 +81,9 @@ def _cpu_kernel(spec):
     cpu = torch.device("cpu")
 
     def cpu_impl(*args):
+        # Kept minimal: this is the per-call path (contiguity and int64 are handled natively).
         args = args + defaults[len(args):]
-        tensors = [_prepare(args[i]) for i in tensor_idx]
+        tensors = [args[i] for i in tensor_idx]
         statics = tuple(args[i] for i in static_idx)
         out = run(name, statics, tensors, cpu, _target)
         return out[0] if single else tuple(out)
