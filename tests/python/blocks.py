@@ -12,10 +12,6 @@ on `[tokens, hidden]` 2-D views; reshapes and transposes are stock view ops);
 F.scaled_dot_product_attention(enable_gqa=True), F.silu, a loop over experts with index
 masks). Both read the same nn.Parameters, so `copy.deepcopy(block).to(dtype)` gives the
 same weights in another dtype. Used by tests/python/test_blocks.py; reusable by a benchmark.
-
-The one exception to "all compute through tpu.*": `tpu.router_topk` has no autograd, so
-`MoEBlock.forward_tessera` keeps its forward weights exactly but routes their gradient to
-the router logits through the stock softmax/gather/renormalise (`_route_grad`).
 """
 from dataclasses import dataclass
 
@@ -196,23 +192,11 @@ class MoEBlock(nn.Module):
 
     # ---- Tessera ----------------------------------------------------------------------
 
-    @staticmethod
-    def _route_grad(weights, logits, ids):
-        """Tessera's top-k weights in the forward, d(weights)/d(logits) of the stock expression.
-
-        tpu.router_topk has no autograd kernel; the stock term adds exactly zero forward.
-        """
-        if not logits.requires_grad:
-            return weights
-        ref = torch.softmax(logits.float(), -1).gather(1, ids.long())
-        ref = ref / ref.sum(-1, keepdim=True)
-        return weights.detach() + (ref - ref.detach()).to(weights.dtype)
-
     def route_tessera(self, x2):
         """x2 [t, hidden] -> (logits [t, E], weights [t, k], int32 ids [t, k])."""
         logits = tpu.matmul(x2, self.router.t())
-        weights, ids = tpu.router_topk(logits.detach(), self.cfg.top_k, "softmax", True)
-        return logits, self._route_grad(weights, logits, ids), ids
+        weights, ids = tpu.router_topk(logits, self.cfg.top_k, "softmax", True)
+        return logits, weights, ids
 
     def forward_tessera(self, x):
         c = self.cfg
