@@ -1,0 +1,70 @@
+//! A user kernel as a PyTorch op: `torch.ops.tpu.scaled_silu(x, scale, beta=1.0)`.
+//!
+//! Three pieces (see README.md for the walk-through):
+//!
+//! 1. the kernel, written with `#[tpu_kernel]`;
+//! 2. its [`OpDef`]: the torch schema and a plan function that turns a call (input types
+//!    and static arguments) into kernel launches;
+//! 3. the Python extension module, filled by [`tessera_torch::init_module`].
+//!
+//! In Python, `tessera.register_ops(tessera_example, fakes=...)` then registers every op of
+//! the module as `torch.ops.tpu.<name>`, the way the library registers its own.
+
+use pyo3::prelude::*;
+use tessera_dsl::{KernelError, Target, Type};
+use tessera_kernels::blocks::row_block;
+use tessera_macros::tpu_kernel;
+use tessera_torch::ops::{input, single};
+use tessera_torch::{Call, OpDef, Plan};
+
+// ---- 1. the kernel ------------------------------------------------------------------------------
+
+#[tpu_kernel(
+    grid = [m / bm],
+    semantics = [parallel],
+    x = block([bm, n], |i| [i, 0]),
+    scale = block([1, n], |i| [0, 0]),
+    out = block([bm, n], |i| [i, 0]),
+)]
+pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, beta: f32) {
+    // Each grid step owns `bm` whole rows; the math runs in f32 whatever the storage dtype.
+    let v = x[..].cast(f32);
+    out[..] = (v * sigmoid(beta * v) * scale[..].cast(f32)).cast(out.dtype);
+}
+
+/// Rows per grid step: about 1 MiB of f32 per block, a multiple of the dtype's sublane
+/// tiling that divides `m` (the library's rule for its row-wise kernels).
+pub fn rows_per_block(x: &Type, target: &Target) -> usize {
+    row_block(x.shape[0], x.shape[1], target.tiling(x.dtype).0, 1 << 20)
+}
+
+// ---- 2. the op ------------------------------------------------------------------------------------
+
+/// `x [..., n]` is the kernel's `[m, n]` and `scale [n]` its `[1, n]`: views of the same
+/// memory, so the plan is one launch and no copies.
+fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.rows(0, "x")?;
+    let scale = c.row_vector(1, "scale", x.shape[1])?;
+    if !x.dtype.is_float() {
+        return Err(c.err("input `x`", "operand-dtype", format!("x is {}", x.dtype), "pass float32 or bfloat16"));
+    }
+    let beta = c.f64_opt(0).unwrap_or(1.0) as f32; // statics are numbered in schema order
+    let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), rows_per_block(&x, c.target), beta)?;
+    let out_shape = c.input(0)?.shape.clone(); // the [m, n] output seen with x's shape
+    Ok(single(c, kernel, vec![input(0, x), input(1, scale)], &[Some(out_shape)]))
+}
+
+/// This crate's ops.
+pub const OPS: &[OpDef] = &[OpDef {
+    name: "scaled_silu",
+    schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor",
+    doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype",
+    plan: plan_scaled_silu,
+}];
+
+// ---- 3. the Python module -------------------------------------------------------------------------
+
+#[pymodule]
+fn tessera_example(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    tessera_torch::init_module(m, OPS)
+}

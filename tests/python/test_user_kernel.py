@@ -1,0 +1,192 @@
+"""A user's own #[tpu_kernel] as a torch op: the example crate interop/torch/example.
+
+The crate writes `scaled_silu_kernel` with #[tpu_kernel], declares one OpDef and fills its
+Python module `tessera_example` with tessera_torch::init_module; here it is registered with
+`tessera.register_ops` (the library's own path) and checked as `torch.ops.tpu.scaled_silu`:
+against stock PyTorch in float32 and bfloat16, with torch.library.opcheck, through its plan's
+StableHLO module (the TorchTPU path), and on the emulated `tpu` device when available.
+
+Installs nothing; build both packages first:
+
+    pip install --no-build-isolation ./interop/torch ./interop/torch/example
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest tests/python/test_user_kernel.py
+
+Skipped when `tessera` or `tessera_example` is not importable.
+"""
+import os
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # no torch-tpu autoload here
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+tessera = pytest.importorskip("tessera", reason="the tessera package is not installed (pip install ./interop/torch)")
+tessera_example = pytest.importorskip(
+    "tessera_example",
+    reason="the example crate is not installed (pip install --no-build-isolation ./interop/torch/example)",
+)
+from tessera import _tpu  # noqa: E402
+
+if not hasattr(tessera, "register_ops"):
+    pytest.skip("this tessera build has no register_ops", allow_module_level=True)
+
+
+def scaled_silu_fake(x, scale, beta=1.0):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def scaled_silu_setup(ctx, inputs, output):
+    x, scale, beta = inputs
+    ctx.save_for_backward(x, scale)
+    ctx.beta = beta
+
+
+def scaled_silu_backward(ctx, dy):
+    """d/dx [x sigmoid(bx) s] = s sigmoid(bx) (1 + bx (1 - sigmoid(bx))), in stock PyTorch ops."""
+    x, scale = ctx.saved_tensors
+    xf, sf, g = x.float(), scale.float(), dy.float()
+    sig = torch.sigmoid(ctx.beta * xf)
+    dx = g * sf * sig * (1 + ctx.beta * xf * (1 - sig))
+    dscale = (g * xf * sig).reshape(-1, xf.shape[-1]).sum(0)
+    return dx.to(x.dtype), dscale.reshape(scale.shape).to(scale.dtype), None
+
+
+OP = None  # torch.ops.tpu.scaled_silu, once registered
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register():
+    """What a user writes, as in interop/torch/example/README.md (once per process: a second
+    registration of the name is an error). Done when this module's tests start rather than at
+    import, so test files that list `tessera.ops()` do not see the op during collection."""
+    global OP
+    if not hasattr(torch.ops.tpu, "scaled_silu"):
+        tessera.register_ops(tessera_example, fakes={"scaled_silu": scaled_silu_fake})
+        torch.library.register_autograd("tpu::scaled_silu", scaled_silu_backward, setup_context=scaled_silu_setup)
+    OP = torch.ops.tpu.scaled_silu
+
+
+def reference(x, scale, beta=1.0):
+    """Stock PyTorch, in float32 like the kernel, rounded to x's dtype."""
+    xf, sf = x.float(), scale.float()
+    y = F.silu(xf) * sf if beta == 1.0 else xf * torch.sigmoid(beta * xf) * sf
+    return y.to(x.dtype)
+
+
+# [..., n] shapes: leading dims folded into rows; a lane-unaligned n and an odd row count
+# (whole-array blocks); 512 x 2048 takes 4 grid steps of 128 rows.
+SHAPES = [(2, 8, 256), (5, 96), (512, 2048)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(shape, generator=g)).to(dtype)
+    scale = torch.randn(shape[-1], generator=g).to(dtype)
+    return x, scale
+
+
+def test_registered_in_tpu_namespace():
+    assert isinstance(OP, torch._ops.OpOverloadPacket)
+    assert OP.default.name() == "tpu::scaled_silu"
+    assert OP.default._schema == torch._C.parse_schema("tpu::scaled_silu(Tensor x, Tensor scale, float beta=1.0) -> Tensor")
+    assert [name for name, _, _ in tessera_example.op_table()] == ["scaled_silu"]
+    with pytest.raises(ValueError, match="already registered"):
+        tessera.register_ops(tessera_example, fakes={"scaled_silu": scaled_silu_fake})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_pytorch(shape, dtype):
+    x, scale = inputs(shape, dtype)
+    y = OP(x, scale)
+    assert y.shape == x.shape and y.dtype == dtype
+    torch.testing.assert_close(y, reference(x, scale))
+    # A non-default static, positionally and by keyword.
+    torch.testing.assert_close(OP(x, scale, 1.702), reference(x, scale, 1.702))
+    torch.testing.assert_close(OP(x, scale, beta=0.5), reference(x, scale, 0.5))
+
+
+def test_scale_as_row_and_float32_scale_for_bf16():
+    x, scale = inputs((4, 256), torch.bfloat16)
+    torch.testing.assert_close(OP(x, scale.reshape(1, -1)), reference(x, scale))
+    y = OP(x, scale.float())  # the result keeps x's dtype
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference(x, scale.float()))
+
+
+def test_errors_reach_python():
+    x, scale = inputs((4, 256), torch.float32)
+    with pytest.raises(ValueError, match="scale"):
+        OP(x, scale[:128])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        OP(x.to(torch.int32), scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(dtype):
+    x, scale = inputs((2, 8, 256), dtype)
+    torch.library.opcheck(OP.default, (x, scale))
+    torch.library.opcheck(OP.default, (x, scale), {"beta": 1.702})
+    torch.library.opcheck(OP.default, (x.requires_grad_(), scale.requires_grad_()), {"beta": 1.702})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradients_match_pytorch(dtype):
+    x, scale = inputs((2, 8, 256), dtype)
+    dy = inputs((2, 8, 256), dtype, seed=1)[0]
+    xs = [x.clone().requires_grad_(), scale.clone().requires_grad_()]
+    OP(*xs, beta=1.702).backward(dy)
+    refs = [x.float().requires_grad_(), scale.float().requires_grad_()]
+    (refs[0] * torch.sigmoid(1.702 * refs[0]) * refs[1]).backward(dy.float())
+    for got, want in zip(xs, refs):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad, want.grad.to(dtype))
+
+
+def test_compiles_with_fake_shapes():
+    x, scale = inputs((3, 16, 256), torch.float32)
+    fn = torch.compile(lambda x, s: OP(x, s) + 1.0, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(fn(x, scale), reference(x, scale) + 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plan_lowers_to_tpu_custom_call(dtype):
+    x, scale = inputs((512, 2048), dtype)
+    plan = _tpu.plan_for(tessera_example, "scaled_silu", (1.0,), [x, scale], "v6e")
+    assert len(plan) == 1
+    assert plan.kernel_name(0) == "tessera.scaled_silu.scaled_silu_kernel"
+    dt = str(dtype).removeprefix("torch.")
+    assert plan.args(0) == [("input", 0, 0, None, [512, 2048], dt), ("input", 1, 0, None, [1, 2048], dt)]
+    assert plan.outputs(0) == [([512, 2048], dt)]
+    module = plan.module(0)
+    assert "stablehlo.custom_call @tpu_custom_call" in module
+    assert "module @scaled_silu_kernel" in module
+    elem = "f32" if dtype == torch.float32 else "bf16"
+    assert f"tensor<512x2048x{elem}>" in module
+
+
+def test_tpu_path_walks_the_plan():
+    """The PrivateUse1 kernel's body (tessera._tpu.run_plan) with the interpreter as runner."""
+    x, scale = inputs((512, 2048), torch.bfloat16)
+    runner = _tpu.EmulatorRunner()
+    (y,) = _tpu.run_plan(tessera_example, "scaled_silu", (1.702,), [x, scale], "v6e", run=runner)
+    torch.testing.assert_close(y, reference(x, scale, 1.702))
+    ((name, _key),) = runner.registered
+    assert name == "tessera.scaled_silu.scaled_silu_kernel"
+    assert "tpu_custom_call" in next(iter(runner.registered.values()))
+
+
+def test_on_emulated_tpu_device():
+    """The PrivateUse1 kernel: the plan walked launch by launch, as on TorchTPU."""
+    emulated_tpu = pytest.importorskip("tessera.emulated_tpu", reason="this tessera build has no emulated tpu device")
+    try:
+        device = emulated_tpu.enable()
+    except emulated_tpu.EmulatedTpuError as e:
+        pytest.skip(f"emulated tpu device unavailable: {e}")
+    for dtype in DTYPES:
+        x, scale = inputs((512, 2048), dtype)
+        y = OP(x.to(device), scale.to(device), beta=1.702)
+        assert y.device.type == "tpu"
+        torch.testing.assert_close(y.cpu(), reference(x, scale, 1.702))
