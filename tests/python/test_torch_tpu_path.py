@@ -5,6 +5,7 @@ torch_tpu_path.py does the registration in its own process and reports; this tes
 the report and compiles every module it wrote with libtpu (interop/python/tpu_compile.py,
 compile-only, in child processes that do use JAX: that is the compiler oracle, not the path).
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch_tpu", reason="torch-tpu is not installed")
+# Only looked up, not imported: TorchTPU must not load into the test process (it would
+# clash with the emulated `tpu` device); torch_tpu_path.py imports it in its own process.
+if importlib.util.find_spec("torch_tpu") is None:
+    pytest.skip("torch-tpu is not installed", allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -386,6 +386,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<(
 }
 
 #[pymodule]
-fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+#[pyo3(name = "_native")]
+fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_module(m, ops::OPS)
 }
