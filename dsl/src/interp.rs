@@ -29,6 +29,11 @@
 //!     grid step unless every grid dim is `arbitrary` (only then do consecutive steps run on
 //!     one core in order, which cross-step prefetching relies on).
 //! - Unblocked operands (no block spec) are seen whole by the kernel.
+//! - The operand arrays are the caller's memory ([`run_into`]): input blocks, body reads
+//!   of whole (unblocked) inputs and DMA sources are read straight from the borrowed input
+//!   slices, and output blocks written straight into the output slices, converting
+//!   between the host dtype and the interpreter's storage (below) one box at a time; no
+//!   operand is copied whole. [`run`] is `run_into` on `Array`s (outputs allocated).
 //! - A block that extends past the end of the array (array dim not a multiple of the
 //!   block dim, which the verifier rejects but Pallas allows) is read with poison
 //!   padding and written back clipped.
@@ -173,7 +178,14 @@ impl Array {
     /// An array filled with the interpreter's poison (NaN, `MIN`, `false`).
     pub fn poison(dtype: DType, shape: &[usize]) -> Array {
         let n = shape.iter().product();
-        Buf::poison(dtype, n).into_array(dtype, shape)
+        let data = match dtype {
+            DType::F32 => Data::F32(vec![f32::NAN; n]),
+            DType::BF16 => Data::BF16(vec![bf16::from_f32(f32::NAN); n]),
+            DType::I32 => Data::I32(vec![i32::MIN; n]),
+            DType::I8 => Data::I8(vec![i8::MIN; n]),
+            DType::Bool => Data::Bool(vec![false; n]),
+        };
+        Array { dtype, shape: shape.to_vec(), data }
     }
 
     /// The number of elements.
@@ -241,6 +253,8 @@ pub struct RunStats {
 
 /// Runs `kernel` on `args` (the prefetch and input operands, in signature order) and
 /// returns its outputs in signature order.
+///
+/// A thin wrapper over [`run_into`]: the inputs are borrowed, the outputs allocated here.
 pub fn run(kernel: &Kernel, args: &[&Array]) -> Result<Vec<Array>> {
     run_with_stats(kernel, args).map(|(outputs, _)| outputs)
 }
@@ -248,11 +262,246 @@ pub fn run(kernel: &Kernel, args: &[&Array]) -> Result<Vec<Array>> {
 /// [`run`], also reporting grid steps, block traffic and wall time.
 pub fn run_with_stats(kernel: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, RunStats)> {
     let start = Instant::now();
-    let mut m = Machine::new(kernel, args)?;
+    // An `Array` states its dtype twice; [`run_into`] sees only the data, so check they agree.
+    if args.len() == inputs_of(kernel).count() {
+        for (decl, a) in inputs_of(kernel).zip(args) {
+            if a.dtype != a.data.dtype() {
+                let subject = format!("{} `{}`", decl.kind.name(), decl.name);
+                return Err(KernelError::new(&kernel.name, subject, "argument-dtype", format!("expected {} elements, got an array of {} (holding {} data)", decl.dtype, a.dtype, a.data.dtype()), format!("pass a {} array", decl.dtype)));
+            }
+        }
+    }
+    let inputs: Vec<HostRef<'_>> = args.iter().map(|a| a.as_host()).collect();
+    // Allocated poisoned, so the machine need not poison them again.
+    let mut outputs: Vec<Array> = outputs_of(kernel).map(|d| Array::poison(d.dtype, &d.shape)).collect();
+    let mut views: Vec<HostMut<'_>> = outputs.iter_mut().map(Array::as_host_mut).collect();
+    let mut stats = run_host(kernel, &inputs, &mut views, OutputState::Poisoned)?;
+    drop(views);
+    stats.elapsed = start.elapsed();
+    Ok((outputs, stats))
+}
+
+/// Runs `kernel` directly on caller-owned memory: `inputs` are the prefetch and input
+/// operands and `outputs` the output operands, each in signature order.
+///
+/// Nothing is copied whole: every input block (pipeline window, scalar-prefetch or SMEM
+/// read, DMA source in an ANY/HBM operand) is read straight from the borrowed input
+/// slices, converted to the interpreter's storage per block, and every output block is
+/// written straight into the output slices (rounded to bf16 / wrapped to i8 as its dtype
+/// says). Every output element is first filled with poison (NaN, `MIN`, `false`), so the
+/// parts of the outputs the kernel never writes read as poison, exactly as with [`run`];
+/// the previous contents of `outputs` are never read.
+///
+/// The operand counts, each operand's dtype, shape and data length are checked against
+/// the kernel's declarations before anything is written: a mismatch is a [`KernelError`]
+/// (`argument-count` / `argument-dtype` / `argument-shape` for inputs, `output-count` /
+/// `output-dtype` / `output-shape` for outputs). On any error the outputs may hold poison
+/// or partial results.
+pub fn run_into(kernel: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>]) -> Result<RunStats> {
+    run_host(kernel, inputs, outputs, OutputState::Unknown)
+}
+
+/// What the output memory holds when a run starts.
+#[derive(Clone, Copy, PartialEq)]
+enum OutputState {
+    /// Anything: poison it first.
+    Unknown,
+    /// Already poison everywhere (freshly allocated by [`run_with_stats`]).
+    Poisoned,
+}
+
+/// [`run_into`], told whether the outputs still need poisoning.
+fn run_host(kernel: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>], state: OutputState) -> Result<RunStats> {
+    let start = Instant::now();
+    let mut m = Machine::new(kernel, inputs, outputs, state)?;
     m.run_grid()?;
-    let outputs = m.outputs();
     m.stats.elapsed = start.elapsed();
-    Ok((outputs, m.stats))
+    Ok(m.stats)
+}
+
+/// The declarations of the operands passed as inputs (prefetch and inputs), in order.
+fn inputs_of(k: &Kernel) -> impl Iterator<Item = &RefDecl> {
+    k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input))
+}
+
+/// The declarations of the output operands, in order.
+fn outputs_of(k: &Kernel) -> impl Iterator<Item = &RefDecl> {
+    k.refs.iter().filter(|r| r.kind == RefKind::Output)
+}
+
+// ---- borrowed host memory -------------------------------------------------------------------
+
+/// Borrowed, contiguous row-major elements of one operand (a [`run_into`] input).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HostData<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    I32(&'a [i32]),
+    I8(&'a [i8]),
+    Bool(&'a [bool]),
+}
+
+/// Mutably borrowed, contiguous row-major elements of one operand (a [`run_into`] output).
+#[derive(Debug, PartialEq)]
+pub enum HostDataMut<'a> {
+    F32(&'a mut [f32]),
+    BF16(&'a mut [bf16]),
+    I32(&'a mut [i32]),
+    I8(&'a mut [i8]),
+    Bool(&'a mut [bool]),
+}
+
+/// One input operand of [`run_into`]: its shape and its borrowed row-major elements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostRef<'a> {
+    pub shape: &'a [usize],
+    pub data: HostData<'a>,
+}
+
+/// One output operand of [`run_into`]: its shape and the row-major memory to write.
+#[derive(Debug, PartialEq)]
+pub struct HostMut<'a> {
+    pub shape: &'a [usize],
+    pub data: HostDataMut<'a>,
+}
+
+impl<'a> HostRef<'a> {
+    /// `data` (a slice of f32, bf16, i32, i8 or bool) seen as an array of `shape`.
+    pub fn new(shape: &'a [usize], data: impl Into<HostData<'a>>) -> Self {
+        HostRef { shape, data: data.into() }
+    }
+}
+
+impl<'a> HostMut<'a> {
+    /// `data` (a mutable slice of f32, bf16, i32, i8 or bool) seen as an array of `shape`.
+    pub fn new(shape: &'a [usize], data: impl Into<HostDataMut<'a>>) -> Self {
+        HostMut { shape, data: data.into() }
+    }
+}
+
+impl HostData<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostData::F32(_) => DType::F32,
+            HostData::BF16(_) => DType::BF16,
+            HostData::I32(_) => DType::I32,
+            HostData::I8(_) => DType::I8,
+            HostData::Bool(_) => DType::Bool,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostData::F32(v) => v.len(),
+            HostData::BF16(v) => v.len(),
+            HostData::I32(v) => v.len(),
+            HostData::I8(v) => v.len(),
+            HostData::Bool(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HostDataMut<'_> {
+    pub fn dtype(&self) -> DType {
+        self.reborrow().dtype()
+    }
+
+    pub fn len(&self) -> usize {
+        self.reborrow().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A shared view of the same elements.
+    pub fn reborrow(&self) -> HostData<'_> {
+        match self {
+            HostDataMut::F32(v) => HostData::F32(v),
+            HostDataMut::BF16(v) => HostData::BF16(v),
+            HostDataMut::I32(v) => HostData::I32(v),
+            HostDataMut::I8(v) => HostData::I8(v),
+            HostDataMut::Bool(v) => HostData::Bool(v),
+        }
+    }
+
+    /// A shorter-lived mutable view of the same elements.
+    pub fn reborrow_mut(&mut self) -> HostDataMut<'_> {
+        match self {
+            HostDataMut::F32(v) => HostDataMut::F32(v),
+            HostDataMut::BF16(v) => HostDataMut::BF16(v),
+            HostDataMut::I32(v) => HostDataMut::I32(v),
+            HostDataMut::I8(v) => HostDataMut::I8(v),
+            HostDataMut::Bool(v) => HostDataMut::Bool(v),
+        }
+    }
+
+    /// Fills every element with the interpreter's poison (NaN, `MIN`, `false`).
+    pub fn fill_poison(&mut self) {
+        match self {
+            HostDataMut::F32(v) => v.fill(f32::NAN),
+            HostDataMut::BF16(v) => v.fill(bf16::from_f32(f32::NAN)),
+            HostDataMut::I32(v) => v.fill(i32::MIN),
+            HostDataMut::I8(v) => v.fill(i8::MIN),
+            HostDataMut::Bool(v) => v.fill(false),
+        }
+    }
+}
+
+macro_rules! host_from_slices {
+    ($($t:ty => $variant:ident),*) => {$(
+        impl<'a> From<&'a [$t]> for HostData<'a> {
+            fn from(v: &'a [$t]) -> Self {
+                HostData::$variant(v)
+            }
+        }
+        impl<'a> From<&'a mut [$t]> for HostDataMut<'a> {
+            fn from(v: &'a mut [$t]) -> Self {
+                HostDataMut::$variant(v)
+            }
+        }
+    )*};
+}
+host_from_slices!(f32 => F32, bf16 => BF16, i32 => I32, i8 => I8, bool => Bool);
+
+impl Data {
+    /// The elements, borrowed for [`run_into`].
+    pub fn as_host(&self) -> HostData<'_> {
+        match self {
+            Data::F32(v) => HostData::F32(v),
+            Data::BF16(v) => HostData::BF16(v),
+            Data::I32(v) => HostData::I32(v),
+            Data::I8(v) => HostData::I8(v),
+            Data::Bool(v) => HostData::Bool(v),
+        }
+    }
+
+    /// The elements, mutably borrowed for [`run_into`].
+    pub fn as_host_mut(&mut self) -> HostDataMut<'_> {
+        match self {
+            Data::F32(v) => HostDataMut::F32(v),
+            Data::BF16(v) => HostDataMut::BF16(v),
+            Data::I32(v) => HostDataMut::I32(v),
+            Data::I8(v) => HostDataMut::I8(v),
+            Data::Bool(v) => HostDataMut::Bool(v),
+        }
+    }
+}
+
+impl Array {
+    /// The array borrowed as a [`run_into`] input.
+    pub fn as_host(&self) -> HostRef<'_> {
+        HostRef { shape: &self.shape, data: self.data.as_host() }
+    }
+
+    /// The array borrowed as a [`run_into`] output.
+    pub fn as_host_mut(&mut self) -> HostMut<'_> {
+        HostMut { shape: &self.shape, data: self.data.as_host_mut() }
+    }
 }
 
 // ---- runtime values -------------------------------------------------------------------------
@@ -276,26 +525,13 @@ impl Buf {
         }
     }
 
-    fn from_data(d: &Data) -> Buf {
-        match d {
-            Data::F32(v) => Buf::F(v.clone()),
-            Data::BF16(v) => Buf::F(v.iter().map(|x| x.to_f32()).collect()),
-            Data::I32(v) => Buf::I(v.clone()),
-            Data::I8(v) => Buf::I(v.iter().map(|&x| x as i32).collect()),
-            Data::Bool(v) => Buf::B(v.clone()),
+    /// A buffer of `n` zeros in the same storage class.
+    fn zeros_like(&self, n: usize) -> Buf {
+        match self {
+            Buf::F(_) => Buf::F(vec![0.0; n]),
+            Buf::I(_) => Buf::I(vec![0; n]),
+            Buf::B(_) => Buf::B(vec![false; n]),
         }
-    }
-
-    /// Converts back to host storage; values are already rounded/wrapped to `dtype`.
-    fn into_array(self, dtype: DType, shape: &[usize]) -> Array {
-        let data = match (self, dtype) {
-            (Buf::F(v), DType::BF16) => Data::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
-            (Buf::F(v), _) => Data::F32(v),
-            (Buf::I(v), DType::I8) => Data::I8(v.iter().map(|&x| x as i8).collect()),
-            (Buf::I(v), _) => Data::I32(v),
-            (Buf::B(v), _) => Data::Bool(v),
-        };
-        Array { dtype, shape: shape.to_vec(), data }
     }
 
     fn len(&self) -> usize {
@@ -344,26 +580,151 @@ struct Val {
     buf: Buf,
 }
 
-/// A ref's memory as the kernel sees it: the VMEM/SMEM window (or whole array), row-major
-/// in the view shape (squeezed dims have size 1, so dropping them keeps the layout).
-struct Mem {
-    view: Vec<usize>,
-    buf: Buf,
+/// Memory the machine reads and writes a box at a time: its own buffer (windows, scratch)
+/// or the caller's borrowed operand arrays, converted per box to / from storage precision.
+enum Store<'h> {
+    Buf(Buf),
+    /// A prefetch or input operand: read-only.
+    In(HostData<'h>),
+    /// An output operand, written in place.
+    Out(HostDataMut<'h>),
 }
 
-/// State of a blocked operand: its whole array and the block currently in its window.
-struct Blocked {
+/// Why [`Store::write_box`] refused.
+enum WriteError {
+    /// The value's storage class differs from the memory's.
+    Class,
+    /// The memory is a read-only input operand.
+    ReadOnly,
+}
+
+impl Store<'_> {
+    /// The storage class: `float`, `integer` or `bool`.
+    fn kind(&self) -> &'static str {
+        match self {
+            Store::Buf(b) => b.kind(),
+            Store::In(h) => host_kind(*h),
+            Store::Out(h) => host_kind(h.reborrow()),
+        }
+    }
+
+    /// A buffer of `n` zeros in this memory's storage class.
+    fn zeros_like(&self, n: usize) -> Buf {
+        match self {
+            Store::Buf(b) => b.zeros_like(n),
+            Store::In(h) => host_zeros(*h, n),
+            Store::Out(h) => host_zeros(h.reborrow(), n),
+        }
+    }
+
+    /// Copies the `region` box at `origin` of this memory (row-major `shape`) to
+    /// `dst_origin` of `dst` (row-major `dst_shape`); `false` if the storage classes differ.
+    fn read_box(&self, shape: &[usize], origin: &[usize], dst: &mut Buf, dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) -> bool {
+        match self {
+            Store::Buf(b) => copy_box_buf(b, shape, origin, dst, dst_shape, dst_origin, region),
+            Store::In(h) => read_host(*h, shape, origin, dst, dst_shape, dst_origin, region),
+            Store::Out(h) => read_host(h.reborrow(), shape, origin, dst, dst_shape, dst_origin, region),
+        }
+    }
+
+    /// Copies the `region` box at `src_origin` of `src` (row-major `src_shape`) into this
+    /// memory (row-major `shape`) at `origin`.
+    fn write_box(&mut self, shape: &[usize], origin: &[usize], src: &Buf, src_shape: &[usize], src_origin: &[usize], region: &[usize]) -> std::result::Result<(), WriteError> {
+        let ok = match self {
+            Store::Buf(b) => copy_box_buf(src, src_shape, src_origin, b, shape, origin, region),
+            Store::In(_) => return Err(WriteError::ReadOnly),
+            Store::Out(h) => write_host(src, src_shape, src_origin, h, shape, origin, region),
+        };
+        if ok { Ok(()) } else { Err(WriteError::Class) }
+    }
+
+    /// Element `flat` as an i32, if this is integer memory with that element.
+    fn int_at(&self, flat: usize) -> Option<i32> {
+        match self {
+            Store::Buf(Buf::I(v)) => v.get(flat).copied(),
+            Store::In(HostData::I32(v)) => v.get(flat).copied(),
+            Store::In(HostData::I8(v)) => v.get(flat).map(|&x| x as i32),
+            Store::Out(HostDataMut::I32(v)) => v.get(flat).copied(),
+            Store::Out(HostDataMut::I8(v)) => v.get(flat).map(|&x| x as i32),
+            _ => None,
+        }
+    }
+
+    /// The interpreter's own buffer (windows and scratch always are).
+    fn buf_mut(&mut self) -> Option<&mut Buf> {
+        match self {
+            Store::Buf(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+fn host_kind(h: HostData<'_>) -> &'static str {
+    match h {
+        HostData::F32(_) | HostData::BF16(_) => "float",
+        HostData::I32(_) | HostData::I8(_) => "integer",
+        HostData::Bool(_) => "bool",
+    }
+}
+
+fn host_zeros(h: HostData<'_>, n: usize) -> Buf {
+    match h {
+        HostData::F32(_) | HostData::BF16(_) => Buf::F(vec![0.0; n]),
+        HostData::I32(_) | HostData::I8(_) => Buf::I(vec![0; n]),
+        HostData::Bool(_) => Buf::B(vec![false; n]),
+    }
+}
+
+/// [`copy_box`] from host elements into an interpreter buffer, widening bf16 to f32 and
+/// i8 to i32; `false` if the storage classes differ.
+fn read_host(src: HostData<'_>, src_shape: &[usize], src_origin: &[usize], dst: &mut Buf, dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) -> bool {
+    match (src, dst) {
+        (HostData::F32(s), Buf::F(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (HostData::BF16(s), Buf::F(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x.to_f32()),
+        (HostData::I32(s), Buf::I(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (HostData::I8(s), Buf::I(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x as i32),
+        (HostData::Bool(s), Buf::B(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        _ => return false,
+    }
+    true
+}
+
+/// [`copy_box`] from an interpreter buffer into host elements, rounding f32 to bf16
+/// (nearest-even) and wrapping i32 to i8; `false` if the storage classes differ.
+fn write_host(src: &Buf, src_shape: &[usize], src_origin: &[usize], dst: &mut HostDataMut<'_>, dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) -> bool {
+    match (src, dst) {
+        (Buf::F(s), HostDataMut::F32(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (Buf::F(s), HostDataMut::BF16(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, bf16::from_f32),
+        (Buf::I(s), HostDataMut::I32(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        (Buf::I(s), HostDataMut::I8(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x as i8),
+        (Buf::B(s), HostDataMut::Bool(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
+        _ => return false,
+    }
+    true
+}
+
+/// A ref's memory as the kernel sees it: the VMEM/SMEM window (or whole array), row-major
+/// in the view shape (squeezed dims have size 1, so dropping them keeps the layout).
+struct Mem<'h> {
+    view: Vec<usize>,
+    buf: Store<'h>,
+}
+
+/// State of a blocked operand: its whole array (the caller's) and the block currently in
+/// its window.
+struct Blocked<'h> {
     r: RefId,
-    array: Buf,
+    array: Store<'h>,
     current: Option<Vec<usize>>,
 }
 
-struct Machine<'k> {
+/// `'h` is the lifetime of the borrowed operand memory.
+struct Machine<'k, 'h> {
     k: &'k Kernel,
     vals: Vec<Option<Rc<Val>>>,
     /// Per ref; `None` for ANY/HBM refs, which the body cannot load or store.
-    mems: Vec<Option<Mem>>,
-    blocked: Vec<Blocked>,
+    mems: Vec<Option<Mem<'h>>>,
+    blocked: Vec<Blocked<'h>>,
     grid: Vec<usize>,
     stats: RunStats,
     /// Async copies started and not yet waited for, in issue order.
@@ -419,8 +780,21 @@ fn for_each_index(shape: &[usize], mut f: impl FnMut(&[usize])) {
 /// `dst_origin` of a row-major `dst_shape` array, one contiguous row at a time. All
 /// shapes have the same rank; the caller guarantees the box fits in both.
 fn copy_box<T: Copy>(src: &[T], src_shape: &[usize], src_origin: &[usize], dst: &mut [T], dst_shape: &[usize], dst_origin: &[usize], region: &[usize]) {
-    let Some((&row, outer)) = region.split_last() else {
-        dst[0] = src[0];
+    copy_box_rows(src, src_shape, src_origin, dst, dst_shape, dst_origin, region, |s, d| d.copy_from_slice(s));
+}
+
+/// [`copy_box`], converting every element with `f`.
+#[allow(clippy::too_many_arguments)]
+fn copy_box_map<S: Copy, D>(src: &[S], src_shape: &[usize], src_origin: &[usize], dst: &mut [D], dst_shape: &[usize], dst_origin: &[usize], region: &[usize], f: impl Fn(S) -> D) {
+    copy_box_rows(src, src_shape, src_origin, dst, dst_shape, dst_origin, region, |s, d| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s)));
+}
+
+/// The loop of [`copy_box`]: calls `row(src_row, dst_row)` on every pair of matching
+/// contiguous rows of the box.
+#[allow(clippy::too_many_arguments)]
+fn copy_box_rows<S, D>(src: &[S], src_shape: &[usize], src_origin: &[usize], dst: &mut [D], dst_shape: &[usize], dst_origin: &[usize], region: &[usize], mut row: impl FnMut(&[S], &mut [D])) {
+    let Some((&len, outer)) = region.split_last() else {
+        row(&src[..1], &mut dst[..1]);
         return;
     };
     let (ss, ds) = (row_major_strides(src_shape), row_major_strides(dst_shape));
@@ -431,7 +805,7 @@ fn copy_box<T: Copy>(src: &[T], src_shape: &[usize], src_origin: &[usize], dst: 
             so += (src_origin[d] + i) * ss[d];
             dof += (dst_origin[d] + i) * ds[d];
         }
-        dst[dof..dof + row].copy_from_slice(&src[so..so + row]);
+        row(&src[so..so + len], &mut dst[dof..dof + len]);
     });
 }
 
@@ -579,7 +953,7 @@ fn dot_i32(m: usize, k: usize, n: usize, a: impl Fn(usize, usize) -> i32, b: &[i
 
 // ---- the machine --------------------------------------------------------------------------
 
-impl<'k> Machine<'k> {
+impl<'k, 'h> Machine<'k, 'h> {
     fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
         KernelError::new(&self.k.name, subject, rule, message, help)
     }
@@ -589,34 +963,58 @@ impl<'k> Machine<'k> {
         self.err(format!("instruction `{}`", inst_name(&d.inst)), "malformed-ir", message, "build kernels with KernelBuilder, which type-checks every op").at(d.loc.clone())
     }
 
-    fn new(k: &'k Kernel, args: &[&Array]) -> Result<Self> {
+    /// Checks the operands against the kernel, poisons the outputs and sets up the memory
+    /// of every ref (borrowing the operands, allocating windows and scratch).
+    fn new(k: &'k Kernel, inputs: &[HostRef<'h>], outputs: &'h mut [HostMut<'_>], state: OutputState) -> Result<Self> {
         let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new() };
-        let expected = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).count();
-        if args.len() != expected {
-            let names: Vec<&str> = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).map(|r| r.name.as_str()).collect();
-            return Err(m.err("arguments", "argument-count", format!("{} arguments given, the kernel takes {expected} ({})", args.len(), names.join(", ")), "pass the prefetch and input operands in signature order"));
+        // Check everything before writing anything.
+        let expected = inputs_of(k).count();
+        if inputs.len() != expected {
+            let names: Vec<&str> = inputs_of(k).map(|r| r.name.as_str()).collect();
+            return Err(m.err("arguments", "argument-count", format!("{} arguments given, the kernel takes {expected} ({})", inputs.len(), names.join(", ")), "pass the prefetch and input operands in signature order"));
         }
-        let mut next_arg = args.iter();
-        for (i, decl) in k.refs.iter().enumerate() {
+        let expected = outputs_of(k).count();
+        if outputs.len() != expected {
+            let names: Vec<&str> = outputs_of(k).map(|r| r.name.as_str()).collect();
+            return Err(m.err("outputs", "output-count", format!("{} outputs given, the kernel has {expected} ({})", outputs.len(), names.join(", ")), "pass one output buffer per output operand, in signature order"));
+        }
+        let (mut next_in, mut next_out) = (inputs.iter(), outputs.iter());
+        for decl in &k.refs {
             let subject = format!("{} `{}`", decl.kind.name(), decl.name);
             m.check_block_spec(decl, &subject)?;
+            if decl.block.is_some() && matches!(decl.kind, RefKind::Prefetch | RefKind::Scratch) {
+                return Err(m.err(&subject, "blocked-memory-space", format!("a {} with a block spec", decl.kind.name()), "scalar prefetch and scratch buffers are seen whole; drop the block spec"));
+            }
+            match decl.kind {
+                RefKind::Prefetch | RefKind::Input => {
+                    let a = next_in.next().expect("input count checked above");
+                    m.check_operand(decl, &subject, a.shape, a.data.dtype(), a.data.len())?;
+                }
+                RefKind::Output => {
+                    let o = next_out.next().expect("output count checked above");
+                    m.check_operand(decl, &subject, o.shape, o.data.dtype(), o.data.len())?;
+                }
+                RefKind::Scratch => {}
+            }
+        }
+        // Output memory is uninitialised on a TPU: poison it (a write, not a copy).
+        if state == OutputState::Unknown {
+            outputs.iter_mut().for_each(|o| o.data.fill_poison());
+        }
+        let mut next_in = inputs.iter();
+        let mut next_out = outputs.iter_mut().map(|o| o.data.reborrow_mut());
+        for (i, decl) in k.refs.iter().enumerate() {
             let n: usize = decl.shape.iter().product();
             let array = match decl.kind {
-                RefKind::Prefetch | RefKind::Input => {
-                    let a = next_arg.next().expect("argument count checked above");
-                    m.check_arg(decl, &subject, a)?;
-                    Buf::from_data(&a.data)
-                }
-                RefKind::Output | RefKind::Scratch => Buf::poison(decl.dtype, n),
+                RefKind::Prefetch | RefKind::Input => Store::In(next_in.next().expect("input count checked above").data),
+                RefKind::Output => Store::Out(next_out.next().expect("output count checked above")),
+                RefKind::Scratch => Store::Buf(Buf::poison(decl.dtype, n)),
             };
             let mem = match &decl.block {
                 Some(b) => {
-                    if decl.kind == RefKind::Prefetch || decl.kind == RefKind::Scratch {
-                        return Err(m.err(&subject, "blocked-memory-space", format!("a {} with a block spec", decl.kind.name()), "scalar prefetch and scratch buffers are seen whole; drop the block spec"));
-                    }
                     let window: usize = b.window().iter().product();
                     m.blocked.push(Blocked { r: RefId(i as u32), array, current: None });
-                    Some(Mem { view: b.view(), buf: Buf::poison(decl.dtype, window) })
+                    Some(Mem { view: b.view(), buf: Store::Buf(Buf::poison(decl.dtype, window)) })
                 }
                 None if decl.memory == MemorySpace::Any => {
                     // The body cannot touch it; an ANY output keeps its poison.
@@ -630,16 +1028,18 @@ impl<'k> Machine<'k> {
         Ok(m)
     }
 
-    fn check_arg(&self, decl: &RefDecl, subject: &str, a: &Array) -> Result<()> {
-        if a.dtype != decl.dtype || a.data.dtype() != decl.dtype {
-            return Err(self.err(subject, "argument-dtype", format!("expected {} elements, got an array of {} (holding {} data)", decl.dtype, a.dtype, a.data.dtype()), format!("pass a {} array", decl.dtype)));
+    /// Checks one operand's dtype, shape and data length against its declaration.
+    fn check_operand(&self, decl: &RefDecl, subject: &str, shape: &[usize], dtype: DType, len: usize) -> Result<()> {
+        let (role, rule_dtype, rule_shape) = if decl.kind == RefKind::Output { ("output", "output-dtype", "output-shape") } else { ("argument", "argument-dtype", "argument-shape") };
+        if dtype != decl.dtype {
+            return Err(self.err(subject, rule_dtype, format!("expected {} elements, got {dtype} data", decl.dtype), format!("pass a {} {role}", decl.dtype)));
         }
-        if a.shape != decl.shape {
-            return Err(self.err(subject, "argument-shape", format!("expected shape {:?}, got {:?}", decl.shape, a.shape), format!("pass an array of shape {:?} or rebuild the kernel for this shape", decl.shape)));
+        if shape != decl.shape.as_slice() {
+            return Err(self.err(subject, rule_shape, format!("expected shape {:?}, got {shape:?}", decl.shape), format!("pass an {role} of shape {:?} or rebuild the kernel for this shape", decl.shape)));
         }
         let n: usize = decl.shape.iter().product();
-        if a.data.len() != n {
-            return Err(self.err(subject, "argument-shape", format!("shape {:?} has {n} elements but the data holds {}", a.shape, a.data.len()), "make the data length match the shape"));
+        if len != n {
+            return Err(self.err(subject, rule_shape, format!("shape {shape:?} has {n} elements but the data holds {len}"), "make the data length match the shape"));
         }
         Ok(())
     }
@@ -716,16 +1116,17 @@ impl<'k> Machine<'k> {
             if decl.kind == RefKind::Output && self.blocked[i].current.is_some() {
                 self.write_back(i);
             }
-            let mem = self.mems[r].as_mut().expect("blocked operands have a window");
+            let win = self.mems[r].as_mut().and_then(|m| m.buf.buf_mut()).expect("blocked operands have a window buffer");
             if decl.kind == RefKind::Input {
                 if region != window {
-                    mem.buf.fill_poison(decl.dtype); // the padding of a partial edge block
+                    win.fill_poison(decl.dtype); // the padding of a partial edge block
                 }
-                copy_box_buf(&self.blocked[i].array, &decl.shape, &origin, &mut mem.buf, &window, &vec![0; window.len()], &region);
+                // Straight from the caller's array; the operand checks made the classes match.
+                self.blocked[i].array.read_box(&decl.shape, &origin, win, &window, &vec![0; window.len()], &region);
                 self.stats.block_loads += 1;
             } else {
                 // Output buffers are uninitialised on a TPU: never load the array.
-                mem.buf.fill_poison(decl.dtype);
+                win.fill_poison(decl.dtype);
             }
             self.blocked[i].current = Some(index);
         }
@@ -735,13 +1136,14 @@ impl<'k> Machine<'k> {
     /// Copies output window `i` (the part inside the array) back to its array.
     fn write_back(&mut self, i: usize) {
         let b = &mut self.blocked[i];
-        let (Some(index), Some(mem)) = (&b.current, &self.mems[b.r.index()]) else { return };
+        let (Some(index), Some(Mem { buf: Store::Buf(win), .. })) = (&b.current, &self.mems[b.r.index()]) else { return };
         let decl = self.k.ref_decl(b.r);
         let Some(spec) = &decl.block else { return };
         let window = spec.window();
         let origin: Vec<usize> = index.iter().zip(&window).map(|(b, w)| b * w).collect();
         let region: Vec<usize> = origin.iter().zip(&window).zip(&decl.shape).map(|((o, w), full)| (*w).min(full - o)).collect();
-        copy_box_buf(&mem.buf, &window, &vec![0; window.len()], &mut b.array, &decl.shape, &origin, &region);
+        // Only outputs are written back, and the operand checks made the classes match.
+        let _ = b.array.write_box(&decl.shape, &origin, win, &window, &vec![0; window.len()], &region);
         self.stats.block_writebacks += 1;
     }
 
@@ -788,7 +1190,7 @@ impl<'k> Machine<'k> {
 
     fn read_prefetch(&self, array: RefId, at: &[i64]) -> std::result::Result<i64, String> {
         let decl = self.k.refs.get(array.index()).ok_or_else(|| format!("reads {array}, which does not exist"))?;
-        let Some(Mem { buf: Buf::I(data), .. }) = self.mems[array.index()].as_ref().filter(|_| decl.kind == RefKind::Prefetch) else {
+        let Some(Mem { buf: data, .. }) = self.mems[array.index()].as_ref().filter(|m| decl.kind == RefKind::Prefetch && m.buf.kind() == "integer") else {
             return Err(format!("reads `{}`, which is not a scalar-prefetch operand", decl.name));
         };
         let inside = at.len() == decl.shape.len() && at.iter().zip(&decl.shape).all(|(&i, &n)| i >= 0 && (i as usize) < n);
@@ -796,23 +1198,7 @@ impl<'k> Machine<'k> {
             return Err(format!("reads `{}`{at:?}, outside its shape {:?}", decl.name, decl.shape));
         }
         let flat: usize = at.iter().zip(row_major_strides(&decl.shape)).map(|(&i, s)| i as usize * s).sum();
-        Ok(data[flat] as i64)
-    }
-
-    fn outputs(&mut self) -> Vec<Array> {
-        let k = self.k;
-        let mut outs = Vec::new();
-        for (i, decl) in k.refs.iter().enumerate() {
-            if decl.kind != RefKind::Output {
-                continue;
-            }
-            let buf = match self.blocked.iter_mut().find(|b| b.r.index() == i) {
-                Some(b) => std::mem::replace(&mut b.array, Buf::B(Vec::new())),
-                None => self.mems[i].take().map(|m| m.buf).unwrap_or_else(|| Buf::poison(decl.dtype, 0)),
-            };
-            outs.push(buf.into_array(decl.dtype, &decl.shape));
-        }
-        outs
+        data.int_at(flat).map(i64::from).ok_or_else(|| format!("reads `{}`{at:?}, outside its data", decl.name))
     }
 
     // ---- body --------------------------------------------------------------------------
@@ -950,7 +1336,7 @@ impl<'k> Machine<'k> {
 
     /// The memory a DMA side reads or writes: the window / whole array of a VMEM or SMEM
     /// ref, or the HBM array of an ANY operand; with the shape it is laid out in.
-    fn dma_mem(&mut self, r: RefId) -> Option<(&mut Buf, Vec<usize>)> {
+    fn dma_mem(&mut self, r: RefId) -> Option<(&mut Store<'h>, Vec<usize>)> {
         if let Some(mem) = self.mems.get_mut(r.index())?.as_mut() {
             return Some((&mut mem.buf, mem.view.clone()));
         }
@@ -996,14 +1382,16 @@ impl<'k> Machine<'k> {
         let dtype = self.k.refs[dst.r.index()].dtype;
         let count: usize = lens.iter().product();
         let mut data = Buf::poison(dtype, count);
-        let (buf, shape) = self.dma_mem(src.r).expect("checked by dma_side_box");
-        if !copy_box_buf(buf, &shape, &src_origin, &mut data, &src_lens, &vec![0; src_lens.len()], &src_lens) {
+        let (mem, shape) = self.dma_mem(src.r).expect("checked by dma_side_box");
+        if !mem.read_box(&shape, &src_origin, &mut data, &src_lens, &vec![0; src_lens.len()], &src_lens) {
             return Err(self.malformed(d, "source and destination dtypes differ"));
         }
         // In flight: the destination holds garbage until the wait.
         let poison = Buf::poison(dtype, count);
-        let (buf, shape) = self.dma_mem(dst.r).expect("checked by dma_side_box");
-        copy_box_buf(&poison, &lens, &vec![0; lens.len()], buf, &shape, &origin, &lens);
+        let (mem, shape) = self.dma_mem(dst.r).expect("checked by dma_side_box");
+        if let Err(e) = mem.write_box(&shape, &origin, &poison, &lens, &vec![0; lens.len()], &lens) {
+            return Err(self.write_error(d, e, dst.r, "dma-destination", poison.kind()));
+        }
         let issued = d.loc.as_ref().map_or_else(|| "dma_start".to_string(), |l| format!("dma_start at {l}"));
         let bytes = count * dtype.bytes();
         self.dmas.push(PendingDma { sem, data, dst: dst.r, origin, lens, bytes, issued });
@@ -1037,8 +1425,9 @@ impl<'k> Machine<'k> {
                 .at(d.loc.clone()));
         }
         let p = self.dmas.remove(pos);
-        let (buf, shape) = self.dma_mem(p.dst).expect("checked at start");
-        copy_box_buf(&p.data, &p.lens, &vec![0; p.lens.len()], buf, &shape, &p.origin, &p.lens);
+        let (mem, shape) = self.dma_mem(p.dst).expect("checked at start");
+        // `dma_start` wrote a buffer of the destination's dtype to the same place.
+        let _ = mem.write_box(&shape, &p.origin, &p.data, &p.lens, &vec![0; p.lens.len()], &p.lens);
         Ok(())
     }
 
@@ -1062,11 +1451,25 @@ impl<'k> Machine<'k> {
             return Err(self.malformed(d, format!("storing {} elements into a slice of shape {lens:?}", v.buf.len())));
         }
         let mem = self.mems[dst.index()].as_mut().expect("slice_box checked the ref is accessible");
-        let kind = mem.buf.kind();
-        if !copy_box_buf(&v.buf, &lens, &vec![0; lens.len()], &mut mem.buf, &mem.view, &origin, &lens) {
-            return Err(self.malformed(d, format!("storing {} values into a {kind} ref", v.buf.kind())));
+        match mem.buf.write_box(&mem.view, &origin, &v.buf, &lens, &vec![0; lens.len()], &lens) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.write_error(d, e, dst, "store-to-input", v.buf.kind())),
         }
-        Ok(())
+    }
+
+    /// The error for `d` refusing to write `value_kind` values into `r`: `read_only_rule`
+    /// when `r` is an input (the builder rejects such IR), else `malformed-ir`.
+    fn write_error(&self, d: &InstData, e: WriteError, r: RefId, read_only_rule: &'static str, value_kind: &str) -> KernelError {
+        let decl = &self.k.refs[r.index()];
+        match e {
+            WriteError::ReadOnly => self
+                .err(format!("{} to {} `{}`", inst_name(&d.inst), decl.kind.name(), decl.name), read_only_rule, "inputs are read-only", "write to an output or a scratch buffer")
+                .at(d.loc.clone()),
+            WriteError::Class => {
+                let kind = Buf::poison(decl.dtype, 0).kind();
+                self.malformed(d, format!("writing {value_kind} values into the {kind} ref `{}`", decl.name))
+            }
+        }
     }
 
     /// Evaluates a single-result instruction whose result has type `ty`.
@@ -1083,13 +1486,8 @@ impl<'k> Machine<'k> {
             Inst::Load { src, slices } => {
                 let (origin, lens) = self.slice_box(d, "load", *src, slices)?;
                 let mem = self.mems[src.index()].as_ref().expect("slice_box checked the ref is accessible");
-                let count = lens.iter().product();
-                let mut out = match &mem.buf {
-                    Buf::F(_) => Buf::F(vec![0.0; count]),
-                    Buf::I(_) => Buf::I(vec![0; count]),
-                    Buf::B(_) => Buf::B(vec![false; count]),
-                };
-                copy_box_buf(&mem.buf, &mem.view, &origin, &mut out, &lens, &vec![0; lens.len()], &lens);
+                let mut out = mem.buf.zeros_like(lens.iter().product());
+                mem.buf.read_box(&mem.view, &origin, &mut out, &lens, &vec![0; lens.len()], &lens);
                 out
             }
             Inst::Unary(op, x) => self.unary(d, *op, &*self.get(*x, d)?)?,
