@@ -12,12 +12,11 @@ pub mod plan;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use half::bf16;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyTuple};
-use tessera_dsl::interp::{Array, Data};
+use tessera_dsl::interp::{Array, HostData, HostDataMut, HostMut, HostRef};
 use tessera_dsl::{DType, KernelError, Target, Type};
 
 pub use ops::{Call, OpDef, Static};
@@ -31,20 +30,33 @@ fn py_err(e: KernelError) -> PyErr {
 }
 
 fn target_named(name: &str) -> PyResult<Target> {
-    Target::by_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown TPU target {name:?}; use v5e, v5p, v6e or tpu7x")))
+    Target::by_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown TPU target {name:?}; use v5e, v5p, v6e or tpu7x"
+        ))
+    })
 }
 
 // ---- tensors ------------------------------------------------------------------------------------
 
 /// The torch dtypes we take, in [`DType`] order of `TORCH_DTYPES`.
-const TORCH_DTYPES: [(&str, DType); 5] = [("float32", DType::F32), ("bfloat16", DType::BF16), ("int32", DType::I32), ("int8", DType::I8), ("bool", DType::Bool)];
+const TORCH_DTYPES: [(&str, DType); 5] = [
+    ("float32", DType::F32),
+    ("bfloat16", DType::BF16),
+    ("int32", DType::I32),
+    ("int8", DType::I8),
+    ("bool", DType::Bool),
+];
 
 /// `torch.float32` etc., looked up once, compared by identity.
 fn torch_dtypes(py: Python<'_>) -> PyResult<&'static [Py<PyAny>]> {
     static CELL: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
     CELL.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        TORCH_DTYPES.iter().map(|(name, _)| Ok(torch.getattr(*name)?.unbind())).collect()
+        TORCH_DTYPES
+            .iter()
+            .map(|(name, _)| Ok(torch.getattr(*name)?.unbind()))
+            .collect()
     })
     .map(Vec::as_slice)
 }
@@ -95,61 +107,100 @@ impl<'py> TensorRef<'py> {
         }
         let shape: Vec<usize> = t.getattr("shape")?.extract()?;
         let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-        Ok(TensorRef { ty: Type::vector(TORCH_DTYPES[i].1, &shape), ptr, _owner: owner })
+        Ok(TensorRef {
+            ty: Type::vector(TORCH_DTYPES[i].1, &shape),
+            ptr,
+            _owner: owner,
+        })
     }
 
-    /// A copy of the tensor's elements.
-    fn read(&self) -> Array {
+    /// The tensor's elements, borrowed in place.
+    fn host(&self) -> HostRef<'_> {
         let n = self.ty.num_elements();
         // SAFETY: per the type's contract, `ptr` addresses `n` contiguous, initialised
-        // elements of `ty.dtype` (bf16 is a transparent u16; bool a byte of 0/1) that
-        // outlive this call; a zero-size tensor may have a null pointer, so it is not read.
+        // elements of `ty.dtype` (bf16 is a transparent u16; torch bools are bytes 0 or 1,
+        // valid `bool`s) that outlive `self`; a zero-size tensor may have a null pointer,
+        // so it is never turned into a slice.
         unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a [T] {
-            if n == 0 { &[] } else { unsafe { std::slice::from_raw_parts(ptr as *const T, n) } }
+            if n == 0 {
+                &[]
+            } else {
+                unsafe { std::slice::from_raw_parts(ptr as *const T, n) }
+            }
         }
         let data = unsafe {
             match self.ty.dtype {
-                DType::F32 => Data::F32(slice::<f32>(self.ptr, n).to_vec()),
-                DType::BF16 => Data::BF16(slice::<bf16>(self.ptr, n).to_vec()),
-                DType::I32 => Data::I32(slice::<i32>(self.ptr, n).to_vec()),
-                DType::I8 => Data::I8(slice::<i8>(self.ptr, n).to_vec()),
-                DType::Bool => Data::Bool(slice::<u8>(self.ptr, n).iter().map(|&b| b != 0).collect()),
+                DType::F32 => HostData::F32(slice(self.ptr, n)),
+                DType::BF16 => HostData::BF16(slice(self.ptr, n)),
+                DType::I32 => HostData::I32(slice(self.ptr, n)),
+                DType::I8 => HostData::I8(slice(self.ptr, n)),
+                DType::Bool => HostData::Bool(slice(self.ptr, n)),
             }
         };
-        Array::new(&self.ty.shape, data)
+        HostRef {
+            shape: &self.ty.shape,
+            data,
+        }
     }
 
-    /// Copies `a` (same dtype and element count) into the tensor's memory.
-    fn write(&self, a: &Array) {
+    /// The tensor's elements, mutably borrowed: only for fresh output tensors, which
+    /// nothing else references while the call runs.
+    fn host_mut(&mut self) -> HostMut<'_> {
         let n = self.ty.num_elements();
-        assert_eq!(a.len(), n, "result size");
-        // SAFETY: as in `read`; the tensor is a fresh output no one else references.
+        // SAFETY: as in `host`; the tensor was allocated for this call's result and no
+        // other reference to its memory exists until the call returns.
         unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a mut [T] {
-            if n == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) } }
-        }
-        unsafe {
-            match &a.data {
-                Data::F32(v) => slice::<f32>(self.ptr, n).copy_from_slice(v),
-                Data::BF16(v) => slice::<bf16>(self.ptr, n).copy_from_slice(v),
-                Data::I32(v) => slice::<i32>(self.ptr, n).copy_from_slice(v),
-                Data::I8(v) => slice::<i8>(self.ptr, n).copy_from_slice(v),
-                Data::Bool(v) => slice::<u8>(self.ptr, n).iter_mut().zip(v).for_each(|(d, &b)| *d = b as u8),
+            if n == 0 {
+                &mut []
+            } else {
+                unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) }
             }
         }
+        let data = unsafe {
+            match self.ty.dtype {
+                DType::F32 => HostDataMut::F32(slice(self.ptr, n)),
+                DType::BF16 => HostDataMut::BF16(slice(self.ptr, n)),
+                DType::I32 => HostDataMut::I32(slice(self.ptr, n)),
+                DType::I8 => HostDataMut::I8(slice(self.ptr, n)),
+                DType::Bool => HostDataMut::Bool(slice(self.ptr, n)),
+            }
+        };
+        HostMut {
+            shape: &self.ty.shape,
+            data,
+        }
+    }
+
+    /// A fresh tensor of `ty` on `device`, with its `TensorRef`.
+    fn empty(
+        py: Python<'py>,
+        ty: &Type,
+        device: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, TensorRef<'py>)> {
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("dtype", torch_dtype_of(py, ty.dtype)?)?;
+        kwargs.set_item("device", device)?;
+        let t = torch_empty(py)?
+            .bind(py)
+            .call((PyTuple::new(py, &ty.shape)?,), Some(&kwargs))?;
+        let ptr = t.call_method0("data_ptr")?.extract()?;
+        Ok((
+            t,
+            TensorRef {
+                ty: ty.clone(),
+                ptr,
+                _owner: None,
+            },
+        ))
     }
 }
 
 fn torch_dtype_of(py: Python<'_>, dtype: DType) -> PyResult<Bound<'_, PyAny>> {
-    let i = TORCH_DTYPES.iter().position(|(_, d)| *d == dtype).expect("every DType has a torch dtype");
+    let i = TORCH_DTYPES
+        .iter()
+        .position(|(_, d)| *d == dtype)
+        .expect("every DType has a torch dtype");
     Ok(torch_dtypes(py)?[i].bind(py).clone())
-}
-
-/// A fresh tensor of `ty` on `device`.
-fn empty<'py>(py: Python<'py>, ty: &Type, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let kwargs = pyo3::types::PyDict::new(py);
-    kwargs.set_item("dtype", torch_dtype_of(py, ty.dtype)?)?;
-    kwargs.set_item("device", device)?;
-    torch_empty(py)?.bind(py).call((PyTuple::new(py, &ty.shape)?,), Some(&kwargs))
 }
 
 // ---- statics and the plan cache -------------------------------------------------------------
@@ -168,7 +219,9 @@ fn statics_of(t: &Bound<'_, PyTuple>) -> PyResult<Vec<Static>> {
             } else if let Ok(s) = v.extract::<String>() {
                 Static::Str(s)
             } else {
-                return Err(PyValueError::new_err(format!("tessera: unsupported static argument {v}")));
+                return Err(PyValueError::new_err(format!(
+                    "tessera: unsupported static argument {v}"
+                )));
             })
         })
         .collect()
@@ -177,23 +230,59 @@ fn statics_of(t: &Bound<'_, PyTuple>) -> PyResult<Vec<Static>> {
 type PlanKey = (&'static str, String, Vec<Option<Type>>, &'static str);
 
 /// Plans by op, statics, input types and target: built once, shared.
-fn plan_for(name: &str, statics: &[Static], inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
+fn plan_for(
+    name: &str,
+    statics: &[Static],
+    inputs: &[Option<Type>],
+    target: &Target,
+) -> PyResult<Arc<Plan>> {
     static PLANS: Mutex<Option<HashMap<PlanKey, Arc<Plan>>>> = Mutex::new(None);
     let op = op_named(name)?;
-    let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
-    if let Some(p) = PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).get(&key) {
+    let key: PlanKey = (
+        op.name,
+        format!("{statics:?}"),
+        inputs.to_vec(),
+        target.name,
+    );
+    if let Some(p) = PLANS
+        .lock()
+        .expect("plan cache")
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+    {
         return Ok(p.clone());
     }
-    let plan = Arc::new((op.plan)(&Call { op: op.name, inputs, statics, target }).map_err(py_err)?);
+    let plan = Arc::new(
+        (op.plan)(&Call {
+            op: op.name,
+            inputs,
+            statics,
+            target,
+        })
+        .map_err(py_err)?,
+    );
     for launch in &plan.launches {
         tessera_dsl::verify::verify(&launch.kernel, target).map_err(py_err)?;
     }
-    PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).insert(key, plan.clone());
+    PLANS
+        .lock()
+        .expect("plan cache")
+        .get_or_insert_with(HashMap::new)
+        .insert(key, plan.clone());
     Ok(plan)
 }
 
 fn tensor_refs<'py>(inputs: &Bound<'py, PyList>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
-    inputs.iter().map(|t| if t.is_none() { Ok(None) } else { TensorRef::extract(&t).map(Some) }).collect()
+    inputs
+        .iter()
+        .map(|t| {
+            if t.is_none() {
+                Ok(None)
+            } else {
+                TensorRef::extract(&t).map(Some)
+            }
+        })
+        .collect()
 }
 
 // ---- the Python API ---------------------------------------------------------------------------
@@ -204,50 +293,89 @@ static TABLE: std::sync::OnceLock<&'static [OpDef]> = std::sync::OnceLock::new()
 
 fn op_named(name: &str) -> PyResult<&'static OpDef> {
     let table = TABLE.get().copied().unwrap_or_default();
-    table.iter().find(|o| o.name == name).ok_or_else(|| PyValueError::new_err(format!("tessera: no op named {name:?} in this module")))
+    table.iter().find(|o| o.name == name).ok_or_else(|| {
+        PyValueError::new_err(format!("tessera: no op named {name:?} in this module"))
+    })
 }
 
 /// `[(name, schema, doc)]` of every op.
 #[pyfunction]
 fn op_table() -> Vec<(&'static str, &'static str, &'static str)> {
-    TABLE.get().copied().unwrap_or_default().iter().map(|o| (o.name, o.schema, o.doc)).collect()
+    TABLE
+        .get()
+        .copied()
+        .unwrap_or_default()
+        .iter()
+        .map(|o| (o.name, o.schema, o.doc))
+        .collect()
 }
 
 /// Runs op `name` on the interpreter over host-memory tensors (`None` for an absent
 /// optional tensor) and returns fresh result tensors on `device`.
 #[pyfunction]
-fn run<'py>(py: Python<'py>, name: &str, statics: &Bound<'py, PyTuple>, inputs: &Bound<'py, PyList>, device: &Bound<'py, PyAny>, target: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+fn run<'py>(
+    py: Python<'py>,
+    name: &str,
+    statics: &Bound<'py, PyTuple>,
+    inputs: &Bound<'py, PyList>,
+    device: &Bound<'py, PyAny>,
+    target: &str,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let target = target_named(target)?;
     let refs = tensor_refs(inputs)?;
-    let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
-    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
-    let arrays: Vec<Option<Array>> = refs.iter().map(|r| r.as_ref().map(TensorRef::read)).collect();
-    let results = plan::execute(&plan, &arrays).map_err(py_err)?;
-    results
+    let types: Vec<Option<Type>> = refs
         .iter()
-        .zip(&plan.results)
-        .map(|(a, r)| {
-            let t = empty(py, &r.ty, device)?;
-            TensorRef { ty: r.ty.clone(), ptr: t.call_method0("data_ptr")?.extract()?, _owner: None }.write(a);
-            Ok(t)
-        })
-        .collect()
+        .map(|r| r.as_ref().map(|r| r.ty.clone()))
+        .collect();
+    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let (tensors, mut outs): (Vec<_>, Vec<_>) = plan
+        .results
+        .iter()
+        .map(|r| TensorRef::empty(py, &r.ty, device))
+        .collect::<PyResult<Vec<_>>>()?
+        .into_iter()
+        .unzip();
+    let ins: Vec<Option<HostRef<'_>>> = refs
+        .iter()
+        .map(|r| r.as_ref().map(TensorRef::host))
+        .collect();
+    let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(TensorRef::host_mut).collect();
+    plan::execute_into(&plan, &ins, &mut views).map_err(py_err)?;
+    Ok(tensors)
 }
 
 /// The median seconds of `iters` executions of op `name`'s plan on the interpreter, over
 /// inputs already in host arrays: the kernels' own time, without the torch call around
 /// it (for the per-call overhead benchmark).
 #[pyfunction]
-fn time_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: &Bound<'_, PyList>, target: &str, iters: usize) -> PyResult<f64> {
+fn time_plan(
+    name: &str,
+    statics: &Bound<'_, PyTuple>,
+    inputs: &Bound<'_, PyList>,
+    target: &str,
+    iters: usize,
+) -> PyResult<f64> {
     let target = target_named(target)?;
     let refs = tensor_refs(inputs)?;
-    let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
+    let types: Vec<Option<Type>> = refs
+        .iter()
+        .map(|r| r.as_ref().map(|r| r.ty.clone()))
+        .collect();
     let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
-    let arrays: Vec<Option<Array>> = refs.iter().map(|r| r.as_ref().map(TensorRef::read)).collect();
+    let ins: Vec<Option<HostRef<'_>>> = refs
+        .iter()
+        .map(|r| r.as_ref().map(TensorRef::host))
+        .collect();
+    let mut outs: Vec<Array> = plan
+        .results
+        .iter()
+        .map(|r| Array::zeros(r.ty.dtype, &r.ty.shape))
+        .collect();
     let mut times = (0..iters.max(1))
         .map(|_| {
             let start = std::time::Instant::now();
-            plan::execute(&plan, &arrays).map_err(py_err)?;
+            let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(Array::as_host_mut).collect();
+            plan::execute_into(&plan, &ins, &mut views).map_err(py_err)?;
             Ok(start.elapsed().as_secs_f64())
         })
         .collect::<PyResult<Vec<f64>>>()?;
@@ -262,11 +390,22 @@ struct PyPlan(Arc<Plan>);
 fn layout_tuple(l: Layout) -> Option<(usize, usize, usize)> {
     match l {
         Layout::View => None,
-        Layout::HeadMajor { hkv, group, padded_tokens } => Some((hkv, group, padded_tokens)),
+        Layout::HeadMajor {
+            hkv,
+            group,
+            padded_tokens,
+        } => Some((hkv, group, padded_tokens)),
     }
 }
 
-type OperandTuple = (&'static str, usize, usize, Option<(usize, usize, usize)>, Vec<usize>, &'static str);
+type OperandTuple = (
+    &'static str,
+    usize,
+    usize,
+    Option<(usize, usize, usize)>,
+    Vec<usize>,
+    &'static str,
+);
 
 fn operand_tuple(o: &plan::Operand) -> OperandTuple {
     let (kind, a, b) = match o.source {
@@ -274,7 +413,14 @@ fn operand_tuple(o: &plan::Operand) -> OperandTuple {
         Source::Host(i) => ("host", i, 0),
         Source::Result { launch, output } => ("result", launch, output),
     };
-    (kind, a, b, layout_tuple(o.layout), o.ty.shape.clone(), plan::dtype_to_torch(o.ty.dtype))
+    (
+        kind,
+        a,
+        b,
+        layout_tuple(o.layout),
+        o.ty.shape.clone(),
+        plan::dtype_to_torch(o.ty.dtype),
+    )
 }
 
 #[pymethods]
@@ -286,13 +432,20 @@ impl PyPlan {
 
     /// Launch `i`'s kernel name (unique within the op).
     fn kernel_name(&self, i: usize) -> PyResult<String> {
-        Ok(format!("tessera.{}.{}", self.0.op, self.launch(i)?.kernel.name))
+        Ok(format!(
+            "tessera.{}.{}",
+            self.0.op,
+            self.launch(i)?.kernel.name
+        ))
     }
 
     /// Launch `i`'s StableHLO module text (lowered on first use).
     fn module(&self, i: usize) -> PyResult<String> {
         let target = self.0.target;
-        self.launch(i)?.module(&target).map(str::to_string).map_err(PyRuntimeError::new_err)
+        self.launch(i)?
+            .module(&target)
+            .map(str::to_string)
+            .map_err(PyRuntimeError::new_err)
     }
 
     /// Launch `i`'s operands: `(kind, index, output, layout, shape, dtype)` with kind
@@ -303,7 +456,12 @@ impl PyPlan {
 
     /// Launch `i`'s outputs as `(shape, dtype)`.
     fn outputs(&self, i: usize) -> PyResult<Vec<(Vec<usize>, &'static str)>> {
-        Ok(self.launch(i)?.outputs.iter().map(|t| (t.shape.clone(), plan::dtype_to_torch(t.dtype))).collect())
+        Ok(self
+            .launch(i)?
+            .outputs
+            .iter()
+            .map(|t| (t.shape.clone(), plan::dtype_to_torch(t.dtype)))
+            .collect())
     }
 
     /// The op's results, as operands.
@@ -319,16 +477,26 @@ impl PyPlan {
 
     /// The host arrays for one call, as fresh CPU tensors, from the values of the
     /// `host_reads` inputs (CPU tensors).
-    fn host_arrays<'py>(&self, py: Python<'py>, values: &Bound<'py, PyList>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn host_arrays<'py>(
+        &self,
+        py: Python<'py>,
+        values: &Bound<'py, PyList>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let refs = tensor_refs(values)?;
-        let arrays: Vec<Array> = refs.iter().flatten().map(TensorRef::read).collect();
-        let host = self.0.host_arrays(&arrays.iter().collect::<Vec<_>>()).map_err(py_err)?;
+        let arrays: Vec<Array> = refs
+            .iter()
+            .flatten()
+            .map(|r| plan::to_array(r.host()))
+            .collect();
+        let host = self
+            .0
+            .host_arrays(&arrays.iter().collect::<Vec<_>>())
+            .map_err(py_err)?;
         let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;
         host.iter()
             .map(|a| {
-                let ty = Type::vector(a.dtype, &a.shape);
-                let t = empty(py, &ty, &cpu)?;
-                TensorRef { ty, ptr: t.call_method0("data_ptr")?.extract()?, _owner: None }.write(a);
+                let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), &cpu)?;
+                plan::copy_into(a.as_host().data, &mut r.host_mut().data);
                 Ok(t)
             })
             .collect()
@@ -336,37 +504,59 @@ impl PyPlan {
 
     /// Runs launch `i`'s kernel on the interpreter: `inputs` are its operands (already in
     /// kernel layout) and `outputs` fresh tensors of its output types, all host memory.
-    fn emulate(&self, i: usize, inputs: &Bound<'_, PyList>, outputs: &Bound<'_, PyList>) -> PyResult<()> {
+    fn emulate(
+        &self,
+        i: usize,
+        inputs: &Bound<'_, PyList>,
+        outputs: &Bound<'_, PyList>,
+    ) -> PyResult<()> {
         let launch = self.launch(i)?;
-        let ins: Vec<Array> = tensor_refs(inputs)?.iter().flatten().map(TensorRef::read).collect();
-        let outs = tensor_refs(outputs)?;
-        let results = tessera_dsl::interp::run(&launch.kernel, &ins.iter().collect::<Vec<_>>()).map_err(py_err)?;
-        if outs.len() != results.len() || outs.iter().zip(&results).any(|(o, r)| o.as_ref().is_none_or(|o| o.ty.dtype != r.dtype || o.ty.num_elements() != r.len())) {
-            return Err(PyValueError::new_err(format!("{}: output tensors do not match the kernel's outputs {:?}", self.kernel_name(i)?, launch.outputs)));
-        }
-        outs.iter().flatten().zip(&results).for_each(|(o, r)| o.write(r));
+        let ins = tensor_refs(inputs)?;
+        let mut outs = tensor_refs(outputs)?;
+        let ins: Vec<HostRef<'_>> = ins.iter().flatten().map(TensorRef::host).collect();
+        let mut outs: Vec<HostMut<'_>> =
+            outs.iter_mut().flatten().map(TensorRef::host_mut).collect();
+        tessera_dsl::interp::run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
         Ok(())
     }
 }
 
 impl PyPlan {
     fn launch(&self, i: usize) -> PyResult<&plan::Launch> {
-        self.0.launches.get(i).ok_or_else(|| PyValueError::new_err(format!("launch {i} of {}", self.0.launches.len())))
+        self.0.launches.get(i).ok_or_else(|| {
+            PyValueError::new_err(format!("launch {i} of {}", self.0.launches.len()))
+        })
     }
 }
 
 /// The plan of op `name` for inputs given as `(dtype, shape)` (or `None`) and statics.
 #[pyfunction]
-fn make_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: Vec<Option<(String, Vec<usize>)>>, target: &str) -> PyResult<PyPlan> {
+fn make_plan(
+    name: &str,
+    statics: &Bound<'_, PyTuple>,
+    inputs: Vec<Option<(String, Vec<usize>)>>,
+    target: &str,
+) -> PyResult<PyPlan> {
     let target = target_named(target)?;
     let types = inputs
         .into_iter()
         .map(|i| {
-            i.map(|(dtype, shape)| plan::dtype_from_torch(&dtype).map(|d| Type::vector(d, &shape)).ok_or_else(|| PyValueError::new_err(format!("tessera: unsupported dtype {dtype}"))))
-                .transpose()
+            i.map(|(dtype, shape)| {
+                plan::dtype_from_torch(&dtype)
+                    .map(|d| Type::vector(d, &shape))
+                    .ok_or_else(|| {
+                        PyValueError::new_err(format!("tessera: unsupported dtype {dtype}"))
+                    })
+            })
+            .transpose()
         })
         .collect::<PyResult<Vec<_>>>()?;
-    Ok(PyPlan(plan_for(name, &statics_of(statics)?, &types, &target)?))
+    Ok(PyPlan(plan_for(
+        name,
+        &statics_of(statics)?,
+        &types,
+        &target,
+    )?))
 }
 
 /// Fills a Python extension module serving `ops`: the library's `tessera._native`, or a
@@ -374,7 +564,9 @@ fn make_plan(name: &str, statics: &Bound<'_, PyTuple>, inputs: Vec<Option<(Strin
 /// `torch.ops.tpu.*` exactly like the library (see `interop/torch/example`).
 pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<()> {
     if TABLE.set(ops).is_err() && !std::ptr::eq(*TABLE.get().expect("set"), ops) {
-        return Err(PyRuntimeError::new_err("tessera: this extension module was initialised with another op table"));
+        return Err(PyRuntimeError::new_err(
+            "tessera: this extension module was initialised with another op table",
+        ));
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(op_table, m)?)?;

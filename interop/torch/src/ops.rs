@@ -8,7 +8,9 @@ use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, KernelError, Target, Type};
 use tessera_kernels::attention::{self, AttentionParams};
 use tessera_kernels::routing::{self, Gate};
-use tessera_kernels::{elementwise, gmm, matmul, norms, paged_attention, quant, ragged_paged_attention as rpa, rope_ce};
+use tessera_kernels::{
+    elementwise, gmm, matmul, norms, paged_attention, quant, ragged_paged_attention as rpa, rope_ce,
+};
 
 use crate::plan::{Launch, Layout, Operand, Plan, Source};
 
@@ -42,20 +44,38 @@ pub struct OpDef {
 }
 
 impl Call<'_> {
-    pub fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+    pub fn err(
+        &self,
+        subject: impl Into<String>,
+        rule: &'static str,
+        message: impl Into<String>,
+        help: impl Into<String>,
+    ) -> KernelError {
         KernelError::new(self.op, subject, rule, message, help)
     }
 
     /// Tensor input `i`, which must be given.
     pub fn input(&self, i: usize) -> Result<&Type, KernelError> {
-        self.inputs.get(i).and_then(Option::as_ref).ok_or_else(|| self.err(format!("tensor input {i}"), "missing-input", "a required tensor is missing", "pass every required tensor"))
+        self.inputs.get(i).and_then(Option::as_ref).ok_or_else(|| {
+            self.err(
+                format!("tensor input {i}"),
+                "missing-input",
+                "a required tensor is missing",
+                "pass every required tensor",
+            )
+        })
     }
 
     /// Tensor input `i` of rank `rank` (its dims) and, if given, dtype class.
     pub fn dims(&self, i: usize, name: &str, rank: usize) -> Result<&[usize], KernelError> {
         let t = self.input(i)?;
         if t.rank() != rank {
-            return Err(self.err(format!("input `{name}`"), "operand-rank", format!("{name} is {t}, rank {}", t.rank()), format!("pass {name} with {rank} dims")));
+            return Err(self.err(
+                format!("input `{name}`"),
+                "operand-rank",
+                format!("{name} is {t}, rank {}", t.rank()),
+                format!("pass {name} with {rank} dims"),
+            ));
         }
         Ok(&t.shape)
     }
@@ -64,7 +84,12 @@ impl Call<'_> {
     pub fn rows(&self, i: usize, name: &str) -> Result<Type, KernelError> {
         let t = self.input(i)?;
         let Some((&n, lead)) = t.shape.split_last() else {
-            return Err(self.err(format!("input `{name}`"), "operand-rank", format!("{name} is a scalar"), format!("pass {name} with at least one dim")));
+            return Err(self.err(
+                format!("input `{name}`"),
+                "operand-rank",
+                format!("{name} is a scalar"),
+                format!("pass {name} with at least one dim"),
+            ));
         };
         Ok(Type::vector(t.dtype, &[lead.iter().product(), n]))
     }
@@ -73,7 +98,12 @@ impl Call<'_> {
     pub fn row_vector(&self, i: usize, name: &str, n: usize) -> Result<Type, KernelError> {
         let t = self.input(i)?;
         if t.num_elements() != n || t.rank() > 2 || (t.rank() == 2 && t.shape[0] != 1) {
-            return Err(self.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass {name} of shape [{n}]")));
+            return Err(self.err(
+                format!("input `{name}`"),
+                "operand-shape",
+                format!("{name} is {t}"),
+                format!("pass {name} of shape [{n}]"),
+            ));
         }
         Ok(Type::vector(t.dtype, &[1, n]))
     }
@@ -93,13 +123,25 @@ impl Call<'_> {
     pub fn usize_opt(&self, i: usize, name: &str) -> Result<Option<usize>, KernelError> {
         match self.statics.get(i) {
             Some(Static::Int(x)) if *x >= 0 => Ok(Some(*x as usize)),
-            Some(Static::Int(x)) => Err(self.err(format!("argument `{name}`"), "option-value", format!("{name} = {x}"), format!("pass a non-negative {name}"))),
+            Some(Static::Int(x)) => Err(self.err(
+                format!("argument `{name}`"),
+                "option-value",
+                format!("{name} = {x}"),
+                format!("pass a non-negative {name}"),
+            )),
             _ => Ok(None),
         }
     }
 
     pub fn usize(&self, i: usize, name: &str) -> Result<usize, KernelError> {
-        self.usize_opt(i, name)?.ok_or_else(|| self.err(format!("argument `{name}`"), "missing-argument", format!("{name} is not given"), format!("pass {name}")))
+        self.usize_opt(i, name)?.ok_or_else(|| {
+            self.err(
+                format!("argument `{name}`"),
+                "missing-argument",
+                format!("{name} is not given"),
+                format!("pass {name}"),
+            )
+        })
     }
 
     pub fn str(&self, i: usize) -> &str {
@@ -123,10 +165,19 @@ pub fn result(launch: usize, output: usize, ty: Type) -> Operand {
 }
 
 /// A plan of one kernel whose results are its outputs seen with `shapes` (`None`: as is).
-pub fn single(c: &Call, kernel: tessera_dsl::Kernel, args: Vec<Operand>, shapes: &[Option<Vec<usize>>]) -> Plan {
+pub fn single(
+    c: &Call,
+    kernel: tessera_dsl::Kernel,
+    args: Vec<Operand>,
+    shapes: &[Option<Vec<usize>>],
+) -> Plan {
     let launch = Launch::new(kernel, args);
     let results = launch.outputs.iter().enumerate().map(|(j, t)| {
-        let shape = shapes.get(j).cloned().flatten().unwrap_or_else(|| t.shape.clone());
+        let shape = shapes
+            .get(j)
+            .cloned()
+            .flatten()
+            .unwrap_or_else(|| t.shape.clone());
         result(0, j, Type::vector(t.dtype, &shape))
     });
     let results = results.collect();
@@ -142,7 +193,12 @@ fn float_input(c: &Call, i: usize, name: &str) -> Result<(), KernelError> {
     if t.dtype.is_float() {
         return Ok(());
     }
-    Err(c.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {}", t.dtype), "pass float32 or bfloat16"))
+    Err(c.err(
+        format!("input `{name}`"),
+        "operand-dtype",
+        format!("{name} is {}", t.dtype),
+        "pass float32 or bfloat16",
+    ))
 }
 
 // ---- basic and norms ----------------------------------------------------------------------
@@ -150,23 +206,46 @@ fn float_input(c: &Call, i: usize, name: &str) -> Result<(), KernelError> {
 fn plan_matmul(c: &Call) -> Result<Plan, KernelError> {
     let (x, y) = (c.dims(0, "x", 2)?, c.dims(1, "y", 2)?);
     if x[1] != y[0] {
-        return Err(c.err("input `y`", "operand-shape", format!("x is [{}, {}] and y [{}, {}]", x[0], x[1], y[0], y[1]), "the contraction dims must agree: x [m, k] @ y [k, n]"));
+        return Err(c.err(
+            "input `y`",
+            "operand-shape",
+            format!("x is [{}, {}] and y [{}, {}]", x[0], x[1], y[0], y[1]),
+            "the contraction dims must agree: x [m, k] @ y [k, n]",
+        ));
     }
     float_input(c, 0, "x")?;
     let (x, y) = (c.input(0)?.clone(), c.input(1)?.clone());
-    Ok(single(c, matmul::matmul(&x, &y, c.target)?, vec![input(0, x), input(1, y)], &[]))
+    Ok(single(
+        c,
+        matmul::matmul(&x, &y, c.target)?,
+        vec![input(0, x), input(1, y)],
+        &[],
+    ))
 }
 
 fn plan_gelu_affine(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows(0, "x")?;
-    let (a, b) = (c.row_vector(1, "a", x.shape[1])?, c.row_vector(2, "b", x.shape[1])?);
+    let (a, b) = (
+        c.row_vector(1, "a", x.shape[1])?,
+        c.row_vector(2, "b", x.shape[1])?,
+    );
     let kernel = elementwise::gelu_affine(&x, &a, &b, c.target)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, a), input(2, b)], &[same_shape(c, 0)?]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, a), input(2, b)],
+        &[same_shape(c, 0)?],
+    ))
 }
 
 fn plan_softmax(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows(0, "x")?;
-    Ok(single(c, elementwise::softmax(&x, c.target)?, vec![input(0, x)], &[same_shape(c, 0)?]))
+    Ok(single(
+        c,
+        elementwise::softmax(&x, c.target)?,
+        vec![input(0, x)],
+        &[same_shape(c, 0)?],
+    ))
 }
 
 fn eps(c: &Call, i: usize) -> f32 {
@@ -177,7 +256,12 @@ fn plan_rmsnorm(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows(0, "x")?;
     let w = c.row_vector(1, "weight", x.shape[1])?;
     let kernel = elementwise::rmsnorm(&x, &w, eps(c, 0), c.target)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, w)], &[same_shape(c, 0)?]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, w)],
+        &[same_shape(c, 0)?],
+    ))
 }
 
 fn plan_rmsnorm_residual(c: &Call) -> Result<Plan, KernelError> {
@@ -185,33 +269,62 @@ fn plan_rmsnorm_residual(c: &Call) -> Result<Plan, KernelError> {
     let w = c.row_vector(2, "weight", x.shape[1])?;
     let kernel = norms::build::rmsnorm_residual(&x, &r, &w, eps(c, 0), c.target)?;
     let shape = same_shape(c, 0)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, r), input(2, w)], &[shape.clone(), shape]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, r), input(2, w)],
+        &[shape.clone(), shape],
+    ))
 }
 
 fn plan_layernorm(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows(0, "x")?;
-    let (w, b) = (c.row_vector(1, "weight", x.shape[1])?, c.row_vector(2, "bias", x.shape[1])?);
-    let kernel = norms::build::layernorm(&x, &w, &b, c.f64_opt(0).unwrap_or(1e-5) as f32, c.target)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, w), input(2, b)], &[same_shape(c, 0)?]))
+    let (w, b) = (
+        c.row_vector(1, "weight", x.shape[1])?,
+        c.row_vector(2, "bias", x.shape[1])?,
+    );
+    let kernel =
+        norms::build::layernorm(&x, &w, &b, c.f64_opt(0).unwrap_or(1e-5) as f32, c.target)?;
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, w), input(2, b)],
+        &[same_shape(c, 0)?],
+    ))
 }
 
 fn plan_rmsnorm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (x, dy) = (c.rows(0, "x")?, c.rows(2, "dy")?);
     let w = c.row_vector(1, "weight", x.shape[1])?;
     let kernel = norms::build::rmsnorm_bwd(&x, &w, &dy, eps(c, 0), c.target)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, w), input(2, dy)], &[same_shape(c, 0)?, same_shape(c, 1)?]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, w), input(2, dy)],
+        &[same_shape(c, 0)?, same_shape(c, 1)?],
+    ))
 }
 
 fn plan_swiglu(c: &Call) -> Result<Plan, KernelError> {
     let (a, b) = (c.rows(0, "a")?, c.rows(1, "b")?);
-    Ok(single(c, norms::build::swiglu(&a, &b, c.target)?, vec![input(0, a), input(1, b)], &[same_shape(c, 0)?]))
+    Ok(single(
+        c,
+        norms::build::swiglu(&a, &b, c.target)?,
+        vec![input(0, a), input(1, b)],
+        &[same_shape(c, 0)?],
+    ))
 }
 
 fn plan_swiglu_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (a, b, dy) = (c.rows(0, "a")?, c.rows(1, "b")?, c.rows(2, "dy")?);
     let kernel = norms::build::swiglu_bwd(&a, &b, &dy, c.target)?;
     let shape = same_shape(c, 0)?;
-    Ok(single(c, kernel, vec![input(0, a), input(1, b), input(2, dy)], &[shape.clone(), shape]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, a), input(1, b), input(2, dy)],
+        &[shape.clone(), shape],
+    ))
 }
 
 // ---- RoPE and cross-entropy -----------------------------------------------------------------
@@ -222,11 +335,20 @@ fn plan_rope(c: &Call, backward: bool) -> Result<Plan, KernelError> {
     let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
     let positions = c.input(1)?;
     if positions.dtype != DType::I32 || positions.shape != [t] {
-        return Err(c.err("input `position_ids`", "operand-shape", format!("position_ids is {positions}, x has {t} tokens"), format!("pass int32 position ids of shape [{t}]")));
+        return Err(c.err(
+            "input `position_ids`",
+            "operand-shape",
+            format!("position_ids is {positions}, x has {t} tokens"),
+            format!("pass int32 position ids of shape [{t}]"),
+        ));
     }
     let w = rope_ce::rope_chunk(h * dh, dh);
     let table = Type::vector(DType::F32, &[t, w]);
-    let args = vec![input(0, Type::vector(x.dtype, &[t, h * dh])), host(0, table.clone()), host(1, table)];
+    let args = vec![
+        input(0, Type::vector(x.dtype, &[t, h * dh])),
+        host(0, table.clone()),
+        host(1, table),
+    ];
     let (theta, interleaved) = (c.f64_opt(0).unwrap_or(10000.0), c.bool(1));
     Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(
         &[1],
@@ -241,10 +363,18 @@ fn plan_rope(c: &Call, backward: bool) -> Result<Plan, KernelError> {
 /// `a` (`[t]` or `[t, 1]`) as a `[t, 1]` column of `dtype` class (`None`: any float).
 fn column(c: &Call, i: usize, name: &str, t: usize, int: bool) -> Result<Operand, KernelError> {
     let a = c.input(i)?;
-    let ok = a.num_elements() == t && a.rank() <= 2 && (a.dtype == DType::I32) == int && (int || a.dtype.is_float());
+    let ok = a.num_elements() == t
+        && a.rank() <= 2
+        && (a.dtype == DType::I32) == int
+        && (int || a.dtype.is_float());
     if !ok {
         let want = if int { "int32" } else { "float" };
-        return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {a}, the logits have {t} rows"), format!("pass {want} {name} of shape [{t}]")));
+        return Err(c.err(
+            format!("input `{name}`"),
+            "operand-shape",
+            format!("{name} is {a}, the logits have {t} rows"),
+            format!("pass {want} {name} of shape [{t}]"),
+        ));
     }
     Ok(input(i, Type::vector(a.dtype, &[t, 1])))
 }
@@ -260,9 +390,18 @@ fn plan_cross_entropy(c: &Call) -> Result<Plan, KernelError> {
 fn plan_cross_entropy_bwd(c: &Call) -> Result<Plan, KernelError> {
     let logits = c.input(0)?.clone();
     let t = logits.shape.first().copied().unwrap_or(0);
-    let (labels, lse, dloss) = (column(c, 1, "labels", t, true)?, column(c, 2, "lse", t, false)?, column(c, 3, "dloss", t, false)?);
+    let (labels, lse, dloss) = (
+        column(c, 1, "labels", t, true)?,
+        column(c, 2, "lse", t, false)?,
+        column(c, 3, "dloss", t, false)?,
+    );
     let kernel = rope_ce::build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, c.target)?;
-    Ok(single(c, kernel, vec![input(0, logits), labels, lse, dloss], &[]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, logits), labels, lse, dloss],
+        &[],
+    ))
 }
 
 fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
@@ -274,10 +413,24 @@ fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
     let backward = rope_ce::build_cross_entropy_bwd(&logits, DType::F32, DType::F32, c.target)?;
     let launches = vec![
         Launch::new(forward, vec![input(0, logits.clone()), labels.clone()]),
-        Launch::new(backward, vec![input(0, logits.clone()), labels, result(0, 1, col.clone()), host(0, col)]),
+        Launch::new(
+            backward,
+            vec![
+                input(0, logits.clone()),
+                labels,
+                result(0, 1, col.clone()),
+                host(0, col),
+            ],
+        ),
     ];
-    let results = vec![result(0, 0, Type::vector(DType::F32, &[t])), result(1, 0, logits)];
-    Ok(Plan::new(c.op, c.target, launches, results).with_host(&[], Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])]))))
+    let results = vec![
+        result(0, 0, Type::vector(DType::F32, &[t])),
+        result(1, 0, logits),
+    ];
+    Ok(Plan::new(c.op, c.target, launches, results).with_host(
+        &[],
+        Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])])),
+    ))
 }
 
 // ---- quantized matmul, grouped matmul, routing ---------------------------------------------
@@ -288,13 +441,23 @@ fn plan_quantized_matmul(c: &Call) -> Result<Plan, KernelError> {
     let scale = c.row_vector(2, "scale", w[0])?;
     let (x, w) = (c.input(0)?.clone(), c.input(1)?.clone());
     let kernel = quant::quantized_matmul(&x, &w, &scale, c.target)?;
-    Ok(single(c, kernel, vec![input(0, x), input(1, w), input(2, scale)], &[]))
+    Ok(single(
+        c,
+        kernel,
+        vec![input(0, x), input(1, w), input(2, scale)],
+        &[],
+    ))
 }
 
 fn group_sizes(c: &Call, i: usize) -> Result<usize, KernelError> {
     let g = c.input(i)?;
     if g.rank() != 1 || g.dtype != DType::I32 {
-        return Err(c.err("input `group_sizes`", "operand-shape", format!("group_sizes is {g}"), "pass int32 group sizes of shape [groups]"));
+        return Err(c.err(
+            "input `group_sizes`",
+            "operand-shape",
+            format!("group_sizes is {g}"),
+            "pass int32 group sizes of shape [groups]",
+        ));
     }
     Ok(g.shape[0])
 }
@@ -303,12 +466,18 @@ fn plan_gmm(c: &Call) -> Result<Plan, KernelError> {
     c.dims(0, "lhs", 2)?;
     c.dims(1, "rhs", 3)?;
     group_sizes(c, 2)?;
-    let (lhs, rhs, sizes) = (c.input(0)?.clone(), c.input(1)?.clone(), c.input(2)?.clone());
+    let (lhs, rhs, sizes) = (
+        c.input(0)?.clone(),
+        c.input(1)?.clone(),
+        c.input(2)?.clone(),
+    );
     let transpose = c.bool(0);
     let blocks = gmm::default_gmm_blocks(&lhs, &rhs, transpose, c.target);
     let kernel = gmm::build_gmm(&lhs, &rhs, &sizes, transpose, blocks, c.target)?;
     let cap = gmm::visit_capacity(lhs.shape[0], sizes.shape[0], blocks.tm);
-    let mut args: Vec<Operand> = (0..4).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    let mut args: Vec<Operand> = (0..4)
+        .map(|i| host(i, Type::vector(DType::I32, &[cap])))
+        .collect();
     args.extend([input(0, lhs.clone()), input(1, rhs)]);
     let m = lhs.shape[0];
     Ok(single(c, kernel, args, &[]).with_host(
@@ -324,11 +493,17 @@ fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
     c.dims(0, "lhs", 2)?;
     c.dims(1, "grad", 2)?;
     group_sizes(c, 2)?;
-    let (lhs, grad, sizes) = (c.input(0)?.clone(), c.input(1)?.clone(), c.input(2)?.clone());
+    let (lhs, grad, sizes) = (
+        c.input(0)?.clone(),
+        c.input(1)?.clone(),
+        c.input(2)?.clone(),
+    );
     let blocks = gmm::default_tgmm_blocks(&lhs, &grad, c.target);
     let kernel = gmm::build_tgmm(&lhs, &grad, &sizes, blocks, c.target)?;
     let cap = gmm::visit_capacity(lhs.shape[0], sizes.shape[0], blocks.tm);
-    let mut args: Vec<Operand> = (0..6).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    let mut args: Vec<Operand> = (0..6)
+        .map(|i| host(i, Type::vector(DType::I32, &[cap])))
+        .collect();
     args.extend([input(0, lhs.clone()), input(1, grad)]);
     let m = lhs.shape[0];
     Ok(single(c, kernel, args, &[]).with_host(
@@ -345,7 +520,14 @@ fn plan_router_topk(c: &Call) -> Result<Plan, KernelError> {
     let gate = match c.str(1) {
         "softmax" => Gate::Softmax,
         "sigmoid" => Gate::Sigmoid,
-        other => return Err(c.err("argument `gate`", "option-value", format!("gate = {other:?}"), "use \"softmax\" or \"sigmoid\"")),
+        other => {
+            return Err(c.err(
+                "argument `gate`",
+                "option-value",
+                format!("gate = {other:?}"),
+                "use \"softmax\" or \"sigmoid\"",
+            ))
+        }
     };
     let kernel = routing::router_topk(&logits, c.usize(0, "k")?, gate, c.bool(2), c.target)?;
     Ok(single(c, kernel, vec![input(0, logits)], &[]))
@@ -356,7 +538,12 @@ fn expert_ids(c: &Call, i: usize) -> Result<(usize, usize), KernelError> {
     let ids = c.input(i)?;
     match ids.shape[..] {
         [t, k] if ids.dtype == DType::I32 => Ok((t, k)),
-        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] int32 expert ids from router_topk")),
+        _ => Err(c.err(
+            "input `expert_ids`",
+            "operand-shape",
+            format!("expert_ids is {ids}"),
+            "pass the [tokens, k] int32 expert ids from router_topk",
+        )),
     }
 }
 
@@ -365,16 +552,30 @@ fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     let (t, k) = expert_ids(c, 1)?;
     let experts = c.usize(0, "num_experts")?;
     if x.shape.first() != Some(&t) {
-        return Err(c.err("input `x`", "routing-shape", format!("x is {x}, expert_ids has {t} tokens"), format!("pass x of shape [{t}, d]")));
+        return Err(c.err(
+            "input `x`",
+            "routing-shape",
+            format!("x is {x}, expert_ids has {t} tokens"),
+            format!("pass x of shape [{t}, d]"),
+        ));
     }
     let kernel = routing::permute_for(&x, t * k, c.target)?;
-    let launch = Launch::new(kernel, vec![host(0, Type::vector(DType::I32, &[t * k, 1])), input(0, x)]);
-    let results = vec![result(0, 0, launch.outputs[0].clone()), host(1, Type::vector(DType::I32, &[experts]))];
+    let launch = Launch::new(
+        kernel,
+        vec![host(0, Type::vector(DType::I32, &[t * k, 1])), input(0, x)],
+    );
+    let results = vec![
+        result(0, 0, launch.outputs[0].clone()),
+        host(1, Type::vector(DType::I32, &[experts])),
+    ];
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
         &[1],
         Box::new(move |v| {
             let r = routing::plan(v[0], experts)?;
-            Ok(vec![Array::from_i32(&[t * k, 1], r.src), Array::from_i32(&[experts], r.group_sizes)])
+            Ok(vec![
+                Array::from_i32(&[t * k, 1], r.src),
+                Array::from_i32(&[experts], r.group_sizes),
+            ])
         }),
     ))
 }
@@ -384,11 +585,22 @@ fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     let (t, k) = expert_ids(c, 2)?;
     let experts = c.usize(0, "num_experts")?;
     if weights.shape != [t, k] || y.shape.first() != Some(&(t * k)) {
-        return Err(c.err("input `y`", "routing-shape", format!("y is {y} and weights {weights}, expert_ids is [{t}, {k}]"), format!("pass y [{}, d] and weights [{t}, {k}]", t * k)));
+        return Err(c.err(
+            "input `y`",
+            "routing-shape",
+            format!("y is {y} and weights {weights}, expert_ids is [{t}, {k}]"),
+            format!("pass y [{}, d] and weights [{t}, {k}]", t * k),
+        ));
     }
     let pos = Type::vector(DType::I32, &[t, k]);
     let kernel = routing::combine_for(&weights, &pos, &y, c.target)?;
-    Ok(single(c, kernel, vec![input(1, weights), host(0, pos), input(0, y)], &[]).with_host(
+    Ok(single(
+        c,
+        kernel,
+        vec![input(1, weights), host(0, pos), input(0, y)],
+        &[],
+    )
+    .with_host(
         &[2],
         Box::new(move |v| {
             let r = routing::plan(v[0], experts)?;
@@ -411,8 +623,17 @@ fn attention_params(c: &Call, q: &Type) -> AttentionParams {
     params
 }
 
-fn segment_operands(c: &Call, seg: usize, b: usize, sq: usize, skv: usize) -> Result<(bool, [Operand; 2]), KernelError> {
-    let given = (c.inputs.get(seg).is_some_and(Option::is_some), c.inputs.get(seg + 1).is_some_and(Option::is_some));
+fn segment_operands(
+    c: &Call,
+    seg: usize,
+    b: usize,
+    sq: usize,
+    skv: usize,
+) -> Result<(bool, [Operand; 2]), KernelError> {
+    let given = (
+        c.inputs.get(seg).is_some_and(Option::is_some),
+        c.inputs.get(seg + 1).is_some_and(Option::is_some),
+    );
     match given {
         (false, false) => {
             let dummy = Type::vector(DType::I32, &[1, 1, 1]);
@@ -422,17 +643,38 @@ fn segment_operands(c: &Call, seg: usize, b: usize, sq: usize, skv: usize) -> Re
             for (i, name, n) in [(seg, "q_segment_ids", sq), (seg + 1, "kv_segment_ids", skv)] {
                 let t = c.input(i)?;
                 if t.dtype != DType::I32 || t.shape != [b, n] {
-                    return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass int32 segment ids of shape [{b}, {n}]")));
+                    return Err(c.err(
+                        format!("input `{name}`"),
+                        "operand-shape",
+                        format!("{name} is {t}"),
+                        format!("pass int32 segment ids of shape [{b}, {n}]"),
+                    ));
                 }
             }
-            Ok((true, [input(seg, Type::vector(DType::I32, &[b, sq, 1])), input(seg + 1, Type::vector(DType::I32, &[b, 1, skv]))]))
+            Ok((
+                true,
+                [
+                    input(seg, Type::vector(DType::I32, &[b, sq, 1])),
+                    input(seg + 1, Type::vector(DType::I32, &[b, 1, skv])),
+                ],
+            ))
         }
-        _ => Err(c.err("input `q_segment_ids`", "segment-ids", "only one of q_segment_ids and kv_segment_ids is given", "pass both or neither")),
+        _ => Err(c.err(
+            "input `q_segment_ids`",
+            "segment-ids",
+            "only one of q_segment_ids and kv_segment_ids is given",
+            "pass both or neither",
+        )),
     }
 }
 
 fn dummy_segments() -> HostDummies {
-    Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
+    Box::new(|_| {
+        Ok(vec![
+            Array::from_i32(&[1, 1, 1], vec![0]),
+            Array::from_i32(&[1, 1, 1], vec![0]),
+        ])
+    })
 }
 
 type HostDummies = crate::plan::HostFn;
@@ -441,7 +683,11 @@ fn qkv(c: &Call) -> Result<(Type, Type, Type), KernelError> {
     for (i, name) in [(0, "q"), (1, "k"), (2, "v")] {
         c.dims(i, name, 4)?;
     }
-    Ok((c.input(0)?.clone(), c.input(1)?.clone(), c.input(2)?.clone()))
+    Ok((
+        c.input(0)?.clone(),
+        c.input(1)?.clone(),
+        c.input(2)?.clone(),
+    ))
 }
 
 fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
@@ -450,10 +696,20 @@ fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     let (segmented, seg) = segment_operands(c, 3, b, sq, k.shape[2])?;
     let blocks = attention::default_forward_blocks(&q, &k, segmented, c.target);
-    let kernel = attention::build_flash_attention(&q, &k, &v, segmented, &params, blocks, c.target)?;
+    let kernel =
+        attention::build_flash_attention(&q, &k, &v, segmented, &params, blocks, c.target)?;
     let [qs, ks] = seg;
-    let plan = single(c, kernel, vec![input(0, q), input(1, k), input(2, v), qs, ks], &[None, Some(vec![b, h, sq])]);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    let plan = single(
+        c,
+        kernel,
+        vec![input(0, q), input(1, k), input(2, v), qs, ks],
+        &[None, Some(vec![b, h, sq])],
+    );
+    Ok(if segmented {
+        plan
+    } else {
+        plan.with_host(&[], dummy_segments())
+    })
 }
 
 fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
@@ -463,40 +719,83 @@ fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
     for (i, name) in [(3, "o"), (5, "do")] {
         let t = c.input(i)?;
         if *t != q {
-            return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}, q is {q}"), format!("pass {name} with q's shape and dtype")));
+            return Err(c.err(
+                format!("input `{name}`"),
+                "operand-shape",
+                format!("{name} is {t}, q is {q}"),
+                format!("pass {name} with q's shape and dtype"),
+            ));
         }
     }
     let lse = c.input(4)?;
     if lse.dtype != DType::F32 || lse.num_elements() != b * h * sq {
-        return Err(c.err("input `lse`", "operand-shape", format!("lse is {lse}"), format!("pass the forward's float32 lse of shape [{b}, {h}, {sq}]")));
+        return Err(c.err(
+            "input `lse`",
+            "operand-shape",
+            format!("lse is {lse}"),
+            format!("pass the forward's float32 lse of shape [{b}, {h}, {sq}]"),
+        ));
     }
     let (segmented, [qs, ks]) = segment_operands(c, 6, b, sq, k.shape[2])?;
     let blocks = attention::default_backward_blocks(&q, &k, segmented, c.target);
-    let kernels = attention::build_flash_attention_bwd(&q, &k, &v, segmented, &params, blocks, c.target)?;
+    let kernels =
+        attention::build_flash_attention_bwd(&q, &k, &v, segmented, &params, blocks, c.target)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
-    let (o, lse, dout) = (input(3, q.clone()), input(4, col.clone()), input(5, q.clone()));
+    let (o, lse, dout) = (
+        input(3, q.clone()),
+        input(4, col.clone()),
+        input(5, q.clone()),
+    );
     let di = result(0, 0, col);
-    let main = vec![input(0, q.clone()), input(1, k.clone()), input(2, v.clone()), qs, ks, dout.clone(), lse, di];
+    let main = vec![
+        input(0, q.clone()),
+        input(1, k.clone()),
+        input(2, v.clone()),
+        qs,
+        ks,
+        dout.clone(),
+        lse,
+        di,
+    ];
     let mut kernels = kernels.into_iter();
     let mut next = || kernels.next().expect("three backward kernels");
-    let launches = vec![Launch::new(next(), vec![o, dout]), Launch::new(next(), main.clone()), Launch::new(next(), main)];
+    let launches = vec![
+        Launch::new(next(), vec![o, dout]),
+        Launch::new(next(), main.clone()),
+        Launch::new(next(), main),
+    ];
     let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
     let plan = Plan::new(c.op, c.target, launches, results);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    Ok(if segmented {
+        plan
+    } else {
+        plan.with_host(&[], dummy_segments())
+    })
 }
 
 fn plan_paged_attention(c: &Call) -> Result<Plan, KernelError> {
-    let types: Vec<Type> = (0..5).map(|i| c.input(i).cloned()).collect::<Result<_, _>>()?;
-    let kernel = paged_attention::build(&types, c.usize_opt(0, "pages_per_compute_block")?, c.target)?;
+    let types: Vec<Type> = (0..5)
+        .map(|i| c.input(i).cloned())
+        .collect::<Result<_, _>>()?;
+    let kernel =
+        paged_attention::build(&types, c.usize_opt(0, "pages_per_compute_block")?, c.target)?;
     let (q, k) = (&types[0], &types[1]);
     let (b, h, d, hkv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[0]);
     let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
-    let args = vec![input(3, types[3].clone()), input(4, types[4].clone()), input(0, q4), input(1, types[1].clone()), input(2, types[2].clone())];
+    let args = vec![
+        input(3, types[3].clone()),
+        input(4, types[4].clone()),
+        input(0, q4),
+        input(1, types[1].clone()),
+        input(2, types[2].clone()),
+    ];
     Ok(single(c, kernel, args, &[Some(q.shape.clone())]))
 }
 
 fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
-    let types: Vec<Type> = (0..7).map(|i| c.input(i).cloned()).collect::<Result<_, _>>()?;
+    let types: Vec<Type> = (0..7)
+        .map(|i| c.input(i).cloned())
+        .collect::<Result<_, _>>()?;
     let opts = rpa::Options {
         sm_scale: c.f64_opt(0).unwrap_or(1.0) as f32,
         sliding_window: c.usize_opt(1, "sliding_window")?,
@@ -507,12 +806,38 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     let kernel = rpa::build(&types, &opts, c.target)?;
     let q = &types[0];
     let hkv = types[1].shape[0];
-    let qk = kernel.ref_decl(kernel.find_ref("q").expect("the kernel has q")).shape.clone();
-    let layout = Layout::HeadMajor { hkv, group: qk[1], padded_tokens: qk[2] };
-    let q_arg = Operand { source: Source::Input(0), layout, ty: Type::vector(q.dtype, &qk) };
-    let args = vec![input(3, types[3].clone()), input(4, types[4].clone()), input(5, types[5].clone()), input(6, types[6].clone()), q_arg, input(1, types[1].clone()), input(2, types[2].clone())];
+    let qk = kernel
+        .ref_decl(kernel.find_ref("q").expect("the kernel has q"))
+        .shape
+        .clone();
+    let layout = Layout::HeadMajor {
+        hkv,
+        group: qk[1],
+        padded_tokens: qk[2],
+    };
+    let q_arg = Operand {
+        source: Source::Input(0),
+        layout,
+        ty: Type::vector(q.dtype, &qk),
+    };
+    let args = vec![
+        input(3, types[3].clone()),
+        input(4, types[4].clone()),
+        input(5, types[5].clone()),
+        input(6, types[6].clone()),
+        q_arg,
+        input(1, types[1].clone()),
+        input(2, types[2].clone()),
+    ];
     let launch = Launch::new(kernel, args);
-    let out = Operand { source: Source::Result { launch: 0, output: 0 }, layout, ty: q.clone() };
+    let out = Operand {
+        source: Source::Result {
+            launch: 0,
+            output: 0,
+        },
+        layout,
+        ty: q.clone(),
+    };
     Ok(Plan::new(c.op, c.target, vec![launch], vec![out]))
 }
 
