@@ -71,6 +71,43 @@ fn torch_empty(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
     CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("empty")?.unbind()))
 }
 
+/// `n` elements of `T` at `ptr`.
+///
+/// # Safety
+/// Per [`TensorRef`]'s contract, `ptr` addresses `n` contiguous, initialised elements of
+/// the tensor's dtype (bf16 is a transparent u16; torch bools are bytes 0 or 1, valid
+/// `bool`s) that outlive the borrow. A zero-size tensor may have a null pointer, so it is
+/// never turned into a slice.
+unsafe fn slice_of<'a, T>(ptr: usize, n: usize) -> &'a [T] {
+    if n == 0 {
+        &[]
+    } else {
+        unsafe { std::slice::from_raw_parts(ptr as *const T, n) }
+    }
+}
+
+/// [`slice_of`], mutable; the caller also guarantees no other reference to the memory.
+unsafe fn slice_of_mut<'a, T>(ptr: usize, n: usize) -> &'a mut [T] {
+    if n == 0 {
+        &mut []
+    } else {
+        unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) }
+    }
+}
+
+/// The `$slice` of `$n` elements of `$dtype` at `$ptr`, as a `$kind` (`HostData` or `HostDataMut`).
+macro_rules! typed {
+    ($kind:ident, $slice:ident, $dtype:expr, $ptr:expr, $n:expr) => {
+        match $dtype {
+            DType::F32 => $kind::F32($slice($ptr, $n)),
+            DType::BF16 => $kind::BF16($slice($ptr, $n)),
+            DType::I32 => $kind::I32($slice($ptr, $n)),
+            DType::I8 => $kind::I8($slice($ptr, $n)),
+            DType::Bool => $kind::Bool($slice($ptr, $n)),
+        }
+    };
+}
+
 /// A tensor as the native side sees it.
 ///
 /// Contract (the Python side guarantees it): the tensor's memory is host memory (a CPU
@@ -116,26 +153,15 @@ impl<'py> TensorRef<'py> {
 
     /// The tensor's elements, borrowed in place.
     fn host(&self) -> HostRef<'_> {
-        let n = self.ty.num_elements();
-        // SAFETY: per the type's contract, `ptr` addresses `n` contiguous, initialised
-        // elements of `ty.dtype` (bf16 is a transparent u16; torch bools are bytes 0 or 1,
-        // valid `bool`s) that outlive `self`; a zero-size tensor may have a null pointer,
-        // so it is never turned into a slice.
-        unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a [T] {
-            if n == 0 {
-                &[]
-            } else {
-                unsafe { std::slice::from_raw_parts(ptr as *const T, n) }
-            }
-        }
+        // SAFETY: see `slice_of`; `self` outlives the borrow.
         let data = unsafe {
-            match self.ty.dtype {
-                DType::F32 => HostData::F32(slice(self.ptr, n)),
-                DType::BF16 => HostData::BF16(slice(self.ptr, n)),
-                DType::I32 => HostData::I32(slice(self.ptr, n)),
-                DType::I8 => HostData::I8(slice(self.ptr, n)),
-                DType::Bool => HostData::Bool(slice(self.ptr, n)),
-            }
+            typed!(
+                HostData,
+                slice_of,
+                self.ty.dtype,
+                self.ptr,
+                self.ty.num_elements()
+            )
         };
         HostRef {
             shape: &self.ty.shape,
@@ -146,24 +172,16 @@ impl<'py> TensorRef<'py> {
     /// The tensor's elements, mutably borrowed: only for fresh output tensors, which
     /// nothing else references while the call runs.
     fn host_mut(&mut self) -> HostMut<'_> {
-        let n = self.ty.num_elements();
-        // SAFETY: as in `host`; the tensor was allocated for this call's result and no
+        // SAFETY: see `slice_of`; the tensor was allocated for this call's result and no
         // other reference to its memory exists until the call returns.
-        unsafe fn slice<'a, T>(ptr: usize, n: usize) -> &'a mut [T] {
-            if n == 0 {
-                &mut []
-            } else {
-                unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) }
-            }
-        }
         let data = unsafe {
-            match self.ty.dtype {
-                DType::F32 => HostDataMut::F32(slice(self.ptr, n)),
-                DType::BF16 => HostDataMut::BF16(slice(self.ptr, n)),
-                DType::I32 => HostDataMut::I32(slice(self.ptr, n)),
-                DType::I8 => HostDataMut::I8(slice(self.ptr, n)),
-                DType::Bool => HostDataMut::Bool(slice(self.ptr, n)),
-            }
+            typed!(
+                HostDataMut,
+                slice_of_mut,
+                self.ty.dtype,
+                self.ptr,
+                self.ty.num_elements()
+            )
         };
         HostMut {
             shape: &self.ty.shape,
