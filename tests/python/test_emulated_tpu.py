@@ -25,19 +25,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # no torch-tpu auto
 import pytest
 import torch
 
-SRC = Path(__file__).resolve().parents[2] / "interop/torch/python/tessera/emulated_tpu.py"
+from tessera import emulated_tpu  # noqa: E402  (the installed package: scripts/test.sh installs it first)
 
-
-def _load_module():
-    """tessera.emulated_tpu from this checkout (it does not need tessera's native module)."""
-    spec = importlib.util.spec_from_file_location("tessera.emulated_tpu", SRC)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tessera.emulated_tpu"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-emulated_tpu = _load_module()
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +39,7 @@ def tpu():
 def _run(code, **env):
     """Run `code` in a fresh interpreter; returns the CompletedProcess."""
     full_env = {**os.environ, **env}
-    prelude = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('emulated_tpu', {str(SRC)!r})\n"
-        "e = importlib.util.module_from_spec(spec); spec.loader.exec_module(e)\n"
-    )
+    prelude = "import sys\nfrom tessera import emulated_tpu as e\n"
     return subprocess.run(
         [sys.executable, "-c", prelude + textwrap.dedent(code)],
         env=full_env, capture_output=True, text=True, timeout=600,

@@ -33,20 +33,8 @@ if not hasattr(torch.ops.tpu, "flash_attention"):
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, StaticCache  # noqa: E402
 
 
-def _load_hf():
-    """tessera.hf from this checkout (falls back to the installed package)."""
-    src = Path(__file__).resolve().parents[2] / "interop/torch/python/tessera/hf.py"
-    if not src.exists():
-        return importlib.import_module("tessera.hf")
-    spec = importlib.util.spec_from_file_location("tessera.hf", src)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tessera.hf"] = module
-    spec.loader.exec_module(module)
-    setattr(tessera, "hf", module)
-    return module
+from tessera import hf  # noqa: E402
 
-
-hf = _load_hf()
 hf.register()
 
 LAYERS = 2

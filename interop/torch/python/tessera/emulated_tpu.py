@@ -1,7 +1,7 @@
 """An emulated ``tpu`` device in host memory, for tests on machines without a TPU.
 
 ``enable()`` renames PyTorch's PrivateUse1 backend to ``tpu`` and loads a small
-C++ extension (``interop/torch/csrc/emulated_tpu.cpp``) that registers, for
+C++ extension (``tessera/csrc/emulated_tpu.cpp``) that registers, for
 PrivateUse1, a host-memory allocator, a one-device DeviceGuard, the few kernels
 that must not copy (factories, copies, views, ``resize_``/``set_``) and a boxed
 CPU fallback for every other op. Afterwards ``torch.randn(3, device="tpu")``
@@ -213,19 +213,11 @@ def _autograd_on_this_thread() -> None:
 
 
 def _source() -> Path:
-    here = Path(__file__).resolve().parent
-    # Source tree: interop/torch/{python/tessera/emulated_tpu.py, csrc/}.
-    # An installed package would ship it next to this file instead.
-    for candidate in (
-        here.parent.parent / "csrc" / "emulated_tpu.cpp",
-        here / "csrc" / "emulated_tpu.cpp",
-    ):
-        if candidate.is_file():
-            return candidate
-    raise EmulatedTpuError(
-        f"emulated_tpu.cpp not found next to {here} (expected "
-        "interop/torch/csrc/emulated_tpu.cpp)"
-    )
+    # Package data: the wheel ships tessera/csrc/ next to this file.
+    source = Path(__file__).resolve().parent / "csrc" / "emulated_tpu.cpp"
+    if not source.is_file():
+        raise EmulatedTpuError(f"{source} is missing: reinstall tessera (pip install ./interop/torch)")
+    return source
 
 
 def _cache_root() -> Path:
