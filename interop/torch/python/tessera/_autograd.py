@@ -186,6 +186,23 @@ BACKWARDS = {
 }
 
 
+def _no_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"torch.ops.tpu.{name} has no backward: a gradient cannot flow through it. "
+            f"Detach its inputs (or its outputs) where no gradient is needed."
+        )
+
+    return backward
+
+
 def register(lib):
+    from tessera import _native
+
     for name, (setup, backward) in BACKWARDS.items():
         torch.library.register_autograd(f"tpu::{name}", backward, setup_context=setup, lib=lib)
+    # Without an autograd kernel, torch's fallback only warns and backprop silently gives
+    # no gradient (None) to the op's inputs: make that an error naming the op instead.
+    for name, _, _ in _native.op_table():
+        if name not in BACKWARDS:
+            torch.library.register_autograd(f"tpu::{name}", _no_backward(name), lib=lib)
