@@ -1092,14 +1092,9 @@ ERRORS = {
 }
 
 
-XFAIL_ERRORS = {
-    "permute_expert_range": "BUG (kernels/src/routing.rs `plan`): an out-of-range expert id is reported as kernel `plan`, not the op (permute/combine)",
-    "combine_expert_range": "BUG (kernels/src/routing.rs `plan`): an out-of-range expert id is reported as kernel `plan`, not the op (permute/combine)",
-    "matmul_float64": "BUG (interop/torch/src/lib.rs TensorRef::extract): an unsupported dtype error names neither the op nor the operand",
-}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason=XFAIL_ERRORS[c], strict=True)) if c in XFAIL_ERRORS else c for c in ERRORS])
+@pytest.mark.parametrize("case", list(ERRORS))
 def test_clear_errors(case):
     call, needles = ERRORS[case]
     with pytest.raises(ValueError) as info:

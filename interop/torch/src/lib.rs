@@ -136,7 +136,12 @@ impl<'py> TensorRef<'py> {
             owner = Some(t.clone());
         }
         let Some(i) = dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else {
-            return Err(PyValueError::new_err(format!("tessera: tensors of {dtype_obj} are not supported; use float32, bfloat16, int32, int8 or bool")));
+            let dtype = dtype_obj
+                .str()?
+                .to_string()
+                .trim_start_matches("torch.")
+                .to_string();
+            return Err(PyValueError::new_err(dtype));
         };
         if !t.call_method0("is_contiguous")?.is_truthy()? {
             t = t.call_method0("contiguous")?;
@@ -290,16 +295,40 @@ fn plan_for(
     Ok(plan)
 }
 
-fn tensor_refs<'py>(inputs: &Bound<'py, PyList>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+/// The tensors of a call of op `op` (`None` for an absent optional one).
+fn tensor_refs<'py>(
+    op: &str,
+    inputs: &Bound<'py, PyList>,
+) -> PyResult<Vec<Option<TensorRef<'py>>>> {
     inputs
         .iter()
-        .map(|t| {
+        .enumerate()
+        .map(|(i, t)| {
             if t.is_none() {
-                Ok(None)
-            } else {
-                TensorRef::extract(&t).map(Some)
+                return Ok(None);
             }
+            TensorRef::extract(&t).map(Some).map_err(|e| {
+                // An unsupported dtype: say which op and operand, in the verifier's terms.
+                let names = op_named(op).map(tensor_names).unwrap_or_default();
+                let operand = names.get(i).map_or(format!("tensor input {i}"), |n| format!("input `{n}`"));
+                let dtype = e.value(t.py()).to_string();
+                py_err(KernelError::new(op, operand, "operand-dtype", format!("tensors of {dtype} are not supported"), "pass float32, bfloat16, int32, int8 or bool tensors (index tensors may be int64)"))
+            })
         })
+        .collect()
+}
+
+/// The names of an op's tensor arguments, in schema order.
+fn tensor_names(op: &OpDef) -> Vec<&'static str> {
+    let args = op
+        .schema
+        .trim_start_matches('(')
+        .split(") ->")
+        .next()
+        .unwrap_or("");
+    args.split(", ")
+        .filter(|a| a.starts_with("Tensor"))
+        .filter_map(|a| a.split_whitespace().nth(1))
         .collect()
 }
 
@@ -340,7 +369,7 @@ fn run<'py>(
     target: &str,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let target = target_named(target)?;
-    let refs = tensor_refs(inputs)?;
+    let refs = tensor_refs(name, inputs)?;
     let types: Vec<Option<Type>> = refs
         .iter()
         .map(|r| r.as_ref().map(|r| r.ty.clone()))
@@ -374,7 +403,7 @@ fn time_plan(
     iters: usize,
 ) -> PyResult<f64> {
     let target = target_named(target)?;
-    let refs = tensor_refs(inputs)?;
+    let refs = tensor_refs(name, inputs)?;
     let types: Vec<Option<Type>> = refs
         .iter()
         .map(|r| r.as_ref().map(|r| r.ty.clone()))
@@ -500,7 +529,7 @@ impl PyPlan {
         py: Python<'py>,
         values: &Bound<'py, PyList>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let refs = tensor_refs(values)?;
+        let refs = tensor_refs(self.0.op, values)?;
         let arrays: Vec<Array> = refs
             .iter()
             .flatten()
@@ -529,8 +558,8 @@ impl PyPlan {
         outputs: &Bound<'_, PyList>,
     ) -> PyResult<()> {
         let launch = self.launch(i)?;
-        let ins = tensor_refs(inputs)?;
-        let mut outs = tensor_refs(outputs)?;
+        let ins = tensor_refs(self.0.op, inputs)?;
+        let mut outs = tensor_refs(self.0.op, outputs)?;
         let ins: Vec<HostRef<'_>> = ins.iter().flatten().map(TensorRef::host).collect();
         let mut outs: Vec<HostMut<'_>> =
             outs.iter_mut().flatten().map(TensorRef::host_mut).collect();

@@ -547,6 +547,14 @@ fn expert_ids(c: &Call, i: usize) -> Result<(usize, usize), KernelError> {
     }
 }
 
+/// The MoE routing order of `ids`, errors reported as op `op`'s.
+fn routing_plan(op: &str, ids: &Array, experts: usize) -> Result<routing::Routing, KernelError> {
+    routing::plan(ids, experts).map_err(|e| KernelError {
+        kernel: op.to_string(),
+        ..e
+    })
+}
+
 fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     let x = c.input(0)?.clone();
     let (t, k) = expert_ids(c, 1)?;
@@ -571,7 +579,7 @@ fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
         &[1],
         Box::new(move |v| {
-            let r = routing::plan(v[0], experts)?;
+            let r = routing_plan("permute", v[0], experts)?;
             Ok(vec![
                 Array::from_i32(&[t * k, 1], r.src),
                 Array::from_i32(&[experts], r.group_sizes),
@@ -603,7 +611,7 @@ fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     .with_host(
         &[2],
         Box::new(move |v| {
-            let r = routing::plan(v[0], experts)?;
+            let r = routing_plan("combine", v[0], experts)?;
             Ok(vec![Array::from_i32(&[t, k], r.pos)])
         }),
     ))
