@@ -177,11 +177,6 @@ pub fn execute_into(
     let mut results: Vec<Vec<Option<Array>>> = Vec::with_capacity(plan.launches.len());
     let mut direct = vec![false; plan.results.len()];
     for (l, launch) in plan.launches.iter().enumerate() {
-        let mut owned: Vec<Option<Array>> = launch
-            .outputs
-            .iter()
-            .map(|t| Some(Array::poison(t.dtype, &t.shape)))
-            .collect();
         let mut targets: Vec<Option<usize>> = vec![None; launch.outputs.len()];
         if l == last {
             // The last launch's outputs that are results seen as-is go straight to `outputs`.
@@ -194,12 +189,18 @@ pub fn execute_into(
                         && res.ty.num_elements() == outputs[r].data.len()
                     {
                         targets[output] = Some(r);
-                        owned[output] = None;
                         direct[r] = true;
                     }
                 }
             }
         }
+        // The other outputs are owned, allocated poisoned (run_into poisons them anyway).
+        let mut owned: Vec<Option<Array>> = launch
+            .outputs
+            .iter()
+            .zip(&targets)
+            .map(|(t, target)| target.is_none().then(|| Array::poison(t.dtype, &t.shape)))
+            .collect();
         {
             let relaid: Vec<Option<Array>> = launch
                 .args
