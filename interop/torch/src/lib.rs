@@ -357,6 +357,23 @@ fn op_table() -> Vec<(&'static str, &'static str, &'static str)> {
         .collect()
 }
 
+/// A call's tensors and its (cached) plan.
+fn call<'py>(
+    name: &str,
+    statics: &Bound<'py, PyTuple>,
+    inputs: &Bound<'py, PyList>,
+    target: &str,
+) -> PyResult<(Vec<Option<TensorRef<'py>>>, Arc<Plan>)> {
+    let target = target_named(target)?;
+    let refs = tensor_refs(name, inputs)?;
+    let types: Vec<Option<Type>> = refs
+        .iter()
+        .map(|r| r.as_ref().map(|r| r.ty.clone()))
+        .collect();
+    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    Ok((refs, plan))
+}
+
 /// Runs op `name` on the interpreter over host-memory tensors (`None` for an absent
 /// optional tensor) and returns fresh result tensors on `device`.
 #[pyfunction]
@@ -368,13 +385,7 @@ fn run<'py>(
     device: &Bound<'py, PyAny>,
     target: &str,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let target = target_named(target)?;
-    let refs = tensor_refs(name, inputs)?;
-    let types: Vec<Option<Type>> = refs
-        .iter()
-        .map(|r| r.as_ref().map(|r| r.ty.clone()))
-        .collect();
-    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let (refs, plan) = call(name, statics, inputs, target)?;
     let (tensors, mut outs): (Vec<_>, Vec<_>) = plan
         .results
         .iter()
@@ -402,13 +413,7 @@ fn time_plan(
     target: &str,
     iters: usize,
 ) -> PyResult<f64> {
-    let target = target_named(target)?;
-    let refs = tensor_refs(name, inputs)?;
-    let types: Vec<Option<Type>> = refs
-        .iter()
-        .map(|r| r.as_ref().map(|r| r.ty.clone()))
-        .collect();
-    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let (refs, plan) = call(name, statics, inputs, target)?;
     let ins: Vec<Option<HostRef<'_>>> = refs
         .iter()
         .map(|r| r.as_ref().map(TensorRef::host))
@@ -472,6 +477,13 @@ fn operand_tuple(o: &plan::Operand) -> OperandTuple {
 
 #[pymethods]
 impl PyPlan {
+    /// The plan's identity: plans are cached for the life of the process, so equal ids
+    /// are the same plan (Python caches per-launch work under it).
+    #[getter]
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
     /// The number of kernel launches.
     fn __len__(&self) -> usize {
         self.0.launches.len()

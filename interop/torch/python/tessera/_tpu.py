@@ -34,12 +34,13 @@ _modules = {}
 
 
 def module_of(plan, i):
-    """Launch `i`'s module, lowered once per plan."""
-    key = (id(plan), i)
-    m = _modules.get(key)
-    if m is None:
-        m = _modules[key] = (plan, Module(plan.kernel_name(i), plan.module(i)))
-    return m[1]
+    """Launch `i`'s module, lowered and keyed once per plan (plans live for the process;
+    `make_plan` returns a new wrapper per call, so the cache is keyed by `plan.id`)."""
+    key = (plan.id, i)
+    module = _modules.get(key)
+    if module is None:
+        module = _modules[key] = Module(plan.kernel_name(i), plan.module(i))
+    return module
 
 
 class TorchTpuRunner:
