@@ -278,7 +278,7 @@ pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel,
 
 /// Moves `q` between the op layout `[T, Hkv * G, D]` and the kernel layout `[Hkv, G, Tp,
 /// D]` (zero padding; rows past `T` dropped on the way back).
-fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_kernel: bool) -> Array {
+pub fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_kernel: bool) -> Array {
     fn go<T: Copy + Default>(x: &[T], t: usize, hkv: usize, g: usize, tp: usize, d: usize, to_kernel: bool) -> Vec<T> {
         let mut out = vec![T::default(); if to_kernel { hkv * g * tp * d } else { t * hkv * g * d }];
         for tok in 0..t {

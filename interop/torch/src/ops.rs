@@ -619,8 +619,7 @@ fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
 
 // ---- attention --------------------------------------------------------------------------------
 
-/// Attention statics `(causal, sm_scale, soft_cap)` at `at..`, and the segment-id operands
-/// (tensor inputs `seg` and `seg + 1`, or host dummies).
+/// The attention statics `(causal, sm_scale, soft_cap)`, the first three of both ops.
 fn attention_params(c: &Call, q: &Type) -> AttentionParams {
     let d = q.shape.get(3).copied().unwrap_or(1);
     let mut params = AttentionParams::new(d, c.bool(0));
@@ -676,7 +675,8 @@ fn segment_operands(
     }
 }
 
-fn dummy_segments() -> HostDummies {
+/// Host arrays 0 and 1: the kernels' placeholder segment ids when none are given.
+fn dummy_segments() -> crate::plan::HostFn {
     Box::new(|_| {
         Ok(vec![
             Array::from_i32(&[1, 1, 1], vec![0]),
@@ -684,8 +684,6 @@ fn dummy_segments() -> HostDummies {
         ])
     })
 }
-
-type HostDummies = crate::plan::HostFn;
 
 fn qkv(c: &Call) -> Result<(Type, Type, Type), KernelError> {
     for (i, name) in [(0, "q"), (1, "k"), (2, "v")] {

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 use tessera_dsl::interp::{self, Array, Data, HostData, HostDataMut, HostMut, HostRef};
 use tessera_dsl::ir::RefKind;
 use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
+use tessera_kernels::ragged_paged_attention;
 
 /// Where a kernel operand or an op result comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -334,6 +335,7 @@ fn relayout(op: &str, array: &Array, to: &Operand) -> Result<Array, KernelError>
             group,
             padded_tokens,
         } => {
+            // The op's own relayout (ragged paged attention's q and o).
             let d = *array.shape.last().unwrap_or(&1);
             let to_kernel = to.ty.shape.len() == 4;
             let t = if to_kernel {
@@ -341,57 +343,17 @@ fn relayout(op: &str, array: &Array, to: &Operand) -> Result<Array, KernelError>
             } else {
                 to.ty.shape[0]
             };
-            let shape = &to.ty.shape;
-            let data = match &array.data {
-                Data::F32(x) => {
-                    Data::F32(head_major(x, t, hkv * group, padded_tokens, d, to_kernel))
-                }
-                Data::BF16(x) => {
-                    Data::BF16(head_major(x, t, hkv * group, padded_tokens, d, to_kernel))
-                }
-                Data::I32(x) => {
-                    Data::I32(head_major(x, t, hkv * group, padded_tokens, d, to_kernel))
-                }
-                Data::I8(x) => Data::I8(head_major(x, t, hkv * group, padded_tokens, d, to_kernel)),
-                Data::Bool(x) => {
-                    Data::Bool(head_major(x, t, hkv * group, padded_tokens, d, to_kernel))
-                }
-            };
-            Ok(Array::new(shape, data))
+            Ok(ragged_paged_attention::relayout(
+                array,
+                t,
+                hkv,
+                group,
+                padded_tokens,
+                d,
+                to_kernel,
+            ))
         }
     }
-}
-
-/// `[t, heads, d]` <-> `[heads, tp, d]` (tokens zero-padded to `tp` one way, dropped back).
-fn head_major<T: Copy + Default>(
-    x: &[T],
-    t: usize,
-    heads: usize,
-    tp: usize,
-    d: usize,
-    to_kernel: bool,
-) -> Vec<T> {
-    let mut out = vec![
-        T::default();
-        if to_kernel {
-            heads * tp * d
-        } else {
-            t * heads * d
-        }
-    ];
-    for tok in 0..t {
-        for head in 0..heads {
-            let token_major = (tok * heads + head) * d;
-            let head_major = (head * tp + tok) * d;
-            let (src, dst) = if to_kernel {
-                (token_major, head_major)
-            } else {
-                (head_major, token_major)
-            };
-            out[dst..dst + d].copy_from_slice(&x[src..src + d]);
-        }
-    }
-    out
 }
 
 /// The element type torch calls `name` (`float32`, `bfloat16`, `int32`, `int8`, `bool`).
