@@ -9,6 +9,7 @@
 
 pub mod builder;
 pub mod error;
+pub mod exec;
 pub mod interp;
 pub mod ir;
 pub mod print;
@@ -18,6 +19,7 @@ pub mod verify;
 
 pub use builder::{ds, Arg, Index, KernelBuilder};
 pub use error::{KernelError, Result};
+pub use exec::{Executor, Interpreter};
 pub use ir::*;
 pub use target::Target;
 pub use types::{DType, MemorySpace, Semantics, Type};
