@@ -295,15 +295,7 @@ fn table(dtype_name: &str) -> CliResult<bool> {
 
 /// The op table as markdown: what `torch.ops.tpu.*` and the CLI serve.
 fn op_table() -> CliResult<bool> {
-    println!("| op | schema | backward |\n|---|---|---|");
-    for op in library() {
-        let backward = match (op.backward, op.alias_of) {
-            (Some(b), _) => format!("`{}`", b.op),
-            (None, Some((of, _))) => format!("through `{of}`"),
-            _ => "-".to_string(),
-        };
-        println!("| `{}` | `{}{}` | {backward} |", op.name, op.name, op.schema.replace('|', "\\|"));
-    }
+    print!("{}", tessera_kernels::op_table_markdown());
     Ok(true)
 }
 

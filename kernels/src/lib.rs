@@ -65,6 +65,20 @@ pub fn run1(exec: &dyn Executor, name: &str, inputs: &[&Array], statics: &str, t
     run(exec, name, inputs, statics, target)?.into_iter().next().ok_or_else(|| KernelError::new(name, "outputs", "output-count", "the op produced no result", "report this as a library bug"))
 }
 
+/// The op table as markdown (`tessera table --ops`): the docs' op lists are this text.
+pub fn op_table_markdown() -> String {
+    let mut out = String::from("| op | schema | what | backward |\n|---|---|---|---|\n");
+    for op in library() {
+        let backward = match (op.backward, op.alias_of) {
+            (Some(b), _) => format!("`{}`", b.op),
+            (None, Some((of, _))) => format!("through `{of}`"),
+            _ => "-".to_string(),
+        };
+        out += &format!("| `{}` | `{}` | {} | {backward} |\n", op.name, op.schema.replace('|', "\\|"), op.doc.replace('|', "\\|"));
+    }
+    out
+}
+
 pub(crate) fn f64s(a: &[Array]) -> Vec<Vec<f64>> {
     a.iter().map(|x| x.to_f64_vec()).collect()
 }
