@@ -54,7 +54,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{verify, DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::blocks::fit_blocks;
 use crate::harness;
@@ -72,39 +72,77 @@ fn reach(causal: bool, bq: usize, skv: usize) -> usize {
     if causal { bq - 1 } else { skv }
 }
 
+// ---- kernel fragments -----------------------------------------------------------------------
+
+/// The logits of a block pair: `softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)`
+/// when `soft_cap > 0`.
+#[tpu_fn]
+fn logits(q: Value, k: Value, sm_scale: f32, soft_cap: f32) -> Value {
+    let s = dot_t(q, k) * sm_scale;
+    if soft_cap > 0.0 { (s * (1.0 / soft_cap)).tanh() * soft_cap } else { s }
+}
+
+/// The first query row and key column of block pair `(i, j)`.
+#[tpu_fn]
+fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
+    (i * (bq as i32), j * (bk as i32))
+}
+
+/// The gradient through the soft cap: `d softcap(x) / dx = 1 - tanh^2 = 1 - (s / cap)^2`.
+#[tpu_fn]
+fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
+    if soft_cap > 0.0 {
+        let t = s * (1.0 / soft_cap);
+        ds * (1.0 - t * t)
+    } else {
+        ds
+    }
+}
+
+/// Which logits of the `[bq, bk]` block at `(q_start, kv_start)` count: keys inside the
+/// array, queries inside it (with `rows`), and the causal rule (segments are the caller's).
+#[tpu_fn]
+fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, causal: bool) -> Value {
+    let col = iota([bq, bk], 1) + kv_start;
+    let mut keep = col < (skv as i32);
+    if rows || causal {
+        let row = iota([bq, bk], 0) + q_start;
+        if rows {
+            keep = (row < (sq as i32)) & keep;
+        }
+        if causal {
+            keep = keep & (col <= row);
+        }
+    }
+    keep
+}
+
+/// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
+/// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
+#[tpu_fn]
+fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (Value, Value) {
+    let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
+    (select(key_ok, k, 0.0), select(key_ok, v, 0.0))
+}
+
 // ---- kernels ------------------------------------------------------------------------------
 
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
-    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
-    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (q, o) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
-    o = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
     lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    m_run = scratch([bq, 1], f32),
-    l_run = scratch([bq, 1], f32),
+    (m_run, l_run) = scratch([bq, 1], f32),
     acc = scratch([bq, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_fwd_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    o: Out<bsz, heads, sq, d>,
-    lse: Out<bsz, heads, sq, 1>,
-    m_run: Scratch,
-    l_run: Scratch,
-    acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
@@ -113,24 +151,16 @@ pub fn flash_attention_fwd_kernel(
         l_run[..] = zeros([bq, 1], f32);
         acc[..] = zeros([bq, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
-        let mut s = dot_t(q[..], k[..]) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let mut s = logits(q[..], k[..], sm_scale, soft_cap);
         let mut vb = v[..];
         let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
         if needs_mask {
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = col < (skv as i32);
-            if causal {
-                keep = keep & (col <= iota([bq, bk], 0) + q_start);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -161,8 +191,7 @@ pub fn flash_attention_fwd_kernel(
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel],
-    o = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
-    dout = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
+    (o, dout) = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
     di = block([None, None, bq, 1], |b, h, i| [b, h, i, 0]),
 )]
 pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, sq, d>, di: Out<bsz, heads, sq, 1>, bq: usize) {
@@ -173,38 +202,19 @@ pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, 
 #[tpu_kernel(
     grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
-    q = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    k = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    v = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    (q, dout) = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (k, v, dk, dv) = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, i| [b * usize::from(segmented), min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, i| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
-    dout = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    lse = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    di = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    dk = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    dv = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    dk_acc = scratch([bk, d], f32),
-    dv_acc = scratch([bk, d], f32),
+    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (dk_acc, dv_acc) = scratch([bk, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_dkv_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    dout: In<bsz, heads, sq, d>,
-    lse: In<bsz, heads, sq, 1>,
-    di: In<bsz, heads, sq, 1>,
-    dk: Out<bsz, kv_heads, skv, d>,
-    dv: Out<bsz, kv_heads, skv, d>,
-    dk_acc: Scratch,
-    dv_acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>,
+    dk: Out<bsz, kv_heads, skv, d>, dv: Out<bsz, kv_heads, skv, d>, dk_acc: Scratch, dv_acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let j = program_id(2);
     let g = program_id(3);
@@ -213,8 +223,7 @@ pub fn flash_attention_dkv_kernel(
         dk_acc[..] = zeros([bk, d], f32);
         dv_acc[..] = zeros([bk, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
         let mut qb = q[..];
         let mut dob = dout[..];
@@ -239,35 +248,22 @@ pub fn flash_attention_dkv_kernel(
                 di_b = select(row_ok, di_b, 0.0);
             }
             if !skv.is_multiple_of(bk) {
-                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
-                kb = select(key_ok, kb, 0.0);
-                vb = select(key_ok, vb, 0.0);
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
             }
         }
-        let mut s = dot_t(qb, kb) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let s = logits(qb, kb, sm_scale, soft_cap);
         let mut p = (s - lse_b).exp();
         if needs_mask {
-            let row = iota([bq, bk], 0) + q_start;
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = (row < (sq as i32)) & (col < (skv as i32));
-            if causal {
-                keep = keep & (col <= row);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
             p = select(keep, p, 0.0);
         }
         dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
-        let mut ds = p * (dot_t(dob, vb) - di_b);
-        if soft_cap > 0.0 {
-            // d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = 1 - (capped / cap)^2.
-            let t = s * (1.0 / soft_cap);
-            ds = ds * (1.0 - t * t);
-        }
+        let ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
     }
     if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
@@ -280,42 +276,25 @@ pub fn flash_attention_dkv_kernel(
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
-    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
-    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (q, dout, dq) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
-    dout = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    di = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    dq = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (lse, di) = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     dq_acc = scratch([bq, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_dq_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    dout: In<bsz, heads, sq, d>,
-    lse: In<bsz, heads, sq, 1>,
-    di: In<bsz, heads, sq, 1>,
-    dq: Out<bsz, heads, sq, d>,
-    dq_acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>, dq: Out<bsz, heads, sq, d>, dq_acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
     if j == 0 {
         dq_acc[..] = zeros([bq, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
         let mut kb = k[..];
         let mut vb = v[..];
@@ -327,32 +306,21 @@ pub fn flash_attention_dq_kernel(
         // past Sq are independent here and their writes are dropped.)
         if needs_mask {
             if !skv.is_multiple_of(bk) {
-                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
-                kb = select(key_ok, kb, 0.0);
-                vb = select(key_ok, vb, 0.0);
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
             }
         }
-        let mut s = dot_t(q[..], kb) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let s = logits(q[..], kb, sm_scale, soft_cap);
         let mut p = (s - lse[..]).exp();
         if needs_mask {
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = col < (skv as i32);
-            if causal {
-                keep = keep & (col <= iota([bq, bk], 0) + q_start);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
             p = select(keep, p, 0.0);
         }
-        let mut ds = p * (dot_t(dout[..], vb) - di[..]);
-        if soft_cap > 0.0 {
-            let t = s * (1.0 / soft_cap);
-            ds = ds * (1.0 - t * t);
-        }
+        let ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
     }
     if j == num_programs(3) - 1 {
@@ -507,15 +475,30 @@ fn check_cap(op: &str, params: &AttentionParams) -> Result<(), KernelError> {
 
 // ---- building -------------------------------------------------------------------------------
 
-/// The forward kernel for these types and blocks (outputs `o` of q's dtype, `lse` f32
-/// `[B, H, Sq, 1]`).
-pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
-    let op = "flash_attention";
+/// The dims, segment-id types and blocks of a checked attention problem.
+struct Checked {
+    b: usize,
+    h: usize,
+    sq: usize,
+    qs: Type,
+    ks: Type,
+    bq: usize,
+    bk: usize,
+}
+
+/// Checks the operand types, blocks and soft cap of op `op`.
+fn checked(op: &str, q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks) -> Result<Checked, KernelError> {
     let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
     check_blocks(op, blocks, sq, skv)?;
     check_cap(op, params)?;
     let (qs, ks) = segment_types(segmented, b, sq, skv);
-    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    Ok(Checked { b, h, sq, qs, ks, bq: blocks.block_q, bk: blocks.block_kv })
+}
+
+/// The forward kernel for these types and blocks (outputs `o` of q's dtype, `lse` f32
+/// `[B, H, Sq, 1]`).
+pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
+    let Checked { b, h, sq, qs, ks, bq, bk, .. } = checked("flash_attention", q, k, v, segmented, params, blocks)?;
     let kernel = flash_attention_fwd_kernel(
         q.clone(),
         k.clone(),
@@ -536,12 +519,7 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
 
 /// The three backward kernels (di, dkv, dq) for these types and blocks.
 pub fn build_flash_attention_bwd(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Vec<Kernel>, KernelError> {
-    let op = "flash_attention_bwd";
-    let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
-    check_blocks(op, blocks, sq, skv)?;
-    check_cap(op, params)?;
-    let (qs, ks) = segment_types(segmented, b, sq, skv);
-    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    let Checked { b, h, sq, qs, ks, bq, bk } = checked("flash_attention_bwd", q, k, v, segmented, params, blocks)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
     let (causal, scale, cap) = (params.causal, params.sm_scale, cap_of(params));
     let temps = BWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]);
@@ -581,6 +559,7 @@ fn statics_of(params: &AttentionParams, blocks: Option<AttentionBlocks>) -> Stri
     s
 }
 
+#[allow(clippy::too_many_arguments)]
 fn forward(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: Option<AttentionBlocks>, target: &Target) -> Result<(Array, Array), KernelError> {
     let op = crate::op_named("flash_attention_fwd")?;
     let mut inputs = vec![Some(q), Some(k), Some(v)];
@@ -591,6 +570,7 @@ fn forward(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Op
 
 /// Flash attention with explicit blocks: `(o, lse)`, `o` of q's dtype `[B, H, Sq, D]`,
 /// `lse` f32 `[B, H, Sq]`.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_with_blocks(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<(Array, Array), KernelError> {
     forward(exec, q, k, v, segment_ids, params, Some(blocks), target)
 }
@@ -837,39 +817,20 @@ const BWD_CASES: &[Case] = &[
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "flash_attention_fwd",
-        doc: FWD_DOC,
-        schema: FWD_SCHEMA,
-        inputs: &[Q, K, V, Q_SEG, KV_SEG],
-        outputs: FWD_OUTPUTS,
-        plan: plan_flash_attention_fwd,
+        name: "flash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_flash_attention_fwd, reference: Some(ref_forward),
+        inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: FWD_OUTPUTS,
         backward: Some(Backward { op: "flash_attention_bwd", args: "q, k, v, o, lse, d_o, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids", grads: &["q", "k", "v"] }),
-        cases: FWD_CASES,
-        random: Some(forward_inputs),
-        reference: Some(ref_forward),
-        alias_of: None,
+        cases: FWD_CASES, random: Some(forward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "flash_attention_bwd",
-        doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel",
-        schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)",
-        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG],
-        outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
-        plan: plan_flash_attention_bwd,
-        backward: None,
-        cases: BWD_CASES,
-        random: Some(backward_inputs),
-        reference: Some(ref_backward),
-        alias_of: None,
+        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
+        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
+        cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "flash_attention",
-        doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result",
-        schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> Tensor",
-        inputs: &[Q, K, V, Q_SEG, KV_SEG],
-        outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
-        alias_of: Some(("flash_attention_fwd", 0)),
-        ..Op::EMPTY
+        name: "flash_attention", doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result", schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> Tensor",
+        inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
+        alias_of: Some(("flash_attention_fwd", 0)), ..Op::EMPTY
     },
 ];
 

@@ -186,30 +186,29 @@ fn m_tile(m: usize, target: &Target) -> usize {
 /// multiples of the MXU edge dividing the problem (the contraction must divide exactly:
 /// a partial K block would add undefined values to every row). Then halve `tk`, `tn`,
 /// `tm` in turn until the double-buffered `lhs`, `rhs` and `out` windows plus the f32
-/// accumulator fit 3/4 of the default scoped VMEM.
+/// `[tm, tn]` accumulator fit 3/4 of the default scoped VMEM.
 pub fn gmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
-    let lane = target.tiling(dtype).1;
-    let mut tm = m_tile(m, target);
-    let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
-    let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
-    let vmem = |tm: usize, tk: usize, tn: usize| {
-        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tk, tn]) + target.padded_bytes(dtype, &[tm, tn])) + target.padded_bytes(DType::F32, &[tm, tn])
-    };
-    fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
-    GmmBlocks { tm, tk, tn }
+    grouped_blocks(m, k, n, dtype, false, target)
 }
 
 /// Blocks for `tgmm` on `target`: `tm` as `gmm`; the `[tk, tn]` output tile up to
 /// 1024 x 1024 (its reuse of each streamed row grows with both); halve `tk`, `tn`, `tm`
-/// until the double-buffered `lhs`, `grad`, `out` windows plus the f32 accumulator fit
-/// 3/4 of the default scoped VMEM.
+/// until the double-buffered `lhs`, `grad`, `out` windows plus the f32 `[tk, tn]`
+/// accumulator fit 3/4 of the default scoped VMEM.
 pub fn tgmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
+    grouped_blocks(m, k, n, dtype, true, target)
+}
+
+/// The rule of both: the windows are `[tm, tk]`, `[tk, tn]` and `[tm, tn]` either way; the
+/// accumulator is the output tile, `[tm, tn]` for gmm and `[tk, tn]` for tgmm (`acc_tk`).
+fn grouped_blocks(m: usize, k: usize, n: usize, dtype: DType, acc_tk: bool, target: &Target) -> GmmBlocks {
     let lane = target.tiling(dtype).1;
     let mut tm = m_tile(m, target);
     let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
     let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
     let vmem = |tm: usize, tk: usize, tn: usize| {
-        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tm, tn]) + target.padded_bytes(dtype, &[tk, tn])) + target.padded_bytes(DType::F32, &[tk, tn])
+        let windows = target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tk, tn]) + target.padded_bytes(dtype, &[tm, tn]);
+        2 * windows + target.padded_bytes(DType::F32, &[if acc_tk { tk } else { tm }, tn])
     };
     fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
     GmmBlocks { tm, tk, tn }
@@ -483,9 +482,14 @@ fn plan_gmm(c: &Call) -> Result<Plan, KernelError> {
     let transpose = c.statics.bool("transpose_rhs");
     let blocks = blocks_of(c, default_gmm_blocks(&lhs, &rhs, transpose, c.target))?;
     let launch = gmm_launch(c, ("lhs", &lhs), ("rhs", &rhs), &sizes, transpose, blocks, 0)?;
+    one_launch(c, launch, lhs.shape[0], (blocks.tm, false))
+}
+
+/// The plan of one grouped launch whose metadata (m-tile `tm`, tgmm's flags) the host
+/// computes from `group_sizes` per call.
+fn one_launch(c: &Call, launch: Launch, m: usize, tiles: (usize, bool)) -> Result<Plan, KernelError> {
     let results = vec![result(0, 0, launch.outputs[0].clone())];
-    let host = metadata(c, lhs.shape[0], vec![(blocks.tm, false)]);
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("group_sizes")?], host))
+    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("group_sizes")?], metadata(c, m, vec![tiles])))
 }
 
 fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
@@ -495,9 +499,7 @@ fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
     let (lhs, grad, sizes) = (c.tensor("lhs")?.clone(), c.tensor("grad")?.clone(), c.tensor("group_sizes")?.clone());
     let blocks = blocks_of(c, default_tgmm_blocks(&lhs, &grad, c.target))?;
     let launch = tgmm_launch(c, ("lhs", &lhs), ("grad", &grad), &sizes, blocks, 0)?;
-    let results = vec![result(0, 0, launch.outputs[0].clone())];
-    let host = metadata(c, lhs.shape[0], vec![(blocks.tm, true)]);
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("group_sizes")?], host))
+    one_launch(c, launch, lhs.shape[0], (blocks.tm, true))
 }
 
 /// `dlhs = gmm(dout, rhs, !transpose_rhs)`; `drhs = tgmm(lhs, dout)` (`tgmm(dout, lhs)`
@@ -598,46 +600,20 @@ const GMM_CASES: &[Case] = &[
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "gmm",
-        doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows",
-        schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor",
-        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES],
-        outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
-        plan: plan_gmm,
+        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm),
+        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
         backward: Some(Backward { op: "gmm_bwd", args: "lhs, rhs, group_sizes, d_out, transpose_rhs", grads: &["lhs", "rhs"] }),
-        cases: GMM_CASES,
-        random: Some(random_inputs),
-        reference: Some(ref_gmm),
-        alias_of: None,
+        cases: GMM_CASES, random: Some(random_inputs), ..Op::EMPTY
     },
     Op {
-        name: "tgmm",
-        doc: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows of g]^T @ grad[rows of g], zeros for empty groups; m-tiles are the reduction axis",
-        schema: "(Tensor lhs, Tensor grad, Tensor group_sizes, int[]? tiling=None) -> Tensor",
-        inputs: &[LHS, Input { name: "grad", dims: "[m, n]", kind: Kind::Float }, GROUP_SIZES],
-        outputs: &[Output { name: "out", shape: "[group_sizes.0, lhs.1, grad.1]", dtype: "lhs" }],
-        plan: plan_tgmm,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 512], &[1024, 512], &[8]] }, Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[1000, 384], &[6]] }],
-        random: Some(random_inputs),
-        reference: Some(ref_tgmm),
-        alias_of: None,
+        name: "tgmm", doc: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows of g]^T @ grad[rows of g], zeros for empty groups; m-tiles are the reduction axis", schema: "(Tensor lhs, Tensor grad, Tensor group_sizes, int[]? tiling=None) -> Tensor", plan: plan_tgmm, reference: Some(ref_tgmm),
+        inputs: &[LHS, Input { name: "grad", dims: "[m, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[group_sizes.0, lhs.1, grad.1]", dtype: "lhs" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 512], &[1024, 512], &[8]] }, Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[1000, 384], &[6]] }], random: Some(random_inputs), ..Op::EMPTY
     },
     Op {
-        name: "gmm_bwd",
-        doc: "(dlhs, drhs) of gmm: dlhs = gmm(dout, rhs) with the other transpose, drhs = tgmm(lhs, dout) (tgmm(dout, lhs) for a transposed rhs)",
-        schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor dout, bool transpose_rhs=False) -> (Tensor, Tensor)",
-        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }],
-        outputs: &[Output { name: "dlhs", shape: "lhs", dtype: "lhs" }, Output { name: "drhs", shape: "rhs", dtype: "rhs" }],
-        plan: plan_gmm_bwd,
-        backward: None,
-        cases: &[
-            Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 384], &[8], &[1024, 384]] },
-            Case { name: "transposed", statics: "transpose_rhs=True", shapes: &[&[1000, 768], &[6, 384, 768], &[6], &[1000, 384]] },
-        ],
-        random: Some(random_bwd_inputs),
-        reference: Some(ref_gmm_bwd),
-        alias_of: None,
+        name: "gmm_bwd", doc: "(dlhs, drhs) of gmm: dlhs = gmm(dout, rhs) with the other transpose, drhs = tgmm(lhs, dout) (tgmm(dout, lhs) for a transposed rhs)", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor dout, bool transpose_rhs=False) -> (Tensor, Tensor)", plan: plan_gmm_bwd, reference: Some(ref_gmm_bwd),
+        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dlhs", shape: "lhs", dtype: "lhs" }, Output { name: "drhs", shape: "rhs", dtype: "rhs" }],
+        cases: &[ Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 384], &[8], &[1024, 384]] }, Case { name: "transposed", statics: "transpose_rhs=True", shapes: &[&[1000, 768], &[6, 384, 768], &[6], &[1000, 384]] }, ], random: Some(random_bwd_inputs), ..Op::EMPTY
     },
 ];
 

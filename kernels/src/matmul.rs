@@ -137,29 +137,14 @@ fn reference_matmul_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "matmul",
-        doc: "x [m, k] @ y [k, n]: tiled, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis",
-        schema: "(Tensor x, Tensor y) -> Tensor",
-        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }],
-        outputs: &[Output { name: "out", shape: "[x.0, y.1]", dtype: "x" }],
-        plan: plan_matmul,
+        name: "matmul", doc: "x [m, k] @ y [k, n]: tiled, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis", schema: "(Tensor x, Tensor y) -> Tensor", plan: plan_matmul, reference: Some(reference_matmul),
+        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "[x.0, y.1]", dtype: "x" }],
         backward: Some(Backward { op: "matmul_bwd", args: "x, y, d_out", grads: &["x", "y"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536]] }],
-        random: None,
-        reference: Some(reference_matmul),
-        alias_of: None,
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536]] }], ..Op::EMPTY
     },
     Op {
-        name: "matmul_bwd",
-        doc: "(dx, dy) of matmul: dx = dout @ y^T and dy = x^T @ dout, operands read transposed in place",
-        schema: "(Tensor x, Tensor y, Tensor dout) -> (Tensor, Tensor)",
-        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }],
-        outputs: &[Output { name: "dx", shape: "x", dtype: "x" }, Output { name: "dy", shape: "y", dtype: "y" }],
-        plan: plan_matmul_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 1024], &[1024, 768], &[512, 768]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536], &[384, 1536]] }],
-        random: Some(random_bwd),
-        reference: Some(reference_matmul_bwd),
-        alias_of: None,
+        name: "matmul_bwd", doc: "(dx, dy) of matmul: dx = dout @ y^T and dy = x^T @ dout, operands read transposed in place", schema: "(Tensor x, Tensor y, Tensor dout) -> (Tensor, Tensor)", plan: plan_matmul_bwd, reference: Some(reference_matmul_bwd),
+        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dx", shape: "x", dtype: "x" }, Output { name: "dy", shape: "y", dtype: "y" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 1024], &[1024, 768], &[512, 768]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536], &[384, 1536]] }], random: Some(random_bwd), ..Op::EMPTY
     },
 ];

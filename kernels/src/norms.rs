@@ -47,11 +47,8 @@ pub fn row_tile(x: &Type, streams: usize, target: &Target) -> usize {
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    x = block([bt, d], |i| [i, 0]),
-    residual = block([bt, d], |i| [i, 0]),
+    (x, residual, out, new_residual) = block([bt, d], |i| [i, 0]),
     w = block([1, d], |i| [0, 0]),
-    out = block([bt, d], |i| [i, 0]),
-    new_residual = block([bt, d], |i| [i, 0]),
 )]
 pub fn rmsnorm_residual_kernel(x: In<t, d>, residual: In<t, d>, w: In<1, d>, out: Out<t, d>, new_residual: Out<t, d>, bt: usize, eps: f32) {
     // Normalise the f32 sum, not its rounded copy: one rounding fewer for bf16 storage.
@@ -64,10 +61,8 @@ pub fn rmsnorm_residual_kernel(x: In<t, d>, residual: In<t, d>, w: In<1, d>, out
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    x = block([bt, d], |i| [i, 0]),
-    w = block([1, d], |i| [0, 0]),
-    b = block([1, d], |i| [0, 0]),
-    out = block([bt, d], |i| [i, 0]),
+    (x, out) = block([bt, d], |i| [i, 0]),
+    (w, b) = block([1, d], |i| [0, 0]),
 )]
 pub fn layernorm_kernel(x: In<t, d>, w: In<1, d>, b: In<1, d>, out: Out<t, d>, bt: usize, eps: f32) {
     let v = x[..].cast(f32);
@@ -80,11 +75,8 @@ pub fn layernorm_kernel(x: In<t, d>, w: In<1, d>, b: In<1, d>, out: Out<t, d>, b
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [arbitrary],
-    x = block([bt, d], |i| [i, 0]),
-    w = block([1, d], |i| [0, 0]),
-    dy = block([bt, d], |i| [i, 0]),
-    dx = block([bt, d], |i| [i, 0]),
-    dw = block([1, d], |i| [0, 0]),
+    (x, dy, dx) = block([bt, d], |i| [i, 0]),
+    (w, dw) = block([1, d], |i| [0, 0]),
     dw_acc = scratch([1, d], f32),
 )]
 pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>, dw: Out<1, d>, dw_acc: Scratch, bt: usize, eps: f32) {
@@ -105,42 +97,53 @@ pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>,
     }
 }
 
+/// The gated linear units: `act(a) * b` with `act` SiLU (SwiGLU) or tanh-approximated
+/// GELU (GeGLU), one body for the family.
 #[tpu_kernel(
+    name = if gelu { "geglu_kernel" } else { "swiglu_kernel" },
     grid = [t / bt],
     semantics = [parallel],
-    a = block([bt, f], |i| [i, 0]),
-    b = block([bt, f], |i| [i, 0]),
-    out = block([bt, f], |i| [i, 0]),
+    (a, b, out) = block([bt, f], |i| [i, 0]),
 )]
-pub fn swiglu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize) {
+pub fn glu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize, gelu: bool) {
     let av = a[..].cast(f32);
-    out[..] = (av * sigmoid(av) * b[..].cast(f32)).cast(out.dtype);
+    if gelu {
+        let th = (GELU_C * (av + 0.044715 * av * av * av)).tanh();
+        out[..] = (0.5 * av * (1.0 + th) * b[..].cast(f32)).cast(out.dtype);
+    } else {
+        out[..] = (av * sigmoid(av) * b[..].cast(f32)).cast(out.dtype);
+    }
 }
 
+/// `(da, db)` of [`glu_kernel`]: `db = dy * act(a)`, `da = dy * b * act'(a)`.
 #[tpu_kernel(
+    name = if gelu { "geglu_bwd_kernel" } else { "swiglu_bwd_kernel" },
     grid = [t / bt],
     semantics = [parallel],
-    a = block([bt, f], |i| [i, 0]),
-    b = block([bt, f], |i| [i, 0]),
-    dy = block([bt, f], |i| [i, 0]),
-    da = block([bt, f], |i| [i, 0]),
-    db = block([bt, f], |i| [i, 0]),
+    (a, b, dy, da, db) = block([bt, f], |i| [i, 0]),
 )]
-pub fn swiglu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize) {
+pub fn glu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize, gelu: bool) {
     let av = a[..].cast(f32);
     let g = dy[..].cast(f32);
-    let s = sigmoid(av);
-    db[..] = (g * av * s).cast(db.dtype);
-    // d silu(a) / da = s + a * s * (1 - s) = s * (1 + a * (1 - s)).
-    da[..] = (g * b[..].cast(f32) * s * (1.0 + av * (1.0 - s))).cast(da.dtype);
+    if gelu {
+        // gelu(a) = a * h, h = (1 + tanh(u)) / 2, u = c * (a + 0.044715 a^3):
+        // gelu'(a) = h + a * (1 - tanh(u)^2) / 2 * c * (1 + 3 * 0.044715 a^2).
+        let th = (GELU_C * (av + 0.044715 * av * av * av)).tanh();
+        db[..] = (g * 0.5 * av * (1.0 + th)).cast(db.dtype);
+        let dact = 0.5 * (1.0 + th) + 0.5 * av * (1.0 - th * th) * GELU_C * (1.0 + 0.134145 * av * av);
+        da[..] = (g * b[..].cast(f32) * dact).cast(da.dtype);
+    } else {
+        let sg = sigmoid(av);
+        db[..] = (g * av * sg).cast(db.dtype);
+        // d silu(a) / da = s + a * s * (1 - s) = s * (1 + a * (1 - s)).
+        da[..] = (g * b[..].cast(f32) * sg * (1.0 + av * (1.0 - sg))).cast(da.dtype);
+    }
 }
 
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    a = block([bt, d], |i| [i, 0]),
-    b = block([bt, d], |i| [i, 0]),
-    out = block([bt, d], |i| [i, 0]),
+    (a, b, out) = block([bt, d], |i| [i, 0]),
 )]
 pub fn add_kernel(a: In<t, d>, b: In<t, d>, out: Out<t, d>, bt: usize) {
     out[..] = (a[..].cast(f32) + b[..].cast(f32)).cast(out.dtype);
@@ -166,8 +169,9 @@ pub mod build {
         rmsnorm_bwd_kernel(x.clone(), w.clone(), dy.clone(), x.clone(), w.clone(), row_tile(x, 3, target), eps)
     }
 
-    pub fn swiglu(a: &Type, b: &Type, target: &Target) -> Result<Kernel, KernelError> {
-        swiglu_kernel(a.clone(), b.clone(), a.clone(), row_tile(a, 3, target))
+    /// `act(a) * b` (SwiGLU, or GeGLU with `gelu`).
+    pub fn glu(a: &Type, b: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
+        glu_kernel(a.clone(), b.clone(), a.clone(), row_tile(a, 3, target), gelu)
     }
 
     /// `a + b` (summed in f32, as the backward kernels accumulate).
@@ -176,8 +180,8 @@ pub mod build {
     }
 
     /// `(da, db)`.
-    pub fn swiglu_bwd(a: &Type, b: &Type, dy: &Type, target: &Target) -> Result<Kernel, KernelError> {
-        swiglu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), row_tile(a, 5, target))
+    pub fn glu_bwd(a: &Type, b: &Type, dy: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
+        glu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), row_tile(a, 5, target), gelu)
     }
 }
 
@@ -270,16 +274,16 @@ fn plan_rmsnorm_bwd(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("x", x.clone())?, c.input("weight", w)?, c.input("dy", x)?], &shapes))
 }
 
-fn plan_swiglu(c: &Call) -> Result<Plan, KernelError> {
+fn plan_glu(c: &Call, gelu: bool) -> Result<Plan, KernelError> {
     let a = same_rows(c, &["a", "b"])?;
     let shape = Some(c.tensor("a")?.shape.clone());
-    Ok(single(c, build::swiglu(&a, &a, c.target)?, vec![c.input("a", a.clone())?, c.input("b", a)?], &[shape]))
+    Ok(single(c, build::glu(&a, &a, gelu, c.target)?, vec![c.input("a", a.clone())?, c.input("b", a)?], &[shape]))
 }
 
-fn plan_swiglu_bwd(c: &Call) -> Result<Plan, KernelError> {
+fn plan_glu_bwd(c: &Call, gelu: bool) -> Result<Plan, KernelError> {
     let a = same_rows(c, &["a", "b", "dy"])?;
     let shape = Some(c.tensor("a")?.shape.clone());
-    let kernel = build::swiglu_bwd(&a, &a, &a, c.target)?;
+    let kernel = build::glu_bwd(&a, &a, &a, gelu, c.target)?;
     Ok(single(c, kernel, vec![c.input("a", a.clone())?, c.input("b", a.clone())?, c.input("dy", a)?], &[shape.clone(), shape]))
 }
 
@@ -310,16 +314,37 @@ fn ref_rmsnorm_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
     vec![dx, dw]
 }
 
-fn ref_swiglu(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+fn ref_glu(a: &[Array], gelu: bool) -> Vec<Vec<f64>> {
     let x = f64s(a);
-    vec![reference::swiglu(&x[0], &x[1])]
+    vec![if gelu { reference::geglu(&x[0], &x[1]) } else { reference::swiglu(&x[0], &x[1]) }]
 }
 
-fn ref_swiglu_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+fn ref_glu_bwd(a: &[Array], gelu: bool) -> Vec<Vec<f64>> {
     let x = f64s(a);
-    let (da, db) = reference::swiglu_bwd(&x[0], &x[1], &x[2]);
+    let (da, db) = if gelu { reference::geglu_bwd(&x[0], &x[1], &x[2]) } else { reference::swiglu_bwd(&x[0], &x[1], &x[2]) };
     vec![da, db]
 }
+
+/// `sqrt(2 / pi)`, of the tanh-approximated GELU.
+const GELU_C: f64 = 0.7978845608028654;
+
+/// The GLU family's entries (`act(a) * b` and its backward) for one activation.
+const fn glu_ops(name: &'static str, bwd: &'static str, doc: &'static str, bwd_doc: &'static str, gelu: bool) -> [Op; 2] {
+    const ROWS: &[Input] = &[rows("a"), rows("b")];
+    const BWD_ROWS: &[Input] = &[rows("a"), rows("b"), rows("dy")];
+    const OUT: &[Output] = &[like("out", "a")];
+    const GRADS: &[Output] = &[like("da", "a"), like("db", "a")];
+    const CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[200, 1408], &[200, 1408]] }];
+    const BWD_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[1, 4096], &[1, 4096], &[1, 4096]] }];
+    let (plan, plan_bwd): (crate::op::PlanFn, crate::op::PlanFn) = if gelu { (|c| plan_glu(c, true), |c| plan_glu_bwd(c, true)) } else { (|c| plan_glu(c, false), |c| plan_glu_bwd(c, false)) };
+    let (reference, reference_bwd): (crate::op::ReferenceFn, crate::op::ReferenceFn) = if gelu { (|a, _| ref_glu(a, true), |a, _| ref_glu_bwd(a, true)) } else { (|a, _| ref_glu(a, false), |a, _| ref_glu_bwd(a, false)) };
+    [
+        Op { name, doc, schema: "(Tensor a, Tensor b) -> Tensor", plan, reference: Some(reference), inputs: ROWS, outputs: OUT, backward: Some(Backward { op: bwd, args: "a, b, d_out", grads: &["a", "b"] }), cases: CASES, ..Op::EMPTY },
+        Op { name: bwd, doc: bwd_doc, schema: "(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)", plan: plan_bwd, reference: Some(reference_bwd), inputs: BWD_ROWS, outputs: GRADS, cases: BWD_CASES, ..Op::EMPTY },
+    ]
+}
+const SWIGLU: [Op; 2] = glu_ops("swiglu", "swiglu_bwd", "SwiGLU gate: silu(a) * b, silu(a) = a * sigmoid(a)", "(da, db) of swiglu: db = dy * silu(a), da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a)))", false);
+const GEGLU: [Op; 2] = glu_ops("geglu", "geglu_bwd", "GeGLU gate: gelu(a) * b (tanh approximation), the math in f32", "(da, db) of geglu: da = dy * b * gelu'(a), db = dy * gelu(a)", true);
 
 const fn rows(name: &'static str) -> Input {
     Input { name, dims: "[..., d]", kind: Kind::Float }
@@ -332,83 +357,30 @@ const fn like(name: &'static str, of: &'static str) -> Output {
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "rmsnorm_residual",
-        doc: "fused residual add + RMSNorm: h = x + residual; (rmsnorm(h) * weight, h)",
-        schema: "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)",
-        inputs: &[rows("x"), rows("residual"), WEIGHT],
-        outputs: &[like("out", "x"), like("new_residual", "x")],
-        plan: plan_rmsnorm_residual,
+        name: "rmsnorm_residual", doc: "fused residual add + RMSNorm: h = x + residual; (rmsnorm(h) * weight, h)", schema: "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual, reference: Some(ref_rmsnorm_residual),
+        inputs: &[rows("x"), rows("residual"), WEIGHT], outputs: &[like("out", "x"), like("new_residual", "x")],
         backward: Some(Backward { op: "rmsnorm_residual_bwd", args: "new_residual, weight, d_out, d_new_residual, eps", grads: &["x residual", "weight"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[40, 5120], &[5120]] }],
-        random: None,
-        reference: Some(ref_rmsnorm_residual),
-        alias_of: None,
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[40, 5120], &[5120]] }], ..Op::EMPTY
     },
     Op {
-        name: "rmsnorm_residual_bwd",
-        doc: "(dx, dweight) of rmsnorm_residual from h = x + residual: rmsnorm_bwd(h) + dh (dx is also the residual's gradient)",
-        schema: "(Tensor h, Tensor weight, Tensor dout, Tensor dh, float eps=1e-06) -> (Tensor, Tensor)",
-        inputs: &[rows("h"), WEIGHT, rows("dout"), rows("dh")],
-        outputs: &[like("dx", "h"), like("dweight", "weight")],
-        plan: plan_rmsnorm_residual_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[5120], &[40, 5120], &[40, 5120]] }],
-        random: None,
-        reference: Some(ref_rmsnorm_residual_bwd),
-        alias_of: None,
+        name: "rmsnorm_residual_bwd", doc: "(dx, dweight) of rmsnorm_residual from h = x + residual: rmsnorm_bwd(h) + dh (dx is also the residual's gradient)", schema: "(Tensor h, Tensor weight, Tensor dout, Tensor dh, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual_bwd, reference: Some(ref_rmsnorm_residual_bwd),
+        inputs: &[rows("h"), WEIGHT, rows("dout"), rows("dh")], outputs: &[like("dx", "h"), like("dweight", "weight")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[5120], &[40, 5120], &[40, 5120]] }], ..Op::EMPTY
     },
     Op {
-        name: "layernorm",
-        doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)",
-        schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor",
-        inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[d]", kind: Kind::Float }],
-        outputs: &[like("out", "x")],
-        plan: plan_layernorm,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }],
-        random: None,
-        reference: Some(ref_layernorm),
-        alias_of: None,
+        name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
+        inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[d]", kind: Kind::Float }], outputs: &[like("out", "x")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }], ..Op::EMPTY
     },
     Op {
-        name: "rmsnorm_bwd",
-        doc: "(dx, dweight) of rmsnorm: dx per row; dweight summed over rows in an f32 VMEM scratch along the (arbitrary) row axis",
-        schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-06) -> (Tensor, Tensor)",
-        inputs: &[rows("x"), WEIGHT, rows("dy")],
-        outputs: &[like("dx", "x"), like("dweight", "weight")],
-        plan: plan_rmsnorm_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[512, 1536], &[1536], &[512, 1536]] }],
-        random: None,
-        reference: Some(ref_rmsnorm_bwd),
-        alias_of: None,
+        name: "rmsnorm_bwd", doc: "(dx, dweight) of rmsnorm: dx per row; dweight summed over rows in an f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_bwd, reference: Some(ref_rmsnorm_bwd),
+        inputs: &[rows("x"), WEIGHT, rows("dy")], outputs: &[like("dx", "x"), like("dweight", "weight")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[512, 1536], &[1536], &[512, 1536]] }], ..Op::EMPTY
     },
-    Op {
-        name: "swiglu",
-        doc: "SwiGLU gate: silu(a) * b, silu(a) = a * sigmoid(a)",
-        schema: "(Tensor a, Tensor b) -> Tensor",
-        inputs: &[rows("a"), rows("b")],
-        outputs: &[like("out", "a")],
-        plan: plan_swiglu,
-        backward: Some(Backward { op: "swiglu_bwd", args: "a, b, d_out", grads: &["a", "b"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[200, 1408], &[200, 1408]] }],
-        random: None,
-        reference: Some(ref_swiglu),
-        alias_of: None,
-    },
-    Op {
-        name: "swiglu_bwd",
-        doc: "(da, db) of swiglu: db = dy * silu(a), da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a)))",
-        schema: "(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)",
-        inputs: &[rows("a"), rows("b"), rows("dy")],
-        outputs: &[like("da", "a"), like("db", "a")],
-        plan: plan_swiglu_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[1, 4096], &[1, 4096], &[1, 4096]] }],
-        random: None,
-        reference: Some(ref_swiglu_bwd),
-        alias_of: None,
-    },
+    SWIGLU[0],
+    SWIGLU[1],
+    GEGLU[0],
+    GEGLU[1],
 ];
 
 /// Independent references: plain f64 loops over row-major data, written from the formulas
@@ -464,6 +436,23 @@ pub mod reference {
     /// `a * sigmoid(a) * b`.
     pub fn swiglu(a: &[f64], b: &[f64]) -> Vec<f64> {
         a.iter().zip(b).map(|(&a, &b)| a * sigmoid(a) * b).collect()
+    }
+
+    /// `gelu_tanh(z)` and its derivative, from the formula.
+    fn gelu_tanh(z: f64) -> (f64, f64) {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let t = (c * (z + 0.044715 * z.powi(3))).tanh();
+        (0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * z * z))
+    }
+
+    /// `gelu_tanh(a) * b`.
+    pub fn geglu(a: &[f64], b: &[f64]) -> Vec<f64> {
+        a.iter().zip(b).map(|(&a, &b)| gelu_tanh(a).0 * b).collect()
+    }
+
+    /// `(da, db)` of `y = gelu_tanh(a) * b`.
+    pub fn geglu_bwd(a: &[f64], b: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        (0..a.len()).map(|i| (dy[i] * b[i] * gelu_tanh(a[i]).1, dy[i] * gelu_tanh(a[i]).0)).unzip()
     }
 
     /// `(da, db)` of `y = silu(a) * b`.

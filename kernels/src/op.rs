@@ -151,7 +151,8 @@ impl Op {
 
     /// The parsed schema (parsed once per op name and cached).
     pub fn parsed(&self) -> Result<Arc<Schema>, KernelError> {
-        static CACHE: OnceLock<RwLock<HashMap<(&'static str, &'static str), Arc<Schema>>>> = OnceLock::new();
+        type Cache = RwLock<HashMap<(&'static str, &'static str), Arc<Schema>>>;
+        static CACHE: OnceLock<Cache> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let key = (self.name, self.schema);
         if let Some(s) = cache.read().unwrap_or_else(|e| e.into_inner()).get(&key) {

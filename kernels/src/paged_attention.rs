@@ -31,23 +31,16 @@ use crate::plan::{single, Plan};
 /// `q` is `[B, Hkv, G, D]`, the output likewise.
 #[tpu_kernel(
     grid = [b, hkv],
-    q = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
-    o = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
-    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
-    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    (q, o) = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
+    (k_buf, v_buf) = scratch([2, ppcb, ps, d], k_pages.dtype),
     sem = semaphores(4),
 )]
 #[allow(clippy::too_many_arguments)]
+#[rustfmt::skip]
 pub fn paged_attention_kernel(
-    lengths: Prefetch<b>,
-    page_indices: Prefetch<b, pps>,
-    q: In<b, hkv, g, d>,
-    k_pages: Any<hkv, np, ps, d>,
-    v_pages: Any<hkv, np, ps, d>,
-    o: Out<b, hkv, g, d>,
-    k_buf: Scratch,
-    v_buf: Scratch,
-    sem: Scratch,
+    lengths: Prefetch<b>, page_indices: Prefetch<b, pps>,
+    q: In<b, hkv, g, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>, o: Out<b, hkv, g, d>,
+    k_buf: Scratch, v_buf: Scratch, sem: Scratch,
     ppcb: usize,
 ) {
     let bi = program_id(0);
@@ -194,27 +187,10 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
 
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
-    name: "paged_attention",
-    doc: "decode attention over a paged KV cache (q pre-scaled): pages fetched by manual DMA into double-buffered VMEM, online softmax, GQA, length masking; empty sequences give zeros",
-    schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor lengths, Tensor page_indices, int? pages_per_compute_block=None) -> Tensor",
-    inputs: &[
-        Input { name: "q", dims: "[b, h, d]", kind: Kind::Float },
-        Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float },
-        Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float },
-        Input { name: "lengths", dims: "[b]", kind: Kind::Int32 },
-        Input { name: "page_indices", dims: "[b, pages_per_seq]", kind: Kind::Int32 },
-    ],
-    outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
-    plan: plan_paged_attention,
-    backward: None,
-    cases: &[
-        Case { name: "default", statics: "", shapes: &[&[8, 32, 128], &[4, 128, 16, 128], &[4, 128, 16, 128], &[8], &[8, 16]] },
-        Case { name: "alt", statics: "", shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]] },
-    ],
-    random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)),
-    reference: Some(|a, _| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])]),
-    alias_of: None,
-}];
+                             name: "paged_attention", doc: "decode attention over a paged KV cache (q pre-scaled): pages fetched by manual DMA into double-buffered VMEM, online softmax, GQA, length masking; empty sequences give zeros", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor lengths, Tensor page_indices, int? pages_per_compute_block=None) -> Tensor", plan: plan_paged_attention, reference: Some(|a, _| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])]),
+                             inputs: &[ Input { name: "q", dims: "[b, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "lengths", dims: "[b]", kind: Kind::Int32 }, Input { name: "page_indices", dims: "[b, pages_per_seq]", kind: Kind::Int32 }, ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
+                             cases: &[ Case { name: "default", statics: "", shapes: &[&[8, 32, 128], &[4, 128, 16, 128], &[4, 128, 16, 128], &[8], &[8, 16]] }, Case { name: "alt", statics: "", shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]] }, ], random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)), ..Op::EMPTY
+                         }];
 
 /// Independent f64 reference: gathers each sequence's keys and values token by token
 /// from the page table and runs an explicit (two-pass) softmax.

@@ -71,25 +71,16 @@ use crate::plan::{Launch, Layout, Operand, Plan, Source};
 /// docs) over their sequences' pages; the output has `q`'s layout.
 #[tpu_kernel(
     grid = [tp / bq, hkv],
-    q = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
-    o = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
-    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
-    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    (q, o) = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
+    (k_buf, v_buf) = scratch([2, ppcb, ps, d], k_pages.dtype),
     sem = semaphores(4),
 )]
 #[allow(clippy::too_many_arguments)]
+#[rustfmt::skip]
 pub fn ragged_paged_attention_kernel(
-    kv_lens: Prefetch<ms>,
-    page_indices: Prefetch<ms, pps>,
-    cu_q_lens: Prefetch<ms1>,
-    num_seqs: Prefetch<1>,
-    q: In<hkv, g, tp, d>,
-    k_pages: Any<hkv, np, ps, d>,
-    v_pages: Any<hkv, np, ps, d>,
-    o: Out<hkv, g, tp, d>,
-    k_buf: Scratch,
-    v_buf: Scratch,
-    sem: Scratch,
+    kv_lens: Prefetch<ms>, page_indices: Prefetch<ms, pps>, cu_q_lens: Prefetch<ms1>, num_seqs: Prefetch<1>,
+    q: In<hkv, g, tp, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>, o: Out<hkv, g, tp, d>,
+    k_buf: Scratch, v_buf: Scratch, sem: Scratch,
     bq: usize,
     ppcb: usize,
     sm_scale: f32,
@@ -415,26 +406,10 @@ const CASES: &[Case] = &[
 
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
-    name: "ragged_paged_attention",
-    doc: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA",
-    schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, int? num_queries_per_block=None, int? num_kv_pages_per_block=None) -> Tensor",
-    inputs: &[
-        Input { name: "q", dims: "[t, h, d]", kind: Kind::Float },
-        Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float },
-        Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float },
-        int("kv_lens", "[s]"),
-        int("page_indices", "[s, pages_per_seq]"),
-        int("cu_q_lens", "[s + 1]"),
-        int("num_seqs", "[1]"),
-    ],
-    outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
-    plan: plan_ragged_paged_attention,
-    backward: None,
-    cases: CASES,
-    random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)),
-    reference: Some(|a, s| vec![reference::ragged_paged_attention(a, s.f64("sm_scale").unwrap_or(1.0) as f32 as f64, s.i64("sliding_window").map(|w| w as usize), s.f64("soft_cap").map(|c| c as f32 as f64))]),
-    alias_of: None,
-}];
+                             name: "ragged_paged_attention", doc: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, int? num_queries_per_block=None, int? num_kv_pages_per_block=None) -> Tensor", plan: plan_ragged_paged_attention, reference: Some(|a, s| vec![reference::ragged_paged_attention(a, s.f64("sm_scale").unwrap_or(1.0) as f32 as f64, s.i64("sliding_window").map(|w| w as usize), s.f64("soft_cap").map(|c| c as f32 as f64))]),
+                             inputs: &[ Input { name: "q", dims: "[t, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, int("kv_lens", "[s]"), int("page_indices", "[s, pages_per_seq]"), int("cu_q_lens", "[s + 1]"), int("num_seqs", "[1]"), ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
+                             cases: CASES, random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)), ..Op::EMPTY
+                         }];
 
 /// Independent f64 reference: for each sequence, each query token and each head, gathers
 /// the visible keys token by token from the page table and runs an explicit softmax.

@@ -61,10 +61,8 @@ const MASKED: f32 = f32::MIN;
 #[tpu_kernel(
     grid = [t.div_ceil(tm), n / w],
     semantics = [parallel, parallel],
-    x = block([tm, w], |i, j| [i, j]),
-    cos = block([tm, w], |i, j| [i, 0]),
-    sin = block([tm, w], |i, j| [i, 0]),
-    out = block([tm, w], |i, j| [i, j]),
+    (x, out) = block([tm, w], |i, j| [i, j]),
+    (cos, sin) = block([tm, w], |i, j| [i, 0]),
 )]
 pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, tm: usize, dh: usize, interleaved: bool, sign: f32) {
     // R[i, i + off] = +1 and R[i + off, i] = -1 for i the first member of a pair.
@@ -187,12 +185,8 @@ pub fn rope_bwd(exec: &dyn Executor, dy: &Array, positions: &Array, theta: f64, 
     grid = [t.div_ceil(tm), vocab.div_ceil(tv)],
     semantics = [parallel, arbitrary],
     logits = block([tm, tv], |i, j| [i, j]),
-    labels = block([tm, 1], |i, j| [i, 0]),
-    loss = block([tm, 1], |i, j| [i, 0]),
-    lse = block([tm, 1], |i, j| [i, 0]),
-    m_run = scratch([tm, 1], f32),
-    s_run = scratch([tm, 1], f32),
-    picked = scratch([tm, 1], f32),
+    (labels, loss, lse) = block([tm, 1], |i, j| [i, 0]),
+    (m_run, s_run, picked) = scratch([tm, 1], f32),
 )]
 pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t, 1>, lse: Out<t, 1>, m_run: Scratch, s_run: Scratch, picked: Scratch, tm: usize, tv: usize) {
     let j = program_id(1);
@@ -223,11 +217,8 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
 #[tpu_kernel(
     grid = [t.div_ceil(tm), vocab.div_ceil(tv)],
     semantics = [parallel, parallel],
-    logits = block([tm, tv], |i, j| [i, j]),
-    labels = block([tm, 1], |i, j| [i, 0]),
-    lse = block([tm, 1], |i, j| [i, 0]),
-    dloss = block([tm, 1], |i, j| [i, 0]),
-    dlogits = block([tm, tv], |i, j| [i, j]),
+    (logits, dlogits) = block([tm, tv], |i, j| [i, j]),
+    (labels, lse, dloss) = block([tm, 1], |i, j| [i, 0]),
 )]
 pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<t, 1>, dloss: In<t, 1>, dlogits: Out<t, vocab>, tm: usize, tv: usize) {
     // No column mask: columns past the vocabulary are garbage but their writes are dropped.
@@ -441,69 +432,31 @@ const CE_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[512
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "rope",
-        doc: "rotary embedding of x [tokens, heads, head_dim] at integer position_ids [tokens]: rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), or interleaved (GPT-J) pairs (2i, 2i+1); pair swap as a matmul with an in-kernel signed permutation",
-        schema: "(Tensor x, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor",
-        inputs: &[Input { name: "x", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS],
-        outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
-        plan: plan_rope,
+        name: "rope", doc: "rotary embedding of x [tokens, heads, head_dim] at integer position_ids [tokens]: rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), or interleaved (GPT-J) pairs (2i, 2i+1); pair swap as a matmul with an in-kernel signed permutation", schema: "(Tensor x, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, false)),
+        inputs: &[Input { name: "x", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
         backward: Some(Backward { op: "rope_bwd", args: "d_out, position_ids, theta, interleaved", grads: &["x"] }),
-        cases: ROPE_CASES,
-        random: Some(rope_inputs),
-        reference: Some(|a, s| ref_rope(a, s, false)),
-        alias_of: None,
+        cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
     },
     Op {
-        name: "rope_bwd",
-        doc: "gradient of rope: dx = dy * cos + (dy * sin) @ R^T (the inverse rotation)",
-        schema: "(Tensor dy, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor",
-        inputs: &[Input { name: "dy", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS],
-        outputs: &[Output { name: "dx", shape: "dy", dtype: "dy" }],
-        plan: plan_rope,
-        backward: None,
-        cases: ROPE_CASES,
-        random: Some(rope_inputs),
-        reference: Some(|a, s| ref_rope(a, s, true)),
-        alias_of: None,
+        name: "rope_bwd", doc: "gradient of rope: dx = dy * cos + (dy * sin) @ R^T (the inverse rotation)", schema: "(Tensor dy, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, true)),
+        inputs: &[Input { name: "dy", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "dx", shape: "dy", dtype: "dy" }],
+        cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy",
-        doc: "(loss [t], lse [t]) in float32 for logits [t, v] and int32 labels [t]: online logsumexp over vocab tiles in f32 scratch, the label's logit by an iota mask; the [t, v] probabilities never exist",
-        schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)",
-        inputs: &[LOGITS, LABELS],
-        outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "lse", shape: "[logits.0]", dtype: "f32" }],
-        plan: plan_cross_entropy,
+        name: "cross_entropy", doc: "(loss [t], lse [t]) in float32 for logits [t, v] and int32 labels [t]: online logsumexp over vocab tiles in f32 scratch, the label's logit by an iota mask; the [t, v] probabilities never exist", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy, reference: Some(ref_cross_entropy),
+        inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "lse", shape: "[logits.0]", dtype: "f32" }],
         backward: Some(Backward { op: "cross_entropy_bwd", args: "logits, labels, lse, d_loss", grads: &["logits"] }),
-        cases: CE_CASES,
-        random: Some(ce_inputs),
-        reference: Some(ref_cross_entropy),
-        alias_of: None,
+        cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy_bwd",
-        doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse",
-        schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss) -> Tensor",
-        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }],
-        outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
-        plan: plan_cross_entropy_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }],
-        random: Some(ce_bwd_inputs),
-        reference: Some(ref_cross_entropy_bwd),
-        alias_of: None,
+        name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
+        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }], random: Some(ce_bwd_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy_with_grad",
-        doc: "(loss, dlogits of sum(loss)): the training step's loss op, cross_entropy then cross_entropy_bwd with dloss = 1; never holds the [t, v] probabilities",
-        schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)",
-        inputs: &[LOGITS, LABELS],
-        outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "dlogits", shape: "logits", dtype: "logits" }],
-        plan: plan_cross_entropy_with_grad,
-        backward: None,
-        cases: CE_CASES,
-        random: Some(ce_inputs),
-        reference: Some(ref_cross_entropy_with_grad),
-        alias_of: None,
+        name: "cross_entropy_with_grad", doc: "(loss, dlogits of sum(loss)): the training step's loss op, cross_entropy then cross_entropy_bwd with dloss = 1; never holds the [t, v] probabilities", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy_with_grad, reference: Some(ref_cross_entropy_with_grad),
+        inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
     },
 ];
 

@@ -88,8 +88,7 @@ pub enum Gate {
     grid = [t.div_ceil(tm)],
     semantics = [parallel],
     logits = block([tm, e], |i| [i, 0]),
-    weights = block([tm, k], |i| [i, 0]),
-    expert_ids = block([tm, k], |i| [i, 0]),
+    (weights, expert_ids) = block([tm, k], |i| [i, 0]),
 )]
 pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<t, k>, tm: usize, sigmoid_gate: bool, normalize: bool) {
     let x = logits[..].cast(f32);
@@ -148,8 +147,7 @@ pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scr
 #[tpu_kernel(
     grid = [t.div_ceil(tm), d.div_ceil(td), rows.div_ceil(ti)],
     semantics = [parallel, parallel, arbitrary],
-    weights = block([tm, k], |i, j, kk| [i, 0]),
-    pos = block([tm, k], |i, j, kk| [i, 0]),
+    (weights, pos) = block([tm, k], |i, j, kk| [i, 0]),
     y = block([ti, td], |i, j, kk| [kk, j]),
     out = block([tm, td], |i, j, kk| [i, j]),
     acc = scratch([tm, td], f32),
@@ -450,56 +448,27 @@ const IDS: Input = Input { name: "expert_ids", dims: "[t, k]", kind: Kind::Int32
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "router_topk",
-        doc: "MoE router: (weights [t, k], int32 expert_ids [t, k]); softmax or sigmoid gate over the experts, top-k (ties: lowest expert), optionally renormalised; f32 math",
-        schema: "(Tensor logits, int k=2, str gate=\"softmax\", bool normalize=True) -> (Tensor, Tensor)",
-        inputs: &[Input { name: "logits", dims: "[t, e]", kind: Kind::Float }],
-        outputs: &[Output { name: "weights", shape: "[logits.0, k]", dtype: "logits" }, Output { name: "expert_ids", shape: "[logits.0, k]", dtype: "i32" }],
-        plan: plan_router_topk,
+        name: "router_topk", doc: "MoE router: (weights [t, k], int32 expert_ids [t, k]); softmax or sigmoid gate over the experts, top-k (ties: lowest expert), optionally renormalised; f32 math", schema: "(Tensor logits, int k=2, str gate=\"softmax\", bool normalize=True) -> (Tensor, Tensor)", plan: plan_router_topk, reference: Some(ref_router_topk),
+        inputs: &[Input { name: "logits", dims: "[t, e]", kind: Kind::Float }], outputs: &[Output { name: "weights", shape: "[logits.0, k]", dtype: "logits" }, Output { name: "expert_ids", shape: "[logits.0, k]", dtype: "i32" }],
         backward: Some(Backward { op: COMPOSITE, args: "", grads: &["logits"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 8]] }, Case { name: "alt", statics: "k=4", shapes: &[&[1000, 60]] }, Case { name: "sigmoid", statics: "gate=\"sigmoid\"", shapes: &[&[512, 8]] }],
-        random: None,
-        reference: Some(ref_router_topk),
-        alias_of: None,
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 8]] }, Case { name: "alt", statics: "k=4", shapes: &[&[1000, 60]] }, Case { name: "sigmoid", statics: "gate=\"sigmoid\"", shapes: &[&[512, 8]] }], ..Op::EMPTY
     },
     Op {
-        name: "permute",
-        doc: "MoE dispatch: (x rows in expert-sorted order [t*k, d] (stable by expert), int32 group_sizes [num_experts]); one-hot matmul gather, O(t * t*k * d)",
-        schema: "(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor)",
-        inputs: &[Input { name: "x", dims: "[t, d]", kind: Kind::Float }, IDS],
-        outputs: &[Output { name: "xs", shape: "[expert_ids.0 * expert_ids.1, x.1]", dtype: "x" }, Output { name: "group_sizes", shape: "[num_experts]", dtype: "i32" }],
-        plan: plan_permute,
+        name: "permute", doc: "MoE dispatch: (x rows in expert-sorted order [t*k, d] (stable by expert), int32 group_sizes [num_experts]); one-hot matmul gather, O(t * t*k * d)", schema: "(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor)", plan: plan_permute, reference: Some(ref_permute),
+        inputs: &[Input { name: "x", dims: "[t, d]", kind: Kind::Float }, IDS], outputs: &[Output { name: "xs", shape: "[expert_ids.0 * expert_ids.1, x.1]", dtype: "x" }, Output { name: "group_sizes", shape: "[num_experts]", dtype: "i32" }],
         backward: Some(Backward { op: "permute_bwd", args: "d_xs, expert_ids, num_experts", grads: &["x"] }),
-        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[512, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[1000, 384], &[1000, 4]] }],
-        random: Some(permute_inputs),
-        reference: Some(ref_permute),
-        alias_of: None,
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[512, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[1000, 384], &[1000, 4]] }], random: Some(permute_inputs), ..Op::EMPTY
     },
     Op {
-        name: "permute_bwd",
-        doc: "gradient of permute: dx[t] = sum over t's k rows of dout (combine with unit weights)",
-        schema: "(Tensor dout, Tensor expert_ids, int num_experts) -> Tensor",
-        inputs: &[Input { name: "dout", dims: "[t*k, d]", kind: Kind::Float }, IDS],
-        outputs: &[Output { name: "dx", shape: "[expert_ids.0, dout.1]", dtype: "dout" }],
-        plan: plan_permute_bwd,
-        backward: None,
-        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4]] }],
-        random: Some(permute_bwd_inputs),
-        reference: Some(ref_permute_bwd),
-        alias_of: None,
+        name: "permute_bwd", doc: "gradient of permute: dx[t] = sum over t's k rows of dout (combine with unit weights)", schema: "(Tensor dout, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_permute_bwd, reference: Some(ref_permute_bwd),
+        inputs: &[Input { name: "dout", dims: "[t*k, d]", kind: Kind::Float }, IDS], outputs: &[Output { name: "dx", shape: "[expert_ids.0, dout.1]", dtype: "dout" }],
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4]] }], random: Some(permute_bwd_inputs), ..Op::EMPTY
     },
     Op {
-        name: "combine",
-        doc: "MoE combine: out[t] = sum_j weights[t, j] * y[row of (t, j)] from expert-sorted rows; weighted one-hot matmul, O(t * t*k * d)",
-        schema: "(Tensor y, Tensor weights, Tensor expert_ids, int num_experts) -> Tensor",
-        inputs: &[Input { name: "y", dims: "[t*k, d]", kind: Kind::Float }, Input { name: "weights", dims: "[t, k]", kind: Kind::Float }, IDS],
-        outputs: &[Output { name: "out", shape: "[expert_ids.0, y.1]", dtype: "y" }],
-        plan: plan_combine,
+        name: "combine", doc: "MoE combine: out[t] = sum_j weights[t, j] * y[row of (t, j)] from expert-sorted rows; weighted one-hot matmul, O(t * t*k * d)", schema: "(Tensor y, Tensor weights, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_combine, reference: Some(ref_combine),
+        inputs: &[Input { name: "y", dims: "[t*k, d]", kind: Kind::Float }, Input { name: "weights", dims: "[t, k]", kind: Kind::Float }, IDS], outputs: &[Output { name: "out", shape: "[expert_ids.0, y.1]", dtype: "y" }],
         backward: Some(Backward { op: COMPOSITE, args: "", grads: &["y", "weights"] }),
-        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4], &[1000, 4]] }],
-        random: Some(combine_inputs),
-        reference: Some(ref_combine),
-        alias_of: None,
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4], &[1000, 4]] }], random: Some(combine_inputs), ..Op::EMPTY
     },
 ];
 

@@ -429,9 +429,12 @@ fn case_named(op: &'static Op, case: &str) -> PyResult<&'static Case> {
     case_source(op).case(case).ok_or_else(|| PyValueError::new_err(format!("tessera: op {} has no case {case:?}", op.name)))
 }
 
+/// A case as Python sees it: `(name, statics, shapes)`.
+type CaseTuple = (&'static str, &'static str, Vec<Vec<usize>>);
+
 /// `[(case, statics, shapes)]` of op `name` (an alias: the aliased op's cases).
 #[pyfunction]
-fn op_cases(name: &str) -> PyResult<Vec<(&'static str, &'static str, Vec<Vec<usize>>)>> {
+fn op_cases(name: &str) -> PyResult<Vec<CaseTuple>> {
     let op = case_source(op_named(name)?);
     Ok(op.cases.iter().map(|c| (c.name, c.statics, c.shapes.iter().map(|s| s.to_vec()).collect())).collect())
 }
@@ -447,11 +450,14 @@ fn static_to_py<'py>(py: Python<'py>, s: &Static) -> PyResult<Bound<'py, PyAny>>
     })
 }
 
+/// A sample's `(tensors, statics)`.
+type Sample<'py> = (Vec<Bound<'py, PyAny>>, Vec<Bound<'py, PyAny>>);
+
 /// Random inputs of case `case` of op `name` for float `dtype` (`float32`/`bfloat16`):
 /// `(tensors, statics)` in schema order, the tensors fresh CPU tensors (the op's own
 /// contract-respecting generator, seeded by `seed`).
 #[pyfunction]
-fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64) -> PyResult<(Vec<Bound<'py, PyAny>>, Vec<Bound<'py, PyAny>>)> {
+fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64) -> PyResult<Sample<'py>> {
     use rand::SeedableRng;
     let op = op_named(name)?;
     let case = case_named(op, case)?;

@@ -21,11 +21,9 @@ use tessera_torch::{Call, Input, Kind, Op, Output, Plan};
 // ---- 1. the kernel ------------------------------------------------------------------------------
 
 #[tpu_kernel(
-    grid = [m / bm],
-    semantics = [parallel],
-    x = block([bm, n], |i| [i, 0]),
+    grid = [m / bm], // one grid step per `bm` rows; grid dims are `parallel` unless `semantics` says otherwise
+    (x, out) = block([bm, n], |i| [i, 0]),
     scale = block([1, n], |i| [0, 0]),
-    out = block([bm, n], |i| [i, 0]),
 )]
 pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, beta: f32) {
     // Each grid step owns `bm` whole rows; the math runs in f32 whatever the storage dtype.
@@ -55,14 +53,10 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
 
 /// This crate's ops.
 pub const OPS: &[Op] = &[Op {
-    name: "scaled_silu",
-    schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor",
-    doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype",
-    inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[n]", kind: Kind::Float }],
-    outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
-    plan: plan_scaled_silu,
-    ..Op::EMPTY
-}];
+                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
+                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+                             ..Op::EMPTY
+                         }];
 
 // ---- 3. the Python module -------------------------------------------------------------------------
 
