@@ -55,7 +55,7 @@ F32, BF16, I32, I8, I64 = torch.float32, torch.bfloat16, torch.int32, torch.int8
 MARK = "@@HARDENING"
 CHILD_MEMORY = 6 << 30  # address space of the battery child (torch itself maps ~3.2 GB)
 SCALE = float(os.environ.get("TESSERA_HARDENING_SCALE", "1"))
-PER_OP = max(1, round(48 * SCALE))
+PER_OP = max(1, round(64 * SCALE))
 OPS = sorted(tessera.ops())
 HAS_CUDA = torch.cuda.is_available()
 
@@ -156,6 +156,8 @@ def keeps_contract(op, shapes, statics):
             if lead is not None and lead != l:
                 return False
             lead = l
+        if toks == ["n"] and len(shape) == 2 and shape[0] == 1:
+            shape = shape[1:]  # a row op's [n] vector may be [1, n] (documented)
         if toks[-1] == "1?":
             toks = toks[:-1]
             if len(shape) == len(toks) + 1 and shape[-1] == 1:
@@ -457,9 +459,11 @@ def reference(op, tensors, statics):
     return as_list(f(**{k2: v2 for k2, v2 in kw.items() if k2 not in ("tiling", "pages_per_compute_block", "num_queries_per_block", "num_kv_pages_per_block", "block_q", "block_kv")}))
 
 
-def compare(got, want, tol):
+def compare(got, want, tol, select=False):
     """NaN exactly where the reference is NaN, infinities where it is infinite, elsewhere
-    finite and within `tol` (max-norm relative; absolute for a (near) zero reference)."""
+    finite and within `tol` (max-norm relative; absolute for a (near) zero reference).
+    `select`: the reference multiplies masked values by zero (torch's SDPA does), the issue
+    asks kernels to select: a finite result where the reference is NaN is then accepted."""
     if tuple(got.shape) != tuple(want.shape):
         return f"shape {tuple(got.shape)}, the reference {tuple(want.shape)}"
     if not want.is_floating_point() or not got.is_floating_point():
@@ -470,6 +474,9 @@ def compare(got, want, tol):
     if w.numel() == 0:
         return None
     nan_w, nan_g = torch.isnan(w), torch.isnan(g)
+    if select:
+        keep = ~(nan_w & torch.isfinite(g))
+        g, w, nan_w, nan_g = g[keep], w[keep], nan_w[keep], nan_g[keep]
     if (nan_w & ~nan_g).any():
         i = int((nan_w & ~nan_g).flatten().nonzero()[0])
         return f"element {i} is {g.flatten()[i].item()}, the reference is NaN"
@@ -499,6 +506,10 @@ def judge_exception(op, e, tb):
     ours = any(("tessera" in f.filename and "test_hardening" not in f.filename) for f in traceback.extract_tb(tb))
     if "PanicException" in name or "panicked" in text:
         return "F", "panic", f"{name}: {text[:300]}"
+    if isinstance(e, ValueError) and text.startswith("error[") and "can't allocate memory" in text:
+        # An allocation failure reported as a Tessera rule (e.g. the contiguous copy of a
+        # huge stride-0 view): the size must be refused before anything is allocated.
+        return "F", "allocation-attempted", text.splitlines()[0][:300]
     if isinstance(e, ValueError) and text.startswith("error["):
         first = text.splitlines()[0]
         rule = text[len("error["):].split("]")[0]
@@ -581,8 +592,9 @@ def mutate_meta(op, kind, w, tensors, statics):
         if k == 0:
             old = int(s[0])
             s[0] = -1
-            s[g - 1] += old + 1
-            what = "a negative group size (sum kept)"
+            if g >= 2:
+                s[g - 1] += old + 1
+            what = "a negative group size (sum kept)" if g >= 2 else "a group size of -1"
         elif k == 1:
             nz = (s > 0).nonzero()
             if len(nz) == 0:
@@ -963,7 +975,13 @@ def run_case(case):
         return "P", "ok-meta", f"{what}: results on {devs}"
     if expect == "reject":
         nans = sum(int(torch.isnan(o).sum()) for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point())
-        return "F", "accepted-invalid", f"{what}: returned {[tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)]} ({nans} NaN)"
+        cls = "accepted-invalid"
+        if mut[0] in ("dim", "rank"):
+            # The right number of elements in a wrong shape: a lenient reading, its own class.
+            base, _ = valid_call(op, Gen(case[1]), dtype)
+            if all((b is None) == (t is None) and (b is None or b.numel() == t.numel()) for b, t in zip(base, tensors)):
+                cls = "accepted-reshaped"
+        return "F", cls, f"{what}: returned {[tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)]} ({nans} NaN)"
     if expect == "arity":
         return "F", "accepted-invalid", f"{what}: returned a result"
     # A result: against the float64 reference.
@@ -978,7 +996,8 @@ def run_case(case):
         return "F", "wrong-result", f"{len(outs)} results, the reference has {len(want)}"
     for j, (g, w) in enumerate(zip(outs, want)):
         tol = 2e-2 if (dtype == BF16 or g.dtype == BF16 or mut[0] == "dtype") else 1e-5
-        why = compare(g, w, tol)
+        in_values = mut[0] == "special" and op in ("flash_attention", "flash_attention_fwd", "paged_attention", "ragged_paged_attention") and SPECS[op].arg_names[SPECS[op].tensor_idx[float_idx(op, tensors)[mut[1] % len(float_idx(op, tensors))]]] in ("v", "v_pages")
+        why = compare(g, w, tol, select=in_values)
         if why:
             return "F", "nan-propagation" if mut[0] == "special" else "wrong-result", f"output {j} {tuple(g.shape)} {g.dtype}: {why} [{what}]"
     again = call_op(op, tensors, statics)
@@ -1306,13 +1325,21 @@ def test_regression_flash_attention_nan_in_visible_k():
 
 
 def test_regression_flash_attention_nan_in_masked_v():
-    # Was: a NaN in a *masked* v poisoned its whole kv block (masking multiplied by zero).
-    q, k, v = (torch.randn(1, 1, 256, 64) for _ in range(3))
-    v[0, 0, 200, 1] = float("nan")
-    want, got = _sdpa64(q, k, v, True), tpu.flash_attention(q, k, v, True)
-    assert _nan_rows(got) == _nan_rows(want), f"NaN rows {[i for i, x in enumerate(_nan_rows(got)) if x][:8]}..., torch only rows >= 200"
-    finite = ~torch.isnan(want)
-    torch.testing.assert_close(got[finite].double(), want[finite], rtol=1e-4, atol=1e-5)
+    # Was: a NaN in a *masked* v poisoned its whole kv block (masking multiplied by zero). The
+    # issue asks for masking that selects: rows that do not see key 200 stay finite. (Note:
+    # torch's own math SDPA multiplies too, so it poisons those rows; the reference here is the
+    # selecting one the issue asks for: softmax over the visible keys only.)
+    for s, d in ((256, 64), (8, 128)):
+        q, k, v = (torch.randn(1, 1, s, d) for _ in range(3))
+        at = s * 3 // 4
+        v[0, 0, at, 1] = float("nan")
+        got = tpu.flash_attention(q, k, v, True)
+        rows = _nan_rows(got)
+        early = [i for i in range(at) if rows[i]]
+        assert not early, f"[1, 1, {s}, {d}] causal, NaN at v[{at}]: rows {early[:8]}{'...' if len(early) > 8 else ''} ({len(early)} rows) do not see key {at} but are NaN"
+        assert all(rows[at:]), f"rows >= {at} see the NaN value: NaN"
+        want = torch.stack([torch.softmax(q[0, 0, i].double() @ k[0, 0, : i + 1].double().T / math.sqrt(d), -1) @ v[0, 0, : i + 1].double() for i in range(at)])
+        torch.testing.assert_close(got[0, 0, :at].double(), want, rtol=1e-4, atol=1e-5)
 
 
 def _err(got, want):
