@@ -90,11 +90,6 @@ def ref_rmsnorm_residual_bwd(h, weight, dout, dh, eps=1e-6):
     return dx + dh, dw
 
 
-def ref_cross_entropy_torch(logits, labels):
-    """torch's semantics: labels in [0, vocab) or -100 (ignored: loss 0); anything else raises."""
-    return T.ref_cross_entropy(logits, labels)
-
-
 REFS = dict(T.REFERENCES)
 REFS.update(matmul_bwd=ref_matmul_bwd, geglu=ref_geglu, geglu_bwd=ref_geglu_bwd, gmm_bwd=ref_gmm_bwd, permute_bwd=ref_permute_bwd, rmsnorm_residual_bwd=ref_rmsnorm_residual_bwd)
 
@@ -557,10 +552,6 @@ def bits_equal(a, b):
 
 def float_idx(op, tensors):
     return [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
-def int_idx(op, tensors):
-    return [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and not t.is_floating_point()]
 
 
 def noncontig(t, kind):
