@@ -17,7 +17,7 @@ pub mod stablehlo;
 mod text;
 
 pub use cost::{estimate, CostEstimate};
-use tessera_dsl::verify::{verify, vmem_bytes, vmem_limit};
+use tessera_dsl::verify::{verify, vmem_limit, vmem_need};
 use tessera_dsl::{Kernel, KernelError, Target};
 
 /// Everything the TPU path needs for one kernel on one target.
@@ -28,7 +28,8 @@ pub struct Lowered {
     /// The StableHLO module with the `tpu_custom_call` (body = base64 of `mosaic`).
     pub stablehlo: String,
     pub cost: CostEstimate,
-    /// VMEM the kernel needs (double-buffered blocks plus scratch, tile-padded).
+    /// VMEM the kernel needs by the verifier's count (`verify::vmem_need`: tile-padded
+    /// buffers, blocked ones double-buffered, plus Mosaic's internal scratch and margin).
     pub vmem_bytes: usize,
     /// The scoped VMEM limit written into the backend_config.
     pub vmem_limit_bytes: usize,
@@ -57,5 +58,5 @@ pub fn lower(kernel: &Kernel, target: &Target) -> Result<Lowered, CodegenError> 
     let cost = estimate(kernel);
     let limit = vmem_limit(kernel, target);
     let stablehlo = stablehlo::wrap(kernel, &mosaic, &cost, limit);
-    Ok(Lowered { mosaic, stablehlo, cost, vmem_bytes: vmem_bytes(kernel, target), vmem_limit_bytes: limit })
+    Ok(Lowered { mosaic, stablehlo, cost, vmem_bytes: vmem_need(kernel, target), vmem_limit_bytes: limit })
 }

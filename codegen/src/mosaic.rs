@@ -106,7 +106,8 @@ fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), Cod
     t.line("\"stable_mosaic.func.func\"() ({");
     t.line(&block_header(&args));
     t.indent();
-    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new() };
+    let multiples = tessera_dsl::verify::Multiples::of(k);
+    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new(), multiples };
     lower.block(k.body)?;
     lower.t.op0("func.return", &[], "");
     t.dedent();
@@ -195,6 +196,10 @@ struct Lower<'a> {
     /// Memref arguments, indexed by `RefId`.
     refs: Vec<Ssa>,
     vals: HashMap<Value, Ssa>,
+    /// What the verifier's divisibility analysis proves of each i32 value: passed on to
+    /// Mosaic as `tpu.assume_multiple` on dynamic offsets, so libtpu accepts exactly the
+    /// offsets the verifier accepts (rule `vector-offset-align`, `dma-align`).
+    multiples: tessera_dsl::verify::Multiples,
 }
 
 impl Lower<'_> {
@@ -306,15 +311,30 @@ impl Lower<'_> {
         self.t.op1("arith.constant", &[], &format!("value = {v} : i32"), "i32".into())
     }
 
-    /// A memory index: a constant `index` when the i32 value is static, else `index_cast`.
-    fn index(&mut self, v: Value) -> Ssa {
+    /// A memory index: a constant `index` when the i32 value is static, else `index_cast`
+    /// (`tiled`: of a vector access along one of the two tiled dims, where Mosaic needs the
+    /// multiple the analysis proves).
+    fn index(&mut self, v: Value, tiled: bool) -> Ssa {
         match self.k.as_const(v) {
             Some(Scalar::Int(i)) => self.t.op1("arith.constant", &[], &format!("value = {i} : index"), "index".into()),
             _ => {
                 let x = self.v(v);
-                self.t.op1("arith.index_cast", &[&x], "", "index".into())
+                let i = self.t.op1("arith.index_cast", &[&x], "", "index".into());
+                if tiled { self.assume_multiple(i, v) } else { i }
             }
         }
+    }
+
+    /// `x` marked with the largest power of two the analysis proves `v` a multiple of
+    /// (`x` itself when nothing is known). Mosaic trusts the mark; the analysis is exact
+    /// under i32 wrap-around (`tessera_dsl::verify::align`).
+    fn assume_multiple(&mut self, x: Ssa, v: Value) -> Ssa {
+        let m = self.multiples.multiple(v).min(1 << 30);
+        if m <= 1 || self.k.as_const(v).is_some() {
+            return x;
+        }
+        let ty = x.ty.clone();
+        self.t.op1("tpu.assume_multiple", &[&x], &format!("multiple = {m} : i32"), ty)
     }
 
     // ---- memory ----
@@ -328,13 +348,15 @@ impl Lower<'_> {
         let mut idx = Vec::with_capacity(squeezed.len());
         let mut shape = Vec::with_capacity(squeezed.len());
         let mut s = slices.iter();
-        for sq in squeezed {
+        let rank = squeezed.len();
+        for (d, sq) in squeezed.into_iter().enumerate() {
             if sq {
                 idx.push(self.t.op1("arith.constant", &[], "value = 0 : index", "index".into()));
                 shape.push(1);
             } else {
                 let sl = *s.next().expect("verified: one slice per view dim");
-                idx.push(self.index(sl.start));
+                let tiled = r.memory == MemorySpace::Vmem && d + 2 >= rank;
+                idx.push(self.index(sl.start, tiled));
                 shape.push(sl.len);
             }
         }
@@ -400,9 +422,15 @@ impl Lower<'_> {
         } else {
             let mut starts = Vec::with_capacity(lens.len());
             let mut sl = dr.slices.iter();
-            for sq in squeezed {
+            let rank = squeezed.len();
+            for (d, sq) in squeezed.into_iter().enumerate() {
                 let v = if sq { None } else { sl.next().map(|s| s.start) };
                 starts.push(match v {
+                    // Only the two tiled dims need a proven alignment.
+                    Some(v) if d + 2 >= rank => {
+                        let x = self.v(v);
+                        self.assume_multiple(x, v)
+                    }
                     Some(v) => self.v(v),
                     None => self.const_i32(0),
                 });
