@@ -78,7 +78,7 @@ impl Verifier<'_> {
         if total.is_some_and(|t| t <= usable) {
             return Ok(());
         }
-        let biggest = operands.max_by_key(|r| r.shape.iter().product::<usize>().saturating_mul(r.dtype.bytes())).map(|r| format!("{} `{}` {:?} {}", r.kind.name(), r.name, r.shape, r.dtype)).unwrap_or_default();
+        let biggest = operands.max_by_key(|r| r.shape.iter().fold(r.dtype.bytes(), |n, &d| n.saturating_mul(d))).map(|r| format!("{} `{}` {:?} {}", r.kind.name(), r.name, r.shape, r.dtype)).unwrap_or_default();
         Err(self.err(
             "HBM",
             "hbm-budget",
