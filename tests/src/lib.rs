@@ -1,8 +1,10 @@
 //! Shared fixtures for Tessera's cross-crate tests (see `tests/`).
 
+pub mod agreement;
 pub mod bench;
 pub mod kit;
 pub mod probes;
+pub mod rulebook;
 pub mod vmem;
 pub mod broken;
 pub mod oracle;

@@ -294,7 +294,7 @@ fn dma_align(s: &mut Sweep) {
         for (at, n) in [(Start::Static(1), 4), (Start::Static(6), 4), (Start::Pid { mul: 4, add: 0 }, 4), (Start::Static(2), 2), (Start::Static(1), 2), (Start::Static(3), 1), (Start::Static(4), 8)] {
             s.add(format!("{dtype}/size{n}-at-{}", at.label()), kit::dma_slice("p", dtype, [64, 256], (at, n), (Start::Static(0), 128)));
         }
-        for lanes in [8, 16, 32, 96] {
+        for lanes in [4, 8, 12, 16, 32, 60, 96] {
             s.add(format!("{dtype}/lanes{lanes}"), kit::dma_slice("p", dtype, [64, 256], (Start::Static(0), 8), (Start::Static(0), lanes)));
         }
         s.add(format!("{dtype}/lanes64-at64"), kit::dma_slice("p", dtype, [64, 256], (Start::Static(0), 8), (Start::Static(64), 64)));
