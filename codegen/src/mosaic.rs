@@ -246,7 +246,7 @@ impl Lower<'_> {
                 let x = self.v(*x);
                 Some(self.t.op1("vector.broadcast", &[&x], "", ty(result_ty.as_ref().unwrap())))
             }
-            Inst::Iota { dim } => Some(self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [*dim as i64])), ty(result_ty.as_ref().unwrap()))),
+            Inst::Iota { dim } => Some(self.iota(*dim, result_ty.as_ref().unwrap())),
             Inst::Reduce { op, axis, x } => Some(self.reduce(*op, *axis, *x)),
             Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => Some(self.dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, result_ty.as_ref().unwrap())),
             Inst::Transpose(x) => {
@@ -624,10 +624,28 @@ impl Lower<'_> {
 
     // ---- structure ----
 
+    /// `tpu.iota`, which Mosaic has from rank 2 up: a rank-1 iota is a [1, n] row.
+    fn iota(&mut self, dim: usize, out: &Type) -> Ssa {
+        if out.rank() == 1 {
+            let row = Type::vector(out.dtype, &[1, out.shape[0]]);
+            let r = self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [1])), ty(&row));
+            return self.t.op1("vector.shape_cast", &[&r], "", ty(out));
+        }
+        self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [dim as i64])), ty(out))
+    }
+
     /// `vector.multi_reduction` drops the axis; a `shape_cast` puts it back as size 1.
     fn reduce(&mut self, op: ReduceOp, axis: usize, x: Value) -> Ssa {
-        let t = self.ty(x).clone();
-        let xv = self.v(x);
+        let mut t = self.ty(x).clone();
+        let mut xv = self.v(x);
+        let mut axis = axis;
+        // Mosaic reduces only to vectors: a rank-1 vector is reduced as a [1, n] row.
+        let rank1 = t.rank() == 1;
+        if rank1 {
+            t = Type::vector(t.dtype, &[1, t.shape[0]]);
+            xv = self.t.op1("vector.shape_cast", &[&xv], "", ty(&t));
+            axis = 1;
+        }
         let float = t.dtype.is_float();
         let mut dropped = t.shape.clone();
         dropped.remove(axis);
@@ -643,8 +661,7 @@ impl Lower<'_> {
         let acc = self.constant(init, &acc_t);
         let attrs = format!("kind = #vector.kind<{kind}>, reduction_dims = {}", dense_array("i64", [axis as i64]));
         let red = self.t.op1("vector.multi_reduction", &[&xv, &acc], &attrs, ty(&acc_t));
-        let mut kept = t.shape.clone();
-        kept[axis] = 1;
+        let kept = if rank1 { vec![1] } else { t.shape.iter().enumerate().map(|(d, &n)| if d == axis { 1 } else { n }).collect() };
         self.t.op1("vector.shape_cast", &[&red], "", vector_ty(t.dtype, &kept))
     }
 

@@ -75,6 +75,14 @@ const FAMILIES: &[Family] = &[
     ("hbm", hbm),
     ("vmem-limit", vmem_limit),
     ("vmem-held", vmem_held),
+    ("op-all", op_all),
+    ("transpose", transpose),
+    ("reshape", reshape),
+    ("dot-shapes", dot_shapes),
+    ("broadcast", broadcast),
+    ("rank3", rank3),
+    ("misc", misc),
+    ("rank1-ops", rank1_ops),
 ];
 
 fn tiling_rows(s: &mut Sweep) {
@@ -488,4 +496,259 @@ fn vmem_held(s: &mut Sweep) {
             s.add(format!("{dtype}/{pct}pct"), b.finish());
         }
     }
+}
+
+/// Every elementwise op on every dtype the builder allows it for.
+fn op_all(s: &mut Sweep) {
+    use BinaryOp::*;
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        for op in [Add, Sub, Mul, Div, Rem, Max, Min, Pow, And, Or, Xor] {
+            let ok = match op {
+                And | Or | Xor => !dtype.is_float(),
+                Pow => dtype.is_float(),
+                _ => true,
+            };
+            if ok {
+                s.add(format!("{}-{dtype}", op.name()), kit::elementwise("p", dtype, 16, 256, |b, x, y| b.binary(op, x, y)));
+            }
+        }
+        for op in [UnaryOp::Neg, UnaryOp::Abs, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Tanh, UnaryOp::Erf, UnaryOp::Sqrt, UnaryOp::Rsqrt, UnaryOp::Not] {
+            let ok = match op {
+                UnaryOp::Not => !dtype.is_float(),
+                _ if op.float_only() => dtype.is_float(),
+                _ => true,
+            };
+            if ok {
+                s.add(format!("{}-{dtype}", op.name()), kit::elementwise("p", dtype, 16, 256, |b, x, _| b.unary(op, x)));
+            }
+        }
+        for op in [CmpOp::Eq, CmpOp::Ne, CmpOp::Le, CmpOp::Gt] {
+            s.add(format!("cmp-{}-{dtype}", op.name()), kit::elementwise("p", dtype, 16, 256, |b, x, y| {
+                let c = b.cmp(op, x, y);
+                b.cast(c, DType::I32)
+            }));
+        }
+    }
+}
+
+/// Transposes of the last two dims, per dtype and shape.
+fn transpose(s: &mut Sweep) {
+    for dtype in DTYPES {
+        for (r, c) in [(128, 128), (8, 128), (128, 256), (256, 128), (16, 384)] {
+            s.add(format!("{dtype}/{r}x{c}"), kit::elementwise("p", dtype, r, c, |b, x, _| b.transpose(x)));
+        }
+    }
+}
+
+/// Reshapes between vector shapes.
+fn reshape(s: &mut Sweep) {
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        for (from, to) in [([8, 256], vec![16, 128]), ([16, 128], vec![8, 256]), ([8, 128], vec![1024]), ([8, 128], vec![1, 1024]), ([16, 128], vec![2, 8, 128]), ([8, 384], vec![24, 128]), ([8, 128], vec![4, 256])] {
+            s.add(format!("{dtype}/{}x{}-to-{}", from[0], from[1], to.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")), kit::elementwise("p", dtype, from[0], from[1], move |b, x, _| {
+                let v = b.reshape(x, &to);
+                let n: usize = to.iter().product();
+                if to.len() == 2 { v } else { b.reshape(v, &[n / 128, 128]) }
+            }));
+        }
+    }
+}
+
+/// Matmul shapes: small and odd dims, transposed operands, mixed dtypes.
+fn dot_shapes(s: &mut Sweep) {
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n) in [(8, 128, 128), (128, 8, 128), (128, 128, 8), (1, 128, 128), (16, 256, 384), (24, 128, 136), (8, 100, 128)] {
+            s.add(format!("{dtype}/{m}x{k}x{n}"), {
+                let mut b = KernelBuilder::new("p");
+                b.grid(&[(1, Semantics::Parallel)]);
+                let z = vec![I::Const(0), I::Const(0)];
+                let x = b.input("x", dtype, &[m, k], spec(&[m, k], z.clone()));
+                let y = b.input("y", dtype, &[k, n], spec(&[k, n], z.clone()));
+                let o = b.output("out", DType::F32, &[m, n], spec(&[m, n], z));
+                let (xv, yv) = (b.load(x, &[]), b.load(y, &[]));
+                let p = b.dot(xv, yv, false, false);
+                b.store(o, &[], p);
+                b.finish()
+            });
+        }
+        for (tl, tr) in [(true, false), (false, true), (true, true)] {
+            s.add(format!("{dtype}/transposed-{tl}-{tr}"), kit::elementwise("p", dtype, 128, 128, move |b, x, y| b.dot(x, y, tl, tr)));
+        }
+    }
+}
+
+/// Broadcasts of rows, columns and scalars.
+fn broadcast(s: &mut Sweep) {
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        for (from, to) in [([1, 256], [32, 256]), ([32, 1], [32, 256]), ([1, 1], [32, 256])] {
+            s.add(format!("{dtype}/{}x{}-to-{}x{}", from[0], from[1], to[0], to[1]), {
+                let mut b = KernelBuilder::new("p");
+                b.grid(&[(1, Semantics::Parallel)]);
+                let z = vec![I::Const(0), I::Const(0)];
+                let x = b.input("x", dtype, &from, spec(&from, z.clone()));
+                let o = b.output("out", dtype, &to, spec(&to, z));
+                let v = b.load(x, &[]);
+                let v = b.broadcast(v, &to);
+                b.store(o, &[], v);
+                b.finish()
+            });
+        }
+    }
+}
+
+/// Rank-3 values: elementwise ops and reductions over each axis.
+fn rank3(s: &mut Sweep) {
+    for dtype in [DType::F32, DType::BF16] {
+        for axis in 0..3 {
+            s.add(format!("{dtype}/sum-axis{axis}"), {
+                let mut b = KernelBuilder::new("p");
+                b.grid(&[(1, Semantics::Parallel)]);
+                let x = b.input("x", dtype, &[4, 16, 256], spec(&[4, 16, 256], vec![I::Const(0), I::Const(0), I::Const(0)]));
+                let v = b.load(x, &[]);
+                let v = b.mul(v, v);
+                let r = b.reduce(ReduceOp::Sum, v, axis);
+                let t = b.ty(r).clone();
+                let o = b.output("out", dtype, &t.shape, spec(&t.shape, vec![I::Const(0); 3]));
+                b.store(o, &[], r);
+                b.finish()
+            });
+        }
+    }
+}
+
+/// Scalar memory, control flow and signature shapes.
+fn misc(s: &mut Sweep) {
+    // A 2-D prefetch table read by the index map and the body.
+    s.add("prefetch-2d", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(4, Semantics::Arbitrary)]);
+        let t = b.prefetch("t", &[4, 3]);
+        let map = vec![I::Prefetch { array: t, index: vec![I::Grid(0), I::Const(1)] }, I::Const(0)];
+        let x = b.input("x", DType::F32, &[32, 128], spec(&[8, 128], map));
+        let o = b.output("out", DType::F32, &[32, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let p = b.program_id(0);
+        let a = b.load(t, &[ds(p, 1), ds(2, 1)]);
+        let a = b.cast(a, DType::F32);
+        let v = b.load(x, &[]);
+        let v = b.add(v, a);
+        b.store(o, &[], v);
+        b.finish()
+    });
+    // An f32 SMEM scratch accumulating a scalar across steps.
+    s.add("smem-f32-scratch", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(4, Semantics::Arbitrary)]);
+        let x = b.input("x", DType::F32, &[32, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let o = b.output("out", DType::F32, &[32, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let acc = b.scratch("acc", DType::F32, &[1], MemorySpace::Smem);
+        let p = b.program_id(0);
+        let first = b.cmp(CmpOp::Eq, p, 0);
+        b.when(first, |b| b.store(acc, &[ds(0, 1)], 0.0));
+        let a = b.load(acc, &[ds(0, 1)]);
+        let a = b.add(a, 1.0);
+        b.store(acc, &[ds(0, 1)], a);
+        let v = b.load(x, &[]);
+        let v = b.mul(v, a);
+        b.store(o, &[], v);
+        b.finish()
+    });
+    // A loop whose trip count is read from scalar prefetch, carrying a vector.
+    s.add("dynamic-loop", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(2, Semantics::Arbitrary)]);
+        let n = b.prefetch("n", &[2]);
+        let x = b.input("x", DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let o = b.output("out", DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let p = b.program_id(0);
+        let hi = b.load(n, &[ds(p, 1)]);
+        let v = b.load(x, &[]);
+        let r = b.for_range(0, hi, 1, &[v], |b, _, c| vec![b.mul(c[0], 0.5)]);
+        b.store(o, &[], r[0]);
+        b.finish()
+    });
+    // An `if` yielding vectors.
+    s.add("if-vector", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(2, Semantics::Arbitrary)]);
+        let x = b.input("x", DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let o = b.output("out", DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let p = b.program_id(0);
+        let c = b.cmp(CmpOp::Eq, p, 0);
+        let v = b.load(x, &[]);
+        let r = b.if_else(c, |b| vec![b.mul(v, 2.0)], |b| vec![b.add(v, 1.0)]);
+        b.store(o, &[], r[0]);
+        b.finish()
+    });
+    for dims in [4, 6] {
+        s.add(format!("grid-{dims}d"), {
+            let mut b = KernelBuilder::new("p");
+            // Two parallel dims the blocks use, then arbitrary (reduction-like) ones.
+            b.grid(&(0..dims).map(|d| (2, if d < 2 { Semantics::Parallel } else { Semantics::Arbitrary })).collect::<Vec<_>>());
+            let map: Vec<I> = (0..2).map(I::Grid).collect();
+            let x = b.input("x", DType::F32, &[16, 256], spec(&[8, 128], map.clone()));
+            let o = b.output("out", DType::F32, &[16, 256], spec(&[8, 128], map));
+            let v = b.load(x, &[]);
+            b.store(o, &[], v);
+            let _ = b.program_id(dims - 1);
+            b.finish()
+        });
+    }
+    s.add("sixteen-inputs", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(2, Semantics::Parallel)]);
+        let ins: Vec<RefId> = (0..16).map(|i| b.input(&format!("x{i}"), DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]))).collect();
+        let o = b.output("out", DType::F32, &[16, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let mut acc = b.load(ins[0], &[]);
+        for &r in &ins[1..] {
+            let v = b.load(r, &[]);
+            acc = b.add(acc, v);
+        }
+        b.store(o, &[], acc);
+        b.finish()
+    });
+    for dtype in [DType::F32, DType::BF16] {
+        s.add(format!("{dtype}/rank1-iota-sum"), {
+            let mut b = KernelBuilder::new("p");
+            b.grid(&[(1, Semantics::Parallel)]);
+            let x = b.input("x", dtype, &[1024], spec(&[1024], vec![I::Const(0)]));
+            let o = b.output("out", dtype, &[1024], spec(&[1024], vec![I::Const(0)]));
+            let v = b.load(x, &[]);
+            let i = b.iota(DType::I32, &[1024], 0);
+            let i = b.cast(i, dtype);
+            let v = b.add(v, i);
+            let sum = b.reduce(ReduceOp::Sum, v, 0);
+            let sum = b.broadcast(sum, &[1024]);
+            let v = b.sub(v, sum);
+            b.store(o, &[], v);
+            b.finish()
+        });
+    }
+}
+
+/// Ops on rank-1 vectors (which libtpu compiles since rank-1 values are allowed).
+fn rank1_ops(s: &mut Sweep) {
+    let one = |dtype: DType, n: usize, f: Box<dyn Fn(&mut KernelBuilder, Value) -> Value>| -> Built {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(1, Semantics::Parallel)]);
+        let x = b.input("x", dtype, &[n], spec(&[n], vec![I::Const(0)]));
+        let v = b.load(x, &[]);
+        let r = f(&mut b, v);
+        let t = b.ty(r).clone();
+        let o = b.output("out", t.dtype, &t.shape, spec(&t.shape, vec![I::Const(0)]));
+        b.store(o, &[], r);
+        b.finish()
+    };
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        s.add(format!("{dtype}/add"), one(dtype, 1024, Box::new(|b, v| b.add(v, v))));
+        s.add(format!("{dtype}/max-reduce"), one(dtype, 1024, Box::new(|b, v| b.reduce(ReduceOp::Max, v, 0))));
+        s.add(format!("{dtype}/cmp-select"), one(dtype, 1024, Box::new(|b, v| {
+            let c = b.cmp(CmpOp::Gt, v, 0);
+            b.select(c, v, 0)
+        })));
+        s.add(format!("{dtype}/cast-i32"), one(dtype, 1024, Box::new(|b, v| b.cast(v, DType::I32))));
+        s.add(format!("{dtype}/cast-f32"), one(dtype, 1024, Box::new(|b, v| b.cast(v, DType::F32))));
+        s.add(format!("{dtype}/odd-length"), one(dtype, 1000, Box::new(|b, v| b.mul(v, v))));
+    }
+    s.add("f32/exp", one(DType::F32, 1024, Box::new(|b, v| b.unary(UnaryOp::Exp, v))));
+    s.add("i8/copy", one(DType::I8, 2048, Box::new(|_, v| v)));
+    s.add("i8/xor", one(DType::I8, 2048, Box::new(|b, v| b.binary(BinaryOp::Xor, v, v))));
 }

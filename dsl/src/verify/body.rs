@@ -32,6 +32,12 @@ impl Verifier<'_> {
                 }
                 Ok(())
             }
+            Inst::Binary(BinaryOp::Rem, a, _) if self.k.ty(*a).dtype == DType::BF16 && !self.k.ty(*a).is_scalar() => Err(self.err(
+                "instruction `rem`",
+                "vector-op-dtype",
+                format!("`rem` of bf16 vectors ({}): Mosaic has no bf16 remainder (`failed to legalize arith.remf`) on any generation", self.k.ty(*a)),
+                "cast to f32 first (.cast(f32)), take the remainder, and cast the result back to bf16",
+            )),
             Inst::Binary(op, a, _) => self.int8_op(op.name(), *a, !op.is_bitwise()),
             Inst::Unary(op @ (UnaryOp::Neg | UnaryOp::Abs), x) => self.int8_op(op.name(), *x, true),
             Inst::Select { cond, on_true, on_false } => {

@@ -32,6 +32,14 @@ pub fn pairs() -> Vec<Pair> {
             outside: |_| kit::elementwise("p", DType::I8, 32, 128, |b, x, y| b.add(x, y)),
         },
         Pair {
+            rule: "vector-op-dtype",
+            edge: "bf16-rem",
+            differs: "the remainder of f32 vectors vs of bf16 vectors",
+            targets: ALL_TARGETS,
+            inside: |_| kit::elementwise("p", DType::F32, 16, 256, |b, x, y| b.binary(BinaryOp::Rem, x, y)),
+            outside: |_| kit::elementwise("p", DType::BF16, 16, 256, |b, x, y| b.binary(BinaryOp::Rem, x, y)),
+        },
+        Pair {
             rule: "reduce-dtype",
             edge: "int8-sum",
             differs: "a row sum of an i32 vector vs of an int8 vector",
