@@ -196,3 +196,23 @@ pub fn report(rows: &[Row], libtpu: &str) -> String {
     }
     s
 }
+
+/// The rulebook as a markdown table (the README shows it; a test keeps the two equal).
+pub fn rules_table() -> String {
+    use tessera_dsl::rules::{Checker, Kind, RULES};
+    let mut s = String::from("| id | kind | checked by | rule | generations | evidence |\n|---|---|---|---|---|---|\n");
+    for r in RULES {
+        let kind = match r.kind {
+            Kind::Tpu => "tpu",
+            Kind::Semantic => "semantic",
+            Kind::Warning => "warning",
+        };
+        let by: Vec<&str> = r.checkers.iter().map(|c| match c {
+            Checker::Builder => "builder",
+            Checker::Verifier => "verifier",
+            Checker::Interpreter => "interpreter",
+        }).collect();
+        s.push_str(&format!("| `{}` | {kind} | {} | {} | {} | {} |\n", r.id, by.join(", "), r.statement, r.generations, r.evidence.replace('|', "/")));
+    }
+    s
+}

@@ -128,3 +128,10 @@ fn libtpu_still_judges_the_evidence_and_the_probes_as_recorded() {
     assert!(moved.is_empty(), "libtpu moved {} edges (re-record with `probes -- bless`, then fix the rules):\n{}", moved.len(), moved.join("\n"));
     check_probes(&fresh);
 }
+
+#[test]
+fn the_readme_shows_the_rulebook_as_it_is() {
+    let readme = std::fs::read_to_string(oracle::repo().join("tests/src/rulebook/README.md")).unwrap();
+    let table = agreement::rules_table();
+    assert!(readme.contains(&table), "tests/src/rulebook/README.md is out of date: regenerate its table with `cargo run -p tessera-tests --bin probes -- rules`");
+}

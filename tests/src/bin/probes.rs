@@ -5,6 +5,7 @@
 //! cargo run --release -p tessera-tests --bin probes -- bless        # also re-record tests/verdicts/libtpu.json
 //! cargo run --release -p tessera-tests --bin probes -- vmem         # VMEM estimate vs libtpu's need -> tests/verdicts/vmem.md
 //! cargo run --release -p tessera-tests --bin probes -- list FILTER  # one line per matching kernel, with both verdicts
+//! cargo run --release -p tessera-tests --bin probes -- rules        # the rulebook table (for tests/src/rulebook/README.md)
 //! ```
 //!
 //! Needs the venv (`TESSERA_PYTHON`, default `.venv/bin/python`). Verdicts are cached under
@@ -18,6 +19,10 @@ use tessera_tests::{oracle, probes, rulebook, vmem};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("rules") {
+        print!("{}", agreement::rules_table());
+        return;
+    }
     if !oracle::available() {
         eprintln!("needs the venv with libtpu: {} not found (scripts/setup-venv.sh, or set TESSERA_PYTHON)", oracle::python().display());
         std::process::exit(2);
@@ -28,7 +33,7 @@ fn main() {
         Some("list") => judge_all(false, Some(args.get(1).cloned().unwrap_or_default())),
         Some("vmem") => vmem_table(),
         Some(other) => {
-            eprintln!("unknown command `{other}`: report, bless, list FILTER, vmem");
+            eprintln!("unknown command `{other}`: report, bless, list FILTER, vmem, rules");
             std::process::exit(2);
         }
     }
@@ -107,9 +112,25 @@ fn vmem_jobs() -> Vec<vmem::Job> {
             }
         }
         for dtype in [DType::F32, DType::BF16] {
-            for (bm, bk, bn) in [(512, 512, 512), (1024, 512, 512), (512, 1024, 1024), (256, 2048, 256), (128, 128, 128)] {
+            for (bm, bk, bn) in [(512, 512, 512), (1024, 512, 512), (512, 1024, 1024), (256, 2048, 256), (128, 128, 128), (1024, 1024, 1024), (2048, 512, 256), (256, 512, 2048), (512, 256, 1024), (1024, 2048, 512)] {
                 if let Ok(kernel) = tessera_tests::kit::matmul("mm", dtype, [bm * 2, bk * 2, bn * 2], [bm, bk, bn], None) {
                     jobs.push(vmem::Job { name: format!("matmul/{bm}x{bk}x{bn}/{dtype}@{}", target.name), target, kernel });
+                }
+            }
+            // q @ k.T (a transposed rhs) straight into a bf16/f32 output, no accumulator.
+            for (m, k, n) in [(512, 128, 512), (1024, 256, 1024), (2048, 128, 1024)] {
+                let z = vec![tessera_dsl::IndexExpr::Const(0), tessera_dsl::IndexExpr::Const(0)];
+                let mut b = tessera_dsl::KernelBuilder::new("qk");
+                b.grid(&[(1, tessera_dsl::Semantics::Parallel)]);
+                let x = b.input("q", dtype, &[m, k], tessera_tests::kit::spec(&[m, k], z.clone()));
+                let y = b.input("k", dtype, &[n, k], tessera_tests::kit::spec(&[n, k], z.clone()));
+                let o = b.output("s", dtype, &[m, n], tessera_tests::kit::spec(&[m, n], z));
+                let (xv, yv) = (b.load(x, &[]), b.load(y, &[]));
+                let p = b.dot(xv, yv, false, true);
+                let p = b.cast(p, dtype);
+                b.store(o, &[], p);
+                if let Ok(kernel) = b.finish() {
+                    jobs.push(vmem::Job { name: format!("qk-t/{m}x{k}x{n}/{dtype}@{}", target.name), target, kernel });
                 }
             }
             let blocks = gmm::GmmBlocks { tm: 512, tk: 1024, tn: 1024 };
