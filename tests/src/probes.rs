@@ -83,6 +83,7 @@ const FAMILIES: &[Family] = &[
     ("rank3", rank3),
     ("misc", misc),
     ("rank1-ops", rank1_ops),
+    ("semantic", semantic),
 ];
 
 fn tiling_rows(s: &mut Sweep) {
@@ -280,6 +281,12 @@ fn load_align(s: &mut Sweep) {
 }
 
 fn store_align(s: &mut Sweep) {
+    for st in [Start::Pid { mul: 8, add: 0 }, Start::Pid { mul: 32, add: 0 }, Start::Static(3)] {
+        s.add(format!("i8/rows-{}", st.label()), kit::sliced_store("p", DType::I8, [64, 256], (st, 32), (Start::Static(0), 128)));
+    }
+    s.add("f32/one-row-pid*3", kit::sliced_store("p", DType::F32, [64, 256], (Start::Pid { mul: 3, add: 0 }, 1), (Start::Static(0), 256)));
+    s.add("f32/narrow-rows-pid*3", kit::sliced_store("p", DType::F32, [64, 128], (Start::Pid { mul: 3, add: 0 }, 16), (Start::Static(0), 128)));
+    s.add("bf16/one-row-pid*3", kit::sliced_store("p", DType::BF16, [64, 256], (Start::Pid { mul: 3, add: 0 }, 1), (Start::Static(0), 256)));
     for dtype in [DType::F32, DType::BF16] {
         for st in [Start::Static(1), Start::Static(8), Start::Pid { mul: 3, add: 0 }, Start::Pid { mul: 8, add: 0 }, Start::Pid { mul: 16, add: 0 }, Start::Pid { mul: 8, add: 8 }] {
             s.add(format!("{dtype}/rows-{}", st.label()), kit::sliced_store("p", dtype, [64, 256], (st, 16), (Start::Static(0), 128)));
@@ -751,4 +758,43 @@ fn rank1_ops(s: &mut Sweep) {
     s.add("f32/exp", one(DType::F32, 1024, Box::new(|b, v| b.unary(UnaryOp::Exp, v))));
     s.add("i8/copy", one(DType::I8, 2048, Box::new(|_, v| v)));
     s.add("i8/xor", one(DType::I8, 2048, Box::new(|b, v| b.binary(BinaryOp::Xor, v, v))));
+}
+
+/// Kernels libtpu compiles but that are certainly wrong: the semantic rules' evidence.
+fn semantic(s: &mut Sweep) {
+    let copy_with = |rows_map: I, grid: usize, out_rows: usize| -> Built {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(grid, Semantics::Parallel)]);
+        let x = b.input("x", DType::F32, &[64, 128], spec(&[8, 128], vec![rows_map, I::Const(0)]));
+        let o = b.output("out", DType::F32, &[out_rows, 128], spec(&[8, 128], vec![I::Grid(0), I::Const(0)]));
+        let v = b.load(x, &[]);
+        b.store(o, &[], v);
+        b.finish()
+    };
+    s.add("negative-block-index", copy_with(I::Grid(0) - 1, 8, 64));
+    s.add("block-index-past-the-end", copy_with(I::Grid(0) + 1, 8, 64));
+    s.add("output-not-covered", copy_with(I::Grid(0), 4, 64));
+    // The reduction axis first, and a parallel reduction axis.
+    for (label, sem) in [("reduction-axis-first", [Semantics::Arbitrary, Semantics::Parallel]), ("parallel-reduction-axis", [Semantics::Parallel, Semantics::Parallel])] {
+        let mut b = KernelBuilder::new("p");
+        let (d0, d1) = if label == "reduction-axis-first" { (4, 4) } else { (4, 4) };
+        b.grid(&[(d0, sem[0]), (d1, sem[1])]);
+        let (red, par) = if label == "reduction-axis-first" { (0, 1) } else { (1, 0) };
+        let x = b.input("x", DType::F32, &[512, 512], spec(&[128, 128], vec![I::Grid(par), I::Grid(red)]));
+        let o = b.output("out", DType::F32, &[512, 128], spec(&[128, 128], vec![I::Grid(par), I::Const(0)]));
+        let v = b.load(x, &[]);
+        b.store(o, &[], v);
+        s.add(label, b.finish());
+    }
+    // A dynamic offset in an untiled (leading) dim: any value is fine.
+    s.add("leading-dim-dynamic-offset", {
+        let mut b = KernelBuilder::new("p");
+        b.grid(&[(4, Semantics::Arbitrary)]);
+        let x = b.input("x", DType::BF16, &[4, 16, 256], spec(&[4, 16, 256], vec![I::Const(0), I::Const(0), I::Const(0)]));
+        let o = b.output("out", DType::BF16, &[1, 16, 256], spec(&[1, 16, 256], vec![I::Const(0), I::Const(0), I::Const(0)]));
+        let p = b.program_id(0);
+        let v = b.load(x, &[ds(p, 1), Index::Full, Index::Full]);
+        b.store(o, &[], v);
+        b.finish()
+    });
 }
