@@ -1,27 +1,26 @@
 //! Memory budgets: VMEM (the scoped limit) and SMEM, as libtpu counts them.
 //!
-//! **VMEM** is what the kernel's buffers take, padded to XLA's memory tiles
-//! ([`Target::memory_tile`]): every blocked VMEM operand twice (the pipeline
-//! double-buffers it) and every VMEM scratch once; plus Mosaic's *internal scratch*, which
-//! it allocates inside the same scoped limit and which our buffers do not show:
+//! **VMEM** is the kernel's buffers plus Mosaic's *internal scratch*, which libtpu
+//! allocates inside the same scoped limit and which the buffers do not show:
 //!
-//! - **held vector values.** A vector value needed again after another op has run (the
-//!   `exp(x - max)` of a softmax, used by the sum and by the division) does not stay in
-//!   the 64 vector registers when it is a whole block: Mosaic keeps it in internal
-//!   scratch. The estimate is the peak, over the body in program order, of the padded
-//!   bytes of such values (loads, constants and iotas excluded: Mosaic re-reads or
-//!   re-makes those). A value used once, by the very next op, streams through registers.
-//! - **non-f32 matmuls.** A `dot` of bf16 (or int8) operands takes scratch for its
-//!   operands' relayout: the larger operand's padded bytes (measured: 0.36-1.4 MiB for
-//!   bf16 matmuls of 0.5-2 MiB operands; f32 matmuls take 10-340 KiB, inside the margin).
-//! - **a margin**, [`VMEM_MARGIN`], for what neither term models (semaphores, the odd
-//!   relayout buffer, rounding).
+//! - **buffers**: every blocked VMEM operand twice (the pipeline double-buffers it) and
+//!   every VMEM scratch once, padded to XLA's memory tiles ([`Target::memory_tile`]);
+//! - **held vector values**: Mosaic computes elementwise chains one vreg at a time, but a
+//!   whole-block value still needed after an op that consumes whole vectors (a reduction,
+//!   a matmul, a transpose, a store, a copy) is kept in scratch: softmax's `exp(x - max)`
+//!   across its sum. A loaded value is re-read from its window instead, unless a write
+//!   came in between. The estimate is the peak over the body, in program order;
+//! - **matmuls** stage part of their result, and relayout packed operands ([`dot_scratch`]);
+//! - **lane iotas and loaded-column broadcasts** are materialised whole;
+//! - **a margin**, [`VMEM_MARGIN`], for kernels that compute (pure data movement needs
+//!   exactly its buffers).
 //!
-//! How the terms were calibrated: `cargo run --release -p tessera-tests --bin probes --
-//! vmem` measures libtpu's own need for every library kernel (f32 and bf16, v5e, v6e,
-//! tpu7x) and a set of matmuls, by compiling each under limits it cannot meet until it
-//! compiles (see `tests/src/vmem.rs`); the largest amount by which libtpu needed more
-//! than the two modelled terms is the margin (table in `tests/verdicts/vmem.md`).
+//! Calibration: `cargo run --release -p tessera-tests --bin probes -- vmem` measures
+//! libtpu's need for 408 kernels (every library kernel in f32 and bf16 on v5e, v6e and
+//! tpu7x, large-block configurations, matmuls, near-limit probes) as the smallest scoped
+//! limit under which each compiles (`tests/src/vmem.rs`). Every term above is a pattern in
+//! those figures; the margin covers the largest amount by which libtpu needed more than
+//! the modelled terms (88 KiB, `tests/verdicts/vmem.md`).
 //!
 //! **SMEM**: every SMEM array in 32-bit words padded to 128 words (rank >= 2: last dim to
 //! 128, second-to-last to 8), plus what libtpu keeps for itself
@@ -36,7 +35,7 @@ use crate::types::{DType, MemorySpace};
 const MIB: f64 = (1 << 20) as f64;
 
 /// What libtpu needed beyond our buffers and the modelled internal scratch, at most, over
-/// the calibration set (`tests/verdicts/vmem.md`), rounded up.
+/// the calibration set (88 KiB, `tests/verdicts/vmem.md`), rounded up.
 pub const VMEM_MARGIN: usize = 128 << 10;
 
 /// The VMEM a kernel needs, by part.
@@ -44,9 +43,9 @@ pub const VMEM_MARGIN: usize = 128 << 10;
 pub struct VmemEstimate {
     /// Blocked VMEM operands twice, VMEM scratch once, padded to the memory tile.
     pub buffers: usize,
-    /// Mosaic's internal scratch: held vector values and non-f32 matmul operands.
+    /// Mosaic's internal scratch: held vector values, matmuls, lane iotas, broadcasts.
     pub internal: usize,
-    /// [`VMEM_MARGIN`].
+    /// [`VMEM_MARGIN`] for a kernel that computes, 0 for one that only moves data.
     pub margin: usize,
 }
 
@@ -100,7 +99,7 @@ pub fn smem_bytes(k: &Kernel, target: &Target) -> usize {
         .fold(target.smem_reserved_bytes + tables * per_table, usize::saturating_add)
 }
 
-/// The padded bytes of a vector value as Mosaic holds it (masks as 32-bit words).
+/// The padded bytes of a vector value (masks as 32-bit words).
 fn value_bytes(k: &Kernel, t: &Target, v: Value) -> usize {
     let ty = k.ty(v);
     if ty.is_scalar() {
@@ -110,20 +109,21 @@ fn value_bytes(k: &Kernel, t: &Target, v: Value) -> usize {
     t.padded_bytes(dtype, &ty.shape)
 }
 
-/// Program order of the body, with the extent of every loop.
+/// Program order of the body: a position per instruction, only vector instructions taking
+/// a step (the scalar index arithmetic between two vector ops does not make the first
+/// one's result wait), and the span of every loop.
 struct Order {
-    /// Position of each instruction.
     pos: Vec<usize>,
-    /// For each instruction, the positions where its enclosing loops end (outermost first).
-    loops: Vec<Vec<(usize, usize)>>,
+    /// `(start, end)` of each loop, by the position of its `For`.
+    spans: Vec<(usize, usize)>,
+    /// For each instruction, its enclosing loops (indices into `spans`, outermost first).
+    loops: Vec<Vec<usize>>,
     len: usize,
 }
 
 fn order(k: &Kernel) -> Order {
-    fn visit(k: &Kernel, b: BlockId, stack: &mut Vec<(usize, usize)>, o: &mut Order) {
+    fn visit(k: &Kernel, b: BlockId, stack: &mut Vec<usize>, o: &mut Order) {
         for &i in &k.block(b).insts {
-            // Only instructions on vectors take a step: the scalar index arithmetic
-            // between two vector ops does not make the first one's result wait.
             let p = o.len;
             if touches_vectors(k, k.inst(i)) {
                 o.len += 1;
@@ -136,23 +136,18 @@ fn order(k: &Kernel) -> Order {
                     visit(k, *else_block, stack, o);
                 }
                 Inst::For { body, .. } => {
-                    stack.push((p, usize::MAX));
+                    o.spans.push((p, 0));
+                    stack.push(o.spans.len() - 1);
                     visit(k, *body, stack, o);
-                    stack.pop();
-                    let end = o.len;
-                    // Close this loop's span in every instruction inside it.
-                    for l in o.loops.iter_mut() {
-                        for span in l.iter_mut().filter(|s| s.0 == p) {
-                            span.1 = end;
-                        }
-                    }
+                    let span = stack.pop().expect("pushed above");
+                    o.spans[span].1 = o.len;
                 }
                 _ => {}
             }
         }
     }
     let n = k.insts.len();
-    let mut o = Order { pos: vec![usize::MAX; n], loops: vec![Vec::new(); n], len: 0 };
+    let mut o = Order { pos: vec![usize::MAX; n], spans: Vec::new(), loops: vec![Vec::new(); n], len: 0 };
     visit(k, k.body, &mut Vec::new(), &mut o);
     o
 }
@@ -181,8 +176,8 @@ fn touches_vectors(k: &Kernel, d: &InstData) -> bool {
     matches!(d.inst, Inst::If { .. } | Inst::For { .. }) || d.results.iter().chain(d.inst.operands().iter()).any(|&v| !k.ty(v).is_scalar())
 }
 
-/// Mosaic's internal scratch (module doc): the peak of held vector values plus the
-/// largest non-f32 matmul operand.
+/// Mosaic's internal scratch (module doc): the peak of held vector values, the largest
+/// matmul's scratch, lane iotas and the largest loaded-column broadcast.
 fn internal_scratch(k: &Kernel, t: &Target) -> Internal {
     let o = order(k);
     let nv = k.values.len();
@@ -212,10 +207,11 @@ fn internal_scratch(k: &Kernel, t: &Target) -> Internal {
             };
             loaded[r.index()] = matches!(d.inst, Inst::Load { .. });
         }
-        if matches!(d.inst, Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. }) {
+        let writes_memory = matches!(d.inst, Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. });
+        if writes_memory {
             writes.push(p);
         }
-        if matches!(d.inst, Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::Reduce { .. } | Inst::Dot { .. } | Inst::Transpose(_)) {
+        if writes_memory || matches!(d.inst, Inst::Reduce { .. } | Inst::Dot { .. } | Inst::Transpose(_)) {
             barriers.push(p);
         }
         if let Inst::For { body, .. } = &d.inst {
@@ -261,7 +257,7 @@ fn internal_scratch(k: &Kernel, t: &Target) -> Internal {
             let vi = v.index();
             uses[vi] += 1;
             // A value defined outside a loop and used inside is needed until the loop ends.
-            let end = o.loops[i].iter().find(|(start, _)| def[vi] < *start).map_or(p, |s| s.1);
+            let end = o.loops[i].iter().map(|&l| o.spans[l]).find(|(start, _)| def[vi] < *start).map_or(p, |s| s.1);
             last[vi] = last[vi].max(end.max(p));
         }
     }
@@ -274,11 +270,7 @@ fn internal_scratch(k: &Kernel, t: &Target) -> Internal {
         }
         // A loaded value is re-read from its window, unless a write in between may have
         // changed the window (libtpu then keeps it: rmsnorm_bwd measures so). Any other
-        // value is computed one vreg at a time through a chain of elementwise ops and held
-        // whole only across an op that needs a whole operand first: a reduction, a matmul,
-        // a transpose, a store or a copy (softmax's `exp` across its sum).
-        // Vector masks are few registers: a whole-block mask lives in scratch, as 32-bit
-        // words (cross_entropy_bwd's `col == label` measures so).
+        // value is held whole only across an op that needs a whole operand first.
         if if loaded[v] { !between(&writes) } else { !between(&barriers) } {
             continue;
         }
