@@ -17,7 +17,7 @@ pub mod stablehlo;
 mod text;
 
 pub use cost::{estimate, CostEstimate};
-use tessera_dsl::verify::{verify, vmem_bytes, vmem_limit};
+use tessera_dsl::verify::{verify, vmem_bytes, vmem_limit, vmem_need};
 use tessera_dsl::{Kernel, KernelError, Target};
 
 /// Everything the TPU path needs for one kernel on one target.
@@ -28,8 +28,11 @@ pub struct Lowered {
     /// The StableHLO module with the `tpu_custom_call` (body = base64 of `mosaic`).
     pub stablehlo: String,
     pub cost: CostEstimate,
-    /// VMEM the kernel needs (double-buffered blocks plus scratch, tile-padded).
+    /// VMEM the kernel's buffers take (double-buffered blocks plus scratch, tile-padded).
     pub vmem_bytes: usize,
+    /// All the VMEM it needs by the verifier's count (`verify::vmem_need`: the buffers plus
+    /// Mosaic's internal scratch and the margin).
+    pub vmem_need: usize,
     /// The scoped VMEM limit written into the backend_config.
     pub vmem_limit_bytes: usize,
 }
@@ -57,5 +60,5 @@ pub fn lower(kernel: &Kernel, target: &Target) -> Result<Lowered, CodegenError> 
     let cost = estimate(kernel);
     let limit = vmem_limit(kernel, target);
     let stablehlo = stablehlo::wrap(kernel, &mosaic, &cost, limit);
-    Ok(Lowered { mosaic, stablehlo, cost, vmem_bytes: vmem_bytes(kernel, target), vmem_limit_bytes: limit })
+    Ok(Lowered { mosaic, stablehlo, cost, vmem_bytes: vmem_bytes(kernel, target), vmem_need: vmem_need(kernel, target), vmem_limit_bytes: limit })
 }

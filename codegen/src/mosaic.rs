@@ -106,7 +106,8 @@ fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), Cod
     t.line("\"stable_mosaic.func.func\"() ({");
     t.line(&block_header(&args));
     t.indent();
-    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new() };
+    let multiples = tessera_dsl::verify::Multiples::of(k);
+    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new(), multiples };
     lower.block(k.body)?;
     lower.t.op0("func.return", &[], "");
     t.dedent();
@@ -195,6 +196,10 @@ struct Lower<'a> {
     /// Memref arguments, indexed by `RefId`.
     refs: Vec<Ssa>,
     vals: HashMap<Value, Ssa>,
+    /// What the verifier's divisibility analysis proves of each i32 value: passed on to
+    /// Mosaic as `tpu.assume_multiple` on dynamic offsets, so libtpu accepts exactly the
+    /// offsets the verifier accepts (rule `vector-offset-align`, `dma-align`).
+    multiples: tessera_dsl::verify::Multiples,
 }
 
 impl Lower<'_> {
@@ -241,7 +246,7 @@ impl Lower<'_> {
                 let x = self.v(*x);
                 Some(self.t.op1("vector.broadcast", &[&x], "", ty(result_ty.as_ref().unwrap())))
             }
-            Inst::Iota { dim } => Some(self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [*dim as i64])), ty(result_ty.as_ref().unwrap()))),
+            Inst::Iota { dim } => Some(self.iota(*dim, result_ty.as_ref().unwrap())),
             Inst::Reduce { op, axis, x } => Some(self.reduce(*op, *axis, *x)),
             Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => Some(self.dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, result_ty.as_ref().unwrap())),
             Inst::Transpose(x) => {
@@ -306,15 +311,30 @@ impl Lower<'_> {
         self.t.op1("arith.constant", &[], &format!("value = {v} : i32"), "i32".into())
     }
 
-    /// A memory index: a constant `index` when the i32 value is static, else `index_cast`.
-    fn index(&mut self, v: Value) -> Ssa {
+    /// A memory index: a constant `index` when the i32 value is static, else `index_cast`
+    /// (`tiled`: of a vector access along one of the two tiled dims, where Mosaic needs the
+    /// multiple the analysis proves).
+    fn index(&mut self, v: Value, tiled: bool) -> Ssa {
         match self.k.as_const(v) {
             Some(Scalar::Int(i)) => self.t.op1("arith.constant", &[], &format!("value = {i} : index"), "index".into()),
             _ => {
                 let x = self.v(v);
-                self.t.op1("arith.index_cast", &[&x], "", "index".into())
+                let i = self.t.op1("arith.index_cast", &[&x], "", "index".into());
+                if tiled { self.assume_multiple(i, v) } else { i }
             }
         }
+    }
+
+    /// `x` marked with the largest power of two the analysis proves `v` a multiple of
+    /// (`x` itself when nothing is known). Mosaic trusts the mark; the analysis is exact
+    /// under i32 wrap-around (`tessera_dsl::verify::align`).
+    fn assume_multiple(&mut self, x: Ssa, v: Value) -> Ssa {
+        let m = self.multiples.multiple(v).min(1 << 30);
+        if m <= 1 || self.k.as_const(v).is_some() {
+            return x;
+        }
+        let ty = x.ty.clone();
+        self.t.op1("tpu.assume_multiple", &[&x], &format!("multiple = {m} : i32"), ty)
     }
 
     // ---- memory ----
@@ -328,13 +348,15 @@ impl Lower<'_> {
         let mut idx = Vec::with_capacity(squeezed.len());
         let mut shape = Vec::with_capacity(squeezed.len());
         let mut s = slices.iter();
-        for sq in squeezed {
+        let rank = squeezed.len();
+        for (d, sq) in squeezed.into_iter().enumerate() {
             if sq {
                 idx.push(self.t.op1("arith.constant", &[], "value = 0 : index", "index".into()));
                 shape.push(1);
             } else {
                 let sl = *s.next().expect("verified: one slice per view dim");
-                idx.push(self.index(sl.start));
+                let tiled = r.memory == MemorySpace::Vmem && d + 2 >= rank;
+                idx.push(self.index(sl.start, tiled));
                 shape.push(sl.len);
             }
         }
@@ -400,9 +422,15 @@ impl Lower<'_> {
         } else {
             let mut starts = Vec::with_capacity(lens.len());
             let mut sl = dr.slices.iter();
-            for sq in squeezed {
+            let rank = squeezed.len();
+            for (d, sq) in squeezed.into_iter().enumerate() {
                 let v = if sq { None } else { sl.next().map(|s| s.start) };
                 starts.push(match v {
+                    // Only the two tiled dims need a proven alignment.
+                    Some(v) if d + 2 >= rank => {
+                        let x = self.v(v);
+                        self.assume_multiple(x, v)
+                    }
                     Some(v) => self.v(v),
                     None => self.const_i32(0),
                 });
@@ -596,10 +624,28 @@ impl Lower<'_> {
 
     // ---- structure ----
 
+    /// `tpu.iota`, which Mosaic has from rank 2 up: a rank-1 iota is a [1, n] row.
+    fn iota(&mut self, dim: usize, out: &Type) -> Ssa {
+        if out.rank() == 1 {
+            let row = Type::vector(out.dtype, &[1, out.shape[0]]);
+            let r = self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [1])), ty(&row));
+            return self.t.op1("vector.shape_cast", &[&r], "", ty(out));
+        }
+        self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [dim as i64])), ty(out))
+    }
+
     /// `vector.multi_reduction` drops the axis; a `shape_cast` puts it back as size 1.
     fn reduce(&mut self, op: ReduceOp, axis: usize, x: Value) -> Ssa {
-        let t = self.ty(x).clone();
-        let xv = self.v(x);
+        let mut t = self.ty(x).clone();
+        let mut xv = self.v(x);
+        let mut axis = axis;
+        // Mosaic reduces only to vectors: a rank-1 vector is reduced as a [1, n] row.
+        let rank1 = t.rank() == 1;
+        if rank1 {
+            t = Type::vector(t.dtype, &[1, t.shape[0]]);
+            xv = self.t.op1("vector.shape_cast", &[&xv], "", ty(&t));
+            axis = 1;
+        }
         let float = t.dtype.is_float();
         let mut dropped = t.shape.clone();
         dropped.remove(axis);
@@ -615,8 +661,7 @@ impl Lower<'_> {
         let acc = self.constant(init, &acc_t);
         let attrs = format!("kind = #vector.kind<{kind}>, reduction_dims = {}", dense_array("i64", [axis as i64]));
         let red = self.t.op1("vector.multi_reduction", &[&xv, &acc], &attrs, ty(&acc_t));
-        let mut kept = t.shape.clone();
-        kept[axis] = 1;
+        let kept = if rank1 { vec![1] } else { t.shape.iter().enumerate().map(|(d, &n)| if d == axis { 1 } else { n }).collect() };
         self.t.op1("vector.shape_cast", &[&red], "", vector_ty(t.dtype, &kept))
     }
 

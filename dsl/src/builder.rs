@@ -602,8 +602,12 @@ impl KernelBuilder {
     }
 
     pub fn iota(&mut self, dtype: DType, shape: &[usize], dim: usize) -> Value {
-        if dim >= shape.len() || dtype != DType::I32 {
-            self.fail("instruction `iota`", "iota", format!("iota of {dtype}{:?} along dim {dim}", shape), "iota produces i32 along a dim of its shape; cast afterwards");
+        if dim >= shape.len() {
+            self.fail("instruction `iota`", "iota-dim", format!("iota of {dtype}{:?} along dim {dim}", shape), "count along a dim of the iota's shape");
+        }
+        // libtpu 0.0.52 compiles i32 and i8 iotas; floats are cast from them.
+        if !dtype.is_int() {
+            self.fail("instruction `iota`", "iota-dtype", format!("iota of {dtype}{:?}", shape), "iota produces integers (i32 or i8); cast afterwards, e.g. .cast(f32)");
         }
         self.push1(Inst::Iota { dim }, Type::vector(dtype, shape))
     }
@@ -629,7 +633,9 @@ impl KernelBuilder {
             self.fail("instruction `dot`", "dot-rank", format!("operands are {tl} and {tr}"), "dot takes two rank-2 blocks; reshape first");
             return self.poison(Type::vector(DType::F32, &[1, 1]));
         }
-        if tl.dtype != tr.dtype {
+        // A mixed bf16 x f32 dot compiles (libtpu 0.0.52) and means promote to f32; ints
+        // and floats never mix.
+        if tl.dtype != tr.dtype && !(tl.dtype.is_float() && tr.dtype.is_float()) {
             self.fail("instruction `dot`", "dtype-mismatch", format!("operands are {tl} and {tr}"), "cast one operand so both have the same dtype");
         }
         let (m, kl) = if transpose_lhs { (tl.shape[1], tl.shape[0]) } else { (tl.shape[0], tl.shape[1]) };

@@ -54,3 +54,26 @@ impl fmt::Display for KernelError {
 impl std::error::Error for KernelError {}
 
 pub type Result<T, E = KernelError> = std::result::Result<T, E>;
+
+/// A kernel that compiles but leaves performance on the table (a packed dtype in blocks
+/// shorter than its native tile, an emulated matmul...): reported, never refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Warning {
+    pub kernel: String,
+    pub subject: String,
+    /// A stable rule id from [`crate::rules::RULES`] (kind `Warning`).
+    pub rule: &'static str,
+    pub message: String,
+    /// What to change to get the performance back.
+    pub help: String,
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "warning[{}]: kernel `{}`, {}: {}", self.rule, self.kernel, self.subject, self.message)?;
+        if !self.help.is_empty() {
+            write!(f, "\n  help: {}", self.help)?;
+        }
+        Ok(())
+    }
+}

@@ -39,8 +39,8 @@
 //!   between the host dtype and the interpreter's storage (below) one box at a time; no
 //!   operand is copied whole. [`run`] is `run_into` on `Array`s (outputs allocated).
 //! - A block that extends past the end of the array (array dim not a multiple of the
-//!   block dim, which the verifier rejects but Pallas allows) is read with poison
-//!   padding and written back clipped.
+//!   block dim, or a block larger than a small array; both compile with libtpu) is read
+//!   with poison padding and written back clipped.
 //!
 //! # Numerics
 //!
@@ -61,8 +61,10 @@
 //!   anything -> bf16 rounds to nearest-even; bool -> number is 0/1; number -> bool is
 //!   `x != 0`.
 //! - `dot` of f32/bf16 operands accumulates in f32 (through `matrixmultiply::sgemm`);
-//!   of i8/i32 operands in wrapping i32. The order of a dot's additions is not part of the
-//!   contract (backends call other GEMMs): compare dots with a tolerance.
+//!   of i8/i32 operands in wrapping i32. A mixed bf16 x f32 `dot` promotes the bf16
+//!   operand to f32 (exactly: every bf16 is an f32) and multiplies in f32, as libtpu
+//!   compiles it. The order of a dot's additions is not part of the contract (backends
+//!   call other GEMMs): compare dots with a tolerance.
 //! - Float `sum` reductions add in a fixed order that keeps the error from growing with
 //!   the width (about `(22 + log2(n / 128)) * eps` relative to the sum of magnitudes, where a
 //!   sequential sum grows as `n * eps`) and that SIMD code reproduces exactly
@@ -74,6 +76,7 @@
 //!   then combined in passes: each pass replaces `s[i]` by `s[2i] + s[2i+1]`, an odd last
 //!   one moving up unchanged, until one is left. Integer sums wrap (order-free); `max`/`min`
 //!   are order-free (below).
+//! - `iota` counts in i32; an i8 iota wraps like every i8 result (index 128 is -128).
 
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -1142,9 +1145,11 @@ impl<'k, 'h> Machine<'k, 'h> {
             ));
         }
         for (d, (&blk, &full)) in b.block_shape.iter().zip(&decl.shape).enumerate() {
+            // A block may be larger than its array dim (libtpu compiles it): the excess is
+            // padding, read as poison and dropped on write-back, as for a partial edge block.
             let n = blk.unwrap_or(1);
-            if n == 0 || n > full {
-                return Err(self.err(subject, "block-shape", format!("block dim {d} is {n}, the array dim is {full}"), "use block dims between 1 and the array dim"));
+            if n == 0 {
+                return Err(self.err(subject, "block-shape", format!("block dim {d} is 0 (the array dim is {full})"), "use block dims of at least 1"));
             }
         }
         Ok(())

@@ -524,8 +524,9 @@ impl Kernel {
     }
 
     /// The total number of grid steps.
+    /// Saturates at `usize::MAX` (the verifier refuses grids of more than `2^31 - 2` steps).
     pub fn grid_steps(&self) -> usize {
-        self.grid.iter().map(|g| g.extent).product()
+        self.grid.iter().fold(1, |n: usize, g| n.saturating_mul(g.extent))
     }
 
     /// If `v` is defined by a `Const` instruction, its scalar.

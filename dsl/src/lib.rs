@@ -13,12 +13,13 @@ pub mod exec;
 pub mod interp;
 pub mod ir;
 pub mod print;
+pub mod rules;
 pub mod target;
 pub mod types;
 pub mod verify;
 
 pub use builder::{ds, Arg, Index, KernelBuilder};
-pub use error::{KernelError, Result};
+pub use error::{KernelError, Result, Warning};
 pub use exec::{Executor, Interpreter};
 pub use ir::*;
 pub use target::Target;

@@ -7,6 +7,16 @@
 use crate::types::DType;
 
 const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+/// Largest grid extent libtpu 0.0.52 compiles: beyond `2^31 - 130` it rejects the bound or
+/// mistakes it for a dynamic one (rulebook `grid-extent-range`).
+pub const MAX_GRID_EXTENT: usize = (1 << 31) - 130;
+/// Most grid steps in all: libtpu 0.0.52 compiles `[2, 2^30 - 64]` and refuses `2^31`
+/// steps (`count < int32 max`); between, it hangs or aborts (`[2, 2^30 - 1]`), so the
+/// rule stops at the last measured success (rulebook `grid-steps`).
+pub const MAX_GRID_STEPS: usize = (1 << 31) - 128;
+
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Generation {
@@ -33,8 +43,30 @@ pub struct Target {
     pub cores_per_chip: usize,
     /// Peak dense bf16 matmul throughput per chip, TFLOP/s.
     pub peak_bf16_tflops: f64,
-    /// Input dtype pairs the MXU multiplies natively.
+    /// Input dtypes the MXU multiplies natively. Others that libtpu still compiles
+    /// (int8 on tpu7x) are a performance warning, see [`Target::dot_support`].
     pub matmul_dtypes: &'static [DType],
+    /// HBM per chip.
+    pub hbm_bytes: usize,
+    /// HBM one device's operands may take (rule `hbm-budget`): what libtpu 0.0.52 reports
+    /// available (`E1000 ... exceeds available HBM (31.24G)`) where it checks, the chip's
+    /// HBM where compile-only libtpu does not check (v5e, v5p).
+    pub hbm_usable_bytes: usize,
+    /// SMEM libtpu keeps for itself (rule `smem-budget`), measured: padded SMEM arrays
+    /// filling `1 MiB - 3 KiB` compile and 512 bytes more do not, with one or three prefetch
+    /// tables; tpu7x keeps 2 KiB (`1 MiB - 2 KiB` compiles, `1 MiB - 1.75 KiB` does not).
+    pub smem_reserved_bytes: usize,
+}
+
+/// How a generation's compiler treats a `dot` of one operand dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DotSupport {
+    /// The MXU multiplies it natively.
+    Native,
+    /// libtpu compiles it, but the MXU has no such mode (it may be emulated).
+    Compiles,
+    /// libtpu rejects it.
+    Rejected,
 }
 
 impl Target {
@@ -48,6 +80,10 @@ impl Target {
         cores_per_chip: 1,
         peak_bf16_tflops: 197.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
+        // 16 GiB HBM2 per chip (cloud.google.com/tpu/docs/v5e).
+        hbm_bytes: 16 * GIB,
+        hbm_usable_bytes: 16 * GIB,
+        smem_reserved_bytes: 3 << 10,
     };
     pub const V5P: Target = Target {
         generation: Generation::V5p,
@@ -59,6 +95,10 @@ impl Target {
         cores_per_chip: 2,
         peak_bf16_tflops: 459.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
+        // 95 GiB HBM2e per chip (cloud.google.com/tpu/docs/v5p).
+        hbm_bytes: 95 * GIB,
+        hbm_usable_bytes: 95 * GIB,
+        smem_reserved_bytes: 3 << 10,
     };
     pub const V6E: Target = Target {
         generation: Generation::V6e,
@@ -70,6 +110,10 @@ impl Target {
         cores_per_chip: 1,
         peak_bf16_tflops: 920.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
+        // 32 GiB HBM per chip (cloud.google.com/tpu/docs/v6e).
+        hbm_bytes: 32 * GIB,
+        hbm_usable_bytes: (31.24 * GIB as f64) as usize,
+        smem_reserved_bytes: 3 << 10,
     };
     /// Ironwood. Its MXU has no int8 x int8 mode (it multiplies fp8 instead).
     pub const TPU7X: Target = Target {
@@ -82,6 +126,11 @@ impl Target {
         cores_per_chip: 2,
         peak_bf16_tflops: 2310.0,
         matmul_dtypes: &[DType::F32, DType::BF16],
+        // 192 GiB HBM3e per chip (cloud.google.com/tpu/docs/tpu7x, Ironwood), 96 GiB for
+        // each of its two devices.
+        hbm_bytes: 192 * GIB,
+        hbm_usable_bytes: (94.74 * GIB as f64) as usize,
+        smem_reserved_bytes: 2 << 10,
     };
 
     pub const ALL: [Target; 4] = [Target::V5E, Target::V5P, Target::V6E, Target::TPU7X];
@@ -90,10 +139,10 @@ impl Target {
         Target::ALL.into_iter().find(|t| t.name == name)
     }
 
-    /// The native tile of a VMEM array of `dtype`: (sublanes, lanes). A block's last dim
-    /// must be a multiple of the lane count and its second-to-last a multiple of the
-    /// sublane count, unless the block spans the whole array dim. Narrow types pack
-    /// several rows per 32-bit sublane.
+    /// The preferred tile of a VMEM block of `dtype`: (sublanes, lanes). Narrow types pack
+    /// several rows per 32-bit sublane, so blocks whose rows are a multiple of this use
+    /// whole vregs; the library picks its row blocks from it. Not the compile rule
+    /// ([`Target::block_tile`]) and not the memory layout ([`Target::memory_tile`]).
     pub fn tiling(&self, dtype: DType) -> (usize, usize) {
         let sublanes = match dtype {
             DType::F32 | DType::I32 => 8,
@@ -104,15 +153,99 @@ impl Target {
         (sublanes, 128)
     }
 
-    /// The VMEM footprint of an array of `shape`: dims padded to the native tile.
+    /// The packed native tile, `(8 * 32 / bits, 128)`: blocks whose rows are not a multiple
+    /// of it compile but use partly filled vregs (warning `block-native-tiling`).
+    pub fn native_tile(&self, dtype: DType) -> (usize, usize) {
+        (8 * 32 / dtype.bits().min(32), 128)
+    }
+
+    /// What a block dim must be a multiple of, unless it is the whole array dim (rule
+    /// `block-tiling`): `(8, 128)` for every dtype and generation of libtpu 0.0.52.
+    pub fn block_tile(&self, _dtype: DType) -> (usize, usize) {
+        (8, 128)
+    }
+
+    /// Rank-1 blocks are tiled by `128 * (32 / bits)` elements (rule `block-tiling-1d`).
+    pub fn block_tile_1d(&self, dtype: DType) -> usize {
+        128 * 32 / dtype.bits().min(32)
+    }
+
+    /// The tile of a VMEM array in memory: what each buffer is padded to. XLA lays out
+    /// 32- and 16-bit arrays in `T(8,128)` tiles (bf16 as `T(8,128)(2,1)`) and 8-bit ones in
+    /// `T(32,128)` on every generation (libtpu 0.0.52's E1001 and E2002 messages).
+    pub fn memory_tile(&self, dtype: DType) -> (usize, usize) {
+        (if dtype.bits() == 8 { 32 } else { 8 }, 128)
+    }
+
+    /// The alignment a *dynamic* offset needs on the second-to-last dim of a vector load,
+    /// a store or a DMA slice: 8 rows for 32- and 16-bit types, 32 for 8-bit ones (rules
+    /// `load-align`, `dma-align`).
+    pub fn sublane_alignment(&self, dtype: DType) -> usize {
+        if dtype.bits() == 8 { 32 } else { 8 }
+    }
+
+    /// The VMEM footprint of an array of `shape`: dims padded to the memory tile (rank 1:
+    /// to the rank-1 tile).
     pub fn padded_bytes(&self, dtype: DType, shape: &[usize]) -> usize {
-        let (sub, lane) = self.tiling(dtype);
+        self.checked_padded_bytes(dtype, shape).unwrap_or(usize::MAX)
+    }
+
+    /// [`Target::padded_bytes`], `None` on overflow.
+    pub fn checked_padded_bytes(&self, dtype: DType, shape: &[usize]) -> Option<usize> {
+        let (sub, lane) = self.memory_tile(dtype);
         let r = shape.len();
         let mut n = dtype.bytes();
         for (d, &x) in shape.iter().enumerate() {
-            n *= if d + 1 == r { x.div_ceil(lane) * lane } else if d + 2 == r { x.div_ceil(sub) * sub } else { x };
+            let padded = if r == 1 {
+                x.div_ceil(self.block_tile_1d(dtype)).checked_mul(self.block_tile_1d(dtype))?
+            } else if d + 1 == r {
+                x.div_ceil(lane).checked_mul(lane)?
+            } else if d + 2 == r {
+                x.div_ceil(sub).checked_mul(sub)?
+            } else {
+                x
+            };
+            n = n.checked_mul(padded)?;
         }
-        n
+        Some(n)
+    }
+
+    /// The SMEM footprint of an array: 32-bit words, rank 1 padded to 128 words, higher
+    /// ranks with the last dim padded to 128 and the second-to-last to 8 (measured with
+    /// libtpu 0.0.52: a `[1019, 256]` i32 scratch takes 1 MiB).
+    pub fn smem_padded_bytes(&self, shape: &[usize]) -> Option<usize> {
+        let r = shape.len();
+        let mut n = 4usize;
+        for (d, &x) in shape.iter().enumerate() {
+            let padded = if d + 1 == r { x.div_ceil(128) * 128 } else if d + 2 == r { x.div_ceil(8) * 8 } else { x };
+            n = n.checked_mul(padded)?;
+        }
+        Some(n)
+    }
+
+    /// What a DMA slice along the last (lane) dim needs on this generation: `(offset
+    /// alignment, length alignment)`, a length may also be the whole dim (rule
+    /// `dma-align`, `dma-slice-size`; probes `dma-align/*/lanes*`): v5e copies whole
+    /// 128-lane tiles only; v6e and v5p any 8-lane-aligned part of a tile; tpu7x any
+    /// length, but only from a tile boundary.
+    pub fn dma_lane_alignment(&self) -> (usize, usize) {
+        match self.generation {
+            Generation::V5e => (128, 128),
+            Generation::V6e | Generation::V5p => (8, 8),
+            Generation::Tpu7x => (128, 8),
+        }
+    }
+
+    /// How this generation's compiler treats a `dot` of `dtype` operands (probes
+    /// `op-dtype/dot-*`: int8 compiles on all four, int32 on none).
+    pub fn dot_support(&self, dtype: DType) -> DotSupport {
+        if self.matmul_dtypes.contains(&dtype) {
+            DotSupport::Native
+        } else if dtype == DType::I8 {
+            DotSupport::Compiles
+        } else {
+            DotSupport::Rejected
+        }
     }
 }
 

@@ -563,3 +563,47 @@ fn matmul_1024_f32_timing() {
     }
     println!("matmul 1024^3 f32, 128^3 blocks, 512 grid steps: best of 3 = {:.3} s", best);
 }
+
+/// What libtpu compiles and the builder now allows (rulebook `block-shape`, `iota-dtype`,
+/// `dtype-mismatch`): a block larger than its array, an int8 iota and a mixed bf16 x f32
+/// dot, each with the meaning the interpreter's module doc gives it.
+#[test]
+fn blocks_past_small_arrays_int8_iotas_and_mixed_dots() {
+    // out = x + iota(i8) over an [8, 128] array in a [16, 128] block: rows 8.. are padding.
+    let mut b = KernelBuilder::new("small");
+    b.grid(&[(1, PAR)]);
+    let x = b.input("x", DType::I32, &[8, 128], spec(&[16, 128], vec![g(0), 0.into()]));
+    let o = b.output("out", DType::I32, &[8, 128], spec(&[16, 128], vec![g(0), 0.into()]));
+    let v = b.load(x, &[]);
+    let i = b.iota(DType::I8, &[16, 128], 1);
+    let i = b.cast(i, DType::I32);
+    let v = b.add(v, i);
+    b.store(o, &[], v);
+    let k = b.finish().unwrap();
+    verify(&k, &Target::V5E).unwrap();
+    let xs: Vec<i32> = (0..8 * 128).map(|e| e as i32).collect();
+    let out = interp::run(&k, &[&Array::from_i32(&[8, 128], xs.clone())]).unwrap();
+    let Data::I32(got) = &out[0].data else { panic!("i32 output") };
+    for (e, (&g, &x)) in got.iter().zip(&xs).enumerate() {
+        let lane = (e % 128) as i32;
+        assert_eq!(g, x + lane as i8 as i32, "element {e}: an i8 iota wraps past 127");
+    }
+
+    // A bf16 x f32 dot promotes the bf16 operand exactly and multiplies in f32.
+    let mut b = KernelBuilder::new("mixed_dot");
+    b.grid(&[(1, PAR)]);
+    let z = || vec![IndexExpr::Const(0), IndexExpr::Const(0)];
+    let a = b.input("a", DType::BF16, &[8, 128], spec(&[8, 128], z()));
+    let w = b.input("w", DType::F32, &[128, 128], spec(&[128, 128], z()));
+    let o = b.output("out", DType::F32, &[8, 128], spec(&[8, 128], z()));
+    let (av, wv) = (b.load(a, &[]), b.load(w, &[]));
+    let p = b.dot(av, wv, false, false);
+    b.store(o, &[], p);
+    let k = b.finish().unwrap();
+    verify(&k, &Target::V6E).unwrap();
+    let av: Vec<bf16> = values(8 * 128, 1).iter().map(|&v| bf16::from_f32(v)).collect();
+    let wv = values(128 * 128, 2);
+    let out = interp::run(&k, &[&Array::from_bf16(&[8, 128], av.clone()), &Array::from_f32(&[128, 128], wv.clone())]).unwrap();
+    let want: Vec<f64> = (0..8 * 128).map(|e| (0..128).map(|p| av[e / 128 * 128 + p].to_f64() * wv[p * 128 + e % 128] as f64).sum()).collect();
+    assert_close(out[0].as_f32().unwrap(), &want, 1e-5);
+}

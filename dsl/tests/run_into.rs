@@ -99,9 +99,12 @@ fn mixed(nb: usize) -> Kernel {
     let x2 = b.mul(xv, 2.0);
     let sum = b.add(x2, qb);
     b.store(ob, &[], sum);
-    let qq = b.add(qv, qv);
-    b.store(oi, &[], qq);
+    // Int8 vectors take no arithmetic on a TPU (rule vector-op-dtype): add in i32 and
+    // truncate, which wraps exactly as an i8 add would.
     let q32 = b.cast(qv, DType::I32);
+    let qq = b.add(q32, q32);
+    let qq = b.cast(qq, DType::I8);
+    b.store(oi, &[], qq);
     let big = b.mul(q32, 1000);
     b.store(o32, &[], big);
     let tv = b.load(t, &[]);

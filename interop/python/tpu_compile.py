@@ -257,6 +257,13 @@ class Worker:
         msg = self._read_line(timeout)
         secs = round(time.time() - t, 4)
         if msg is None:
+            # EOF before the deadline is a dying worker (a crash handler may still be
+            # printing): report the crash, not a timeout.
+            if secs < timeout:
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
             if self.proc.poll() is None:
                 self.stop()
                 return False, f"timeout after {timeout:g}s (worker killed)", secs

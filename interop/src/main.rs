@@ -201,17 +201,29 @@ fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String
     Ok(plan.launches.into_iter().map(|l| (if single { base.clone() } else { format!("{base}-{}", l.kernel.name) }, l.kernel)).collect())
 }
 
+/// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
+/// stderr, for the commands that compile or run it.
+fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let kernels = build(sel, dtype, target)?;
+    for (_, kernel) in &kernels {
+        for w in tessera_dsl::verify::warnings(kernel, target) {
+            eprintln!("{w} (on {target})");
+        }
+    }
+    Ok(kernels)
+}
+
 fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    println!("{:<44} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
+    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
     for sel in selection(s)? {
         if sel.op.alias_of.is_some() {
             continue; // its kernels are the aliased op's
         }
         let start = Instant::now();
-        for (stem, kernel) in build(&sel, dtype, &target)? {
+        for (stem, kernel) in build_and_warn(&sel, dtype, &target)? {
             let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
             for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
@@ -220,10 +232,11 @@ fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
             }
             let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
             println!(
-                "{:<44} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+                "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
                 stem,
                 grid.join("x"),
                 lowered.vmem_bytes as f64 / (1 << 20) as f64,
+                lowered.vmem_need as f64 / (1 << 20) as f64,
                 lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
                 lowered.cost.flops as f64 / 1e9,
                 ms
@@ -240,6 +253,7 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
     let mut all_ok = true;
     println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms");
     for sel in selection(s)? {
+        build_and_warn(&sel, dtype, &target)?;
         let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, &Interpreter).map_err(|e| e.to_string())?;
         let shape_txt: Vec<String> = sel.shapes.iter().map(|s| dims(s)).collect();
         let worst = r.worst();
@@ -322,7 +336,7 @@ fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
         let t = target(name)?;
         let mut files = Vec::new();
         for sel in selection(s)? {
-            for (stem, kernel) in build(&sel, dtype, &t)? {
+            for (stem, kernel) in build_and_warn(&sel, dtype, &t)? {
                 let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
                 let path = dir.join(format!("{stem}.{}.stablehlo.mlir", t.name));
                 std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;

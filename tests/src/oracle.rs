@@ -2,9 +2,13 @@
 //! compiles them with libtpu (compile-only topologies) through
 //! `interop/python/tpu_compile.py` in the project venv. Each compile runs in a child
 //! process, so a libtpu crash is a rejection, not a test-runner crash.
+//!
+//! [`compile_cached`] keeps every verdict under `target/tpu-verdicts/`, keyed by a hash of
+//! the module text, the target and the libtpu version, so a rerun compiles only what changed.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 /// The oracle's verdict on one module.
 #[derive(Clone, Debug)]
@@ -21,40 +25,133 @@ pub fn enabled() -> bool {
     std::env::var("TESSERA_TPU_ORACLE").is_ok_and(|v| v == "1")
 }
 
-fn repo() -> PathBuf {
+pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn python() -> PathBuf {
+pub fn python() -> PathBuf {
     std::env::var_os("TESSERA_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo().join(".venv/bin/python"))
+}
+
+/// Whether the venv with libtpu is there (for commands that can run without it).
+pub fn available() -> bool {
+    python().exists()
 }
 
 /// Compiles each `(name, stablehlo text)` for `target` (`v5e`, `v6e`, `tpu7x`, `v5p`).
 pub fn compile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
+    if modules.is_empty() {
+        return Vec::new();
+    }
     let python = python();
     assert!(python.exists(), "TESSERA_TPU_ORACLE=1 but {} is missing: run scripts/setup-venv.sh", python.display());
     let dir = std::env::temp_dir().join(format!("tessera-oracle-{}-{target}-{}", std::process::id(), rand::random::<u32>()));
     std::fs::create_dir_all(&dir).unwrap();
+    // Numbered file names: probe names may be long or repeat across callers.
     let files: Vec<PathBuf> = modules
         .iter()
-        .map(|(name, text)| {
-            let p = dir.join(format!("{name}.stablehlo.mlir"));
+        .enumerate()
+        .map(|(i, (_, text))| {
+            let p = dir.join(format!("m{i}.stablehlo.mlir"));
             std::fs::write(&p, text).unwrap();
             p
         })
         .collect();
-    let out = Command::new(&python).arg(repo().join("interop/python/tpu_compile.py")).arg("--target").arg(target).args(&files).output().expect("run tpu_compile.py");
+    let out = Command::new(&python)
+        .arg(repo().join("interop/python/tpu_compile.py"))
+        .arg("--target")
+        .arg(target)
+        .env("TPU_COMPILE_PYTHON", &python)
+        .args(&files)
+        .output()
+        .expect("run tpu_compile.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut verdicts = Vec::new();
     for line in stdout.lines().filter(|l| l.starts_with('{')) {
         let v: serde_json::Value = serde_json::from_str(line).expect("oracle prints JSON lines");
         let file = v["file"].as_str().unwrap_or_default();
-        let name = Path::new(file).file_name().and_then(|f| f.to_str()).unwrap_or_default().trim_end_matches(".stablehlo.mlir").to_string();
-        verdicts.push(Verdict { name, target: target.to_string(), ok: v["ok"].as_bool() == Some(true), error: v["error"].as_str().unwrap_or_default().to_string() });
+        let stem = Path::new(file).file_name().and_then(|f| f.to_str()).unwrap_or_default().trim_end_matches(".stablehlo.mlir");
+        let i: usize = stem.trim_start_matches('m').parse().expect("oracle echoes the file name");
+        verdicts.push(Verdict { name: modules[i].0.clone(), target: target.to_string(), ok: v["ok"].as_bool() == Some(true), error: v["error"].as_str().unwrap_or_default().to_string() });
     }
     assert_eq!(verdicts.len(), modules.len(), "the oracle answered {} of {} modules; stderr:\n{}", verdicts.len(), modules.len(), String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
     verdicts
+}
+
+/// The installed libtpu's version (`0.0.52`), read once per process.
+pub fn libtpu_version() -> String {
+    static V: OnceLock<String> = OnceLock::new();
+    V.get_or_init(|| {
+        let out = Command::new(python()).args(["-c", "import importlib.metadata as m; print(m.version('libtpu'))"]).output();
+        match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            _ => "unknown".to_string(),
+        }
+    })
+    .clone()
+}
+
+/// FNV-1a over `bytes` from a given offset basis; two bases give a 128-bit key.
+fn fnv1a(bytes: &[u8], basis: u64) -> u64 {
+    bytes.iter().fold(basis, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+fn cache_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo().join("target"));
+    target.join("tpu-verdicts")
+}
+
+fn cache_key(text: &str, target: &str, version: &str) -> String {
+    let key = format!("{version}\n{target}\n{text}");
+    format!("{:016x}{:016x}", fnv1a(key.as_bytes(), 0xcbf2_9ce4_8422_2325), fnv1a(key.as_bytes(), 0x6c62_272e_07bb_0142))
+}
+
+/// [`compile`] with a verdict cache under `target/tpu-verdicts/` (key: module text, target,
+/// libtpu version). Targets are compiled two at a time, each in its own worker process.
+pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
+    let version = libtpu_version();
+    let dir = cache_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys: Vec<String> = jobs.iter().map(|(_, target, text)| cache_key(text, target, &version)).collect();
+    let mut out: Vec<Option<Verdict>> = jobs
+        .iter()
+        .zip(&keys)
+        .map(|((name, target, _), key)| {
+            let text = std::fs::read_to_string(dir.join(key)).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            Some(Verdict { name: name.clone(), target: target.clone(), ok: v["ok"].as_bool()?, error: v["error"].as_str().unwrap_or_default().to_string() })
+        })
+        .collect();
+    let mut targets: Vec<&str> = jobs.iter().zip(&out).filter(|(_, v)| v.is_none()).map(|((_, t, _), _)| t.as_str()).collect();
+    targets.sort();
+    targets.dedup();
+    for pair in targets.chunks(2) {
+        let results: Vec<(Vec<usize>, Vec<Verdict>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = pair
+                .iter()
+                .map(|&t| {
+                    let idx: Vec<usize> = (0..jobs.len()).filter(|&i| out[i].is_none() && jobs[i].1 == t).collect();
+                    let modules: Vec<(String, String)> = idx.iter().map(|&i| (jobs[i].0.clone(), jobs[i].2.clone())).collect();
+                    s.spawn(move || (idx, compile(&modules, t)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("oracle thread")).collect()
+        });
+        for (idx, verdicts) in results {
+            for (i, v) in idx.into_iter().zip(verdicts) {
+                // A timeout or a worker that did not start says nothing about the module.
+                if !v.ok && (v.error.starts_with("timeout") || v.error.contains("failed to start")) {
+                    out[i] = Some(v);
+                    continue;
+                }
+                let record = serde_json::json!({ "ok": v.ok, "error": v.error, "libtpu": version, "target": v.target });
+                let _ = std::fs::write(dir.join(&keys[i]), record.to_string());
+                out[i] = Some(v);
+            }
+        }
+    }
+    out.into_iter().map(|v| v.expect("every job has a verdict")).collect()
 }
 
 /// Compiles `modules` for `target`, prints each verdict, and fails listing every module

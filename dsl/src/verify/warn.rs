@@ -1,0 +1,45 @@
+//! Performance warnings: the kernel compiles (libtpu accepts it) but runs below what the
+//! generation can do. Reported by the CLI and the torch path once per kernel; never an
+//! error.
+
+use crate::error::Warning;
+use crate::ir::*;
+use crate::target::{DotSupport, Target};
+use crate::types::MemorySpace;
+
+/// Every performance warning for `k` on `target` (assumes `k` verifies).
+pub fn warnings(k: &Kernel, target: &Target) -> Vec<Warning> {
+    let mut out = Vec::new();
+    let warn = |subject: String, rule: &'static str, message: String, help: String| Warning { kernel: k.name.clone(), subject, rule, message, help };
+    for r in &k.refs {
+        let Some(b) = &r.block else { continue };
+        let rank = r.shape.len();
+        if r.memory != MemorySpace::Vmem || rank < 2 || r.dtype.bits() == 32 {
+            continue;
+        }
+        let (native, _) = target.native_tile(r.dtype);
+        let rows = b.window()[rank - 2];
+        if rows % native != 0 && rows != r.shape[rank - 2] {
+            out.push(warn(
+                format!("{} `{}`", r.kind.name(), r.name),
+                "block-native-tiling",
+                format!("block {:?} of {}: {rows} rows is not a multiple of the packed native tile of {native} rows, so vregs are partly empty and loads and stores need relayouts", b.window(), r.dtype),
+                format!("use a multiple of {native} rows if the shapes allow it"),
+            ));
+        }
+    }
+    k.walk(k.body, &mut |_, d| {
+        if let Inst::Dot { lhs, .. } = &d.inst {
+            let dt = k.ty(*lhs).dtype;
+            if target.dot_support(dt) == DotSupport::Compiles {
+                out.push(warn(
+                    "instruction `dot`".to_string(),
+                    "matmul-emulated",
+                    format!("{dt} x {dt} matmul compiles for {target}, but its MXU has no {dt} mode: it may run emulated"),
+                    format!("for speed on {target}, multiply in one of: {}", target.matmul_dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")),
+                ));
+            }
+        }
+    });
+    out
+}
