@@ -400,8 +400,18 @@ impl KernelBuilder {
             }
         } else {
             let shape: Vec<usize> = slices.iter().map(|s| s.len).collect();
-            if vt.shape != shape {
+            if vt.is_scalar() && !shape.is_empty() {
+                // A scalar fills the slice (Pallas: `ref[...] = 0.0`).
                 value = self.broadcast(value, &shape);
+            } else if vt.shape != shape {
+                // Pallas rejects it too; a silent broadcast would hide a missing reduction
+                // or a wrong block shape.
+                self.fail(
+                    format!("store to `{}`", decl.name),
+                    "store-shape",
+                    format!("storing {vt} into a {shape:?} slice"),
+                    "store a value of the slice's shape: broadcast it explicitly (e.g. `v + zeros(..)`) or fix the block shape",
+                );
             }
         }
         self.push(Inst::Store { dst: r, slices, value }, vec![]);

@@ -126,6 +126,32 @@ impl Data {
     }
 }
 
+/// What [`Array::try_filled`] fills an array with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    Zero,
+    /// NaN, `MIN`, `false`: what the interpreter's unwritten memory reads as.
+    Poison,
+}
+
+/// An array that cannot be allocated on the host: its element count overflows, or the
+/// allocation failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocError {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl std::fmt::Display for AllocError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bytes = self.shape.iter().try_fold(self.dtype.bits().div_ceil(8) as u128, |a, &d| a.checked_mul(d as u128));
+        match bytes {
+            Some(b) => write!(f, "{}{:?} needs {:.2} GiB of host memory, which could not be allocated", self.dtype, self.shape, b as f64 / (1u64 << 30) as f64),
+            None => write!(f, "the size of {}{:?} overflows", self.dtype, self.shape),
+        }
+    }
+}
+
 /// A host array: a kernel argument or result.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Array {
@@ -140,9 +166,7 @@ impl Array {
     /// # Panics
     /// If `data` does not have `shape.iter().product()` elements.
     pub fn new(shape: &[usize], data: Data) -> Array {
-        let n: usize = shape.iter().product();
-        assert_eq!(data.len(), n, "array of shape {shape:?} needs {n} elements, got {}", data.len());
-        Array { dtype: data.dtype(), shape: shape.to_vec(), data }
+        Array::try_new(shape, data).unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Array {
@@ -182,29 +206,54 @@ impl Array {
         Array::new(shape, Data::Bool(data))
     }
 
+    /// An array of zeros.
+    ///
+    /// # Panics
+    /// If the element count overflows or the memory cannot be allocated (use
+    /// [`Array::try_filled`] to get an error instead).
     pub fn zeros(dtype: DType, shape: &[usize]) -> Array {
-        let n = shape.iter().product();
-        let data = match dtype {
-            DType::F32 => Data::F32(vec![0.0; n]),
-            DType::BF16 => Data::BF16(vec![bf16::ZERO; n]),
-            DType::I32 => Data::I32(vec![0; n]),
-            DType::I8 => Data::I8(vec![0; n]),
-            DType::Bool => Data::Bool(vec![false; n]),
-        };
-        Array { dtype, shape: shape.to_vec(), data }
+        Array::try_filled(dtype, shape, Fill::Zero).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// An array filled with the interpreter's poison (NaN, `MIN`, `false`).
+    ///
+    /// # Panics
+    /// As [`Array::zeros`].
     pub fn poison(dtype: DType, shape: &[usize]) -> Array {
-        let n = shape.iter().product();
+        Array::try_filled(dtype, shape, Fill::Poison).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// An array of `shape` filled with zeros or poison, or why it cannot exist: an element
+    /// count that overflows, or host memory that cannot be allocated (never an abort).
+    pub fn try_filled(dtype: DType, shape: &[usize], fill: Fill) -> std::result::Result<Array, AllocError> {
+        let too_big = || AllocError { dtype, shape: shape.to_vec() };
+        let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(too_big)?;
+        n.checked_mul(dtype.bits().div_ceil(8).max(1)).ok_or_else(too_big)?;
+        fn filled<T: Clone>(n: usize, v: T) -> Option<Vec<T>> {
+            let mut data = Vec::new();
+            data.try_reserve_exact(n).ok()?;
+            data.resize(n, v);
+            Some(data)
+        }
+        let poison = fill == Fill::Poison;
         let data = match dtype {
-            DType::F32 => Data::F32(vec![f32::NAN; n]),
-            DType::BF16 => Data::BF16(vec![bf16::from_f32(f32::NAN); n]),
-            DType::I32 => Data::I32(vec![i32::MIN; n]),
-            DType::I8 => Data::I8(vec![i8::MIN; n]),
-            DType::Bool => Data::Bool(vec![false; n]),
-        };
-        Array { dtype, shape: shape.to_vec(), data }
+            DType::F32 => filled(n, if poison { f32::NAN } else { 0.0 }).map(Data::F32),
+            DType::BF16 => filled(n, if poison { bf16::NAN } else { bf16::ZERO }).map(Data::BF16),
+            DType::I32 => filled(n, if poison { i32::MIN } else { 0 }).map(Data::I32),
+            DType::I8 => filled(n, if poison { i8::MIN } else { 0 }).map(Data::I8),
+            DType::Bool => filled(n, false).map(Data::Bool),
+        }
+        .ok_or_else(too_big)?;
+        Ok(Array { dtype, shape: shape.to_vec(), data })
+    }
+
+    /// An array of `shape` holding `data`, or an error when the element counts differ.
+    pub fn try_new(shape: &[usize], data: Data) -> std::result::Result<Array, String> {
+        match shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
+            Some(n) if n == data.len() => Ok(Array { dtype: data.dtype(), shape: shape.to_vec(), data }),
+            Some(n) => Err(format!("an array of shape {shape:?} has {n} elements, the data {}", data.len())),
+            None => Err(format!("the element count of shape {shape:?} overflows")),
+        }
     }
 
     /// The number of elements.
@@ -290,9 +339,14 @@ pub fn run_with_stats(kernel: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, R
             }
         }
     }
+    crate::verify::runnable(kernel)?;
     let inputs: Vec<HostRef<'_>> = args.iter().map(|a| a.as_host()).collect();
     // Allocated poisoned, so the machine need not poison them again.
-    let mut outputs: Vec<Array> = outputs_of(kernel).map(|d| Array::poison(d.dtype, &d.shape)).collect();
+    let mut outputs = Vec::new();
+    for d in outputs_of(kernel) {
+        let a = Array::try_filled(d.dtype, &d.shape, Fill::Poison).map_err(|e| KernelError::new(&kernel.name, format!("output `{}`", d.name), "host-memory", e.to_string(), "run a smaller shape, or on a machine with more memory"))?;
+        outputs.push(a);
+    }
     let mut views: Vec<HostMut<'_>> = outputs.iter_mut().map(Array::as_host_mut).collect();
     let mut stats = run_host(kernel, &inputs, &mut views, OutputState::Poisoned)?;
     drop(views);
@@ -317,6 +371,7 @@ pub fn run_with_stats(kernel: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, R
 /// `output-dtype` / `output-shape` for outputs). On any error the outputs may hold poison
 /// or partial results.
 pub fn run_into(kernel: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>]) -> Result<RunStats> {
+    crate::verify::runnable(kernel)?;
     run_host(kernel, inputs, outputs, OutputState::Unknown)
 }
 

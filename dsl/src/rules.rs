@@ -82,6 +82,8 @@ rules! {
         "semantic: the arithmetic would overflow before any compiler sees the shape";
     "hbm-budget", Tpu, [V], "usable per device: v6e 31.24 GiB and tpu7x 94.74 GiB (libtpu's figures; 32 and 2 x 96 GiB per chip), v5e 16 GiB and v5p 95 GiB (compile-only libtpu does not check these two)", "the operands fit together in the HBM one device can use",
         "pair hbm-budget (v6e, tpu7x): operands of half the usable HBM accepted, of 9/8 of the chip's HBM rejected (E1000 `CompileTimeHbmOom: Ran out of memory on HBM`); on v5e and v5p libtpu compiles both, the rule is ours there";
+    "value-size", Semantic, [V], "v5e, v6e 128 MiB; v5p, tpu7x 64 MiB", "every vector value fits the core's VMEM",
+        "semantic: such a value cannot exist on the chip; Mosaic may drop an unused one, but every CPU backend would materialise it";
     "prefetch-dtype", Semantic, [V], SAME, "scalar-prefetch operands are int32 arrays in SMEM",
         "semantic: the builder only makes such prefetch operands; the check guards hand-built IR";
     "semaphore-decl", Semantic, [V], SAME, "DMA semaphores are rank-1 scratch arrays without a block spec",
@@ -169,6 +171,8 @@ rules! {
     "smem-scalar-access", Semantic, [B], SAME, "SMEM refs are read and written one scalar at a time", "semantic: SMEM is scalar memory";
     "store-to-input", Semantic, [B, I], SAME, "inputs are never written", "semantic: inputs are read-only in the Pallas model";
     "store-dtype", Semantic, [B], SAME, "a stored value has the ref's dtype", "semantic: an IR type error";
+    "store-shape", Semantic, [B], SAME, "a stored value has the slice's shape (a scalar fills it)",
+        "semantic: Pallas rejects the store when it traces (`swap` shape mismatch); the implicit broadcast of a [bm, 1] value into a [bm, n] block hid missing reductions";
     "broadcast-shape", Semantic, [B], SAME, "broadcasts follow numpy rules from a scalar or a same-rank vector with 1s", "semantic: an IR type error";
     "dtype-mismatch", Semantic, [B], SAME, "binary ops take operands of one dtype (a dot may mix bf16 and f32)", "semantic: an IR type error; the mixed bf16 x f32 dot compiles (probe op-dtype/dot-bf16-f32) and promotes to f32";
     "op-dtype", Semantic, [B], SAME, "an op is defined for its operands' dtype class (no float `not`, no int `exp`)", "semantic: an IR type error";
@@ -187,7 +191,7 @@ rules! {
     "loop-carry-types", Semantic, [B], SAME, "a loop-carried value keeps its type", "semantic: an IR type error";
 
     // ---- the interpreter (interp.rs): what a run is given ----
-    "malformed-ir", Semantic, [I], SAME, "the interpreter runs only well-typed IR", "semantic: IR not made by KernelBuilder";
+    "malformed-ir", Semantic, [V, I], SAME, "the IR is well formed and well typed (ids exist, accesses agree with their refs)", "semantic: IR not made by KernelBuilder, or edited after it";
     "argument-count", Semantic, [I], SAME, "a run gets one array per prefetch and input operand", "semantic: host-side";
     "output-count", Semantic, [I], SAME, "a run gets one buffer per output", "semantic: host-side";
     "argument-dtype", Semantic, [I], SAME, "an argument has its operand's dtype", "semantic: host-side";
@@ -201,6 +205,8 @@ rules! {
     "dma-wait-mismatch", Semantic, [I], SAME, "a dma_wait's descriptor moves as many bytes as the copy it completes", "semantic: on a device the semaphore count goes wrong";
     "parallel-revisit", Semantic, [I], SAME, "no output block is written by two grid steps that differ in a `parallel` dim",
         "semantic: data-dependent index maps (scalar prefetch) make it known only at run time; such steps may run on different cores (megacore) or CPU threads and race";
+    "host-memory", Semantic, [I], SAME, "a run's outputs fit the host's memory",
+        "semantic: host-side; the allocation is fallible, so a too-large shape is this error, never an abort";
     "dma-unwaited", Semantic, [I], SAME, "every started copy is waited for (by the end of its grid step unless every grid dim is arbitrary)", "semantic: on a device the copy races the next step";
 }
 

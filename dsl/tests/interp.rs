@@ -249,7 +249,8 @@ fn row_reduction_sum_and_max() {
     let x = b.input("x", DType::F32, &[r, c], spec(&[16, c], vec![g(0), 0.into()]));
     let s = b.output("s", DType::F32, &[r, 1], spec(&[16, 1], vec![g(0), 0.into()]));
     let m = b.output("m", DType::F32, &[r, 1], spec(&[16, 1], vec![g(0), 0.into()]));
-    let cm = b.output("cm", DType::F32, &[r / 16, c], spec(&[1, c], vec![g(0), 0.into()]));
+    // One [1, c] row per step, in a squeezed leading dim (a [1, c] block of [r / 16, c] breaks the tiling).
+    let cm = b.output("cm", DType::F32, &[r / 16, 1, c], BlockSpec { block_shape: vec![None, Some(1), Some(c)], index_map: vec![g(0), 0.into(), 0.into()] });
     let xv = b.load(x, &[]);
     let sv = b.reduce(ReduceOp::Sum, xv, 1);
     b.store(s, &[], sv);
@@ -450,14 +451,14 @@ fn error_dynamic_slice_out_of_bounds() {
     let x = b.input("x", DType::F32, &[8, 256], spec(&[8, 256], vec![0.into(), 0.into()]));
     let o = b.output("o", DType::F32, &[8, 256], spec(&[8, 128], vec![0.into(), g(0)]));
     let pid = b.program_id(0);
-    let start = b.mul(pid, 192); // 0 then 192: 192 + 128 > 256
+    let start = b.mul(pid, 256); // 0 then 256 (aligned, as TPUs need): 256 + 128 > 256
     b.at("kernel.rs", 42, 7);
     let v = b.load(x, &[Index::Full, ds(start, 128)]);
     b.store(o, &[], v);
     let kern = b.finish().unwrap();
     let e = interp::run(&kern, &[&Array::zeros(DType::F32, &[8, 256])]).unwrap_err();
     assert_eq!(e.rule, "slice-out-of-bounds");
-    assert!(e.message.contains("192..320"), "{e}");
+    assert!(e.message.contains("256..384"), "{e}");
     assert_eq!(e.loc.as_ref().map(|l| l.line), Some(42));
     assert!(e.to_string().contains("kernel.rs:42:7"));
 }

@@ -60,8 +60,9 @@ impl RowTiles {
     /// `[m, 2]` costs 128 lanes a row, not 2), whole rows while `sub` of them fit in
     /// `limit` bytes. `bm` is a multiple of `sub` or all of `m`.
     pub fn new(m: usize, n: usize, sub: usize, target: usize, limit: usize) -> RowTiles {
-        let row_bytes = 4 * n.max(1).next_multiple_of(LANES);
-        if sub * row_bytes <= limit {
+        // Saturating: an absurd width must reach the verifier (shape-overflow), not panic here.
+        let row_bytes = n.max(1).checked_next_multiple_of(LANES).unwrap_or(usize::MAX).saturating_mul(4);
+        if sub.saturating_mul(row_bytes) <= limit {
             let rows = (target / row_bytes).max(sub) / sub * sub;
             RowTiles { bm: if m <= rows { m } else { rows }, bn: n }
         } else {

@@ -6,6 +6,7 @@
 //! kernels on either side of the edge, judged by libtpu, for the rules libtpu can judge
 //! (`tests/src/rulebook/`). The checks are split by what they look at:
 //!
+//! - [`structure`]: the IR is well formed (ids exist, accesses agree with their refs);
 //! - [`grid`]: the grid's rank and extents;
 //! - [`operand`]: each operand's shape, memory space, block spec, tiling and index map,
 //!   and the output-revisit rules of the grid order;
@@ -21,6 +22,7 @@ pub mod budget;
 mod dma;
 mod grid;
 mod operand;
+mod structure;
 mod warn;
 
 pub use align::Multiples;
@@ -34,6 +36,7 @@ use crate::target::Target;
 /// Runs every check; returns the first violation.
 pub fn verify(k: &Kernel, target: &Target) -> Result<()> {
     let v = Verifier { k, t: target };
+    v.structure()?;
     v.grid()?;
     for r in &k.refs {
         v.operand(r)?;
@@ -43,6 +46,23 @@ pub fn verify(k: &Kernel, target: &Target) -> Result<()> {
     v.memory_budget()?;
     v.body()?;
     Ok(())
+}
+
+/// Whether some TPU generation accepts the kernel: what every CPU backend checks before
+/// running one (a CPU result for a kernel no TPU compiles could not be reproduced). The
+/// generations are tried from the most permissive (largest VMEM limits) down; when none
+/// accepts, the error is the first one's.
+pub fn runnable(k: &Kernel) -> Result<()> {
+    let mut first = None;
+    for t in [Target::V6E, Target::TPU7X, Target::V5P, Target::V5E] {
+        match verify(k, &t) {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    Err(first.expect("four targets were tried"))
 }
 
 /// [`verify`], then the performance warnings of a kernel that passes: what the CLI and the

@@ -1,0 +1,99 @@
+//! The IR is well formed: every id an instruction names exists, and every access agrees with the ref it touches (one slice per view dim, the ref's dtype,
+//! the slice's shape). `KernelBuilder` only makes such IR; this guards kernels edited or
+//! assembled by hand (the `Kernel` fields are public), so that the other checks, the
+//! backends and the emitters can index without panicking. Violations are `malformed-ir`.
+
+use super::Verifier;
+use crate::error::Result;
+use crate::ir::*;
+
+impl Verifier<'_> {
+    pub(super) fn structure(&self) -> Result<()> {
+        let k = self.k;
+        let bad = |what: String| Err(self.err("IR", "malformed-ir", what, "build kernels with KernelBuilder (or keep hand edits consistent)"));
+        if k.body.index() >= k.blocks.len() {
+            return bad(format!("the body is block {} of {}", k.body.index(), k.blocks.len()));
+        }
+        for (i, d) in k.insts.iter().enumerate() {
+            let name = || format!("instruction {i} ({:?})", std::mem::discriminant(&d.inst));
+            for v in d.inst.operands().into_iter().chain(d.results.iter().copied()) {
+                if v.index() >= k.values.len() {
+                    return bad(format!("{} names value {} of {}", name(), v.index(), k.values.len()));
+                }
+            }
+            match &d.inst {
+                Inst::Load { src, slices } => {
+                    let r = self.ref_of(*src, &name())?;
+                    self.slices_match(r, slices, &name())?;
+                    if let Some(&out) = d.results.first() {
+                        let ty = k.ty(out);
+                        let lens: Vec<usize> = slices.iter().map(|s| s.len).collect();
+                        if ty.dtype != r.dtype || (!ty.is_scalar() && ty.shape != lens) {
+                            return bad(format!("{} loads {ty} from `{}` ({}, slice {lens:?})", name(), r.name, r.dtype));
+                        }
+                    }
+                }
+                Inst::Store { dst, slices, value } => {
+                    let r = self.ref_of(*dst, &name())?;
+                    self.slices_match(r, slices, &name())?;
+                    let ty = k.ty(*value);
+                    let lens: Vec<usize> = slices.iter().map(|s| s.len).collect();
+                    if ty.dtype != r.dtype || (!ty.is_scalar() && ty.shape != lens) {
+                        return bad(format!("{} stores {ty} into `{}` ({}, slice {lens:?})", name(), r.name, r.dtype));
+                    }
+                }
+                Inst::DmaStart { src, dst, sem, .. } | Inst::DmaWait { src, dst, sem, .. } => {
+                    for side in [src, dst] {
+                        let r = self.ref_of(side.r, &name())?;
+                        self.slices_match(r, &side.slices, &name())?;
+                    }
+                    self.ref_of(*sem, &name())?;
+                }
+                Inst::If { then_block, else_block, .. } => {
+                    for b in [then_block, else_block] {
+                        if b.index() >= k.blocks.len() {
+                            return bad(format!("{} names block {} of {}", name(), b.index(), k.blocks.len()));
+                        }
+                    }
+                }
+                Inst::For { body, .. } if body.index() >= k.blocks.len() => return bad(format!("{} names block {} of {}", name(), body.index(), k.blocks.len())),
+                Inst::ProgramId(a) | Inst::NumPrograms(a) if *a >= k.grid.len() => return bad(format!("{} reads grid axis {a} of {}", name(), k.grid.len())),
+                _ => {}
+            }
+        }
+        // A vector value lives in vregs and VMEM: one larger than the core's VMEM cannot
+        // exist (even if Mosaic might drop an unused one, every CPU backend materialises it).
+        for (i, v) in k.values.iter().enumerate() {
+            let bytes = v.ty.shape.iter().try_fold(v.ty.dtype.bits().div_ceil(8), |a, &d| a.checked_mul(d));
+            if bytes.is_none_or(|b| b > self.t.vmem_bytes) {
+                let loc = k.insts.iter().find(|d| d.results.contains(&Value(i as u32))).and_then(|d| d.loc.clone());
+                return Err(self
+                    .err(format!("value %{i}"), "value-size", format!("a {} value is larger than {}'s {} MiB of VMEM", v.ty, self.t.name, self.t.vmem_bytes >> 20), "work on blocks: a value must fit the core's VMEM")
+                    .at(loc));
+            }
+        }
+        for b in &k.blocks {
+            for &i in &b.insts {
+                if i.index() >= k.insts.len() {
+                    return bad(format!("a block lists instruction {} of {}", i.index(), k.insts.len()));
+                }
+            }
+            if let Some(p) = b.params.iter().find(|p| p.index() >= k.values.len()) {
+                return bad(format!("a block parameter is value {} of {}", p.index(), k.values.len()));
+            }
+        }
+        Ok(())
+    }
+
+    fn ref_of(&self, r: RefId, what: &str) -> Result<&RefDecl> {
+        self.k.refs.get(r.index()).ok_or_else(|| self.err("IR", "malformed-ir", format!("{what} names ref {} of {}", r.index(), self.k.refs.len()), "build kernels with KernelBuilder (or keep hand edits consistent)"))
+    }
+
+    fn slices_match(&self, r: &RefDecl, slices: &[Slice], what: &str) -> Result<()> {
+        let view = r.view();
+        if slices.len() != view.len() {
+            return Err(self.err("IR", "malformed-ir", format!("{what} gives {} slices for `{}`, whose view {view:?} has {} dims", slices.len(), r.name, view.len()), "build kernels with KernelBuilder (or keep hand edits consistent)"));
+        }
+        Ok(())
+    }
+}
