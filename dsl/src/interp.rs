@@ -28,6 +28,10 @@
 //!     waited for is `dma-unwaited`: at the end of the kernel always, and at the end of a
 //!     grid step unless every grid dim is `arbitrary` (only then do consecutive steps run on
 //!     one core in order, which cross-step prefetching relies on).
+//! - Grid steps that differ in a `parallel` dim may run concurrently (on a chip's cores;
+//!   in the compiled CPU backends, on threads), so they must not write the same output
+//!   block: an output whose index map gives one block to two steps that differ in a
+//!   `parallel` dim is `parallel-revisit`, reported when the second of them starts.
 //! - Unblocked operands (no block spec) are seen whole by the kernel.
 //! - The operand arrays are the caller's memory ([`run_into`]): input blocks, body reads
 //!   of whole (unblocked) inputs and DMA sources are read straight from the borrowed input
@@ -46,7 +50,8 @@
 //! - Float arithmetic is IEEE f32. Transcendentals (exp, log, tanh, erf, sqrt, rsqrt,
 //!   pow) are computed in f64 and rounded once, so the reference is correctly rounded in
 //!   practice and does not depend on the platform's libm.
-//! - `max`/`min` propagate NaN (like `jnp.maximum`). Float comparisons are IEEE: every
+//! - `max`/`min` propagate NaN (like `jnp.maximum`) and order `-0 < +0` (IEEE 754-2019
+//!   `maximum`/`minimum`), so they are commutative and associative. Float comparisons are IEEE: every
 //!   comparison with a NaN operand is false except `ne`, which is true (Mosaic `cmpf une`).
 //! - Integer `add`/`sub`/`mul`/`neg`/`abs` wrap. Integer `div` truncates toward zero and
 //!   `rem` takes the sign of the dividend (C / `lax.div`, `lax.rem`); division by zero is
@@ -56,8 +61,19 @@
 //!   anything -> bf16 rounds to nearest-even; bool -> number is 0/1; number -> bool is
 //!   `x != 0`.
 //! - `dot` of f32/bf16 operands accumulates in f32 (through `matrixmultiply::sgemm`);
-//!   of i8/i32 operands in wrapping i32. Float `sum` reductions accumulate sequentially
-//!   in f32.
+//!   of i8/i32 operands in wrapping i32. The order of a dot's additions is not part of the
+//!   contract (backends call other GEMMs): compare dots with a tolerance.
+//! - Float `sum` reductions add in a fixed order that keeps the error from growing with
+//!   the width (about `(22 + log2(n / 128)) * eps` relative to the sum of magnitudes, where a
+//!   sequential sum grows as `n * eps`) and that SIMD code reproduces exactly
+//!   ([`pairwise_sum`]): the `n` elements are cut into chunks of 128 (the last one shorter);
+//!   a chunk of fewer than 8 elements is folded in order from its first element; otherwise
+//!   lane `j` (0..8) sums elements `j, j + 8, j + 16, ...` of the chunk's first `8 * floor(len / 8)`
+//!   in order, the lanes are combined as `((r0 + r4) + (r2 + r6)) + ((r1 + r5) + (r3 + r7))`,
+//!   and the remaining `len % 8` elements are added to that in order. The chunk sums are
+//!   then combined in passes: each pass replaces `s[i]` by `s[2i] + s[2i+1]`, an odd last
+//!   one moving up unchanged, until one is left. Integer sums wrap (order-free); `max`/`min`
+//!   are order-free (below).
 
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -729,6 +745,9 @@ struct Machine<'k, 'h> {
     stats: RunStats,
     /// Async copies started and not yet waited for, in issue order.
     dmas: Vec<PendingDma>,
+    /// Per blocked operand (outputs only): the grid step that first entered each block,
+    /// for the `parallel-revisit` check.
+    first_visit: Vec<std::collections::HashMap<Vec<usize>, Vec<usize>>>,
 }
 
 /// An async copy in flight (see the module docs).
@@ -828,22 +847,30 @@ fn zip_map<T: Copy, U>(a: &[T], b: &[T], f: impl Fn(T, T) -> U) -> Vec<U> {
     a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
 }
 
-/// NaN-propagating max/min (`jnp.maximum`): if either side is NaN the result is NaN.
-fn fmax(x: f32, y: f32) -> f32 {
+/// NaN-propagating max/min (`jnp.maximum`, IEEE 754-2019 `maximum`/`minimum`): if either
+/// side is NaN the result is NaN, and `-0 < +0`. So both are commutative and associative,
+/// and a reduction's result does not depend on its order.
+pub fn fmax(x: f32, y: f32) -> f32 {
     if x > y {
         x
-    } else if y > x || x == y {
+    } else if y > x {
         y
+    } else if x == y {
+        // Equal: only the signs of two zeros can differ; +0 wins.
+        if x.is_sign_negative() { y } else { x }
     } else {
         f32::NAN
     }
 }
 
-fn fmin(x: f32, y: f32) -> f32 {
+pub fn fmin(x: f32, y: f32) -> f32 {
     if x < y {
         x
-    } else if y < x || x == y {
+    } else if y < x {
         y
+    } else if x == y {
+        // Equal: only the signs of two zeros can differ; -0 wins.
+        if x.is_sign_negative() { x } else { y }
     } else {
         f32::NAN
     }
@@ -902,6 +929,64 @@ fn reduce<T: Copy>(v: &[T], shape: &[usize], axis: usize, f: impl Fn(T, T) -> T)
         for k in 1..n {
             let row = &v[base + k * inner..base + (k + 1) * inner];
             out[start..].iter_mut().zip(row).for_each(|(a, &b)| *a = f(*a, b));
+        }
+    }
+    out
+}
+
+/// The elements of one float `sum` (`n` of them, the `k`-th at `at(k)`) added in the order
+/// the module docs define: chunks of [`SUM_CHUNK`] elements, each summed in 8 interleaved
+/// lanes combined by a fixed tree plus its remainder in order, then the chunk sums combined
+/// pairwise. Every CPU backend adds in exactly this order, so sums are bit-identical.
+pub fn pairwise_sum(n: usize, at: impl Fn(usize) -> f32) -> f32 {
+    let chunk_sum = |start: usize, len: usize| -> f32 {
+        if len < 8 {
+            return (1..len).fold(at(start), |a, k| a + at(start + k));
+        }
+        let mut r = [0f32; 8];
+        for (j, r) in r.iter_mut().enumerate() {
+            *r = at(start + j);
+        }
+        let full = len - len % 8;
+        for t in (8..full).step_by(8) {
+            for (j, r) in r.iter_mut().enumerate() {
+                *r += at(start + t + j);
+            }
+        }
+        let mut s = ((r[0] + r[4]) + (r[2] + r[6])) + ((r[1] + r[5]) + (r[3] + r[7]));
+        for k in full..len {
+            s += at(start + k);
+        }
+        s
+    };
+    let mut sums: Vec<f32> = (0..n.div_ceil(SUM_CHUNK)).map(|c| chunk_sum(c * SUM_CHUNK, SUM_CHUNK.min(n - c * SUM_CHUNK))).collect();
+    let mut count = sums.len();
+    while count > 1 {
+        for i in 0..count / 2 {
+            sums[i] = sums[2 * i] + sums[2 * i + 1];
+        }
+        if count % 2 == 1 {
+            sums[count / 2] = sums[count - 1];
+        }
+        count = count.div_ceil(2);
+    }
+    sums[0]
+}
+
+/// The chunk length of [`pairwise_sum`].
+pub const SUM_CHUNK: usize = 128;
+
+/// A float `sum` along `axis` of `v` (row-major `shape`), keeping the axis as size 1, in
+/// [`pairwise_sum`]'s order.
+fn reduce_sum_f32(v: &[f32], shape: &[usize], axis: usize) -> Vec<f32> {
+    let outer: usize = shape[..axis].iter().product();
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let mut out = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            let base = o * n * inner + i;
+            out.push(pairwise_sum(n, |k| v[base + k * inner]));
         }
     }
     out
@@ -966,7 +1051,7 @@ impl<'k, 'h> Machine<'k, 'h> {
     /// Checks the operands against the kernel, poisons the outputs and sets up the memory
     /// of every ref (borrowing the operands, allocating windows and scratch).
     fn new(k: &'k Kernel, inputs: &[HostRef<'h>], outputs: &'h mut [HostMut<'_>], state: OutputState) -> Result<Self> {
-        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new() };
+        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new(), first_visit: Vec::new() };
         // Check everything before writing anything.
         let expected = inputs_of(k).count();
         if inputs.len() != expected {
@@ -1106,6 +1191,9 @@ impl<'k, 'h> Machine<'k, 'h> {
             let decl = k.ref_decl(self.blocked[i].r);
             let (Some(spec), RefKind::Input | RefKind::Output) = (&decl.block, decl.kind) else { continue };
             let index = self.block_index(decl, spec)?;
+            if decl.kind == RefKind::Output {
+                self.check_parallel_revisit(i, decl, &index)?;
+            }
             if self.blocked[i].current.as_ref() == Some(&index) {
                 continue;
             }
@@ -1131,6 +1219,19 @@ impl<'k, 'h> Machine<'k, 'h> {
             self.blocked[i].current = Some(index);
         }
         Ok(())
+    }
+
+    /// `parallel-revisit`: an output block entered by two grid steps that differ in a
+    /// `parallel` dim. Such steps may run on different cores (or threads, in the compiled
+    /// CPU backends), so both would write the block: a race.
+    fn check_parallel_revisit(&mut self, i: usize, decl: &RefDecl, index: &[usize]) -> Result<()> {
+        if self.first_visit.len() <= i {
+            self.first_visit.resize_with(self.blocked.len(), Default::default);
+        }
+        let first = self.first_visit[i].entry(index.to_vec()).or_insert_with(|| self.grid.clone());
+        let Some(d) = (0..self.grid.len()).find(|&d| self.k.grid[d].semantics == crate::types::Semantics::Parallel && first[d] != self.grid[d]) else { return Ok(()) };
+        let first = first.clone();
+        Err(parallel_revisit(self.k, decl, index, &first, &self.grid, d))
     }
 
     /// Copies output window `i` (the part inside the array) back to its array.
@@ -1647,7 +1748,7 @@ impl<'k, 'h> Machine<'k, 'h> {
         }
         let s = &x.shape;
         Ok(match (&x.buf, op) {
-            (Buf::F(v), ReduceOp::Sum) => Buf::F(reduce(v, s, axis, |a, b| a + b)),
+            (Buf::F(v), ReduceOp::Sum) => Buf::F(reduce_sum_f32(v, s, axis)),
             (Buf::F(v), ReduceOp::Max) => Buf::F(reduce(v, s, axis, fmax)),
             (Buf::F(v), ReduceOp::Min) => Buf::F(reduce(v, s, axis, fmin)),
             (Buf::I(v), ReduceOp::Sum) => Buf::I(reduce(v, s, axis, i32::wrapping_add)),
@@ -1690,6 +1791,19 @@ impl<'k, 'h> Machine<'k, 'h> {
             _ => return Err(self.malformed(d, format!("dot of {} and {} operands", a.buf.kind(), b.buf.kind()))),
         })
     }
+}
+
+/// The `parallel-revisit` error: `decl`'s block `index`, first entered at grid step `first`,
+/// entered again at `step`, which differs from it in the `parallel` dim `dim`. Every CPU
+/// backend reports this same error.
+pub fn parallel_revisit(k: &Kernel, decl: &RefDecl, index: &[usize], first: &[usize], step: &[usize], dim: usize) -> KernelError {
+    KernelError::new(
+        &k.name,
+        format!("output `{}`", decl.name),
+        "parallel-revisit",
+        format!("grid steps {first:?} and {step:?} both write block {index:?}, but they differ in grid dim {dim}, which is `parallel`: parallel steps may run on different cores, so this is a race"),
+        format!("mark grid dim {dim} `arbitrary` (its steps then run in order on one core), or give each of its indices its own output block"),
+    )
 }
 
 fn const_buf(s: Scalar, dtype: DType, n: usize) -> Buf {
