@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod broken;
+pub mod conformance;
 pub mod oracle;
