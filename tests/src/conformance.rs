@@ -150,7 +150,60 @@ impl Gen<'_> {
         let x = self.expr(b, leaves, depth - 1);
         let dt = b.ty(x.v).dtype;
         let smooth = self.smooth;
-        match self.rng.gen_range(0..14) {
+        match self.rng.gen_range(0..17) {
+            14 => {
+                // Attention-like: softmax(x y^T) y, the transpose explicit or in the dot.
+                let y = self.expr(b, leaves, depth - 1);
+                let y = if b.ty(y.v).dtype != dt { V { v: b.cast(y.v, dt), ..y } } else { y };
+                let s = if self.rng.gen_bool(0.5) {
+                    b.dot(x.v, y.v, false, true)
+                } else {
+                    let yt = b.transpose(y.v);
+                    b.dot(x.v, yt, false, false)
+                };
+                let m = b.reduce(ReduceOp::Max, s, 1);
+                let shape = b.ty(s).shape.clone();
+                let mb = b.broadcast(m, &shape);
+                let d = b.sub(s, mb);
+                let d = b.unary(UnaryOp::Tanh, d);
+                let p = b.unary(UnaryOp::Exp, d);
+                let l = b.reduce(ReduceOp::Sum, p, 1);
+                let yf = b.cast(y.v, DType::F32);
+                let o = b.dot(p, yf, false, false);
+                let oshape = b.ty(o).shape.clone();
+                let lb = b.broadcast(l, &oshape);
+                let o = b.div(o, lb);
+                V { v: b.cast(o, dt), inexact: true }
+            }
+            15 => {
+                // Through a reshape: the mean of the whole block.
+                let shape = b.ty(x.v).shape.clone();
+                let n: usize = shape.iter().product();
+                let r = b.reshape(x.v, &[1, n]);
+                let rf = b.cast(r, DType::F32);
+                let s = b.reduce(ReduceOp::Sum, rf, 1);
+                let s = b.mul(s, 1.0 / n as f64);
+                let s = b.cast(s, dt);
+                let one = vec![1; shape.len()];
+                let s = b.reshape(s, &one);
+                let sb = b.broadcast(s, &shape);
+                V { v: b.sub(x.v, sb), ..x }
+            }
+            16 if !smooth || !x.inexact => {
+                // Bools through memory-free logic.
+                let shape = b.ty(x.v).shape.clone();
+                let z = b.full(&shape, dt, 0.0);
+                let c1 = b.cmp(CmpOp::Gt, x.v, z);
+                let io = b.iota(DType::I32, &shape, shape.len() - 1);
+                let two = b.full(&shape, DType::I32, 2i64);
+                let par = b.binary(tessera_dsl::BinaryOp::Rem, io, two);
+                let zi = b.full(&shape, DType::I32, 0i64);
+                let c2 = b.cmp(CmpOp::Eq, par, zi);
+                let c = b.binary(tessera_dsl::BinaryOp::Xor, c1, c2);
+                let c = b.unary(UnaryOp::Not, c);
+                let f = b.cast(c, dt);
+                V { v: b.add(x.v, f), ..x }
+            }
             0..=3 => {
                 let y = self.expr(b, leaves, depth - 1);
                 let y = if b.ty(y.v).dtype != dt { V { v: b.cast(y.v, dt), ..y } } else { y };

@@ -254,8 +254,13 @@ pub fn check_operands(k: &Kernel, inputs: &[HostRef<'_>], outputs: &[HostMut<'_>
 /// Prepares a run: checks the operands, poisons the outputs and computes the schedule.
 pub fn prepare(k: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>]) -> Result<(Schedule, Arrays)> {
     check_operands(k, inputs, outputs)?;
-    outputs.iter_mut().for_each(|o| o.data.fill_poison());
     let sched = schedule(k, inputs);
+    let out_refs: Vec<RefId> = k.refs_of(RefKind::Output).map(|(r, _)| r).collect();
+    for (o, &r) in outputs.iter_mut().zip(&out_refs) {
+        if sched.error.is_some() || !fully_overwritten(k, &sched, r) {
+            o.data.fill_poison();
+        }
+    }
     let (mut ni, mut no) = (inputs.iter(), outputs.iter_mut());
     let ptrs = k
         .refs
@@ -267,6 +272,40 @@ pub fn prepare(k: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>]) 
         })
         .collect();
     Ok((sched, Arrays { ptrs }))
+}
+
+/// Whether every element of output `r` is written before anything could read it, so
+/// that poisoning it first changes nothing: the body never loads it or moves it by DMA,
+/// stores its whole block unconditionally (at the top level), and the grid visits every
+/// block.
+pub fn fully_overwritten(k: &Kernel, sched: &Schedule, r: RefId) -> bool {
+    let decl = k.ref_decl(r);
+    let Some(spec) = &decl.block else { return false };
+    let Some(b) = sched.blocked.iter().position(|&x| x == r) else { return false };
+    let mut touched = false;
+    k.walk(k.body, &mut |_, d| match &d.inst {
+        tessera_dsl::Inst::Load { src, .. } if *src == r => touched = true,
+        tessera_dsl::Inst::DmaStart { src, dst, .. } | tessera_dsl::Inst::DmaWait { src, dst, .. } if src.r == r || dst.r == r => touched = true,
+        _ => {}
+    });
+    if touched {
+        return false;
+    }
+    let view = decl.view();
+    let full_store = k.block(k.body).insts.iter().any(|&i| match &k.inst(i).inst {
+        tessera_dsl::Inst::Store { dst, slices, .. } if *dst == r => slices.len() == view.len() && slices.iter().zip(&view).all(|(s, &n)| s.len == n && matches!(k.as_const(s.start), Some(tessera_dsl::Scalar::Int(0)))),
+        _ => false,
+    });
+    if !full_store {
+        return false;
+    }
+    let window = spec.window();
+    let blocks: usize = decl.shape.iter().zip(&window).map(|(n, w)| n.div_ceil(*w)).product();
+    let mut seen = std::collections::HashSet::new();
+    for step in 0..sched.steps {
+        seen.insert(sched.block(step, b).to_vec());
+    }
+    seen.len() == blocks
 }
 
 /// How many threads to use for the grid and for GEMMs.
@@ -309,7 +348,14 @@ pub fn run(k: &Kernel, p: &Program, sched: &Schedule, arrays: &Arrays, outputs: 
         // The first error in grid order is the sequential run's: run again on one thread.
         outputs.iter_mut().for_each(|o| o.data.fill_poison());
     }
-    let mut stats = run_range(k, p, sched, arrays, 0, sched.steps, threads)?;
+    let mut stats = match run_range(k, p, sched, arrays, 0, sched.steps, threads) {
+        Ok(s) => s,
+        Err(e) => {
+            // Outputs that were not poisoned first must not show the caller's old data.
+            outputs.iter_mut().for_each(|o| o.data.fill_poison());
+            return Err(e);
+        }
+    };
     if let Some((_, e)) = &sched.error {
         return Err(e.clone());
     }

@@ -262,7 +262,16 @@ impl<'a, 'b> Lower<'a, 'b> {
             self.how[vi] = match &k.inst(i).inst {
                 Inst::Const(_) | Inst::Iota { .. } => How::Dup,
                 Inst::Load { .. } => How::Dup, // decided below
-                Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => elementwise_fused(self),
+                Inst::Cast(x) if free_cast(k.ty(*x).dtype, ty.dtype) && self.leaf_like(*x) => How::Dup,
+                Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => {
+                    let h = elementwise_fused(self);
+                    // Cheap values used several times are recomputed rather than stored.
+                    if h == How::Slot && self.cheap(i, 4).is_some() && self.all_uses_fusible(v, &uses) {
+                        How::Dup
+                    } else {
+                        h
+                    }
+                }
                 Inst::Broadcast(x) => {
                     let xd = k.value(*x).def;
                     let x_is_load = matches!(xd, ValueDef::Result(j, _) if matches!(k.inst(j).inst, Inst::Load { .. })) && !k.ty(*x).is_scalar();
@@ -315,8 +324,14 @@ impl<'a, 'b> Lower<'a, 'b> {
                     ok = false;
                     break;
                 }
-                let root = self.root_of(u);
-                let (_, rpos) = self.pos[&root];
+                let mut roots = Vec::new();
+                self.roots_of(u, &uses, &mut roots);
+                for root in roots {
+                let (rblk, rpos) = self.pos[&root];
+                if rblk != lblk {
+                    ok = false;
+                    break;
+                }
                 let insts = &k.block(lblk).insts;
                 for &j in &insts[lpos + 1..=rpos.min(insts.len() - 1)] {
                     let mut w = Vec::new();
@@ -331,6 +346,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                         ok = false;
                     }
                 }
+                }
                 if !ok {
                     break;
                 }
@@ -342,20 +358,71 @@ impl<'a, 'b> Lower<'a, 'b> {
         Ok(())
     }
 
-    /// The instruction whose loop nest evaluates a value consumed by `u`.
-    fn root_of(&self, u: InstId) -> InstId {
-        let d = self.k.inst(u);
-        if let [r] = d.results.as_slice() {
-            if self.how[r.index()] == How::Fused {
-                // Its single consumer.
-                for &j in &self.k.block(self.pos[&u].0).insts {
-                    if self.k.inst(j).inst.operands().contains(r) {
-                        return self.root_of(j);
-                    }
-                }
+    /// Whether `v` costs nothing to re-read at each use: a load, a leaf or a slot.
+    fn leaf_like(&self, v: Value) -> bool {
+        if self.k.ty(v).is_scalar() {
+            return true;
+        }
+        match self.how[v.index()] {
+            How::Dup | How::Slot => true,
+            How::Scalar => true,
+            How::Fused => false,
+        }
+    }
+
+    /// The number of cheap ops `i` and its fused operands take, if at most `budget` and
+    /// none is expensive (transcendentals, divisions, per-lane helpers).
+    fn cheap(&self, i: InstId, budget: usize) -> Option<usize> {
+        use tessera_dsl::BinaryOp as B;
+        let k = self.k;
+        let own = match &k.inst(i).inst {
+            Inst::Unary(UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Not, _) => 1,
+            Inst::Binary(B::Add | B::Sub | B::Mul | B::Max | B::Min | B::And | B::Or | B::Xor, ..) => 1,
+            Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Broadcast(_) => 1,
+            Inst::Load { .. } | Inst::Const(_) | Inst::Iota { .. } => 0,
+            _ => return None,
+        };
+        let mut total = own;
+        for x in k.inst(i).inst.operands() {
+            if k.ty(x).is_scalar() {
+                continue;
+            }
+            match self.how[x.index()] {
+                How::Fused => total += self.cheap(self.inst_of(x)?, budget)?,
+                How::Dup | How::Slot | How::Scalar => {}
+            }
+            if total > budget {
+                return None;
             }
         }
-        u
+        (total <= budget).then_some(total)
+    }
+
+    fn all_uses_fusible(&self, v: Value, uses: &[Vec<InstId>]) -> bool {
+        let blk = self.block_of_value(v);
+        uses[v.index()].iter().all(|&u| {
+            self.pos.get(&u).map(|p| p.0) == blk
+                && match &self.k.inst(u).inst {
+                    Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => true,
+                    Inst::Store { value, .. } => *value == v,
+                    Inst::Reduce { .. } | Inst::Yield(_) => true,
+                    _ => false,
+                }
+        })
+    }
+
+    /// The instructions whose loop nests evaluate a value consumed by `u`.
+    fn roots_of(&self, u: InstId, uses: &[Vec<InstId>], out: &mut Vec<InstId>) {
+        let d = self.k.inst(u);
+        if let [r] = d.results.as_slice() {
+            if matches!(self.how[r.index()], How::Fused | How::Dup) && !self.k.ty(*r).is_scalar() {
+                for &j in &uses[r.index()] {
+                    self.roots_of(j, uses, out);
+                }
+                return;
+            }
+        }
+        out.push(u);
     }
 
     // ---- small helpers -----------------------------------------------------------------
@@ -1829,6 +1896,11 @@ impl<'a, 'b> Lower<'a, 'b> {
         }
         Ok(s)
     }
+}
+
+/// A cast that changes nothing in registers (same storage class, no rounding or wrapping).
+fn free_cast(from: DType, to: DType) -> bool {
+    matches!((from, to), (DType::F32 | DType::BF16, DType::F32) | (DType::BF16, DType::BF16) | (DType::I8 | DType::I32, DType::I32) | (DType::I8, DType::I8) | (DType::Bool, DType::Bool))
 }
 
 fn interp_chunk() -> usize {
