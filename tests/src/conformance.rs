@@ -18,6 +18,9 @@ pub enum Tolerance {
     /// Float outputs within `max|a - b| <= tol * max(max|b|, 1e-30)` per output; integer
     /// and bool outputs exact; NaN at the same places.
     Scaled(f64),
+    /// As `Scaled`, with the scale at least 1: for random programs over O(1) values, where
+    /// a sum that cancels leaves an output far smaller than the values that made it.
+    Abs(f64),
 }
 
 /// Compares one output with the interpreter's; `Err` says where they differ.
@@ -27,7 +30,8 @@ pub fn compare(name: &str, got: &Array, want: &Array, tol: Tolerance) -> Result<
     }
     let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
     let float = got.dtype.is_float();
-    let scale = w.iter().filter(|x| x.is_finite()).fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
+    let floor = if let Tolerance::Abs(_) = tol { 1.0 } else { 1e-30 };
+    let scale = w.iter().filter(|x| x.is_finite()).fold(0.0f64, |m, x| m.max(x.abs())).max(floor);
     let mut worst: Option<(usize, f64)> = None;
     for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
         if a.is_nan() || b.is_nan() {
@@ -42,7 +46,7 @@ pub fn compare(name: &str, got: &Array, want: &Array, tol: Tolerance) -> Result<
         }
         match tol {
             Tolerance::Exact => return Err(format!("{name}[{i}]: {a:e} vs interp {b:e} (bits {:#x} vs {:#x})", (a as f32).to_bits(), (b as f32).to_bits())),
-            Tolerance::Scaled(t) => {
+            Tolerance::Scaled(t) | Tolerance::Abs(t) => {
                 if !float || a.is_infinite() || b.is_infinite() {
                     return Err(format!("{name}[{i}]: {a} vs interp {b}"));
                 }

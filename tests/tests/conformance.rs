@@ -137,7 +137,7 @@ macro_rules! conformance {
 
             #[test]
             fn random_kernels_fast() {
-                fuzz(exec(), true, Tolerance::Scaled(1.0 / 64.0), 2);
+                fuzz(exec(), true, Tolerance::Abs(1.0 / 64.0), 2);
             }
 
             #[test]

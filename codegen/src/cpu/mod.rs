@@ -31,11 +31,14 @@
 //! A kernel the compiler cannot lower (IR the builder would not produce, such as stores
 //! into inputs, loads from ANY operands or non-positive loop steps; or a compiler failure)
 //! runs on the interpreter instead, with identical results and errors; the reason is kept in
-//! the cache and counted in [`CacheStats::fallbacks`] ([`fallback_reason`] names it). No
+//! the cache and counted in [`CacheStats::fallbacks`] ([`fallback_reason`] names it;
+//! `TESSERA_JIT_VERBOSE=1` prints it). No
 //! input makes a backend panic.
 
 pub mod cranelift;
 pub mod layout;
+#[cfg(feature = "llvm")]
+pub mod llvm;
 pub mod runtime;
 pub mod schedule;
 
@@ -154,18 +157,24 @@ impl Executor for Compiled {
 /// Compiled code of either backend.
 pub enum Code {
     Cranelift(cranelift::Compiled),
+    #[cfg(feature = "llvm")]
+    Llvm(llvm::Compiled),
 }
 
 impl Code {
     pub fn program(&self) -> &runtime::Program {
         match self {
             Code::Cranelift(c) => &c.program,
+            #[cfg(feature = "llvm")]
+            Code::Llvm(c) => &c.program,
         }
     }
 
     pub fn compile_time(&self) -> Duration {
         match self {
             Code::Cranelift(c) => c.compile_time,
+            #[cfg(feature = "llvm")]
+            Code::Llvm(c) => c.compile_time,
         }
     }
 }
@@ -308,6 +317,11 @@ pub fn get_or_compile(backend: Backend, kernel: &Kernel, modes: &[MemMode], exac
         Ok(Err(e)) => Err(e),
         Err(_) => Err(format!("the {backend} compiler panicked on `{}`", kernel.name)),
     };
+    if let Err(reason) = &code {
+        if std::env::var_os("TESSERA_JIT_VERBOSE").is_some() {
+            eprintln!("tessera {backend}: `{}` runs on the interpreter: {reason}", kernel.name);
+        }
+    }
     with_cache(|c| {
         c.misses += 1;
         match &code {
@@ -326,6 +340,9 @@ pub fn get_or_compile(backend: Backend, kernel: &Kernel, modes: &[MemMode], exac
 fn compile(backend: Backend, kernel: &Kernel, modes: &[MemMode], exact: bool) -> std::result::Result<Code, String> {
     match backend {
         Backend::Jit => cranelift::compile(kernel, modes, exact).map(Code::Cranelift).map_err(|e| e.0),
+        #[cfg(feature = "llvm")]
+        Backend::Llvm => llvm::compile(kernel, modes, exact).map(Code::Llvm).map_err(|e| e.0),
+        #[cfg(not(feature = "llvm"))]
         Backend::Llvm => Err("this build has no LLVM backend (feature `llvm`)".to_string()),
         Backend::Interp => Err("the interpreter compiles nothing".to_string()),
     }

@@ -51,7 +51,7 @@ fn main() {
                 for &(is_exact, name) in &modes {
                     let r = std::panic::catch_unwind(|| {
                         let case = random_case(seed, GenOptions { smooth: !is_exact });
-                        let (e, tol) = if is_exact { (&exact, Tolerance::Exact) } else { (&fast, Tolerance::Scaled(1.0 / 64.0)) };
+                        let (e, tol) = if is_exact { (&exact, Tolerance::Exact) } else { (&fast, Tolerance::Abs(1.0 / 64.0)) };
                         check_case(e, &case, tol)
                     });
                     let msg = match r {

@@ -2,7 +2,7 @@
 //! with `cranelift-jit`, one module per compiled kernel so that evicting it from the cache
 //! frees its code.
 
-mod lower;
+pub(crate) mod lower;
 pub mod vector;
 
 use std::time::{Duration, Instant};
@@ -54,13 +54,10 @@ fn isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
     isa_builder.finish(settings::Flags::new(flags)).map_err(|e| Unsupported(format!("cranelift isa: {e}")))
 }
 
-/// Compiles `k` for memory `modes` (one per ref); `exact` computes transcendentals and
-/// dots exactly as the interpreter does (a checking mode for the fuzzer).
-pub fn compile(k: &Kernel, modes: &[MemMode], exact: bool) -> Result<Compiled, Unsupported> {
-    let start = Instant::now();
-    let layouts = layouts(k, modes);
-    let mut jb = JITBuilder::with_isa(isa()?, default_libcall_names());
-    let syms: [(&str, *const u8); 13] = [
+/// The helpers compiled code calls, by symbol name: (name, address) in the order of
+/// [`Helpers`]' fields.
+pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 11] {
+    [
         ("tessera_fail_slice", rt::helper_fail_slice as *const u8),
         ("tessera_dma", rt::helper_dma as *const u8),
         ("tessera_dot_f32", if exact { rt::helper_dot_f32_exact as *const u8 } else { rt::helper_dot_f32 as *const u8 }),
@@ -72,61 +69,77 @@ pub fn compile(k: &Kernel, modes: &[MemMode], exact: bool) -> Result<Compiled, U
         ("tessera_log", rt::helper_log as *const u8),
         ("tessera_tanh", rt::helper_tanh as *const u8),
         ("tessera_erf", rt::helper_erf as *const u8),
-        ("tessera_unused0", rt::helper_fmod as *const u8),
-        ("tessera_unused1", rt::helper_fmod as *const u8),
-    ];
-    for (name, p) in syms {
+    ]
+}
+
+/// The grid-step function of `k` as Cranelift IR, built in `module` (which declares the
+/// helpers): the function, its frame size, its failure sites, and each helper's `FuncRef`
+/// with its address.
+pub(crate) type Clif = (cranelift_codegen::Context, cranelift_module::FuncId, usize, super::layout::Sites, Vec<(cranelift_codegen::ir::FuncRef, *const u8)>);
+
+pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::layout::RefLayout], exact: bool) -> Result<Clif, Unsupported> {
+    let ptr = module.target_config().pointer_type();
+    let sig = |m: &JITModule, params: &[cranelift_codegen::ir::Type], ret: Option<cranelift_codegen::ir::Type>| {
+        let mut s = m.make_signature();
+        s.params.extend(params.iter().map(|&t| AbiParam::new(t)));
+        if let Some(r) = ret {
+            s.returns.push(AbiParam::new(r));
+        }
+        s
+    };
+    let sig_fail = sig(module, &[ptr, I32, I32], Some(I32));
+    let sig_dma = sig(module, &[ptr, I32, ptr], Some(I32));
+    let sig_dot = sig(module, &[ptr, I64, I64, I64, ptr, I64, I64, ptr, I64, I64, ptr, I64, I32], None);
+    let sig_ff = sig(module, &[F32, F32], Some(F32));
+    let sig_if = sig(module, &[I32], Some(F32));
+    let sig_f = sig(module, &[F32], Some(F32));
+    let sig_step = sig(module, &[ptr], Some(I32));
+    let err = |e: cranelift_module::ModuleError| Unsupported(format!("cranelift: {e}"));
+    let sigs = [&sig_fail, &sig_dma, &sig_dot, &sig_dot, &sig_ff, &sig_ff, &sig_if, &sig_f, &sig_f, &sig_f, &sig_f];
+    let syms = helper_symbols(exact);
+    let mut ids = Vec::new();
+    for ((name, _), s) in syms.iter().zip(sigs) {
+        ids.push(module.declare_function(name, Linkage::Import, s).map_err(err)?);
+    }
+    let step_id = module.declare_function("step", Linkage::Local, &sig_step).map_err(err)?;
+    let mut ctx = module.make_context();
+    ctx.func.signature = sig_step;
+    ctx.func.name = UserFuncName::user(0, step_id.as_u32());
+    let mut fctx = FunctionBuilderContext::new();
+    let mut table = Vec::new();
+    let (frame_bytes, sites) = {
+        let b = FunctionBuilder::new(&mut ctx.func, &mut fctx);
+        let mut refs = Vec::new();
+        for (id, (_, addr)) in ids.iter().zip(syms) {
+            let r = module.declare_func_in_func(*id, b.func);
+            refs.push(r);
+            table.push((r, addr));
+        }
+        let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10] };
+        let l = Lower::new(k, layouts, b, h, exact)?;
+        l.lower(module.target_config())?
+    };
+    Ok((ctx, step_id, frame_bytes, sites, table))
+}
+
+/// A JIT module for the host with the helpers' symbols.
+pub(crate) fn new_module(exact: bool) -> Result<JITModule, Unsupported> {
+    let mut jb = JITBuilder::with_isa(isa()?, default_libcall_names());
+    for (name, p) in helper_symbols(exact) {
         jb.symbol(name, p);
     }
-    let mut module = JITModule::new(jb);
+    Ok(JITModule::new(jb))
+}
+
+/// Compiles `k` for memory `modes` (one per ref); `exact` computes transcendentals and
+/// dots exactly as the interpreter does (a checking mode for the fuzzer).
+pub fn compile(k: &Kernel, modes: &[MemMode], exact: bool) -> Result<Compiled, Unsupported> {
+    let start = Instant::now();
+    let layouts = layouts(k, modes);
+    let mut module = new_module(exact)?;
     let result = (|| {
-        let ptr = module.target_config().pointer_type();
-        let sig = |params: &[cranelift_codegen::ir::Type], ret: Option<cranelift_codegen::ir::Type>| {
-            let mut s = module.make_signature();
-            s.params.extend(params.iter().map(|&t| AbiParam::new(t)));
-            if let Some(r) = ret {
-                s.returns.push(AbiParam::new(r));
-            }
-            s
-        };
-        let sig_fail = sig(&[ptr, I32, I32], Some(I32));
-        let sig_dma = sig(&[ptr, I32, ptr], Some(I32));
-        let sig_dot = sig(&[ptr, I64, I64, I64, ptr, I64, I64, ptr, I64, I64, ptr, I64, I32], None);
-        let sig_ff = sig(&[F32, F32], Some(F32));
-        let sig_if = sig(&[I32], Some(F32));
-        let sig_f = sig(&[F32], Some(F32));
-        let sig_step = sig(&[ptr], Some(I32));
+        let (mut ctx, step_id, frame_bytes, sites, _) = build_clif(&mut module, k, &layouts, exact)?;
         let err = |e: cranelift_module::ModuleError| Unsupported(format!("cranelift: {e}"));
-        let decl = |m: &mut JITModule, name: &str, s: &cranelift_codegen::ir::Signature| m.declare_function(name, Linkage::Import, s).map_err(err);
-        let ids = [
-            decl(&mut module, "tessera_fail_slice", &sig_fail)?,
-            decl(&mut module, "tessera_dma", &sig_dma)?,
-            decl(&mut module, "tessera_dot_f32", &sig_dot)?,
-            decl(&mut module, "tessera_dot_i32", &sig_dot)?,
-            decl(&mut module, "tessera_fmod", &sig_ff)?,
-            decl(&mut module, "tessera_pow", &sig_ff)?,
-            decl(&mut module, "tessera_i2bf", &sig_if)?,
-            decl(&mut module, "tessera_exp", &sig_f)?,
-            decl(&mut module, "tessera_log", &sig_f)?,
-            decl(&mut module, "tessera_tanh", &sig_f)?,
-            decl(&mut module, "tessera_erf", &sig_f)?,
-        ];
-        let step_id = module.declare_function("step", Linkage::Local, &sig_step).map_err(err)?;
-        let mut ctx = module.make_context();
-        ctx.func.signature = sig_step;
-        ctx.func.name = UserFuncName::user(0, step_id.as_u32());
-        let mut fctx = FunctionBuilderContext::new();
-        let (frame_bytes, sites) = {
-            let mut b = FunctionBuilder::new(&mut ctx.func, &mut fctx);
-            let mut refs = Vec::new();
-            for id in ids {
-                refs.push(module.declare_func_in_func(id, b.func));
-            }
-            let _ = &mut b;
-            let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10] };
-            let l = Lower::new(k, &layouts, b, h, exact)?;
-            l.lower(module.target_config())?
-        };
         module.define_function(step_id, &mut ctx).map_err(|e| Unsupported(format!("cranelift could not compile `{}`: {e:?}", k.name)))?;
         module.clear_context(&mut ctx);
         module.finalize_definitions().map_err(err)?;
