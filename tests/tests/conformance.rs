@@ -4,8 +4,8 @@
 //! interpreter; poison and DMA-misuse cases whose errors must be the interpreter's; the
 //! parallel-revisit rule; and random kernels (`tessera_tests::conformance::random_case`),
 //! bit for bit in the compiled backends' exact mode and within the ulp-derived tolerance in
-//! their fast mode. `TESSERA_FUZZ_CASES` sets the random-kernel count (default 10,000 per
-//! backend and mode).
+//! their fast mode. `TESSERA_FUZZ_CASES` sets the random-kernel count per backend and mode
+//! (default 10,000; 5,000 for LLVM).
 //!
 //! Tolerances in fast mode come from the backends' bounds: transcendentals within 3 ulp
 //! (`cpu::cranelift::vector`), dots in another summation order (relative `k * 2^-24` of the
@@ -18,8 +18,11 @@ use tessera_dsl::interp::Array;
 use tessera_dsl::{exec, DType, Executor, Interpreter, Target, Type};
 use tessera_tests::conformance::{check_case, check_kernel, compare, random_case, GenOptions, Tolerance};
 
-fn fuzz_cases() -> u64 {
-    std::env::var("TESSERA_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000)
+/// Random kernels per backend and mode: `TESSERA_FUZZ_CASES`, else 10,000 (5,000 for LLVM,
+/// whose O3 compile of each costs ~30 ms: still 10,000 programs per backend).
+fn fuzz_cases(backend: &str) -> u64 {
+    let default = if backend == "llvm" { 5_000 } else { 10_000 };
+    std::env::var("TESSERA_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
 fn library_tolerance(dtype: DType) -> Tolerance {
@@ -76,7 +79,7 @@ fn library(exec: &'static dyn Executor, dtype: DType, alt: bool) {
 
 /// Random kernels on `exec` vs the interpreter.
 fn fuzz(exec: &dyn Executor, smooth: bool, tol: Tolerance, seed0: u64) {
-    let n = fuzz_cases();
+    let n = fuzz_cases(exec.name());
     let mut verified = 0;
     for i in 0..n {
         let seed = seed0.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -399,4 +402,31 @@ fn transcendental_ulp_bounds() {
         eprintln!("{}: max {} ulp (bound {bound})", op.name(), worst.0);
     }
     let _ = Type::scalar(DType::F32);
+}
+
+/// Cranelift compile time per library kernel (default shapes, f32 and bf16): median and max.
+#[test]
+fn jit_compile_time_per_library_kernel() {
+    let target = Target::V5E;
+    let mut times = Vec::new();
+    for op in tessera_kernels::library() {
+        for dtype in [DType::F32, DType::BF16] {
+            let types: Vec<Type> = op.inputs.iter().map(|o| Type::vector(o.kind.dtype(dtype), o.default_shape)).collect();
+            let Ok(kernels) = (op.build)(&types, &target) else { continue };
+            for k in kernels {
+                // Fresh compiles: rename so the cache cannot answer.
+                let mut k = k.clone();
+                k.name = format!("{}_{dtype}_compile_time", k.name);
+                let modes = tessera_codegen::cpu::layout::default_modes(&k, &[]);
+                let t = std::time::Instant::now();
+                tessera_codegen::cpu::cranelift::compile(&k, &modes, false).unwrap_or_else(|e| panic!("{}: {}", k.name, e.0));
+                times.push((t.elapsed().as_secs_f64() * 1e3, k.name.clone()));
+            }
+        }
+    }
+    times.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let median = times[times.len() / 2].0;
+    let max = times.last().unwrap();
+    eprintln!("cranelift compile time over {} library kernels: median {median:.2} ms, max {:.2} ms ({})", times.len(), max.0, max.1);
+    assert!(median <= 20.0, "median compile time {median:.1} ms");
 }
