@@ -36,6 +36,7 @@
 //! input makes a backend panic.
 
 pub mod cranelift;
+pub mod gemm;
 pub mod layout;
 #[cfg(feature = "llvm")]
 pub mod llvm;

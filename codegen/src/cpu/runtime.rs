@@ -654,7 +654,7 @@ pub unsafe extern "C" fn helper_dma(rt: *mut c_void, site: u32, args: *const i32
     }
 }
 
-/// `c[m, n] (+)= a[m, k] b[k, n]` in f32 with element strides.
+/// `c[m, n] (+)= a[m, k] b[k, n]` in f32 with element strides ([`super::gemm::sgemm`]).
 ///
 /// # Safety
 /// The operands hold the boxes their strides describe; `c` does not overlap them.
@@ -662,15 +662,47 @@ pub unsafe extern "C" fn helper_dma(rt: *mut c_void, site: u32, args: *const i32
 pub unsafe extern "C" fn helper_dot_f32(rt: *mut c_void, m: i64, k: i64, n: i64, a: *const f32, rsa: i64, csa: i64, b: *const f32, rsb: i64, csb: i64, c: *mut f32, rsc: i64, acc: i32) {
     // SAFETY: compiled code passes back the `rt` field of its `StepCtx`.
     let threads = unsafe { (*(rt as *mut ThreadRt)).gemm_threads };
-    let (m, k, n) = (m as usize, k as usize, n as usize);
-    if m == 0 || n == 0 {
-        return;
-    }
-    let par = if threads > 1 && m * n * k >= 1 << 18 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let (am, bm) = (super::gemm::Mat { p: a, rs: rsa as isize, cs: csa as isize }, super::gemm::Mat { p: b, rs: rsb as isize, cs: csb as isize });
     // SAFETY: the strides describe boxes inside the operands (caller).
-    unsafe {
-        gemm::gemm(m, n, k, c, 1, rsc as isize, acc != 0, a, csa as isize, rsa as isize, b, csb as isize, rsb as isize, 1.0f32, 1.0f32, false, false, false, par);
+    unsafe { super::gemm::sgemm(m as usize, n as usize, k as usize, am, bm, c, rsc as usize, acc != 0, threads) };
+}
+
+/// [`helper_dot_f32`] for bf16 operands read straight from bf16 memory.
+///
+/// # Safety
+/// As [`helper_dot_f32`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn helper_dot_bf16(rt: *mut c_void, m: i64, k: i64, n: i64, a: *const bf16, rsa: i64, csa: i64, b: *const bf16, rsb: i64, csb: i64, c: *mut f32, rsc: i64, acc: i32) {
+    // SAFETY: compiled code passes back the `rt` field of its `StepCtx`.
+    let threads = unsafe { (*(rt as *mut ThreadRt)).gemm_threads };
+    let (am, bm) = (super::gemm::Mat { p: a, rs: rsa as isize, cs: csa as isize }, super::gemm::Mat { p: b, rs: rsb as isize, cs: csb as isize });
+    // SAFETY: the strides describe boxes inside the operands (caller).
+    unsafe { super::gemm::bgemm(m as usize, n as usize, k as usize, am, bm, c, rsc as usize, acc != 0, threads) };
+}
+
+/// [`helper_dot_bf16`] in exact mode: the operands widened to f32, then the interpreter's dot.
+///
+/// # Safety
+/// As [`helper_dot_f32`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn helper_dot_bf16_exact(rt: *mut c_void, m: i64, k: i64, n: i64, a: *const bf16, rsa: i64, csa: i64, b: *const bf16, rsb: i64, csb: i64, c: *mut f32, rsc: i64, acc: i32) {
+    let (mu, ku, nu) = (m as usize, k as usize, n as usize);
+    let mut af = vec![0f32; mu * ku];
+    let mut bfv = vec![0f32; ku * nu];
+    for i in 0..mu {
+        for p in 0..ku {
+            // SAFETY: inside the operand box.
+            af[i * ku + p] = unsafe { *a.offset(i as isize * rsa as isize + p as isize * csa as isize) }.to_f32();
+        }
     }
+    for p in 0..ku {
+        for j in 0..nu {
+            // SAFETY: inside the operand box.
+            bfv[p * nu + j] = unsafe { *b.offset(p as isize * rsb as isize + j as isize * csb as isize) }.to_f32();
+        }
+    }
+    // SAFETY: contiguous copies of the operands.
+    unsafe { helper_dot_f32_exact(rt, m, k, n, af.as_ptr(), k, 1, bfv.as_ptr(), n, 1, c, rsc, acc) };
 }
 
 /// The interpreter's dot (`matrixmultiply::sgemm` over contiguous copies), for exact mode.

@@ -59,6 +59,7 @@ pub struct Helpers {
     pub log: FuncRef,
     pub tanh: FuncRef,
     pub erf: FuncRef,
+    pub dot_bf16: FuncRef,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -317,7 +318,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                     Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Broadcast(_) => true,
                     Inst::Store { value, .. } => *value == v,
                     Inst::Reduce { .. } | Inst::Yield(_) => true,
-                    Inst::Dot { .. } => matches!(dtype, DType::F32 | DType::I32),
+                    Inst::Dot { .. } => matches!(dtype, DType::F32 | DType::I32 | DType::BF16),
                     _ => false,
                 };
                 if !consumer_ok {
@@ -1546,24 +1547,32 @@ impl<'a, 'b> Lower<'a, 'b> {
         self.counted(0, batch as i64, 1, &mut outer)
     }
 
-    /// A dot operand as memory: pointer, row stride, column stride (elements).
+    /// A dot operand read straight from a ref (a load fused into the dot), if it is one
+    /// of `dtype`: pointer, row stride, column stride (elements).
+    fn dot_memview(&mut self, v: Value, dtype: DType) -> R<Option<(CV, i64, i64)>> {
+        if self.how[v.index()] != How::Dup {
+            return Ok(None);
+        }
+        let Some(i) = self.inst_of(v) else { return Ok(None) };
+        if let Inst::Load { src, slices } = &self.k.inst(i).inst {
+            let l = &self.layouts[src.index()];
+            if l.dtype == dtype && l.strides.len() == 2 {
+                let (rs, cs) = (l.strides[0] as i64, l.strides[1] as i64);
+                let p = self.ref_origin(*src, slices)?;
+                return Ok(Some((p, rs, cs)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// A dot operand as f32 (or i32) memory: pointer, row stride, column stride (elements).
     fn dot_operand(&mut self, v: Value, float: bool) -> R<(CV, i64, i64)> {
         let shape = self.shape(v);
         if shape.len() != 2 {
             return unsupported("a dot operand that is not rank 2");
         }
-        if self.how[v.index()] == How::Dup {
-            if let Some(i) = self.inst_of(v) {
-                if let Inst::Load { src, slices } = &self.k.inst(i).inst {
-                    let l = &self.layouts[src.index()];
-                    let ok = (float && l.dtype == DType::F32) || (!float && l.dtype == DType::I32);
-                    if ok && l.strides.len() == 2 {
-                        let (rs, cs) = (l.strides[0] as i64, l.strides[1] as i64);
-                        let p = self.ref_origin(*src, slices)?;
-                        return Ok((p, rs, cs));
-                    }
-                }
-            }
+        if let Some(m) = self.dot_memview(v, if float { DType::F32 } else { DType::I32 })? {
+            return Ok(m);
         }
         let off = self.ensure_slot(v)?;
         Ok((self.slot_addr(off), shape[1] as i64, 1))
@@ -1583,11 +1592,26 @@ impl<'a, 'b> Lower<'a, 'b> {
         if kk != k2 {
             return unsupported("a dot whose contracting dims differ");
         }
-        let (a, mut rsa, mut csa) = self.dot_operand(lhs, float)?;
+        // bf16 operands both read from bf16 memory: the bf16 GEMM, without widening copies.
+        let bf = if float && self.k.ty(lhs).dtype == DType::BF16 && self.k.ty(rhs).dtype == DType::BF16 {
+            match (self.dot_memview(lhs, DType::BF16)?, self.dot_memview(rhs, DType::BF16)?) {
+                (Some(a), Some(b)) => Some((a, b)),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let ((a, mut rsa, mut csa), (bp, mut rsb, mut csb), f) = match bf {
+            Some((a, b)) => (a, b, self.h.dot_bf16),
+            None => {
+                let a = self.dot_operand(lhs, float)?;
+                let b = self.dot_operand(rhs, float)?;
+                (a, b, if float { self.h.dot_f32 } else { self.h.dot_i32 })
+            }
+        };
         if ta {
             std::mem::swap(&mut rsa, &mut csa);
         }
-        let (bp, mut rsb, mut csb) = self.dot_operand(rhs, float)?;
         if tb {
             std::mem::swap(&mut rsb, &mut csb);
         }
@@ -1606,7 +1630,6 @@ impl<'a, 'b> Lower<'a, 'b> {
         args.push(c);
         args.push(self.iconst64(n as i64));
         args.push(self.b.ins().iconst(I32, 0));
-        let f = if float { self.h.dot_f32 } else { self.h.dot_i32 };
         self.b.ins().call(f, &args);
         Ok(())
     }
