@@ -152,6 +152,33 @@ macro_rules! conformance {
             }
 
             #[test]
+            fn wrong_operands_are_errors_not_ub() {
+                use tessera_dsl::interp::{HostMut, HostRef};
+                let (k, _) = super::cases::racy();
+                let ok_in = vec![0f32; 16 * 128];
+                let short = vec![0f32; 100];
+                let ints = vec![0i32; 16 * 128];
+                let mut out = vec![0f32; 8 * 128];
+                let mut out_short = vec![0f32; 10];
+                let shape_in: &[usize] = &[16, 128];
+                let shape_out: &[usize] = &[8, 128];
+                let cases: Vec<(&str, Vec<HostRef<'_>>, bool)> = vec![
+                    ("argument-count", vec![], false),
+                    ("argument-shape", vec![HostRef::new(shape_in, &short[..])], false),
+                    ("argument-dtype", vec![HostRef::new(shape_in, &ints[..])], false),
+                    ("argument-shape", vec![HostRef::new(&[8, 128][..], &ok_in[..1024])], false),
+                    ("output-shape", vec![HostRef::new(shape_in, &ok_in[..])], true),
+                ];
+                for (rule, ins, short_out) in cases {
+                    let mut outs = if short_out { vec![HostMut::new(shape_out, &mut out_short[..])] } else { vec![HostMut::new(shape_out, &mut out[..])] };
+                    let want = tessera_dsl::interp::run_into(&k, &ins, &mut outs).expect_err("interp rejects");
+                    let got = exec().run_into(&k, &ins, &mut outs).expect_err("the backend rejects");
+                    assert_eq!(got.rule, rule, "{got}");
+                    assert_eq!(got.to_string(), want.to_string());
+                }
+            }
+
+            #[test]
             fn parallel_revisit_is_an_error() {
                 let (k, args) = super::cases::racy();
                 let refs: Vec<&Array> = args.iter().collect();

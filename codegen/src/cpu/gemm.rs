@@ -298,6 +298,21 @@ mod avx512 {
                 for p in 0..pairs {
                     let row = &mut panel[p * 2 * NR..(p + 1) * 2 * NR];
                     let (k0, k1) = (pc + 2 * p, pc + 2 * p + 1);
+                    if b.cs == 1 && w == NR && k1 < pc + kc {
+                        // Two contiguous rows interleaved (the common case; vectorises).
+                        // SAFETY: `NR` contiguous elements of rows k0 and k1 inside B's box.
+                        let (r0, r1) = unsafe {
+                            (
+                                std::slice::from_raw_parts(b.p.offset(k0 as isize * b.rs + jq as isize) as *const u16, NR),
+                                std::slice::from_raw_parts(b.p.offset(k1 as isize * b.rs + jq as isize) as *const u16, NR),
+                            )
+                        };
+                        for j in 0..NR {
+                            row[2 * j] = r0[j];
+                            row[2 * j + 1] = r1[j];
+                        }
+                        continue;
+                    }
                     for j in 0..NR {
                         let (x, y) = if j < w { (rd(&b, k0, jq + j), if k1 < pc + kc { rd(&b, k1, jq + j) } else { 0 }) } else { (0, 0) };
                         row[2 * j] = x;
