@@ -32,7 +32,7 @@ fn library_tolerance(dtype: DType) -> Tolerance {
     }
 }
 
-/// Every library op on `exec` vs the interpreter, at its default and alternative shapes.
+/// Compiled backends must have compiled everything they ran (no fallback to the interpreter).
 fn no_fallbacks(exec: &dyn Executor) {
     if exec.name() != "interp" {
         let s = tessera_codegen::cpu::cache_stats();
@@ -41,19 +41,33 @@ fn no_fallbacks(exec: &dyn Executor) {
     }
 }
 
-fn library(exec: &'static dyn Executor, dtype: DType, alt: bool) {
+/// Which shapes of each library op to run.
+#[derive(Clone, Copy, PartialEq)]
+enum Shapes {
+    Default,
+    Alt,
+    /// The defaults with every dim of 512 or more divided by 4 (ops that refuse them skip).
+    Small,
+}
+
+/// Every library op on `exec` vs the interpreter, at one of its shape sets.
+fn library(exec: &'static dyn Executor, dtype: DType, which: Shapes) {
     let target = Target::V5E;
     let mut failures = Vec::new();
     let mut ran = 0;
     for op in tessera_kernels::library() {
-        let shapes: Vec<Vec<usize>> = if alt {
-            if op.alt_shapes.is_empty() {
+        let shapes: Vec<Vec<usize>> = match which {
+            Shapes::Alt if op.alt_shapes.is_empty() => continue,
+            Shapes::Alt => op.alt_shapes.iter().map(|s| s.to_vec()).collect(),
+            Shapes::Default => op.inputs.iter().map(|o| o.default_shape.to_vec()).collect(),
+            Shapes::Small => op.inputs.iter().map(|o| o.default_shape.iter().map(|&d| if d >= 512 { d / 4 } else { d }).collect()).collect(),
+        };
+        if which == Shapes::Small {
+            let types: Vec<Type> = op.inputs.iter().zip(&shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect();
+            if (op.build)(&types, &target).is_err() {
                 continue;
             }
-            op.alt_shapes.iter().map(|s| s.to_vec()).collect()
-        } else {
-            op.inputs.iter().map(|o| o.default_shape.to_vec()).collect()
-        };
+        }
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(7);
         let inputs = (op.random_inputs)(&shapes, dtype, &mut rng);
         let want = (op.run)(&inputs, &target);
@@ -72,7 +86,7 @@ fn library(exec: &'static dyn Executor, dtype: DType, alt: bool) {
             (g, w) => failures.push(format!("{} {shapes:?} {dtype}: {} gives {:?}, interp {:?}", op.name, exec.name(), g.err().map(|e| e.to_string()), w.err().map(|e| e.to_string()))),
         }
     }
-    assert!(ran > 20, "only {ran} library ops ran");
+    assert!(ran > if which == Shapes::Default { 20 } else { 10 }, "only {ran} library ops ran");
     assert!(failures.is_empty(), "{} of {ran} ops differ on {}:\n{}", failures.len(), exec.name(), failures.join("\n"));
     no_fallbacks(exec);
 }
@@ -115,22 +129,28 @@ macro_rules! conformance {
 
             #[test]
             fn library_f32_default_shapes() {
-                library(exec(), DType::F32, false);
+                library(exec(), DType::F32, Shapes::Default);
             }
 
             #[test]
             fn library_bf16_default_shapes() {
-                library(exec(), DType::BF16, false);
+                library(exec(), DType::BF16, Shapes::Default);
             }
 
             #[test]
             fn library_f32_alt_shapes() {
-                library(exec(), DType::F32, true);
+                library(exec(), DType::F32, Shapes::Alt);
             }
 
             #[test]
             fn library_bf16_alt_shapes() {
-                library(exec(), DType::BF16, true);
+                library(exec(), DType::BF16, Shapes::Alt);
+            }
+
+            #[test]
+            fn library_f32_and_bf16_small_shapes() {
+                library(exec(), DType::F32, Shapes::Small);
+                library(exec(), DType::BF16, Shapes::Small);
             }
 
             #[test]

@@ -124,6 +124,9 @@ pub struct Lower<'a, 'b> {
     refs: Vec<Option<CV>>,
     fail: CB,
     pos: HashMap<InstId, (BlockId, usize)>,
+    /// `ref[s] = ref[s] + dot(a, b)` (f32, fast mode): the store's dot, computed by a GEMM
+    /// that accumulates straight into the ref instead of at the dot's own position.
+    acc_dots: HashMap<InstId, InstId>,
 }
 
 const UNROLL: usize = 2;
@@ -144,7 +147,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         }
         let fail = b.create_block();
         let n = k.values.len();
-        let mut l = Lower { k, layouts, b, h, exact, how: vec![How::Slot; n], slot: vec![usize::MAX; n], scalar: vec![None; n], frame_bytes: 0, sites: Sites::default(), frame, rt, grid, refs, fail, pos: HashMap::new() };
+        let mut l = Lower { k, layouts, b, h, exact, how: vec![How::Slot; n], slot: vec![usize::MAX; n], scalar: vec![None; n], frame_bytes: 0, sites: Sites::default(), frame, rt, grid, refs, fail, pos: HashMap::new(), acc_dots: HashMap::new() };
         l.analyze()?;
         Ok(l)
     }
@@ -356,7 +359,54 @@ impl<'a, 'b> Lower<'a, 'b> {
                 self.how[vi] = How::Slot;
             }
         }
+        if !self.exact {
+            self.find_acc_dots(&uses);
+        }
         Ok(())
+    }
+
+    /// Finds `store(r[s], load(r[s]) + dot(a, b))` where nothing between the dot and the
+    /// store writes memory, `r` is f32 and the dot has no other use.
+    fn find_acc_dots(&mut self, uses: &[Vec<InstId>]) {
+        let k = self.k;
+        for (idx, d) in k.insts.iter().enumerate() {
+            let st = InstId(idx as u32);
+            let Inst::Store { dst, slices, value } = &d.inst else { continue };
+            if !self.pos.contains_key(&st) || k.ref_decl(*dst).dtype != DType::F32 || slices.len() != 2 || self.layouts[dst.index()].strides.len() != 2 {
+                continue;
+            }
+            let Some(add) = self.inst_of(*value) else { continue };
+            let Inst::Binary(tessera_dsl::BinaryOp::Add, x, y) = k.inst(add).inst else { continue };
+            if uses[value.index()].len() != 1 {
+                continue;
+            }
+            let is_dot = |v: Value| self.inst_of(v).filter(|&i| matches!(k.inst(i).inst, Inst::Dot { .. }) && uses[v.index()].len() == 1 && k.ty(v).dtype == DType::F32);
+            let is_self_load = |v: Value| {
+                self.inst_of(v).is_some_and(|i| match &k.inst(i).inst {
+                    Inst::Load { src, slices: ls } => src == dst && uses[v.index()].len() == 1 && self.how[v.index()] == How::Dup && ls.len() == slices.len() && ls.iter().zip(slices).all(|(a, b)| a.len == b.len && self.same_const(a.start, b.start)),
+                    _ => false,
+                })
+            };
+            let dot = match (is_dot(x), is_dot(y)) {
+                (Some(dt), _) if is_self_load(y) => dt,
+                (_, Some(dt)) if is_self_load(x) => dt,
+                _ => continue,
+            };
+            // The GEMM writes `dst` while reading its operands: they must not be `dst`.
+            let Inst::Dot { lhs, rhs, .. } = k.inst(dot).inst else { continue };
+            let reads_dst = [lhs, rhs].iter().any(|&o| self.inst_of(o).is_some_and(|i| matches!(&k.inst(i).inst, Inst::Load { src, .. } if src == dst)));
+            if reads_dst {
+                continue;
+            }
+            let (Some(&(db, dp)), Some(&(sb, sp))) = (self.pos.get(&dot), self.pos.get(&st)) else { continue };
+            if db != sb || dp >= sp {
+                continue;
+            }
+            let quiet = k.block(sb).insts[dp + 1..sp].iter().all(|&j| !matches!(k.inst(j).inst, Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::If { .. } | Inst::For { .. }));
+            if quiet {
+                self.acc_dots.insert(st, dot);
+            }
+        }
     }
 
     /// Whether `v` costs nothing to re-read at each use: a load, a leaf or a slot.
@@ -1236,10 +1286,13 @@ impl<'a, 'b> Lower<'a, 'b> {
                 self.slot[r.index()] = off;
                 self.emit_reduce(*op, *axis, *x, off, k.ty(r).dtype)?;
             }
+            Inst::Dot { .. } if self.acc_dots.values().any(|&d| d == i) => {} // at its store
             Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => {
                 let off = self.alloc(n * 4);
                 self.slot[r.index()] = off;
-                self.emit_dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, off)?;
+                let c = self.slot_addr(off);
+                let nn = shape[1] as i64;
+                self.emit_dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, c, nn, false)?;
             }
             Inst::Transpose(x) => {
                 let off = self.alloc(n * 4);
@@ -1269,6 +1322,12 @@ impl<'a, 'b> Lower<'a, 'b> {
         }
         self.check_slices("store", dst, slices, &k.inst(i).loc)?;
         let origin = self.ref_origin(dst, slices)?;
+        if let Some(&dot) = self.acc_dots.get(&i) {
+            if let Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } = k.inst(dot).inst {
+                let rsc = self.layouts[dst.index()].strides[0] as i64;
+                return self.emit_dot(lhs, rhs, transpose_lhs, transpose_rhs, origin, rsc, true);
+            }
+        }
         let vt = k.ty(value).clone();
         if vt.dtype != decl.dtype {
             return unsupported("a store of another dtype");
@@ -1578,7 +1637,9 @@ impl<'a, 'b> Lower<'a, 'b> {
         Ok((self.slot_addr(off), shape[1] as i64, 1))
     }
 
-    fn emit_dot(&mut self, lhs: Value, rhs: Value, ta: bool, tb: bool, off: usize) -> R<()> {
+    /// `c (+)= lhs @ rhs` into f32/i32 memory at `c` with row stride `rsc` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_dot(&mut self, lhs: Value, rhs: Value, ta: bool, tb: bool, c: CV, rsc: i64, accumulate: bool) -> R<()> {
         let (ls, rs) = (self.shape(lhs), self.shape(rhs));
         if ls.len() != 2 || rs.len() != 2 {
             return unsupported("a dot of operands that are not rank 2");
@@ -1615,7 +1676,6 @@ impl<'a, 'b> Lower<'a, 'b> {
         if tb {
             std::mem::swap(&mut rsb, &mut csb);
         }
-        let c = self.slot_addr(off);
         let vals = [m as i64, kk as i64, n as i64];
         let mut args = vec![self.rt];
         for x in vals {
@@ -1628,8 +1688,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         args.push(self.iconst64(rsb));
         args.push(self.iconst64(csb));
         args.push(c);
-        args.push(self.iconst64(n as i64));
-        args.push(self.b.ins().iconst(I32, 0));
+        args.push(self.iconst64(rsc));
+        args.push(self.b.ins().iconst(I32, accumulate as i64));
         self.b.ins().call(f, &args);
         Ok(())
     }
