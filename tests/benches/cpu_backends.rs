@@ -14,7 +14,7 @@ use criterion::{black_box, Criterion};
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_codegen::cpu::Backend;
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, BlockSpec, DType, Executor, IndexExpr, Kernel, KernelBuilder, Semantics, Target, Type};
+use tessera_dsl::{exec, BlockSpec, DType, IndexExpr, Kernel, KernelBuilder, Semantics, Target, Type};
 use tessera_kernels::attention::{self, AttentionParams};
 use tessera_kernels::gmm;
 use tessera_kernels::harness::random_array;

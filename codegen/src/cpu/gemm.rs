@@ -91,6 +91,8 @@ pub unsafe fn sgemm(m: usize, n: usize, k: usize, a: Mat<f32>, b: Mat<f32>, c: *
     }
     let out = Out(c, rsc);
     run_split(n, threads, (m * n * k) as u64, &|j0, j1| {
+        // Capture the whole `Out` (Send), not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
         let out = out;
         // SAFETY: the column range [j0, j1) of the operands and output (caller's contract).
         #[cfg(target_arch = "x86_64")]
@@ -132,6 +134,8 @@ pub unsafe fn bgemm(m: usize, n: usize, k: usize, a: Mat<bf16>, b: Mat<bf16>, c:
     }
     let out = Out(c, rsc);
     run_split(n, threads, (m * n * k) as u64, &|j0, j1| {
+        // Capture the whole `Out` (Send), not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
         let out = out;
         // SAFETY: the column range [j0, j1) of the operands and output (caller's contract).
         #[cfg(target_arch = "x86_64")]
@@ -364,10 +368,10 @@ mod avx512 {
         let mut r = [[_mm512_setzero_ps(); 2]; MR];
         for p in 0..pairs {
             // SAFETY: inside the packed panels (2 * NR bf16 per pair).
-            let (b0, b1): (__m512bh, __m512bh) = unsafe { (std::mem::transmute(_mm512_loadu_si512(b.add(p * 2 * NR) as *const _)), std::mem::transmute(_mm512_loadu_si512(b.add(p * 2 * NR + NR) as *const _))) };
+            let (b0, b1): (__m512bh, __m512bh) = unsafe { (std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(p * 2 * NR) as *const _)), std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(p * 2 * NR + NR) as *const _))) };
             for (i, ri) in r.iter_mut().enumerate() {
                 // SAFETY: inside the packed panel.
-                let x: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + i) as i32)) };
+                let x: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(p * MR + i) as i32)) };
                 ri[0] = _mm512_dpbf16_ps(ri[0], x, b0);
                 ri[1] = _mm512_dpbf16_ps(ri[1], x, b1);
             }

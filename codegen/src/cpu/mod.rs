@@ -155,7 +155,8 @@ impl Executor for Compiled {
     }
 }
 
-/// Compiled code of either backend.
+/// Compiled code of either backend (one per cache entry, behind an `Arc`).
+#[allow(clippy::large_enum_variant)]
 pub enum Code {
     Cranelift(cranelift::Compiled),
     #[cfg(feature = "llvm")]

@@ -197,6 +197,8 @@ unsafe impl Sync for Arrays {}
 /// specs); returns nothing written on error.
 pub fn check_operands(k: &Kernel, inputs: &[HostRef<'_>], outputs: &[HostMut<'_>]) -> Result<()> {
     let err = |subject: &str, rule: &'static str, msg: String, help: String| KernelError::new(&k.name, subject, rule, msg, help);
+    // Formatted only when an error needs it (this runs on every call).
+    let subj = |d: &tessera_dsl::RefDecl| format!("{} `{}`", d.kind.name(), d.name);
     let ins: Vec<_> = k.refs.iter().filter(|r| matches!(r.kind, RefKind::Prefetch | RefKind::Input)).collect();
     if inputs.len() != ins.len() {
         let names: Vec<&str> = ins.iter().map(|r| r.name.as_str()).collect();
@@ -209,20 +211,19 @@ pub fn check_operands(k: &Kernel, inputs: &[HostRef<'_>], outputs: &[HostMut<'_>
     }
     let (mut next_in, mut next_out) = (inputs.iter(), outputs.iter());
     for decl in &k.refs {
-        let subject = format!("{} `{}`", decl.kind.name(), decl.name);
         if let Some(b) = &decl.block {
             let rank = decl.shape.len();
             if b.block_shape.len() != rank || b.index_map.len() != rank {
-                return Err(err(&subject, "block-rank", format!("block shape has {} dims and the index map {} results, the array {:?} has {rank} dims", b.block_shape.len(), b.index_map.len(), decl.shape), "give one block dim and one index-map result per array dim".into()));
+                return Err(err(&subj(decl), "block-rank", format!("block shape has {} dims and the index map {} results, the array {:?} has {rank} dims", b.block_shape.len(), b.index_map.len(), decl.shape), "give one block dim and one index-map result per array dim".into()));
             }
             for (d, (&blk, &full)) in b.block_shape.iter().zip(&decl.shape).enumerate() {
                 let n = blk.unwrap_or(1);
                 if n == 0 || n > full {
-                    return Err(err(&subject, "block-shape", format!("block dim {d} is {n}, the array dim is {full}"), "use block dims between 1 and the array dim".into()));
+                    return Err(err(&subj(decl), "block-shape", format!("block dim {d} is {n}, the array dim is {full}"), "use block dims between 1 and the array dim".into()));
                 }
             }
             if matches!(decl.kind, RefKind::Prefetch | RefKind::Scratch) {
-                return Err(err(&subject, "blocked-memory-space", format!("a {} with a block spec", decl.kind.name()), "scalar prefetch and scratch buffers are seen whole; drop the block spec".into()));
+                return Err(err(&subj(decl), "blocked-memory-space", format!("a {} with a block spec", decl.kind.name()), "scalar prefetch and scratch buffers are seen whole; drop the block spec".into()));
             }
         }
         let (shape, dtype, len) = match decl.kind {
@@ -238,14 +239,14 @@ pub fn check_operands(k: &Kernel, inputs: &[HostRef<'_>], outputs: &[HostMut<'_>
         };
         let (role, rule_dtype, rule_shape) = if decl.kind == RefKind::Output { ("output", "output-dtype", "output-shape") } else { ("argument", "argument-dtype", "argument-shape") };
         if dtype != decl.dtype {
-            return Err(err(&subject, rule_dtype, format!("expected {} elements, got {dtype} data", decl.dtype), format!("pass a {} {role}", decl.dtype)));
+            return Err(err(&subj(decl), rule_dtype, format!("expected {} elements, got {dtype} data", decl.dtype), format!("pass a {} {role}", decl.dtype)));
         }
         if shape != decl.shape.as_slice() {
-            return Err(err(&subject, rule_shape, format!("expected shape {:?}, got {shape:?}", decl.shape), format!("pass an {role} of shape {:?} or rebuild the kernel for this shape", decl.shape)));
+            return Err(err(&subj(decl), rule_shape, format!("expected shape {:?}, got {shape:?}", decl.shape), format!("pass an {role} of shape {:?} or rebuild the kernel for this shape", decl.shape)));
         }
         let n: usize = decl.shape.iter().product();
         if len != n {
-            return Err(err(&subject, rule_shape, format!("shape {shape:?} has {n} elements but the data holds {len}"), "make the data length match the shape".into()));
+            return Err(err(&subj(decl), rule_shape, format!("shape {shape:?} has {n} elements but the data holds {len}"), "make the data length match the shape".into()));
         }
     }
     Ok(())
@@ -309,11 +310,16 @@ pub fn fully_overwritten(k: &Kernel, sched: &Schedule, r: RefId) -> bool {
 }
 
 /// How many threads to use for the grid and for GEMMs.
+/// `TESSERA_THREADS`, else the available parallelism; read once (the latter parses cgroup
+/// files, too slow for every call).
 pub fn threads() -> usize {
-    if let Some(n) = std::env::var("TESSERA_THREADS").ok().and_then(|s| s.parse::<usize>().ok()) {
-        return n.max(1);
-    }
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        if let Some(n) = std::env::var("TESSERA_THREADS").ok().and_then(|s| s.parse::<usize>().ok()) {
+            return n.max(1);
+        }
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    })
 }
 
 /// Runs the program over the whole schedule; `threads` 1 runs in order on this thread.

@@ -68,7 +68,7 @@ fn main() {
                     }
                 }
                 let d = done.fetch_add(1, Ordering::Relaxed) + 1;
-                if d % 100_000 == 0 {
+                if d.is_multiple_of(100_000) {
                     eprintln!("{d} programs, {:.0} s", t0.elapsed().as_secs_f64());
                 }
             });

@@ -23,6 +23,9 @@
 //! Anything the lowering does not support returns [`Unsupported`] and the kernel runs on
 //! the interpreter instead (see [`crate::cpu`]).
 
+// Loop bodies are `&mut dyn FnMut(&mut Self, ...)` so emitters can nest without boxing.
+#![allow(clippy::type_complexity)]
+
 use std::collections::HashMap;
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
@@ -1116,7 +1119,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                 self.check_slices("load", *src, slices, &d.loc)?;
                 let origin = self.ref_origin(*src, slices)?;
                 let x = self.load_scalar_at(origin, 0, k.ref_decl(*src).dtype, false);
-                if dt == DType::Bool { x } else { x }
+                x
             }
             Inst::Unary(op, x) => {
                 let xv = self.scalar(*x)?;

@@ -18,8 +18,12 @@
 //! Special values follow the interpreter: NaN in, NaN out; `exp(-inf) = 0`, `exp(inf) = inf`,
 //! `log(0) = -inf`, `log(x < 0) = NaN`, `tanh(±inf) = ±1`, signed zeros kept.
 
+// The polynomial coefficients are written as published (Cephes) or as fitted; `1.1283792`
+// is a Cephes coefficient that happens to be close to 2/sqrt(pi).
+#![allow(clippy::excessive_precision, clippy::approx_constant)]
+
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::{F32, F32X4, F64, I16X8, I32, I32X4, I64, I64X2, I8, I8X16};
+use cranelift_codegen::ir::types::{F32, F32X4, F64, I32, I32X4, I64X2, I8X16};
 use cranelift_codegen::ir::{Endianness, FuncRef, InstBuilder, MemFlagsData, Value};
 use cranelift_frontend::FunctionBuilder;
 
@@ -366,9 +370,4 @@ pub fn via_vector(b: &mut FunctionBuilder, x: Value, f: impl FnOnce(&mut Functio
     let v = b.ins().splat(vty, x);
     let r = f(b, v);
     b.ins().extractlane(r, 0)
-}
-
-#[allow(dead_code)]
-pub fn unused_types() -> [cranelift_codegen::ir::Type; 3] {
-    [I16X8, I64, I8]
 }
