@@ -349,6 +349,8 @@ pub fn random_case(seed: u64, opts: GenOptions) -> Case {
     let out = b.output("o", dt, &[total_rows, cols], BlockSpec { block_shape: vec![Some(rows), Some(cols)], index_map: out_map.clone() });
     let second = rng.gen_bool(0.3);
     let out2 = if second { Some(b.output("o2", DType::F32, &[total_rows, 1], BlockSpec { block_shape: vec![Some(rows), Some(1)], index_map: out_map })) } else { None };
+    let int_out = rng.gen_bool(0.2);
+    let out3 = if int_out { Some(b.output("o3", DType::I32, &[total_rows, 1], BlockSpec { block_shape: vec![Some(rows), Some(1)], index_map: vec![IndexExpr::grid(0), IndexExpr::Const(0)] })) } else { None };
     let acc = if reduce_dim { Some(b.scratch("acc", DType::F32, &[rows, cols], MemorySpace::Vmem)) } else { None };
     let (dma_buf, sem) = if use_dma { (Some(b.scratch("buf", dt, &[rows, cols], MemorySpace::Vmem)), Some(b.semaphores("sem", 1))) } else { (None, None) };
 
@@ -402,6 +404,33 @@ pub fn random_case(seed: u64, opts: GenOptions) -> Case {
         });
         let bc = b.broadcast(res[0], &[rows, cols]);
         y = V { v: b.add(yv, bc), ..y };
+    }
+    // A scalar loop over the prefetch table (SMEM reads with a dynamic index).
+    if let Some(p) = pf {
+        if g.rng.gen_bool(0.4) {
+            let lo = b.i32(0);
+            let hi = b.i32(g0 as i32);
+            let zero = b.i32(0);
+            let r = b.for_range(lo, hi, 1, &[zero], |b, i, c| {
+                let v = b.load(p, &[ds(i, 1)]);
+                let t = b.mul(v, 3);
+                vec![b.add(c[0], t)]
+            });
+            let f = b.cast(r[0], dt);
+            let shape = b.ty(y.v).shape.clone();
+            let fb = b.broadcast(f, &shape);
+            y = V { v: b.add(y.v, fb), ..y };
+        }
+    }
+    // Integer results: how many elements of each row are positive (not where a tolerance
+    // judges: a last-bit difference flips a count).
+    if let Some(o3) = out3.filter(|_| !(opts.smooth && y.inexact)) {
+        let shape = b.ty(y.v).shape.clone();
+        let z = b.full(&shape, dt, 0.0);
+        let pos = b.cmp(CmpOp::Gt, y.v, z);
+        let i = b.cast(pos, DType::I32);
+        let cnt = b.reduce(ReduceOp::Sum, i, 1);
+        b.store(o3, &[], cnt);
     }
     match acc {
         Some(acc) => {
