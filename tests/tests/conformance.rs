@@ -217,6 +217,27 @@ macro_rules! conformance {
             }
 
             #[test]
+            fn sums_do_not_lose_precision_with_width() {
+                use tessera_dsl::{BlockSpec, IndexExpr, KernelBuilder, ReduceOp, Semantics};
+                let n = 1 << 20;
+                let mut b = KernelBuilder::new("wide_sum");
+                b.grid(&[(1, Semantics::Arbitrary)]);
+                let spec = |c: usize| BlockSpec { block_shape: vec![Some(1), Some(c)], index_map: vec![IndexExpr::Const(0), IndexExpr::Const(0)] };
+                let x = b.input("x", DType::F32, &[1, n], spec(n));
+                let o = b.output("o", DType::F32, &[1, 1], spec(1));
+                let v = b.load(x, &[]);
+                let r = b.reduce(ReduceOp::Sum, v, 1);
+                b.store(o, &[], r);
+                let k = b.finish().unwrap();
+                let xs: Vec<f32> = (0..n).map(|i| 0.1 + (i % 7) as f32 * 1e-3).collect();
+                let exact: f64 = xs.iter().map(|&x| x as f64).sum();
+                let got = exec::run(exec(), &k, &[&Array::from_f32(&[1, n], xs)]).unwrap().remove(0).to_f64_vec()[0];
+                let rel = (got - exact).abs() / exact;
+                // A sequential f32 sum is off by ~1e-3 here; the pairwise order keeps ~1e-7.
+                assert!(rel < 1e-6, "sum of {n} elements: relative error {rel:e}");
+            }
+
+            #[test]
             fn parallel_revisit_is_an_error() {
                 let (k, args) = super::cases::racy();
                 let refs: Vec<&Array> = args.iter().collect();
