@@ -4,7 +4,9 @@
 //!
 //! - [`Backend::Interp`]: the reference interpreter.
 //! - [`Backend::Jit`]: the grid-step body compiled to native code with Cranelift
-//!   ([`cranelift`]): fused, vectorised loop nests, `dot` through a multi-threaded GEMM.
+//!   ([`cranelift`]): fused, vectorised loop nests, `dot` through a multi-threaded GEMM
+//!   ([`gemm`]: AVX-512 f32 and bf16 kernels where the CPU has them; `acc[..] += dot(..)`
+//!   accumulates straight into `acc`).
 //! - [`Backend::Llvm`]: the same lowering through LLVM (`inkwell`, feature `llvm`).
 //!
 //! Both compiled backends share the driver ([`runtime`]): operand checks, the grid walk
