@@ -43,28 +43,3 @@ pub fn run(exec: &dyn Executor, kernel: &Kernel, args: &[&interp::Array]) -> Res
     drop(views);
     Ok(outputs)
 }
-
-thread_local! {
-    static CURRENT: std::cell::Cell<Option<&'static dyn Executor>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with `exec` as this thread's executor: until it returns, [`interp::run`] and
-/// [`interp::run_with_stats`] on this thread run kernels on `exec` instead of the
-/// interpreter. A stopgap so that code still calling `interp::run` (the library ops) can be
-/// pointed at a compiled backend by its caller (the CLI's `run --backend`, the conformance
-/// suite) until that code takes an executor itself.
-pub fn with_executor<T>(exec: &'static dyn Executor, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<&'static dyn Executor>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            CURRENT.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(CURRENT.with(|c| c.replace(Some(exec))));
-    f()
-}
-
-/// The executor set by [`with_executor`] on this thread, if any.
-pub fn current() -> Option<&'static dyn Executor> {
-    CURRENT.with(|c| c.get())
-}

@@ -271,7 +271,6 @@ pub struct RunStats {
 /// returns its outputs in signature order.
 ///
 /// A thin wrapper over [`run_into`]: the inputs are borrowed, the outputs allocated here.
-/// Inside [`crate::exec::with_executor`] it runs on that thread's chosen executor instead.
 pub fn run(kernel: &Kernel, args: &[&Array]) -> Result<Vec<Array>> {
     run_with_stats(kernel, args).map(|(outputs, _)| outputs)
 }
@@ -287,16 +286,6 @@ pub fn run_with_stats(kernel: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, R
                 return Err(KernelError::new(&kernel.name, subject, "argument-dtype", format!("expected {} elements, got an array of {} (holding {} data)", decl.dtype, a.dtype, a.data.dtype()), format!("pass a {} array", decl.dtype)));
             }
         }
-    }
-    if let Some(exec) = crate::exec::current() {
-        // `exec::with_executor` chose another backend for this thread.
-        let inputs: Vec<HostRef<'_>> = args.iter().map(|a| a.as_host()).collect();
-        let mut outputs: Vec<Array> = outputs_of(kernel).map(|d| Array::poison(d.dtype, &d.shape)).collect();
-        let mut views: Vec<HostMut<'_>> = outputs.iter_mut().map(Array::as_host_mut).collect();
-        let mut stats = exec.run_into(kernel, &inputs, &mut views)?;
-        drop(views);
-        stats.elapsed = start.elapsed();
-        return Ok((outputs, stats));
     }
     let inputs: Vec<HostRef<'_>> = args.iter().map(|a| a.as_host()).collect();
     // Allocated poisoned, so the machine need not poison them again.

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use tessera_codegen::cpu::{self, Backend};
-use tessera_dsl::{exec, DType, Kernel, Target, Type};
-use tessera_kernels::{harness, library, LibraryKernel};
+use tessera_dsl::{DType, Kernel, Target};
+use tessera_kernels::{harness, library, Case, Op, Statics};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
@@ -18,7 +18,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Every library kernel with its signature and default shapes.
+    /// Every library op with its schema, cases and backward.
     List,
     /// Write `<kernel>.stablehlo.mlir` and `<kernel>.mosaic.mlir` for a target.
     Emit {
@@ -29,7 +29,7 @@ enum Cmd {
         #[arg(long, default_value = "out")]
         out: PathBuf,
     },
-    /// Run kernels on a CPU backend with random inputs against an independent reference.
+    /// Run ops on a CPU backend with random inputs against their independent references.
     Run {
         #[command(flatten)]
         select: Select,
@@ -43,10 +43,13 @@ enum Cmd {
         backend: String,
     },
     /// A markdown table of every library kernel's VMEM use, grid and flops per
-    /// generation at default shapes and blocks (what the kernels' README shows).
+    /// generation at default shapes and blocks (what the kernels' README shows), or with
+    /// `--ops` the op table (name, schema, backward; what the torch package's README shows).
     Table {
         #[arg(long, default_value = "bf16")]
         dtype: String,
+        #[arg(long)]
+        ops: bool,
     },
     /// Compile every emitted kernel with the real TPU compiler (compile-only; needs the
     /// project venv with jax, jaxlib and libtpu: `scripts/setup-venv.sh`).
@@ -61,11 +64,18 @@ enum Cmd {
 
 #[derive(Args)]
 struct Select {
-    /// Library kernel name (see `tessera list`).
+    /// Library op name (see `tessera list`).
     kernel: Option<String>,
-    /// Every library kernel.
+    /// Every library op (each of its cases, except the `alt` shape sets).
     #[arg(long, conflicts_with = "kernel")]
     all: bool,
+    /// One case of the op (see `tessera list`); default: every case of a named op but
+    /// the `alt` shape sets.
+    #[arg(long)]
+    case: Option<String>,
+    /// Override static arguments, e.g. `--statics "causal=True, soft_cap=30.0"`.
+    #[arg(long)]
+    statics: Option<String>,
     /// Override an input's shape, e.g. `--shape x=512x256` (repeatable).
     #[arg(long = "shape", value_name = "NAME=DxD")]
     shapes: Vec<String>,
@@ -83,7 +93,7 @@ fn main() -> ExitCode {
         Cmd::Emit { select, target, out } => emit(&select, &target, &out),
         Cmd::Run { select, seed, target, backend } => run(&select, seed, &target, &backend),
         Cmd::Check { select, targets } => check(&select, &targets),
-        Cmd::Table { dtype } => table(&dtype),
+        Cmd::Table { dtype, ops } => if ops { op_table() } else { table(&dtype) },
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -96,9 +106,20 @@ fn main() -> ExitCode {
 }
 
 fn list() -> CliResult<bool> {
-    for k in library() {
-        let defaults: Vec<String> = k.inputs.iter().map(|o| format!("{}={}", o.name, dims(o.default_shape))).collect();
-        println!("{:<12} {}\n{:<12} {}\n{:<12} default shapes: {}\n", k.name, k.signature, "", k.summary, "", defaults.join(" "));
+    for op in library() {
+        println!("{}{}\n    {}", op.name, op.schema, op.doc);
+        if let Some((of, i)) = op.alias_of {
+            println!("    alias: result {i} of {of}");
+        }
+        if let Some(b) = op.backward {
+            println!("    backward: {}", b.op);
+        }
+        for c in op.cases {
+            let shapes: Vec<String> = op.inputs.iter().zip(c.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect();
+            let statics = if c.statics.is_empty() { String::new() } else { format!(" [{}]", c.statics) };
+            println!("    case {:<16} {}{statics}", c.name, shapes.join(" "));
+        }
+        println!();
     }
     Ok(true)
 }
@@ -111,30 +132,54 @@ fn target(name: &str) -> CliResult<Target> {
     Target::by_name(name).ok_or_else(|| format!("unknown target `{name}`; choose one of: {}", Target::ALL.map(|t| t.name).join(", ")))
 }
 
-/// The selected kernels with their input shapes (defaults, overridden by `--shape`).
-/// A library op with the input shapes to run it on.
-type Selected = (&'static LibraryKernel, Vec<Vec<usize>>);
+/// One op case to run or lower: the op, the case, its statics and input shapes (the
+/// case's, overridden by `--shape` / `--statics`).
+struct Selected {
+    op: &'static Op,
+    case: &'static Case,
+    statics: Statics,
+    shapes: Vec<Vec<usize>>,
+}
+
+/// A case whose name ends in `alt` repeats another at other shapes (the libtpu tier
+/// compiles them too); `--all` and a bare op name skip them.
+fn is_alt(c: &Case) -> bool {
+    c.name.ends_with("alt")
+}
 
 fn selection(s: &Select) -> CliResult<Vec<Selected>> {
-    let kernels: Vec<&LibraryKernel> = match (&s.kernel, s.all) {
-        (Some(name), _) => vec![tessera_kernels::find(name).ok_or_else(|| format!("unknown kernel `{name}`; `tessera list` shows the library"))?],
-        (None, true) => library().collect(),
-        (None, false) => return Err("name a kernel or pass --all".into()),
+    let ops: Vec<&'static Op> = match (&s.kernel, s.all) {
+        (Some(name), _) => vec![tessera_kernels::find(name).ok_or_else(|| format!("unknown op `{name}`; `tessera list` shows the library"))?],
+        (None, true) => library().filter(|op| op.alias_of.is_none()).collect(),
+        (None, false) => return Err("name an op or pass --all".into()),
     };
     let mut out = Vec::new();
-    for k in kernels {
-        let mut shapes: Vec<Vec<usize>> = k.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
-        for spec in &s.shapes {
-            let (name, dims) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
-            let parsed: Result<Vec<usize>, _> = dims.split('x').map(str::parse).collect();
-            let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be positive integers separated by `x`"))?;
-            match k.inputs.iter().position(|o| o.name == name) {
-                Some(i) => shapes[i] = parsed,
-                None if s.all => {} // another kernel's operand
-                None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", k.name, k.inputs.iter().map(|o| o.name).collect::<Vec<_>>().join(", "))),
+    for op in ops {
+        let source = op.alias_of.and_then(|(of, _)| tessera_kernels::find(of)).unwrap_or(op);
+        let cases: Vec<&'static Case> = match &s.case {
+            Some(name) => vec![source.case(name).ok_or_else(|| format!("`{}` has no case `{name}` (cases: {})", op.name, source.cases.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")))?],
+            None => source.cases.iter().filter(|c| !is_alt(c)).collect(),
+        };
+        for case in cases {
+            let mut assignments = case.statics.to_string();
+            if let Some(extra) = &s.statics {
+                assignments = format!("{assignments}, {extra}");
             }
+            let statics = op.statics(&assignments).map_err(|e| e.to_string())?;
+            let mut shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+            for spec in &s.shapes {
+                let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
+                let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
+                let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
+                match op.inputs.iter().position(|i| i.name == name) {
+                    Some(i) if i < shapes.len() => shapes[i] = parsed,
+                    Some(_) => return Err(format!("--shape `{spec}`: case `{}` of `{}` does not pass `{name}`", case.name, op.name)),
+                    None if s.all => {} // another op's input
+                    None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", op.name, op.inputs.iter().map(|i| i.name).collect::<Vec<_>>().join(", "))),
+                }
+            }
+            out.push(Selected { op, case, statics, shapes });
         }
-        out.push((k, shapes));
     }
     Ok(out)
 }
@@ -146,39 +191,47 @@ fn dtype(s: &Select) -> CliResult<DType> {
     }
 }
 
-/// The op's kernels for input `shapes`, float inputs of `dtype`, each with the file stem
-/// it is written under: the op's name, or `<op>-<kernel>` for ops of several kernels.
-fn build(k: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
-    let types: Vec<Type> = k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect();
-    let kernels = (k.build)(&types, target).map_err(|e| e.to_string())?;
-    let single = kernels.len() == 1;
-    Ok(kernels.into_iter().map(|kernel| (if single { k.name.to_string() } else { format!("{}-{}", k.name, kernel.name) }, kernel)).collect())
+/// The name a case's kernels are written and reported under: the op, `_<case>` unless it
+/// is the `default` case, and `-<kernel>` for ops of several kernels.
+fn stem(sel: &Selected) -> String {
+    if sel.case.name == "default" { sel.op.name.to_string() } else { format!("{}_{}", sel.op.name, sel.case.name) }
+}
+
+/// The kernels of a case's plan for float inputs of `dtype`, each with its file stem.
+fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let plan = sel.op.plan_for(&sel.op.types(&sel.shapes, dtype), &sel.statics, target).map_err(|e| e.to_string())?;
+    let single = plan.launches.len() == 1;
+    let base = stem(sel);
+    Ok(plan.launches.into_iter().map(|l| (if single { base.clone() } else { format!("{base}-{}", l.kernel.name) }, l.kernel)).collect())
 }
 
 fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    println!("{:<20} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
-    for (k, shapes) in selection(s)? {
-        let start = Instant::now();
-        for (stem, kernel) in build(k, &shapes, dtype, &target)? {
-        let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
-        let ms = start.elapsed().as_secs_f64() * 1e3;
-        for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
-            let path = out.join(format!("{stem}.{ext}.mlir"));
-            std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    println!("{:<44} {:<16} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "limit MiB", "GFLOP", "ms");
+    for sel in selection(s)? {
+        if sel.op.alias_of.is_some() {
+            continue; // its kernels are the aliased op's
         }
-        let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
-        println!(
-            "{:<20} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
-            stem,
-            grid.join("x"),
-            lowered.vmem_bytes as f64 / (1 << 20) as f64,
-            lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
-            lowered.cost.flops as f64 / 1e9,
-            ms
-        );
+        let start = Instant::now();
+        for (stem, kernel) in build(&sel, dtype, &target)? {
+            let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
+                let path = out.join(format!("{stem}.{ext}.mlir"));
+                std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            }
+            let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+            println!(
+                "{:<44} {:<16} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+                stem,
+                grid.join("x"),
+                lowered.vmem_bytes as f64 / (1 << 20) as f64,
+                lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
+                lowered.cost.flops as f64 / 1e9,
+                ms
+            );
         }
     }
     println!("wrote {}", out.display());
@@ -195,14 +248,14 @@ fn run(s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResul
     let exec = backend.executor();
     let mut all_ok = true;
     println!("backend: {backend}");
-    println!("{:<18} {:<32} {:<5} {:>12} {:>10} {:>10} {:>10} {:>10}  result", "kernel", "shapes", "dtype", "grid", "max err", "tolerance", "ms", "compile ms");
-    for (k, shapes) in selection(s)? {
+    println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms", "compile ms");
+    for sel in selection(s)? {
         let before = cpu::cache_stats();
-        let r = exec::with_executor(exec, || harness::run_against_reference(k, &shapes, dtype, &target, seed)).map_err(|e| e.to_string())?;
+        let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, exec).map_err(|e| e.to_string())?;
         let after = cpu::cache_stats();
         let compile_ms = after.compile_time.saturating_sub(before.compile_time).as_secs_f64() * 1e3;
         let fell_back = after.fallbacks > before.fallbacks;
-        let shape_txt: Vec<String> = shapes.iter().map(|s| dims(s)).collect();
+        let shape_txt: Vec<String> = sel.shapes.iter().map(|s| dims(s)).collect();
         let worst = r.worst();
         let mut verdict = if r.passed() {
             "ok".to_string()
@@ -218,14 +271,14 @@ fn run(s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResul
         }
         all_ok &= r.passed();
         println!(
-            "{:<18} {:<32} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2} {:>10.2}  {verdict}",
-            k.name,
+            "{:<40} {:<40} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2} {:>10.2}  {verdict}",
+            stem(&sel),
             shape_txt.join(","),
             dtype.name(),
             dims(&r.grid),
             worst.scaled_err,
             worst.tolerance,
-            r.interp_time.as_secs_f64() * 1e3,
+            r.run_time.as_secs_f64() * 1e3,
             compile_ms
         );
     }
@@ -237,14 +290,14 @@ fn run(s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResul
 }
 
 fn table(dtype_name: &str) -> CliResult<bool> {
-    let select = Select { kernel: None, all: true, shapes: vec![], dtype: dtype_name.to_string() };
+    let select = Select { kernel: None, all: true, case: None, statics: None, shapes: vec![], dtype: dtype_name.to_string() };
     let dtype = dtype(&select)?;
     println!("| kernel | default inputs ({dtype_name}) | {} |", Target::ALL.map(|t| format!("{t}: grid, VMEM MiB, GFLOP")).join(" | "));
     println!("|---|---|{}", "---|".repeat(Target::ALL.len()));
-    for (k, shapes) in selection(&select)? {
+    for sel in selection(&select)? {
         let mut rows: Vec<(String, Vec<String>)> = Vec::new();
         for target in Target::ALL {
-            for (i, (stem, kernel)) in build(k, &shapes, dtype, &target)?.into_iter().enumerate() {
+            for (i, (stem, kernel)) in build(&sel, dtype, &target)?.into_iter().enumerate() {
                 let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
                 let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
                 let cell = format!("{}, {:.2}, {:.3}", grid.join("x"), lowered.vmem_bytes as f64 / (1 << 20) as f64, lowered.cost.flops as f64 / 1e9);
@@ -254,11 +307,17 @@ fn table(dtype_name: &str) -> CliResult<bool> {
                 }
             }
         }
-        let inputs: Vec<String> = k.inputs.iter().zip(&shapes).map(|(o, s)| format!("{}={}", o.name, dims(s))).collect();
+        let inputs: Vec<String> = sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect();
         for (stem, cells) in rows {
             println!("| `{stem}` | {} | {} |", inputs.join(" "), cells.join(" | "));
         }
     }
+    Ok(true)
+}
+
+/// The op table as markdown: what `torch.ops.tpu.*` and the CLI serve.
+fn op_table() -> CliResult<bool> {
+    print!("{}", tessera_kernels::op_table_markdown());
     Ok(true)
 }
 
@@ -284,8 +343,8 @@ fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
     for name in targets {
         let t = target(name)?;
         let mut files = Vec::new();
-        for (k, shapes) in selection(s)? {
-            for (stem, kernel) in build(k, &shapes, dtype, &t)? {
+        for sel in selection(s)? {
+            for (stem, kernel) in build(&sel, dtype, &t)? {
                 let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
                 let path = dir.join(format!("{stem}.{}.stablehlo.mlir", t.name));
                 std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;

@@ -52,12 +52,14 @@
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_dsl::interp::Array;
+use tessera_dsl::{verify, DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::blocks::fit_blocks;
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{host, result, single, Launch, Operand, Plan};
 
 /// Masked logits and the running max's start: finite, so `exp(m_old - m_new)` never sees
 /// `-inf - -inf`; a row's garbage from fully masked blocks is wiped (`exp(MASKED - m) = 0`)
@@ -70,39 +72,77 @@ fn reach(causal: bool, bq: usize, skv: usize) -> usize {
     if causal { bq - 1 } else { skv }
 }
 
+// ---- kernel fragments -----------------------------------------------------------------------
+
+/// The logits of a block pair: `softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)`
+/// when `soft_cap > 0`.
+#[tpu_fn]
+fn logits(q: Value, k: Value, sm_scale: f32, soft_cap: f32) -> Value {
+    let s = dot_t(q, k) * sm_scale;
+    if soft_cap > 0.0 { (s * (1.0 / soft_cap)).tanh() * soft_cap } else { s }
+}
+
+/// The first query row and key column of block pair `(i, j)`.
+#[tpu_fn]
+fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
+    (i * (bq as i32), j * (bk as i32))
+}
+
+/// The gradient through the soft cap: `d softcap(x) / dx = 1 - tanh^2 = 1 - (s / cap)^2`.
+#[tpu_fn]
+fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
+    if soft_cap > 0.0 {
+        let t = s * (1.0 / soft_cap);
+        ds * (1.0 - t * t)
+    } else {
+        ds
+    }
+}
+
+/// Which logits of the `[bq, bk]` block at `(q_start, kv_start)` count: keys inside the
+/// array, queries inside it (with `rows`), and the causal rule (segments are the caller's).
+#[tpu_fn]
+fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, causal: bool) -> Value {
+    let col = iota([bq, bk], 1) + kv_start;
+    let mut keep = col < (skv as i32);
+    if rows || causal {
+        let row = iota([bq, bk], 0) + q_start;
+        if rows {
+            keep = (row < (sq as i32)) & keep;
+        }
+        if causal {
+            keep = keep & (col <= row);
+        }
+    }
+    keep
+}
+
+/// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
+/// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
+#[tpu_fn]
+fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (Value, Value) {
+    let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
+    (select(key_ok, k, 0.0), select(key_ok, v, 0.0))
+}
+
 // ---- kernels ------------------------------------------------------------------------------
 
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
-    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
-    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (q, o) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
-    o = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
     lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    m_run = scratch([bq, 1], f32),
-    l_run = scratch([bq, 1], f32),
+    (m_run, l_run) = scratch([bq, 1], f32),
     acc = scratch([bq, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_fwd_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    o: Out<bsz, heads, sq, d>,
-    lse: Out<bsz, heads, sq, 1>,
-    m_run: Scratch,
-    l_run: Scratch,
-    acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
@@ -111,24 +151,16 @@ pub fn flash_attention_fwd_kernel(
         l_run[..] = zeros([bq, 1], f32);
         acc[..] = zeros([bq, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
-        let mut s = dot_t(q[..], k[..]) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let mut s = logits(q[..], k[..], sm_scale, soft_cap);
         let mut vb = v[..];
         let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
         if needs_mask {
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = col < (skv as i32);
-            if causal {
-                keep = keep & (col <= iota([bq, bk], 0) + q_start);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -159,8 +191,7 @@ pub fn flash_attention_fwd_kernel(
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel],
-    o = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
-    dout = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
+    (o, dout) = block([None, None, bq, d], |b, h, i| [b, h, i, 0]),
     di = block([None, None, bq, 1], |b, h, i| [b, h, i, 0]),
 )]
 pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, sq, d>, di: Out<bsz, heads, sq, 1>, bq: usize) {
@@ -171,38 +202,19 @@ pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, 
 #[tpu_kernel(
     grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
-    q = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    k = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    v = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
+    (q, dout) = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (k, v, dk, dv) = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, i| [b * usize::from(segmented), min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, i| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
-    dout = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    lse = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    di = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
-    dk = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    dv = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    dk_acc = scratch([bk, d], f32),
-    dv_acc = scratch([bk, d], f32),
+    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (dk_acc, dv_acc) = scratch([bk, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_dkv_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    dout: In<bsz, heads, sq, d>,
-    lse: In<bsz, heads, sq, 1>,
-    di: In<bsz, heads, sq, 1>,
-    dk: Out<bsz, kv_heads, skv, d>,
-    dv: Out<bsz, kv_heads, skv, d>,
-    dk_acc: Scratch,
-    dv_acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>,
+    dk: Out<bsz, kv_heads, skv, d>, dv: Out<bsz, kv_heads, skv, d>, dk_acc: Scratch, dv_acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let j = program_id(2);
     let g = program_id(3);
@@ -211,8 +223,7 @@ pub fn flash_attention_dkv_kernel(
         dk_acc[..] = zeros([bk, d], f32);
         dv_acc[..] = zeros([bk, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
         let mut qb = q[..];
         let mut dob = dout[..];
@@ -237,35 +248,22 @@ pub fn flash_attention_dkv_kernel(
                 di_b = select(row_ok, di_b, 0.0);
             }
             if !skv.is_multiple_of(bk) {
-                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
-                kb = select(key_ok, kb, 0.0);
-                vb = select(key_ok, vb, 0.0);
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
             }
         }
-        let mut s = dot_t(qb, kb) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let s = logits(qb, kb, sm_scale, soft_cap);
         let mut p = (s - lse_b).exp();
         if needs_mask {
-            let row = iota([bq, bk], 0) + q_start;
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = (row < (sq as i32)) & (col < (skv as i32));
-            if causal {
-                keep = keep & (col <= row);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
             p = select(keep, p, 0.0);
         }
         dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
-        let mut ds = p * (dot_t(dob, vb) - di_b);
-        if soft_cap > 0.0 {
-            // d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = 1 - (capped / cap)^2.
-            let t = s * (1.0 / soft_cap);
-            ds = ds * (1.0 - t * t);
-        }
+        let ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
     }
     if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
@@ -278,42 +276,25 @@ pub fn flash_attention_dkv_kernel(
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
-    q = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    k = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
-    v = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (q, dout, dq) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
-    dout = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    di = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    dq = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (lse, di) = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     dq_acc = scratch([bq, d], f32),
 )]
+#[rustfmt::skip]
 pub fn flash_attention_dq_kernel(
-    q: In<bsz, heads, sq, d>,
-    k: In<bsz, kv_heads, skv, d>,
-    v: In<bsz, kv_heads, skv, d>,
-    q_seg: In<_, _, 1>,
-    kv_seg: In<_, 1, _>,
-    dout: In<bsz, heads, sq, d>,
-    lse: In<bsz, heads, sq, 1>,
-    di: In<bsz, heads, sq, 1>,
-    dq: Out<bsz, heads, sq, d>,
-    dq_acc: Scratch,
-    bq: usize,
-    bk: usize,
-    causal: bool,
-    segmented: bool,
-    sm_scale: f32,
-    soft_cap: f32,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>, dq: Out<bsz, heads, sq, d>, dq_acc: Scratch,
+    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
     if j == 0 {
         dq_acc[..] = zeros([bq, d], f32);
     }
-    let q_start = i * (bq as i32);
-    let kv_start = j * (bk as i32);
+    let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
         let mut kb = k[..];
         let mut vb = v[..];
@@ -325,32 +306,21 @@ pub fn flash_attention_dq_kernel(
         // past Sq are independent here and their writes are dropped.)
         if needs_mask {
             if !skv.is_multiple_of(bk) {
-                let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
-                kb = select(key_ok, kb, 0.0);
-                vb = select(key_ok, vb, 0.0);
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
             }
         }
-        let mut s = dot_t(q[..], kb) * sm_scale;
-        if soft_cap > 0.0 {
-            s = (s * (1.0 / soft_cap)).tanh() * soft_cap;
-        }
+        let s = logits(q[..], kb, sm_scale, soft_cap);
         let mut p = (s - lse[..]).exp();
         if needs_mask {
-            let col = iota([bq, bk], 1) + kv_start;
-            let mut keep = col < (skv as i32);
-            if causal {
-                keep = keep & (col <= iota([bq, bk], 0) + q_start);
-            }
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
             p = select(keep, p, 0.0);
         }
-        let mut ds = p * (dot_t(dout[..], vb) - di[..]);
-        if soft_cap > 0.0 {
-            let t = s * (1.0 / soft_cap);
-            ds = ds * (1.0 - t * t);
-        }
+        let ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
     }
     if j == num_programs(3) - 1 {
@@ -505,15 +475,30 @@ fn check_cap(op: &str, params: &AttentionParams) -> Result<(), KernelError> {
 
 // ---- building -------------------------------------------------------------------------------
 
-/// The forward kernel for these types and blocks (outputs `o` of q's dtype, `lse` f32
-/// `[B, H, Sq, 1]`).
-pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
-    let op = "flash_attention";
+/// The dims, segment-id types and blocks of a checked attention problem.
+struct Checked {
+    b: usize,
+    h: usize,
+    sq: usize,
+    qs: Type,
+    ks: Type,
+    bq: usize,
+    bk: usize,
+}
+
+/// Checks the operand types, blocks and soft cap of op `op`.
+fn checked(op: &str, q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks) -> Result<Checked, KernelError> {
     let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
     check_blocks(op, blocks, sq, skv)?;
     check_cap(op, params)?;
     let (qs, ks) = segment_types(segmented, b, sq, skv);
-    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    Ok(Checked { b, h, sq, qs, ks, bq: blocks.block_q, bk: blocks.block_kv })
+}
+
+/// The forward kernel for these types and blocks (outputs `o` of q's dtype, `lse` f32
+/// `[B, H, Sq, 1]`).
+pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
+    let Checked { b, h, sq, qs, ks, bq, bk, .. } = checked("flash_attention", q, k, v, segmented, params, blocks)?;
     let kernel = flash_attention_fwd_kernel(
         q.clone(),
         k.clone(),
@@ -534,12 +519,7 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
 
 /// The three backward kernels (di, dkv, dq) for these types and blocks.
 pub fn build_flash_attention_bwd(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Vec<Kernel>, KernelError> {
-    let op = "flash_attention_bwd";
-    let (b, h, _, sq, skv, _) = dims(op, q, k, v)?;
-    check_blocks(op, blocks, sq, skv)?;
-    check_cap(op, params)?;
-    let (qs, ks) = segment_types(segmented, b, sq, skv);
-    let AttentionBlocks { block_q: bq, block_kv: bk } = blocks;
+    let Checked { b, h, sq, qs, ks, bq, bk } = checked("flash_attention_bwd", q, k, v, segmented, params, blocks)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
     let (causal, scale, cap) = (params.causal, params.sm_scale, cap_of(params));
     let temps = BWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]);
@@ -561,164 +541,159 @@ pub fn default_backward_blocks(q: &Type, k: &Type, segmented: bool, target: &Tar
     default_blocks(at(q, 2), at(k, 2), at(q, 3), q.dtype, segmented, true, target)
 }
 
-// ---- running --------------------------------------------------------------------------------
+// ---- running (through the op table) -----------------------------------------------------------
 
-fn ty(a: &Array) -> Type {
-    Type::vector(a.dtype, &a.shape)
+fn flag(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
 }
 
-fn reshaped(a: &Array, shape: &[usize]) -> Array {
-    Array { shape: shape.to_vec(), ..a.clone() }
-}
-
-/// The kernels' segment-id arrays for `segment_ids` (checked), or the dummies.
-fn segment_arrays(op: &str, segment_ids: Option<&SegmentIds>, b: usize, sq: usize, skv: usize) -> Result<(Array, Array), KernelError> {
-    let Some(s) = segment_ids else {
-        let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
-        return Ok((dummy.clone(), dummy));
-    };
-    for (name, a, n) in [("q_segment_ids", &s.q, sq), ("kv_segment_ids", &s.kv, skv)] {
-        if a.dtype != DType::I32 || a.shape != [b, n] {
-            return Err(err(op, format!("operand `{name}`"), "operand-shape", format!("{name} is {}{:?}", a.dtype, a.shape), format!("pass int32 segment ids of shape [{b}, {n}]")));
-        }
+/// The statics string of `params` (and `blocks`, when given).
+fn statics_of(params: &AttentionParams, blocks: Option<AttentionBlocks>) -> String {
+    let mut s = format!("causal={}, sm_scale={:?}", flag(params.causal), params.sm_scale as f64);
+    if let Some(cap) = params.soft_cap {
+        s += &format!(", soft_cap={:?}", cap as f64);
     }
-    Ok((reshaped(&s.q, &[b, sq, 1]), reshaped(&s.kv, &[b, 1, skv])))
+    if let Some(b) = blocks {
+        s += &format!(", block_q={}, block_kv={}", b.block_q, b.block_kv);
+    }
+    s
 }
 
-/// Flash attention on the CPU interpreter with explicit blocks: `(o, lse)`, `o` of q's
-/// dtype `[B, H, Sq, D]`, `lse` f32 `[B, H, Sq]`.
-pub fn flash_attention_with_blocks(q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<(Array, Array), KernelError> {
-    let kernel = build_flash_attention(&ty(q), &ty(k), &ty(v), segment_ids.is_some(), params, blocks, target)?;
-    verify::verify(&kernel, target)?;
-    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
-    let (qs, ks) = segment_arrays("flash_attention", segment_ids, b, sq, k.shape[2])?;
-    let mut out = interp::run(&kernel, &[q, k, v, &qs, &ks])?;
-    let lse = out.pop().expect("two outputs");
-    let o = out.pop().expect("two outputs");
-    Ok((o, reshaped(&lse, &[b, h, sq])))
+#[allow(clippy::too_many_arguments)]
+fn forward(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: Option<AttentionBlocks>, target: &Target) -> Result<(Array, Array), KernelError> {
+    let op = crate::op_named("flash_attention_fwd")?;
+    let mut inputs = vec![Some(q), Some(k), Some(v)];
+    inputs.extend(segment_ids.map_or([None, None], |s| [Some(&s.q), Some(&s.kv)]));
+    let mut out = op.run(exec, &inputs, &op.statics(&statics_of(params, blocks))?, target)?.into_iter();
+    out.next().zip(out.next()).ok_or_else(|| err(op.name, "outputs", "output-count", "expected 2 results", "report this as a library bug"))
 }
 
-/// Flash attention on the CPU interpreter with `target`'s default blocks.
-pub fn flash_attention(q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array), KernelError> {
-    let blocks = default_forward_blocks(&ty(q), &ty(k), segment_ids.is_some(), target);
-    flash_attention_with_blocks(q, k, v, segment_ids, params, blocks, target)
+/// Flash attention with explicit blocks: `(o, lse)`, `o` of q's dtype `[B, H, Sq, D]`,
+/// `lse` f32 `[B, H, Sq]`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_with_blocks(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<(Array, Array), KernelError> {
+    forward(exec, q, k, v, segment_ids, params, Some(blocks), target)
+}
+
+/// Flash attention with `target`'s default blocks.
+pub fn flash_attention(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array), KernelError> {
+    forward(exec, q, k, v, segment_ids, params, None, target)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: Option<AttentionBlocks>, target: &Target) -> Result<(Array, Array, Array), KernelError> {
+    let op = crate::op_named("flash_attention_bwd")?;
+    let mut inputs = vec![Some(q), Some(k), Some(v), Some(o), Some(lse), Some(dout)];
+    inputs.extend(segment_ids.map_or([None, None], |s| [Some(&s.q), Some(&s.kv)]));
+    let mut out = op.run(exec, &inputs, &op.statics(&statics_of(params, blocks))?, target)?.into_iter();
+    match (out.next(), out.next(), out.next()) {
+        (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
+        _ => Err(err(op.name, "outputs", "output-count", "expected 3 results", "report this as a library bug")),
+    }
 }
 
 /// The gradients `(dq, dk, dv)` of `sum(o * do)` with explicit blocks, from the forward's
 /// `o` and `lse` (`[B, H, Sq]` or `[B, H, Sq, 1]`).
 #[allow(clippy::too_many_arguments)]
-pub fn flash_attention_bwd_with_blocks(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    o: &Array,
-    lse: &Array,
-    dout: &Array,
-    segment_ids: Option<&SegmentIds>,
-    params: &AttentionParams,
-    blocks: AttentionBlocks,
-    target: &Target,
-) -> Result<(Array, Array, Array), KernelError> {
-    let op = "flash_attention_bwd";
-    let kernels = build_flash_attention_bwd(&ty(q), &ty(k), &ty(v), segment_ids.is_some(), params, blocks, target)?;
+pub fn flash_attention_bwd_with_blocks(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<(Array, Array, Array), KernelError> {
+    backward(exec, q, k, v, o, lse, dout, segment_ids, params, Some(blocks), target)
+}
+
+/// The backward with `target`'s default (backward) blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array, Array), KernelError> {
+    backward(exec, q, k, v, o, lse, dout, segment_ids, params, None, target)
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+/// The attention statics `(causal, sm_scale, soft_cap)` of a call.
+fn attention_params(c: &Call, q: &Type) -> AttentionParams {
+    let d = q.shape.get(3).copied().unwrap_or(1);
+    let mut params = AttentionParams::new(d, c.statics.bool("causal"));
+    if let Some(s) = c.statics.f64("sm_scale") {
+        params.sm_scale = s as f32;
+    }
+    params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
+    params
+}
+
+/// The kernels' segment-id operands: the given ids as a `[B, Sq, 1]` column and a
+/// `[B, 1, Skv]` row, or the host's 1-element dummies (host arrays 0 and 1).
+fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, [Operand; 2]), KernelError> {
+    match (c.given("q_segment_ids"), c.given("kv_segment_ids")) {
+        (false, false) => {
+            let dummy = Type::vector(DType::I32, &[1, 1, 1]);
+            Ok((false, [host(0, dummy.clone()), host(1, dummy)]))
+        }
+        (true, true) => {
+            for (name, n) in [("q_segment_ids", sq), ("kv_segment_ids", skv)] {
+                let t = c.tensor(name)?;
+                if t.dtype != DType::I32 || t.shape != [b, n] {
+                    return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass integer segment ids of shape [{b}, {n}]")));
+                }
+            }
+            Ok((true, [c.input("q_segment_ids", Type::vector(DType::I32, &[b, sq, 1]))?, c.input("kv_segment_ids", Type::vector(DType::I32, &[b, 1, skv]))?]))
+        }
+        _ => Err(c.err("input `q_segment_ids`", "segment-ids", "only one of q_segment_ids and kv_segment_ids is given", "pass both or neither")),
+    }
+}
+
+/// Host arrays 0 and 1: the kernels' placeholder segment ids when none are given.
+fn dummy_segments() -> crate::plan::HostFn {
+    Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
+}
+
+fn qkv(c: &Call) -> Result<(Type, Type, Type), KernelError> {
+    for name in ["q", "k", "v"] {
+        c.dims(name, 4)?;
+    }
+    Ok((c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()))
+}
+
+/// `block_q` / `block_kv` from the statics, else `default`.
+fn blocks_of(c: &Call, default: AttentionBlocks) -> Result<AttentionBlocks, KernelError> {
+    Ok(AttentionBlocks { block_q: c.usize_opt("block_q")?.unwrap_or(default.block_q), block_kv: c.usize_opt("block_kv")?.unwrap_or(default.block_kv) })
+}
+
+fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
+    let (q, k, v) = qkv(c)?;
+    let params = attention_params(c, &q);
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
-    for (name, a, dtype) in [("o", o, q.dtype), ("do", dout, q.dtype)] {
-        if a.shape != q.shape || a.dtype != dtype {
-            return Err(err(op, format!("operand `{name}`"), "operand-shape", format!("{name} is {}{:?}, q is {}{:?}", a.dtype, a.shape, q.dtype, q.shape), format!("pass {name} with q's shape and dtype")));
+    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
+    let blocks = blocks_of(c, default_forward_blocks(&q, &k, segmented, c.target))?;
+    let kernel = build_flash_attention(&q, &k, &v, segmented, &params, blocks, c.target)?;
+    let plan = single(c, kernel, vec![c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, qs, ks], &[None, Some(vec![b, h, sq])]);
+    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+}
+
+fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let (q, k, v) = qkv(c)?;
+    let params = attention_params(c, &q);
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    for name in ["o", "do"] {
+        let t = c.tensor(name)?;
+        if *t != q {
+            return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}, q is {q}"), format!("pass {name} with q's shape and dtype")));
         }
     }
-    if lse.len() != b * h * sq || !lse.dtype.is_float() {
-        return Err(err(op, "operand `lse`", "operand-shape", format!("lse is {}{:?}", lse.dtype, lse.shape), format!("pass the forward's f32 lse of shape [{b}, {h}, {sq}]")));
+    let lse = c.tensor("lse")?;
+    if lse.dtype != DType::F32 || lse.num_elements() != b * h * sq {
+        return Err(c.err("input `lse`", "operand-shape", format!("lse is {lse}"), format!("pass the forward's float32 lse of shape [{b}, {h}, {sq}]")));
     }
-    let lse = match lse.dtype {
-        DType::F32 => reshaped(lse, &[b, h, sq, 1]),
-        _ => Array::from_f32(&[b, h, sq, 1], lse.to_f32_vec()),
-    };
-    let (qs, ks) = segment_arrays(op, segment_ids, b, sq, k.shape[2])?;
-    for kernel in &kernels {
-        verify::verify(kernel, target)?;
-    }
-    let di = interp::run(&kernels[0], &[o, dout])?.remove(0);
-    let mut dkv = interp::run(&kernels[1], &[q, k, v, &qs, &ks, dout, &lse, &di])?;
-    let dq = interp::run(&kernels[2], &[q, k, v, &qs, &ks, dout, &lse, &di])?.remove(0);
-    let dv = dkv.pop().expect("two outputs");
-    let dk = dkv.pop().expect("two outputs");
-    Ok((dq, dk, dv))
+    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
+    let blocks = blocks_of(c, default_backward_blocks(&q, &k, segmented, c.target))?;
+    let kernels = build_flash_attention_bwd(&q, &k, &v, segmented, &params, blocks, c.target)?;
+    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
+    let (o, lse, dout) = (c.input("o", q.clone())?, c.input("lse", col.clone())?, c.input("do", q.clone())?);
+    let di = result(0, 0, col);
+    let main = vec![c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, qs, ks, dout.clone(), lse, di];
+    let [di_k, dkv_k, dq_k]: [Kernel; 3] = kernels.try_into().map_err(|_| c.err("kernels", "plan-consistency", "the backward builds three kernels", "report this as a Tessera bug"))?;
+    let launches = vec![Launch::new(di_k, vec![o, dout]), Launch::new(dkv_k, main.clone()), Launch::new(dq_k, main)];
+    let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
+    let plan = Plan::new(c.op, c.target, launches, results);
+    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
 }
-
-/// The backward on the CPU interpreter with `target`'s default (backward) blocks.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attention_bwd(q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array, Array), KernelError> {
-    let blocks = default_backward_blocks(&ty(q), &ty(k), segment_ids.is_some(), target);
-    flash_attention_bwd_with_blocks(q, k, v, o, lse, dout, segment_ids, params, blocks, target)
-}
-
-// ---- library entries ------------------------------------------------------------------------
-
-/// Gemma 2's attention-logit soft cap, for the segmented library entry.
-pub const LIBRARY_SOFT_CAP: f32 = 50.0;
-
-/// The library variants: which options an entry fixes.
-#[derive(Clone, Copy)]
-struct Variant {
-    causal: bool,
-    soft_cap: Option<f32>,
-    segmented: bool,
-}
-
-const CAUSAL: Variant = Variant { causal: true, soft_cap: None, segmented: false };
-const NONCAUSAL: Variant = Variant { causal: false, soft_cap: None, segmented: false };
-const SEGMENTED: Variant = Variant { causal: true, soft_cap: Some(LIBRARY_SOFT_CAP), segmented: true };
-
-impl Variant {
-    fn params(self, q: &Type) -> AttentionParams {
-        AttentionParams { causal: self.causal, sm_scale: 1.0 / (q.shape.get(3).copied().unwrap_or(1) as f32).sqrt(), soft_cap: self.soft_cap }
-    }
-
-    fn inputs(self, backward: bool) -> usize {
-        (if backward { 6 } else { 3 }) + if self.segmented { 2 } else { 0 }
-    }
-}
-
-fn arity<T>(op: &str, inputs: &[T], n: usize) -> Result<(), KernelError> {
-    if inputs.len() == n {
-        return Ok(());
-    }
-    Err(err(op, "inputs", "input-count", format!("{} inputs given, the op takes {n}", inputs.len()), "pass one array per input operand"))
-}
-
-fn op_build(t: &[Type], target: &Target, var: Variant, backward: bool) -> Result<Vec<Kernel>, KernelError> {
-    let op = if backward { "flash_attention_bwd" } else { "flash_attention" };
-    arity(op, t, var.inputs(backward))?;
-    let params = var.params(&t[0]);
-    if backward {
-        let blocks = default_backward_blocks(&t[0], &t[1], var.segmented, target);
-        build_flash_attention_bwd(&t[0], &t[1], &t[2], var.segmented, &params, blocks, target)
-    } else {
-        let blocks = default_forward_blocks(&t[0], &t[1], var.segmented, target);
-        Ok(vec![build_flash_attention(&t[0], &t[1], &t[2], var.segmented, &params, blocks, target)?])
-    }
-}
-
-fn op_segments(a: &[Array], var: Variant, at: usize) -> Option<SegmentIds> {
-    var.segmented.then(|| SegmentIds { q: a[at].clone(), kv: a[at + 1].clone() })
-}
-
-fn op_run(a: &[Array], target: &Target, var: Variant, backward: bool) -> Result<Vec<Array>, KernelError> {
-    let op = if backward { "flash_attention_bwd" } else { "flash_attention" };
-    arity(op, a, var.inputs(backward))?;
-    let params = var.params(&ty(&a[0]));
-    if backward {
-        let seg = op_segments(a, var, 6);
-        let (dq, dk, dv) = flash_attention_bwd(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], seg.as_ref(), &params, target)?;
-        Ok(vec![dq, dk, dv])
-    } else {
-        let seg = op_segments(a, var, 3);
-        let (o, lse) = flash_attention(&a[0], &a[1], &a[2], seg.as_ref(), &params, target)?;
-        Ok(vec![o, lse])
-    }
-}
-
 
 /// Segment ids for `b` sequences: ids that increase along the sequence in random runs, the
 /// same segmentation of positions for queries and keys, every boundary below
@@ -738,25 +713,26 @@ pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> 
 }
 
 /// q, k in [-2, 2) (logits spread enough to exercise the running max), v in [-1, 1);
-/// segment ids from [`random_segment_ids`] for the segmented entries.
-fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, segmented: bool) -> Vec<Array> {
+/// segment ids from [`random_segment_ids`] when their shapes are given.
+fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let n = |s: &Vec<usize>| s.iter().product::<usize>();
     let mut a = vec![
         Array::from_f32_in(dtype, &shapes[0], harness::uniform(n(&shapes[0]), 2.0, rng)),
         Array::from_f32_in(dtype, &shapes[1], harness::uniform(n(&shapes[1]), 2.0, rng)),
         Array::from_f32_in(dtype, &shapes[2], harness::uniform(n(&shapes[2]), 1.0, rng)),
     ];
-    if segmented {
+    if shapes.len() > 3 {
         let s = random_segment_ids(shapes[0][0], shapes[0][2], shapes[1][2], rng);
         a.extend([s.q, s.kv]);
     }
     a
 }
 
-fn reference_params(a: &[Array], var: Variant) -> reference::Attention {
+/// The reference problem of forward inputs `(q, k, v, [segments])` or backward inputs
+/// `(q, k, v, o, lse, do, [segments])`.
+fn reference_params(a: &[Array], s: &Statics, segmented: bool) -> reference::Attention {
     let (q, k) = (&a[0].shape, &a[1].shape);
-    // Segment ids come last in both the forward's and the backward's inputs.
-    let seg = |i: usize| var.segmented.then(|| a[i].as_i32().unwrap_or(&[]).to_vec());
+    let seg = |i: usize| segmented.then(|| a[i].as_i32().unwrap_or(&[]).to_vec());
     let at = a.len().saturating_sub(2);
     reference::Attention {
         b: q[0],
@@ -765,9 +741,9 @@ fn reference_params(a: &[Array], var: Variant) -> reference::Attention {
         sq: q[2],
         skv: k[2],
         d: q[3],
-        causal: var.causal,
-        sm_scale: 1.0 / (q[3] as f64).sqrt(),
-        soft_cap: var.soft_cap.map(f64::from),
+        causal: s.bool("causal"),
+        sm_scale: s.f64("sm_scale").map_or(1.0 / (q[3] as f64).sqrt(), |x| x as f32 as f64),
+        soft_cap: s.f64("soft_cap").map(|x| x as f32 as f64),
         q_segments: seg(at),
         kv_segments: seg(at + 1),
     }
@@ -775,9 +751,11 @@ fn reference_params(a: &[Array], var: Variant) -> reference::Attention {
 
 /// Forward inputs plus the reference forward's `o` (rounded to the dtype), `lse` (f32) and
 /// a random `do`; segment ids last.
-fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, var: Variant) -> Vec<Array> {
-    let mut fwd = forward_inputs(shapes, dtype, rng, var.segmented);
-    let cfg = reference_params(&fwd, var);
+fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let segmented = shapes.len() > 6;
+    let fwd_shapes: Vec<Vec<usize>> = shapes[..3].iter().chain(shapes.get(6..).unwrap_or(&[])).cloned().collect();
+    let mut fwd = forward_inputs(&fwd_shapes, dtype, s, rng);
+    let cfg = reference_params(&fwd, s, segmented);
     let (o, lse) = reference::forward(&cfg, &fwd[0].to_f64_vec(), &fwd[1].to_f64_vec(), &fwd[2].to_f64_vec());
     let q_shape = shapes[0].clone();
     let seg: Vec<Array> = fwd.drain(3..).collect();
@@ -788,120 +766,71 @@ fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng, var: V
     fwd
 }
 
-fn op_reference(a: &[Array], var: Variant, backward: bool) -> Vec<Vec<f64>> {
-    let cfg = reference_params(a, var);
-    let (q, k, v) = (a[0].to_f64_vec(), a[1].to_f64_vec(), a[2].to_f64_vec());
-    if backward {
-        let (dq, dk, dv) = reference::backward(&cfg, &q, &k, &v, &a[5].to_f64_vec());
-        vec![dq, dk, dv]
-    } else {
-        let (o, lse) = reference::forward(&cfg, &q, &k, &v);
-        vec![o, lse]
-    }
+fn ref_forward(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let cfg = reference_params(a, s, a.len() > 3);
+    let (o, lse) = reference::forward(&cfg, &a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec());
+    vec![o, lse]
 }
 
-const FWD_INPUTS: &[Operand] = &[
-    Operand { name: "q", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "k", dims: "[b, hkv, skv, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "v", dims: "[b, hkv, skv, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
-];
-const BWD_INPUTS: &[Operand] = &[
-    FWD_INPUTS[0],
-    FWD_INPUTS[1],
-    FWD_INPUTS[2],
-    Operand { name: "o", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "lse", dims: "[b, h, sq]", default_shape: &[1, 8, 1024], kind: OperandKind::Float32 },
-    Operand { name: "do", dims: "[b, h, sq, d]", default_shape: &[1, 8, 1024, 128], kind: OperandKind::Float },
-];
-/// GQA 4:1, D = 64, Sq != Skv and neither a multiple of the blocks.
-const ALT_Q: &[usize] = &[2, 8, 700, 64];
-const ALT_KV: &[usize] = &[2, 2, 1000, 64];
+fn ref_backward(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let cfg = reference_params(a, s, a.len() > 6);
+    let (dq, dk, dv) = reference::backward(&cfg, &a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), &a[5].to_f64_vec());
+    vec![dq, dk, dv]
+}
 
-const SEG_INPUTS: &[Operand] = &[
-    Operand { name: "q", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "k", dims: "[b, hkv, skv, d]", default_shape: &[2, 2, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "v", dims: "[b, hkv, skv, d]", default_shape: &[2, 2, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "q_segment_ids", dims: "[b, sq]", default_shape: &[2, 1024], kind: OperandKind::Int32 },
-    Operand { name: "kv_segment_ids", dims: "[b, skv]", default_shape: &[2, 1024], kind: OperandKind::Int32 },
+const Q: Input = Input { name: "q", dims: "[b, h, sq, d]", kind: Kind::Float };
+const K: Input = Input { name: "k", dims: "[b, hkv, skv, d]", kind: Kind::Float };
+const V: Input = Input { name: "v", dims: "[b, hkv, skv, d]", kind: Kind::Float };
+const Q_SEG: Input = Input { name: "q_segment_ids", dims: "[b, sq]", kind: Kind::Int32 };
+const KV_SEG: Input = Input { name: "kv_segment_ids", dims: "[b, skv]", kind: Kind::Int32 };
+const FWD_SCHEMA: &str = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor)";
+const FWD_DOC: &str = "flash attention: (o [b, h, sq, d], float32 lse [b, h, sq]); q [b, h, sq, d], k and v [b, hkv, skv, d] (GQA: h % hkv == 0); online softmax in f32 VMEM scratch over the kv axis, causal blocks skipped (body and DMA), soft cap, segment ids";
+const FWD_OUTPUTS: &[Output] = &[Output { name: "o", shape: "q", dtype: "q" }, Output { name: "lse", shape: "[*q[:3]]", dtype: "f32" }];
+/// Default shapes `[1, 8, 1024, 128]`; alt: GQA 4:1, D = 64, Sq != Skv and neither a
+/// multiple of the blocks; segmented: `[2, 8, 1024, 128]` over 2 kv heads, soft cap 50
+/// (Gemma 2's).
+const FWD_CASES: &[Case] = &[
+    Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128]] },
+    Case { name: "causal_alt", statics: "causal=True", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
+    Case { name: "noncausal", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128]] },
+    Case { name: "noncausal_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
+    Case { name: "segmented", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 1024, 128], &[2, 2, 1024, 128], &[2, 2, 1024, 128], &[2, 1024], &[2, 1024]] },
+    Case { name: "segmented_alt", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 700], &[2, 1000]] },
 ];
-const SEG_BWD_INPUTS: &[Operand] = &[
-    SEG_INPUTS[0],
-    SEG_INPUTS[1],
-    SEG_INPUTS[2],
-    Operand { name: "o", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
-    Operand { name: "lse", dims: "[b, h, sq]", default_shape: &[2, 8, 1024], kind: OperandKind::Float32 },
-    Operand { name: "do", dims: "[b, h, sq, d]", default_shape: &[2, 8, 1024, 128], kind: OperandKind::Float },
-    SEG_INPUTS[3],
-    SEG_INPUTS[4],
+const BWD_CASES: &[Case] = &[
+    Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
+    Case { name: "causal_alt", statics: "causal=True", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64]] },
+    Case { name: "noncausal", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
+    Case { name: "noncausal_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64]] },
+    Case {
+        name: "segmented",
+        statics: "causal=True, soft_cap=50.0",
+        shapes: &[&[2, 8, 1024, 128], &[2, 2, 1024, 128], &[2, 2, 1024, 128], &[2, 8, 1024, 128], &[2, 8, 1024], &[2, 8, 1024, 128], &[2, 1024], &[2, 1024]],
+    },
+    Case {
+        name: "segmented_alt",
+        statics: "causal=True, soft_cap=50.0",
+        shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[2, 700], &[2, 1000]],
+    },
 ];
 
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[
-    LibraryKernel {
-        name: "flash_attention",
-        summary: "flash attention forward, causal, sm_scale = 1/sqrt(D), GQA; online softmax in f32 VMEM scratch over the kv axis, causal blocks skipped (body and DMA)",
-        signature: "flash_attention(q: [b, h, sq, d], k: [b, hkv, skv, d], v: [b, hkv, skv, d]; causal = true, sm_scale = 1/sqrt(d), soft_cap = None) -> (o: [b, h, sq, d], lse: f32[b, h, sq])",
-        inputs: FWD_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV],
-        build: |t, target| op_build(t, target, CAUSAL, false),
-        run: |a, target| op_run(a, target, CAUSAL, false),
-        random_inputs: |s, d, rng| forward_inputs(s, d, rng, false),
-        reference: |a| op_reference(a, CAUSAL, false),
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "flash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_flash_attention_fwd, reference: Some(ref_forward),
+        inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: FWD_OUTPUTS,
+        backward: Some(Backward { op: "flash_attention_bwd", args: "q, k, v, o, lse, d_o, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids", grads: &["q", "k", "v"] }),
+        cases: FWD_CASES, random: Some(forward_inputs), ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "flash_attention_bwd",
-        summary: "flash attention backward (causal): di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel",
-        signature: "flash_attention_bwd(q, k, v, o: [b, h, sq, d], lse: f32[b, h, sq], do: [b, h, sq, d]; causal = true, sm_scale = 1/sqrt(d)) -> (dq, dk, dv)",
-        inputs: BWD_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q],
-        build: |t, target| op_build(t, target, CAUSAL, true),
-        run: |a, target| op_run(a, target, CAUSAL, true),
-        random_inputs: |s, d, rng| backward_inputs(s, d, rng, CAUSAL),
-        reference: |a| op_reference(a, CAUSAL, true),
+    Op {
+        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
+        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
+        cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "flash_attention_noncausal",
-        summary: "flash attention forward, non-causal (every block computed)",
-        signature: "flash_attention(q: [b, h, sq, d], k: [b, hkv, skv, d], v: [b, hkv, skv, d]; causal = false, sm_scale = 1/sqrt(d)) -> (o, lse)",
-        inputs: FWD_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV],
-        build: |t, target| op_build(t, target, NONCAUSAL, false),
-        run: |a, target| op_run(a, target, NONCAUSAL, false),
-        random_inputs: |s, d, rng| forward_inputs(s, d, rng, false),
-        reference: |a| op_reference(a, NONCAUSAL, false),
-    },
-    LibraryKernel {
-        name: "flash_attention_noncausal_bwd",
-        summary: "flash attention backward, non-causal",
-        signature: "flash_attention_bwd(q, k, v, o, lse, do; causal = false, sm_scale = 1/sqrt(d)) -> (dq, dk, dv)",
-        inputs: BWD_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q],
-        build: |t, target| op_build(t, target, NONCAUSAL, true),
-        run: |a, target| op_run(a, target, NONCAUSAL, true),
-        random_inputs: |s, d, rng| backward_inputs(s, d, rng, NONCAUSAL),
-        reference: |a| op_reference(a, NONCAUSAL, true),
-    },
-    LibraryKernel {
-        name: "flash_attention_segmented",
-        summary: "flash attention forward with segment ids (packed sequences), causal, logit soft cap 50, GQA 4:1",
-        signature: "flash_attention(q: [b, h, sq, d], k, v: [b, hkv, skv, d], q_segment_ids: i32[b, sq], kv_segment_ids: i32[b, skv]; causal = true, soft_cap = 50) -> (o, lse)",
-        inputs: SEG_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, &[2, 700], &[2, 1000]],
-        build: |t, target| op_build(t, target, SEGMENTED, false),
-        run: |a, target| op_run(a, target, SEGMENTED, false),
-        random_inputs: |s, d, rng| forward_inputs(s, d, rng, true),
-        reference: |a| op_reference(a, SEGMENTED, false),
-    },
-    LibraryKernel {
-        name: "flash_attention_segmented_bwd",
-        summary: "flash attention backward with segment ids, causal, logit soft cap 50, GQA 4:1",
-        signature: "flash_attention_bwd(q, k, v, o, lse, do, q_segment_ids, kv_segment_ids; causal = true, soft_cap = 50) -> (dq, dk, dv)",
-        inputs: SEG_BWD_INPUTS,
-        alt_shapes: &[ALT_Q, ALT_KV, ALT_KV, ALT_Q, &[2, 8, 700], ALT_Q, &[2, 700], &[2, 1000]],
-        build: |t, target| op_build(t, target, SEGMENTED, true),
-        run: |a, target| op_run(a, target, SEGMENTED, true),
-        random_inputs: |s, d, rng| backward_inputs(s, d, rng, SEGMENTED),
-        reference: |a| op_reference(a, SEGMENTED, true),
+    Op {
+        name: "flash_attention", doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result", schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> Tensor",
+        inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
+        alias_of: Some(("flash_attention_fwd", 0)), ..Op::EMPTY
     },
 ];
 

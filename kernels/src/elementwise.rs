@@ -3,10 +3,14 @@
 //! never cross blocks. Math runs in f32 whatever the storage dtype (v5e has no bf16
 //! VPU/EUP, and it is what PyTorch and JAX do for these ops).
 
+use tessera_dsl::interp::Array;
 use tessera_dsl::{Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::row_block;
+use crate::op::{Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{single, Plan};
+use crate::{f64s, last_dim, reference};
 
 /// Bytes of f32 per row block: large enough to amortise per-step overhead, small enough
 /// that a few temporaries of the block stay well inside VMEM.
@@ -21,10 +25,8 @@ fn rows(x: &Type, target: &Target) -> usize {
 #[tpu_kernel(
     grid = [m / bm],
     semantics = [parallel],
-    x = block([bm, n], |i| [i, 0]),
-    a = block([1, n], |i| [0, 0]),
-    b = block([1, n], |i| [0, 0]),
-    out = block([bm, n], |i| [i, 0]),
+    (x, out) = block([bm, n], |i| [i, 0]),
+    (a, b) = block([1, n], |i| [0, 0]),
 )]
 pub fn gelu_affine_kernel(x: In<m, n>, a: In<1, n>, b: In<1, n>, out: Out<m, n>, bm: usize) {
     let z = x[..].cast(f32) * a[..].cast(f32) + b[..].cast(f32);
@@ -41,8 +43,7 @@ pub fn gelu_affine(x: &Type, a: &Type, b: &Type, target: &Target) -> Result<Kern
 #[tpu_kernel(
     grid = [m / bm],
     semantics = [parallel],
-    x = block([bm, n], |i| [i, 0]),
-    out = block([bm, n], |i| [i, 0]),
+    (x, out) = block([bm, n], |i| [i, 0]),
 )]
 pub fn softmax_kernel(x: In<m, n>, out: Out<m, n>, bm: usize) {
     let v = x[..].cast(f32);
@@ -58,9 +59,8 @@ pub fn softmax(x: &Type, target: &Target) -> Result<Kernel, KernelError> {
 #[tpu_kernel(
     grid = [m / bm],
     semantics = [parallel],
-    x = block([bm, n], |i| [i, 0]),
+    (x, out) = block([bm, n], |i| [i, 0]),
     w = block([1, n], |i| [0, 0]),
-    out = block([bm, n], |i| [i, 0]),
 )]
 pub fn rmsnorm_kernel(x: In<m, n>, w: In<1, n>, out: Out<m, n>, bm: usize, eps: f32) {
     let v = x[..].cast(f32);
@@ -72,3 +72,71 @@ pub fn rmsnorm_kernel(x: In<m, n>, w: In<1, n>, out: Out<m, n>, bm: usize, eps: 
 pub fn rmsnorm(x: &Type, w: &Type, eps: f32, target: &Target) -> Result<Kernel, KernelError> {
     rmsnorm_kernel(x.clone(), w.clone(), x.clone(), rows(x, target), eps)
 }
+
+// ---- ops ------------------------------------------------------------------------------------
+
+/// The epsilon of `rmsnorm`'s schema default.
+pub const RMSNORM_EPS: f32 = 1e-6;
+
+fn plan_gelu_affine(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.rows("x")?;
+    c.float("x")?;
+    let (a, b) = (c.row_vector("a", x.shape[1])?, c.row_vector("b", x.shape[1])?);
+    let kernel = gelu_affine(&x, &a, &b, c.target)?;
+    let shape = c.tensor("x")?.shape.clone();
+    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("a", a)?, c.input("b", b)?], &[Some(shape)]))
+}
+
+fn plan_softmax(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.rows("x")?;
+    c.float("x")?;
+    let shape = c.tensor("x")?.shape.clone();
+    Ok(single(c, softmax(&x, c.target)?, vec![c.input("x", x)?], &[Some(shape)]))
+}
+
+fn plan_rmsnorm(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.rows("x")?;
+    c.float("x")?;
+    let w = c.row_vector("weight", x.shape[1])?;
+    let eps = c.statics.f64("eps").unwrap_or(RMSNORM_EPS as f64) as f32;
+    let kernel = rmsnorm(&x, &w, eps, c.target)?;
+    let shape = c.tensor("x")?.shape.clone();
+    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("weight", w)?], &[Some(shape)]))
+}
+
+fn ref_gelu_affine(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    vec![reference::gelu_affine(&x[0], &x[1], &x[2], last_dim(&a[0]))]
+}
+
+fn ref_softmax(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    vec![reference::softmax(&a[0].to_f64_vec(), last_dim(&a[0]))]
+}
+
+fn ref_rmsnorm(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    vec![reference::rmsnorm(&x[0], &x[1], last_dim(&a[0]), s.f64("eps").unwrap_or(RMSNORM_EPS as f64) as f32 as f64)]
+}
+
+const ROW: Input = Input { name: "x", dims: "[..., n]", kind: Kind::Float };
+const LIKE_X: &[Output] = &[Output { name: "out", shape: "x", dtype: "x" }];
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "gelu_affine", doc: "gelu(x * a + b) (tanh approximation), a and b [n] broadcast over rows", schema: "(Tensor x, Tensor a, Tensor b) -> Tensor", plan: plan_gelu_affine, reference: Some(ref_gelu_affine),
+        inputs: &[ROW, Input { name: "a", dims: "[n]", kind: Kind::Float }, Input { name: "b", dims: "[n]", kind: Kind::Float }], outputs: LIKE_X,
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[256, 640], &[640], &[640]] }], ..Op::EMPTY
+    },
+    Op {
+        name: "softmax", doc: "softmax over the last dim", schema: "(Tensor x) -> Tensor", plan: plan_softmax, reference: Some(ref_softmax),
+        inputs: &[ROW], outputs: LIKE_X,
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[96, 2048]] }], ..Op::EMPTY
+    },
+    Op {
+        name: "rmsnorm", doc: "RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight", schema: "(Tensor x, Tensor weight, float eps=1e-06) -> Tensor", plan: plan_rmsnorm, reference: Some(ref_rmsnorm),
+        inputs: &[ROW, Input { name: "weight", dims: "[n]", kind: Kind::Float }], outputs: LIKE_X,
+        backward: Some(crate::op::Backward { op: "rmsnorm_bwd", args: "x, weight, d_out, eps", grads: &["x", "weight"] }),
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[48, 4096], &[4096]] }], ..Op::EMPTY
+    },
+];

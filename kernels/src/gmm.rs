@@ -43,13 +43,15 @@
 //! check these maps (they read prefetch), so this ordering is the kernels' contract.
 
 use rand::{rngs::StdRng, Rng};
-use tessera_dsl::interp::{self, Array};
+use tessera_dsl::interp::Array;
 use tessera_dsl::target::Generation;
-use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::{verify, DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::{fit_blocks, pick_block};
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{host, result, Launch, Operand, Plan};
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -57,7 +59,7 @@ use crate::{harness, LibraryKernel, Operand, OperandKind};
     grid = [n.div_ceil(tn), v, k / tk],
     semantics = [parallel, arbitrary, arbitrary],
     lhs = block([tm, tk], |j, t, kk| [tile[t], kk]),
-    rhs = block([None, tk, tn], |j, t, kk| [group[t], kk, j]),
+    rhs = block([None, if transpose_rhs { tn } else { tk }, if transpose_rhs { tk } else { tn }], |j, t, kk| [group[t], if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
     out = block([tm, tn], |j, t, kk| [tile[t], j]),
     acc = scratch([tm, tn], f32),
 )]
@@ -67,12 +69,13 @@ pub fn gmm_kernel(
     row_lo: Prefetch<v>,
     row_hi: Prefetch<v>,
     lhs: In<m, k>,
-    rhs: In<g, k, n>,
+    rhs: In<g, _, _>,
     out: Out<m, n>,
     acc: Scratch,
     tm: usize,
     tk: usize,
     tn: usize,
+    transpose_rhs: bool,
 ) {
     let t = program_id(1);
     let lo = row_lo[t];
@@ -82,47 +85,15 @@ pub fn gmm_kernel(
         if program_id(2) == 0 {
             acc[..] = zeros([tm, tn], f32);
         }
-        acc[..] += dot(lhs[..], rhs[..]);
+        // `rhs` is `[g, k, n]`, or `[g, n, k]` stored transposed.
+        if transpose_rhs {
+            acc[..] += dot_t(lhs[..], rhs[..]);
+        } else {
+            acc[..] += dot(lhs[..], rhs[..]);
+        }
         if program_id(2) == num_programs(2) - 1 {
             let row = iota([tm, tn], 0) + tile[t] * tm;
             // Rows of other groups keep what their own visit writes (or wrote).
-            out[..] = select((row >= lo) & (row < hi), acc[..].cast(out.dtype), out[..]);
-        }
-    }
-}
-
-/// [`gmm_kernel`] with `rhs` stored transposed, `[g, n, k]` (`out = lhs @ rhs[g]^T`).
-#[tpu_kernel(
-    grid = [n.div_ceil(tn), v, k / tk],
-    semantics = [parallel, arbitrary, arbitrary],
-    lhs = block([tm, tk], |j, t, kk| [tile[t], kk]),
-    rhs = block([None, tn, tk], |j, t, kk| [group[t], j, kk]),
-    out = block([tm, tn], |j, t, kk| [tile[t], j]),
-    acc = scratch([tm, tn], f32),
-)]
-pub fn gmm_t_kernel(
-    group: Prefetch<v>,
-    tile: Prefetch<v>,
-    row_lo: Prefetch<v>,
-    row_hi: Prefetch<v>,
-    lhs: In<m, k>,
-    rhs: In<g, n, k>,
-    out: Out<m, n>,
-    acc: Scratch,
-    tm: usize,
-    tk: usize,
-    tn: usize,
-) {
-    let t = program_id(1);
-    let lo = row_lo[t];
-    let hi = row_hi[t];
-    if lo < hi {
-        if program_id(2) == 0 {
-            acc[..] = zeros([tm, tn], f32);
-        }
-        acc[..] += dot_t(lhs[..], rhs[..]);
-        if program_id(2) == num_programs(2) - 1 {
-            let row = iota([tm, tn], 0) + tile[t] * tm;
             out[..] = select((row >= lo) & (row < hi), acc[..].cast(out.dtype), out[..]);
         }
     }
@@ -215,30 +186,29 @@ fn m_tile(m: usize, target: &Target) -> usize {
 /// multiples of the MXU edge dividing the problem (the contraction must divide exactly:
 /// a partial K block would add undefined values to every row). Then halve `tk`, `tn`,
 /// `tm` in turn until the double-buffered `lhs`, `rhs` and `out` windows plus the f32
-/// accumulator fit 3/4 of the default scoped VMEM.
+/// `[tm, tn]` accumulator fit 3/4 of the default scoped VMEM.
 pub fn gmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
-    let lane = target.tiling(dtype).1;
-    let mut tm = m_tile(m, target);
-    let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
-    let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
-    let vmem = |tm: usize, tk: usize, tn: usize| {
-        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tk, tn]) + target.padded_bytes(dtype, &[tm, tn])) + target.padded_bytes(DType::F32, &[tm, tn])
-    };
-    fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
-    GmmBlocks { tm, tk, tn }
+    grouped_blocks(m, k, n, dtype, false, target)
 }
 
 /// Blocks for `tgmm` on `target`: `tm` as `gmm`; the `[tk, tn]` output tile up to
 /// 1024 x 1024 (its reuse of each streamed row grows with both); halve `tk`, `tn`, `tm`
-/// until the double-buffered `lhs`, `grad`, `out` windows plus the f32 accumulator fit
-/// 3/4 of the default scoped VMEM.
+/// until the double-buffered `lhs`, `grad`, `out` windows plus the f32 `[tk, tn]`
+/// accumulator fit 3/4 of the default scoped VMEM.
 pub fn tgmm_blocks(m: usize, k: usize, n: usize, dtype: DType, target: &Target) -> GmmBlocks {
+    grouped_blocks(m, k, n, dtype, true, target)
+}
+
+/// The rule of both: the windows are `[tm, tk]`, `[tk, tn]` and `[tm, tn]` either way; the
+/// accumulator is the output tile, `[tm, tn]` for gmm and `[tk, tn]` for tgmm (`acc_tk`).
+fn grouped_blocks(m: usize, k: usize, n: usize, dtype: DType, acc_tk: bool, target: &Target) -> GmmBlocks {
     let lane = target.tiling(dtype).1;
     let mut tm = m_tile(m, target);
     let mut tk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
     let mut tn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
     let vmem = |tm: usize, tk: usize, tn: usize| {
-        2 * (target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tm, tn]) + target.padded_bytes(dtype, &[tk, tn])) + target.padded_bytes(DType::F32, &[tk, tn])
+        let windows = target.padded_bytes(dtype, &[tm, tk]) + target.padded_bytes(dtype, &[tk, tn]) + target.padded_bytes(dtype, &[tm, tn]);
+        2 * windows + target.padded_bytes(DType::F32, &[if acc_tk { tk } else { tm }, tn])
     };
     fit_blocks(&mut [(&mut tk, k), (&mut tn, n), (&mut tm, m.next_multiple_of(128))], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
     GmmBlocks { tm, tk, tn }
@@ -378,9 +348,6 @@ fn fit_vmem_limit(mut kernel: Kernel, target: &Target) -> Kernel {
     kernel
 }
 
-fn ty(a: &Array) -> Type {
-    Type::vector(a.dtype, &a.shape)
-}
 
 fn meta_types(cap: usize, n: usize) -> Vec<Type> {
     vec![Type::vector(DType::I32, &[cap]); n]
@@ -401,11 +368,7 @@ pub fn build_gmm(lhs: &Type, rhs: &Type, group_sizes: &Type, transpose_rhs: bool
     let md = meta_types(visit_capacity(m, g, blocks.tm), 4);
     let out = Type::vector(lhs.dtype, &[m, n]);
     let GmmBlocks { tm, tk, tn } = blocks;
-    let kernel = if transpose_rhs {
-        gmm_t_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn)?
-    } else {
-        gmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn)?
-    };
+    let kernel = gmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn, transpose_rhs)?;
     Ok(fit_vmem_limit(kernel, target))
 }
 
@@ -435,44 +398,134 @@ pub fn default_tgmm_blocks(lhs: &Type, grad: &Type, target: &Target) -> GmmBlock
     tgmm_blocks(lhs.shape.first().copied().unwrap_or(1), lhs.shape.get(1).copied().unwrap_or(1), grad.shape.get(1).copied().unwrap_or(1), lhs.dtype, target)
 }
 
-/// `gmm` on the CPU interpreter with explicit blocks.
-pub fn gmm_with_blocks(lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
-    let kernel = build_gmm(&ty(lhs), &ty(rhs), &ty(group_sizes), transpose_rhs, blocks, target)?;
-    let sizes = check_sizes("gmm", group_sizes, lhs.shape[0])?;
-    let md = group_metadata(&sizes, lhs.shape[0], blocks.tm, false).arrays(false);
-    let args: Vec<&Array> = md.iter().chain([lhs, rhs]).collect();
-    Ok(interp::run(&kernel, &args)?.remove(0))
+fn tiling(blocks: GmmBlocks) -> String {
+    format!("tiling=[{}, {}, {}]", blocks.tm, blocks.tk, blocks.tn)
+}
+
+fn flag(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
+/// `gmm` with explicit blocks.
+pub fn gmm_with_blocks(exec: &dyn Executor, lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "gmm", &[lhs, rhs, group_sizes], &format!("transpose_rhs={}, {}", flag(transpose_rhs), tiling(blocks)), target)
 }
 
 /// `gmm(lhs, rhs, group_sizes)`: `out[rows_g] = lhs[rows_g] @ rhs[g]` (`rhs[g]^T` with
-/// `transpose_rhs`), on the CPU interpreter with `target`'s default blocks.
-pub fn gmm(lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, target: &Target) -> Result<Array, KernelError> {
-    gmm_with_blocks(lhs, rhs, group_sizes, transpose_rhs, default_gmm_blocks(&ty(lhs), &ty(rhs), transpose_rhs, target), target)
+/// `transpose_rhs`), with `target`'s default blocks.
+pub fn gmm(exec: &dyn Executor, lhs: &Array, rhs: &Array, group_sizes: &Array, transpose_rhs: bool, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "gmm", &[lhs, rhs, group_sizes], &format!("transpose_rhs={}", flag(transpose_rhs)), target)
 }
 
-/// `tgmm` on the CPU interpreter with explicit blocks.
-pub fn tgmm_with_blocks(lhs: &Array, grad: &Array, group_sizes: &Array, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
-    let kernel = build_tgmm(&ty(lhs), &ty(grad), &ty(group_sizes), blocks, target)?;
-    let sizes = check_sizes("tgmm", group_sizes, lhs.shape[0])?;
-    let md = group_metadata(&sizes, lhs.shape[0], blocks.tm, true).arrays(true);
-    let args: Vec<&Array> = md.iter().chain([lhs, grad]).collect();
-    Ok(interp::run(&kernel, &args)?.remove(0))
+/// `tgmm` with explicit blocks.
+pub fn tgmm_with_blocks(exec: &dyn Executor, lhs: &Array, grad: &Array, group_sizes: &Array, blocks: GmmBlocks, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "tgmm", &[lhs, grad, group_sizes], &tiling(blocks), target)
 }
 
 /// `tgmm(lhs, grad, group_sizes)`: `out[g] = lhs[rows_g]^T @ grad[rows_g]`, `[g, k, n]`
-/// (zeros for a group without rows), on the CPU interpreter with default blocks.
-pub fn tgmm(lhs: &Array, grad: &Array, group_sizes: &Array, target: &Target) -> Result<Array, KernelError> {
-    tgmm_with_blocks(lhs, grad, group_sizes, default_tgmm_blocks(&ty(lhs), &ty(grad), target), target)
+/// (zeros for a group without rows), with default blocks.
+pub fn tgmm(exec: &dyn Executor, lhs: &Array, grad: &Array, group_sizes: &Array, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "tgmm", &[lhs, grad, group_sizes], "", target)
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+/// The `tiling=[tm, tk, tn]` static (torch_xla's name), or `default`.
+fn blocks_of(c: &Call, default: GmmBlocks) -> Result<GmmBlocks, KernelError> {
+    match c.statics.ints("tiling") {
+        None => Ok(default),
+        Some(&[tm, tk, tn]) if tm > 0 && tk > 0 && tn > 0 => Ok(GmmBlocks { tm: tm as usize, tk: tk as usize, tn: tn as usize }),
+        Some(other) => Err(c.err("argument `tiling`", "option-value", format!("tiling = {other:?}"), "pass three positive block sizes [tm, tk, tn], or None for the target's defaults")),
+    }
+}
+
+fn check_group_sizes(c: &Call) -> Result<(), KernelError> {
+    let g = c.tensor("group_sizes")?;
+    if g.rank() != 1 || g.dtype != DType::I32 {
+        return Err(c.err("operand `group_sizes`", "operand-dtype", format!("`group_sizes` is {g}"), "pass group sizes as a non-empty 1-D int32 array"));
+    }
+    Ok(())
+}
+
+/// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata the host arrays `first..first + 4`.
+fn gmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, transpose_rhs: bool, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
+    let kernel = build_gmm(a.1, b.1, sizes, transpose_rhs, blocks, c.target)?;
+    let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
+    let mut args: Vec<Operand> = (first..first + 4).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
+    Ok(Launch::new(kernel, args))
+}
+
+/// A `tgmm` launch of `a^T @ b` per group, its metadata the host arrays `first..first + 6`.
+fn tgmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
+    let kernel = build_tgmm(a.1, b.1, sizes, blocks, c.target)?;
+    let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
+    let mut args: Vec<Operand> = (first..first + 6).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
+    Ok(Launch::new(kernel, args))
+}
+
+/// The per-call metadata of launches with m-tiles `tms` (`true`: tgmm's, with flags).
+fn metadata(c: &Call, m: usize, tms: Vec<(usize, bool)>) -> crate::plan::HostFn {
+    let op = c.op;
+    Box::new(move |v| {
+        let sizes = check_sizes(op, v[0], m)?;
+        Ok(tms.iter().flat_map(|&(tm, t)| group_metadata(&sizes, m, tm, t).arrays(t)).collect())
+    })
+}
+
+fn plan_gmm(c: &Call) -> Result<Plan, KernelError> {
+    c.dims("lhs", 2)?;
+    c.dims("rhs", 3)?;
+    check_group_sizes(c)?;
+    let (lhs, rhs, sizes) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone());
+    let transpose = c.statics.bool("transpose_rhs");
+    let blocks = blocks_of(c, default_gmm_blocks(&lhs, &rhs, transpose, c.target))?;
+    let launch = gmm_launch(c, ("lhs", &lhs), ("rhs", &rhs), &sizes, transpose, blocks, 0)?;
+    one_launch(c, launch, lhs.shape[0], (blocks.tm, false))
+}
+
+/// The plan of one grouped launch whose metadata (m-tile `tm`, tgmm's flags) the host
+/// computes from `group_sizes` per call.
+fn one_launch(c: &Call, launch: Launch, m: usize, tiles: (usize, bool)) -> Result<Plan, KernelError> {
+    let results = vec![result(0, 0, launch.outputs[0].clone())];
+    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("group_sizes")?], metadata(c, m, vec![tiles])))
+}
+
+fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
+    c.dims("lhs", 2)?;
+    c.dims("grad", 2)?;
+    check_group_sizes(c)?;
+    let (lhs, grad, sizes) = (c.tensor("lhs")?.clone(), c.tensor("grad")?.clone(), c.tensor("group_sizes")?.clone());
+    let blocks = blocks_of(c, default_tgmm_blocks(&lhs, &grad, c.target))?;
+    let launch = tgmm_launch(c, ("lhs", &lhs), ("grad", &grad), &sizes, blocks, 0)?;
+    one_launch(c, launch, lhs.shape[0], (blocks.tm, true))
+}
+
+/// `dlhs = gmm(dout, rhs, !transpose_rhs)`; `drhs = tgmm(lhs, dout)` (`tgmm(dout, lhs)`
+/// for a transposed rhs, `[g, n, k]`).
+fn plan_gmm_bwd(c: &Call) -> Result<Plan, KernelError> {
+    c.dims("lhs", 2)?;
+    c.dims("rhs", 3)?;
+    c.dims("dout", 2)?;
+    check_group_sizes(c)?;
+    let (lhs, rhs, sizes, dout) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone(), c.tensor("dout")?.clone());
+    let t = c.statics.bool("transpose_rhs");
+    let n = rhs.shape[if t { 1 } else { 2 }];
+    if dout.shape != [lhs.shape[0], n] || dout.dtype != lhs.dtype {
+        return Err(c.err("input `dout`", "operand-shape", format!("dout is {dout}, the forward's output is {}[{}, {n}]", lhs.dtype, lhs.shape[0]), "pass the gradient of gmm's output"));
+    }
+    let gb = default_gmm_blocks(&dout, &rhs, !t, c.target);
+    let dlhs = gmm_launch(c, ("dout", &dout), ("rhs", &rhs), &sizes, !t, gb, 0)?;
+    let (a, b) = if t { (("dout", &dout), ("lhs", &lhs)) } else { (("lhs", &lhs), ("dout", &dout)) };
+    let tb = default_tgmm_blocks(a.1, b.1, c.target);
+    let drhs = tgmm_launch(c, a, b, &sizes, tb, 4)?;
+    let results = vec![result(0, 0, dlhs.outputs[0].clone()), result(1, 0, drhs.outputs[0].clone())];
+    let host = metadata(c, lhs.shape[0], vec![(gb.tm, false), (tb.tm, true)]);
+    Ok(Plan::new(c.op, c.target, vec![dlhs, drhs], results).with_host(&[c.index("group_sizes")?], host))
 }
 
 // ---- library entries ------------------------------------------------------------------------
-
-fn arity<'a, T>(op: &str, inputs: &'a [T]) -> Result<&'a [T], KernelError> {
-    if inputs.len() != 3 {
-        return Err(err(op, "inputs", "input-count", format!("{} inputs given, the op takes 3", inputs.len()), "pass one array per input operand"));
-    }
-    Ok(inputs)
-}
 
 /// Random group sizes summing to `m`: uniform cut points (so boundaries fall anywhere in
 /// a tile), and with three or more groups one group emptied (its rows go to a neighbour).
@@ -494,7 +547,7 @@ pub fn random_group_sizes(m: usize, groups: usize, rng: &mut StdRng) -> Vec<i32>
     sizes
 }
 
-fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+fn random_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let a = harness::random_array(dtype, &shapes[0], rng);
     let b = harness::random_array(dtype, &shapes[1], rng);
     let groups = shapes[2][0];
@@ -506,43 +559,61 @@ fn sizes_of(a: &Array) -> Vec<usize> {
     a.as_i32().unwrap_or(&[]).iter().map(|&s| s.max(0) as usize).collect()
 }
 
-const GROUP_SIZES_DEFAULT: Operand = Operand { name: "group_sizes", dims: "[g]", default_shape: &[8], kind: OperandKind::Int32 };
+fn ref_gmm(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let t = s.bool("transpose_rhs");
+    let n = a[1].shape[if t { 1 } else { 2 }];
+    vec![reference::gmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], n, t)]
+}
 
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[
-    LibraryKernel {
-        name: "gmm",
-        summary: "grouped matmul (MoE experts): out[rows_g] = lhs[rows_g] @ rhs[g]; group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows",
-        signature: "gmm(lhs: [m, k], rhs: [g, k, n], group_sizes: [g] i32; transpose_rhs=false) -> [m, n]",
-        inputs: &[crate::float("lhs", "[m, k]", &[1024, 512]), crate::float("rhs", "[g, k, n]", &[8, 512, 512]), GROUP_SIZES_DEFAULT],
-        alt_shapes: &[&[1000, 768], &[6, 768, 384], &[6]],
-        build: |t, target| {
-            let t = arity("gmm", t)?;
-            Ok(vec![build_gmm(&t[0], &t[1], &t[2], false, default_gmm_blocks(&t[0], &t[1], false, target), target)?])
-        },
-        run: |a, target| {
-            let a = arity("gmm", a)?;
-            Ok(vec![gmm(&a[0], &a[1], &a[2], false, target)?])
-        },
-        random_inputs,
-        reference: |a| vec![reference::gmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], a[1].shape[2], false)],
+fn ref_tgmm(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    vec![reference::tgmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], a[1].shape[1])]
+}
+
+/// [`random_inputs`] plus a random `dout [m, n]`.
+fn random_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let mut a = random_inputs(shapes, dtype, s, rng);
+    a.push(harness::random_array(dtype, &shapes[3], rng));
+    a
+}
+
+/// `dlhs[r] = dout[r] @ rhs[g]^T`; `drhs[g] = lhs[rows_g]^T @ dout[rows_g]` (transposed
+/// for a transposed rhs), from the forward references' definitions.
+fn ref_gmm_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let t = s.bool("transpose_rhs");
+    let (lhs, rhs, sizes, dout) = (a[0].to_f64_vec(), a[1].to_f64_vec(), sizes_of(&a[2]), a[3].to_f64_vec());
+    let (m, k) = (a[0].shape[0], a[0].shape[1]);
+    let n = a[3].shape[1];
+    let dlhs = reference::gmm(&dout, &rhs, &sizes, n, k, !t);
+    let drhs = if t { reference::tgmm(&dout, &lhs, &sizes, n, k) } else { reference::tgmm(&lhs, &dout, &sizes, k, n) };
+    debug_assert_eq!(dlhs.len(), m * k);
+    vec![dlhs, drhs]
+}
+
+const LHS: Input = Input { name: "lhs", dims: "[m, k]", kind: Kind::Float };
+const GROUP_SIZES: Input = Input { name: "group_sizes", dims: "[g]", kind: Kind::Int32 };
+const GMM_CASES: &[Case] = &[
+    Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 512], &[8]] },
+    Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[6, 768, 384], &[6]] },
+    Case { name: "transposed", statics: "transpose_rhs=True", shapes: &[&[1024, 512], &[8, 384, 512], &[8]] },
+];
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm),
+        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
+        backward: Some(Backward { op: "gmm_bwd", args: "lhs, rhs, group_sizes, d_out, transpose_rhs", grads: &["lhs", "rhs"] }),
+        cases: GMM_CASES, random: Some(random_inputs), ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "tgmm",
-        summary: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows_g]^T @ grad[rows_g], zeros for empty groups; M-tiles are the reduction axis",
-        signature: "tgmm(lhs: [m, k], grad: [m, n], group_sizes: [g] i32) -> [g, k, n]",
-        inputs: &[crate::float("lhs", "[m, k]", &[1024, 512]), crate::float("grad", "[m, n]", &[1024, 512]), GROUP_SIZES_DEFAULT],
-        alt_shapes: &[&[1000, 768], &[1000, 384], &[6]],
-        build: |t, target| {
-            let t = arity("tgmm", t)?;
-            Ok(vec![build_tgmm(&t[0], &t[1], &t[2], default_tgmm_blocks(&t[0], &t[1], target), target)?])
-        },
-        run: |a, target| {
-            let a = arity("tgmm", a)?;
-            Ok(vec![tgmm(&a[0], &a[1], &a[2], target)?])
-        },
-        random_inputs,
-        reference: |a| vec![reference::tgmm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &sizes_of(&a[2]), a[0].shape[1], a[1].shape[1])],
+    Op {
+        name: "tgmm", doc: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows of g]^T @ grad[rows of g], zeros for empty groups; m-tiles are the reduction axis", schema: "(Tensor lhs, Tensor grad, Tensor group_sizes, int[]? tiling=None) -> Tensor", plan: plan_tgmm, reference: Some(ref_tgmm),
+        inputs: &[LHS, Input { name: "grad", dims: "[m, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[group_sizes.0, lhs.1, grad.1]", dtype: "lhs" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 512], &[1024, 512], &[8]] }, Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[1000, 384], &[6]] }], random: Some(random_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "gmm_bwd", doc: "(dlhs, drhs) of gmm: dlhs = gmm(dout, rhs) with the other transpose, drhs = tgmm(lhs, dout) (tgmm(dout, lhs) for a transposed rhs)", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor dout, bool transpose_rhs=False) -> (Tensor, Tensor)", plan: plan_gmm_bwd, reference: Some(ref_gmm_bwd),
+        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dlhs", shape: "lhs", dtype: "lhs" }, Output { name: "drhs", shape: "rhs", dtype: "rhs" }],
+        cases: &[ Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 384], &[8], &[1024, 384]] }, Case { name: "transposed", statics: "transpose_rhs=True", shapes: &[&[1000, 768], &[6, 384, 768], &[6], &[1000, 384]] }, ], random: Some(random_bwd_inputs), ..Op::EMPTY
     },
 ];
 

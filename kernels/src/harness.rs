@@ -1,15 +1,15 @@
-//! Runs a library kernel on the CPU interpreter with random inputs and compares it with
-//! the kernel's independent f64 reference. The CLI's `tessera run` and the numerics tests
-//! both go through here, so what the CLI prints is what the tests assert.
+//! Runs a library op on a CPU backend with random inputs and compares it with the op's
+//! independent f64 reference. The CLI's `tessera run` and the numerics tests both go
+//! through here, so what the CLI prints is what the tests assert.
 
 use std::time::{Duration, Instant};
 
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tessera_dsl::interp::{Array, Data};
-use tessera_dsl::{DType, KernelError, Target};
+use tessera_dsl::{DType, Executor, Interpreter, KernelError, Target};
 
-use crate::LibraryKernel;
+use crate::op::{Kind, Op, Statics};
 
 /// How far a kernel's output may be from the f64 reference, as the max-norm relative
 /// error `max|out - ref| / max|ref|`: f32 kernels compute in f32 (about 1e-7 per op,
@@ -50,7 +50,10 @@ pub struct Report {
     /// The grid of the op's (first) kernel.
     pub grid: Vec<usize>,
     pub outputs: Vec<OutputCheck>,
-    pub interp_time: Duration,
+    /// The backend that ran it (`interp`, `jit`, ...).
+    pub backend: &'static str,
+    /// Wall time of the run (plan building and verification excluded).
+    pub run_time: Duration,
 }
 
 impl Report {
@@ -99,27 +102,56 @@ pub fn random_array(dtype: DType, shape: &[usize], rng: &mut StdRng) -> Array {
     Array { dtype, shape: shape.to_vec(), data }
 }
 
-/// Runs the op on the interpreter with inputs drawn from `seed` for `shapes` and `dtype`
-/// (kernels built for `target`'s default blocks) and compares every output with the
-/// independent reference.
-pub fn run_against_reference(op: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Result<Report, KernelError> {
+/// Random inputs for an op without its own generator: uniform floats in [-1, 1) (f32 for
+/// `Float32` inputs), int32 in [0, 100), int8 over [-100, 100).
+pub fn default_inputs(op: &Op, shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+    op.inputs.iter().zip(shapes).map(|(i, s)| if i.kind == Kind::Int32 { Array::from_i32(s, (0..s.iter().product()).map(|_| rng.gen_range(0..100)).collect()) } else { random_array(i.kind.dtype(dtype), s, rng) }).collect()
+}
+
+/// The op's random inputs for `shapes`, float `dtype` and `statics`.
+pub fn inputs_for(op: &Op, shapes: &[Vec<usize>], dtype: DType, statics: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    match op.random {
+        Some(f) => f(shapes, dtype, statics, rng),
+        None => default_inputs(op, shapes, dtype, rng),
+    }
+}
+
+/// Runs the op with its default statics on the interpreter, inputs drawn from `seed` for
+/// `shapes` and `dtype`, and compares every result with the independent reference.
+pub fn run_against_reference(op: &Op, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Result<Report, KernelError> {
+    run_case(op, &op.statics("")?, shapes, dtype, target, seed, &Interpreter)
+}
+
+/// Runs the op with `statics` on `exec` (kernels built for `target`'s default blocks),
+/// inputs drawn from `seed`, and compares every result with the independent reference.
+pub fn run_case(op: &Op, statics: &Statics, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64, exec: &dyn Executor) -> Result<Report, KernelError> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let inputs = (op.random_inputs)(shapes, dtype, &mut rng);
-    let kernels = (op.build)(&crate::types_of(&inputs), target)?;
+    let inputs = inputs_for(op, shapes, dtype, statics, &mut rng);
+    let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
+    let types = given.iter().map(|a| a.map(|a| tessera_dsl::Type::vector(a.dtype, &a.shape))).chain(std::iter::repeat(None)).take(op.inputs.len()).collect::<Vec<_>>();
+    let plan = op.plan_for(&types, statics, target)?;
     let start = Instant::now();
-    let outputs = (op.run)(&inputs, target)?;
-    let interp_time = start.elapsed();
-    let expected = (op.reference)(&inputs);
+    let outputs = op.run(exec, &given, statics, target)?;
+    let run_time = start.elapsed();
+    let reference = op.reference.or_else(|| op.alias_of.and_then(|(of, _)| crate::find(of)?.reference));
+    let Some(reference) = reference else {
+        return Err(KernelError::new(op.name, "reference", "no-reference", "the op has no independent reference", "give the op a `reference` in its table entry"));
+    };
+    let mut expected = reference(&inputs, statics);
+    if let Some((_, i)) = op.alias_of {
+        expected = expected.into_iter().skip(i).take(1).collect();
+    }
     if outputs.len() != expected.len() {
-        return Err(KernelError::new(op.name, "outputs", "output-count", format!("the op produced {} outputs, its reference {}", outputs.len(), expected.len()), "make the op's run and reference agree"));
+        return Err(KernelError::new(op.name, "outputs", "output-count", format!("the op produced {} outputs, its reference {}", outputs.len(), expected.len()), "make the op's plan and reference agree"));
     }
     let checks = outputs.iter().zip(&expected).map(|(got, want)| check_output(got, want)).collect();
     Ok(Report {
         kernel: op.name.to_string(),
         shapes: shapes.to_vec(),
         dtype,
-        grid: kernels.first().map(|k| k.grid.iter().map(|g| g.extent).collect()).unwrap_or_default(),
+        grid: plan.launches.first().map(|l| l.kernel.grid.iter().map(|g| g.extent).collect()).unwrap_or_default(),
         outputs: checks,
-        interp_time,
+        backend: exec.name(),
+        run_time,
     })
 }

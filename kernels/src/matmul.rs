@@ -1,24 +1,37 @@
-//! Tiled matmul: `out[m, n] = x[m, k] @ y[k, n]`, f32 accumulation in VMEM scratch across
-//! the K axis (the last, `arbitrary` grid axis), cast to the output dtype at the end.
+//! Tiled matmul: `out[m, n] = op(x) @ op(y)`, f32 accumulation in VMEM scratch across the
+//! K axis (the last, `arbitrary` grid axis), cast to the output dtype at the end. `op` is
+//! the identity or a transpose of the stored operand (`transpose_lhs` / `transpose_rhs`),
+//! which is how the backward's `g @ y^T` and `x^T @ g` read their operands in place.
 
+use rand::rngs::StdRng;
+use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::{fit_blocks, pick_block};
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{single, Launch, Plan};
+use crate::{f64s, harness};
 
 #[tpu_kernel(
     grid = [m / bm, n / bn, k / bk],
     semantics = [parallel, parallel, arbitrary],
-    x = block([bm, bk], |i, j, kk| [i, kk]),
-    y = block([bk, bn], |i, j, kk| [kk, j]),
+    x = block([if transpose_lhs { bk } else { bm }, if transpose_lhs { bm } else { bk }], |i, j, kk| [if transpose_lhs { kk } else { i }, if transpose_lhs { i } else { kk }]),
+    y = block([if transpose_rhs { bn } else { bk }, if transpose_rhs { bk } else { bn }], |i, j, kk| [if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
     out = block([bm, bn], |i, j, kk| [i, j]),
     acc = scratch([bm, bn], f32),
 )]
-pub fn matmul_kernel(x: In<m, k>, y: In<k, n>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
+pub fn matmul_kernel(x: In<_, _>, y: In<_, _>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize, k: usize, transpose_lhs: bool, transpose_rhs: bool) {
     if program_id(2) == 0 {
         acc[..] = zeros([bm, bn], f32);
     }
-    acc[..] += dot(x[..], y[..]);
+    if transpose_lhs {
+        acc[..] += dot_tn(x[..], y[..]);
+    } else if transpose_rhs {
+        acc[..] += dot_t(x[..], y[..]);
+    } else {
+        acc[..] += dot(x[..], y[..]);
+    }
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
@@ -44,9 +57,94 @@ pub fn matmul_blocks(m: usize, k: usize, n: usize, in_dtype: DType, out_dtype: D
     (bm, bk, bn)
 }
 
-/// `matmul(x, y)` for `target` with the default blocks; the output has `x`'s dtype.
-pub fn matmul(x: &Type, y: &Type, target: &Target) -> Result<Kernel, KernelError> {
-    let (m, k, n) = (x.shape[0], x.shape[1], y.shape.get(1).copied().unwrap_or(0));
+/// `op(x) @ op(y)` for `target` with the default blocks; the output has `x`'s dtype. With
+/// `transpose_lhs`, `x` is stored `[k, m]`; with `transpose_rhs`, `y` is stored `[n, k]`.
+pub fn matmul_t(x: &Type, y: &Type, transpose_lhs: bool, transpose_rhs: bool, target: &Target) -> Result<Kernel, KernelError> {
+    let dim = |t: &Type, i: usize| t.shape.get(i).copied().unwrap_or(0);
+    let (m, k) = if transpose_lhs { (dim(x, 1), dim(x, 0)) } else { (dim(x, 0), dim(x, 1)) };
+    let n = if transpose_rhs { dim(y, 0) } else { dim(y, 1) };
     let (bm, bk, bn) = matmul_blocks(m, k, n, x.dtype, x.dtype, target);
-    matmul_kernel(x.clone(), y.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk)
+    matmul_kernel(x.clone(), y.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk, k, transpose_lhs, transpose_rhs)
 }
+
+/// `x @ y` for `target` with the default blocks; the output has `x`'s dtype.
+pub fn matmul(x: &Type, y: &Type, target: &Target) -> Result<Kernel, KernelError> {
+    matmul_t(x, y, false, false, target)
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+fn check_float_pair(c: &Call, a: &str, b: &str) -> Result<(), KernelError> {
+    c.float(a)?;
+    let (ta, tb) = (c.tensor(a)?, c.tensor(b)?);
+    if ta.dtype != tb.dtype {
+        return Err(c.err(format!("input `{b}`"), "operand-dtype", format!("{a} is {} and {b} {}", ta.dtype, tb.dtype), format!("pass {a} and {b} of one float dtype")));
+    }
+    Ok(())
+}
+
+fn plan_matmul(c: &Call) -> Result<Plan, KernelError> {
+    let (x, y) = (c.dims("x", 2)?, c.dims("y", 2)?);
+    if x[1] != y[0] {
+        return Err(c.err("input `y`", "operand-shape", format!("x is [{}, {}] and y [{}, {}]", x[0], x[1], y[0], y[1]), "the contraction dims must agree: x [m, k] @ y [k, n]"));
+    }
+    check_float_pair(c, "x", "y")?;
+    let (x, y) = (c.tensor("x")?.clone(), c.tensor("y")?.clone());
+    Ok(single(c, matmul(&x, &y, c.target)?, vec![c.input("x", x)?, c.input("y", y)?], &[]))
+}
+
+/// `dx = dout @ y^T`, `dy = x^T @ dout`: two launches reading every operand in place.
+fn plan_matmul_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let (x, y, g) = (c.dims("x", 2)?.to_vec(), c.dims("y", 2)?.to_vec(), c.dims("dout", 2)?.to_vec());
+    if x[1] != y[0] || g != [x[0], y[1]] {
+        return Err(c.err("input `dout`", "operand-shape", format!("x is {x:?}, y {y:?} and dout {g:?}"), format!("pass dout of the forward's output shape [{}, {}]", x[0], y.get(1).copied().unwrap_or(0))));
+    }
+    check_float_pair(c, "x", "y")?;
+    check_float_pair(c, "x", "dout")?;
+    let (xt, yt, gt) = (c.tensor("x")?.clone(), c.tensor("y")?.clone(), c.tensor("dout")?.clone());
+    let dx = Launch::new(matmul_t(&gt, &yt, false, true, c.target)?, vec![c.input("dout", gt.clone())?, c.input("y", yt)?]);
+    let dy = Launch::new(matmul_t(&xt, &gt, true, false, c.target)?, vec![c.input("x", xt)?, c.input("dout", gt)?]);
+    let results = vec![crate::plan::result(0, 0, dx.outputs[0].clone()), crate::plan::result(1, 0, dy.outputs[0].clone())];
+    Ok(Plan::new(c.op, c.target, vec![dx, dy], results))
+}
+
+fn reference_matmul(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    vec![crate::reference::matmul(&x[0], &x[1], a[0].shape[0], a[0].shape[1], a[1].shape[1])]
+}
+
+fn random_bwd(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    shapes.iter().map(|s| harness::random_array(dtype, s, rng)).collect()
+}
+
+fn reference_matmul_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let v = f64s(a);
+    let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[1]);
+    let (x, y, g) = (&v[0], &v[1], &v[2]);
+    let mut dx = vec![0.0; m * k];
+    let mut dy = vec![0.0; k * n];
+    for i in 0..m {
+        for p in 0..k {
+            for j in 0..n {
+                dx[i * k + p] += g[i * n + j] * y[p * n + j];
+                dy[p * n + j] += x[i * k + p] * g[i * n + j];
+            }
+        }
+    }
+    vec![dx, dy]
+}
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "matmul", doc: "x [m, k] @ y [k, n]: tiled, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis", schema: "(Tensor x, Tensor y) -> Tensor", plan: plan_matmul, reference: Some(reference_matmul),
+        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "[x.0, y.1]", dtype: "x" }],
+        backward: Some(Backward { op: "matmul_bwd", args: "x, y, d_out", grads: &["x", "y"] }),
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536]] }], ..Op::EMPTY
+    },
+    Op {
+        name: "matmul_bwd", doc: "(dx, dy) of matmul: dx = dout @ y^T and dy = x^T @ dout, operands read transposed in place", schema: "(Tensor x, Tensor y, Tensor dout) -> (Tensor, Tensor)", plan: plan_matmul_bwd, reference: Some(reference_matmul_bwd),
+        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dx", shape: "x", dtype: "x" }, Output { name: "dy", shape: "y", dtype: "y" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 1024], &[1024, 768], &[512, 768]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536], &[384, 1536]] }], random: Some(random_bwd), ..Op::EMPTY
+    },
+];

@@ -18,12 +18,14 @@
 //! once at the last step: one kernel, no host pass and no `[t / bt, d]` partials in HBM.
 //! The price is that the row axis is not split across the two TensorCores of v5p/tpu7x.
 
-use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{Kernel, KernelError, Target, Type};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::row_block;
-use crate::{f64s, float, uniform_inputs, LibraryKernel, RMSNORM_EPS};
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{result, single, Launch, Plan};
+use crate::{f64s, last_dim, RMSNORM_EPS};
 
 /// LayerNorm's epsilon in the library entry (PyTorch's default; the builders take any).
 pub const LAYERNORM_EPS: f32 = 1e-5;
@@ -45,11 +47,8 @@ pub fn row_tile(x: &Type, streams: usize, target: &Target) -> usize {
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    x = block([bt, d], |i| [i, 0]),
-    residual = block([bt, d], |i| [i, 0]),
+    (x, residual, out, new_residual) = block([bt, d], |i| [i, 0]),
     w = block([1, d], |i| [0, 0]),
-    out = block([bt, d], |i| [i, 0]),
-    new_residual = block([bt, d], |i| [i, 0]),
 )]
 pub fn rmsnorm_residual_kernel(x: In<t, d>, residual: In<t, d>, w: In<1, d>, out: Out<t, d>, new_residual: Out<t, d>, bt: usize, eps: f32) {
     // Normalise the f32 sum, not its rounded copy: one rounding fewer for bf16 storage.
@@ -62,10 +61,8 @@ pub fn rmsnorm_residual_kernel(x: In<t, d>, residual: In<t, d>, w: In<1, d>, out
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    x = block([bt, d], |i| [i, 0]),
-    w = block([1, d], |i| [0, 0]),
-    b = block([1, d], |i| [0, 0]),
-    out = block([bt, d], |i| [i, 0]),
+    (x, out) = block([bt, d], |i| [i, 0]),
+    (w, b) = block([1, d], |i| [0, 0]),
 )]
 pub fn layernorm_kernel(x: In<t, d>, w: In<1, d>, b: In<1, d>, out: Out<t, d>, bt: usize, eps: f32) {
     let v = x[..].cast(f32);
@@ -78,11 +75,8 @@ pub fn layernorm_kernel(x: In<t, d>, w: In<1, d>, b: In<1, d>, out: Out<t, d>, b
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [arbitrary],
-    x = block([bt, d], |i| [i, 0]),
-    w = block([1, d], |i| [0, 0]),
-    dy = block([bt, d], |i| [i, 0]),
-    dx = block([bt, d], |i| [i, 0]),
-    dw = block([1, d], |i| [0, 0]),
+    (x, dy, dx) = block([bt, d], |i| [i, 0]),
+    (w, dw) = block([1, d], |i| [0, 0]),
     dw_acc = scratch([1, d], f32),
 )]
 pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>, dw: Out<1, d>, dw_acc: Scratch, bt: usize, eps: f32) {
@@ -103,34 +97,56 @@ pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>,
     }
 }
 
+/// The gated linear units: `act(a) * b` with `act` SiLU (SwiGLU) or tanh-approximated
+/// GELU (GeGLU), one body for the family.
 #[tpu_kernel(
+    name = if gelu { "geglu_kernel" } else { "swiglu_kernel" },
     grid = [t / bt],
     semantics = [parallel],
-    a = block([bt, f], |i| [i, 0]),
-    b = block([bt, f], |i| [i, 0]),
-    out = block([bt, f], |i| [i, 0]),
+    (a, b, out) = block([bt, f], |i| [i, 0]),
 )]
-pub fn swiglu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize) {
+pub fn glu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize, gelu: bool) {
     let av = a[..].cast(f32);
-    out[..] = (av * sigmoid(av) * b[..].cast(f32)).cast(out.dtype);
+    if gelu {
+        let th = (GELU_C * (av + 0.044715 * av * av * av)).tanh();
+        out[..] = (0.5 * av * (1.0 + th) * b[..].cast(f32)).cast(out.dtype);
+    } else {
+        out[..] = (av * sigmoid(av) * b[..].cast(f32)).cast(out.dtype);
+    }
+}
+
+/// `(da, db)` of [`glu_kernel`]: `db = dy * act(a)`, `da = dy * b * act'(a)`.
+#[tpu_kernel(
+    name = if gelu { "geglu_bwd_kernel" } else { "swiglu_bwd_kernel" },
+    grid = [t / bt],
+    semantics = [parallel],
+    (a, b, dy, da, db) = block([bt, f], |i| [i, 0]),
+)]
+pub fn glu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize, gelu: bool) {
+    let av = a[..].cast(f32);
+    let g = dy[..].cast(f32);
+    if gelu {
+        // gelu(a) = a * h, h = (1 + tanh(u)) / 2, u = c * (a + 0.044715 a^3):
+        // gelu'(a) = h + a * (1 - tanh(u)^2) / 2 * c * (1 + 3 * 0.044715 a^2).
+        let th = (GELU_C * (av + 0.044715 * av * av * av)).tanh();
+        db[..] = (g * 0.5 * av * (1.0 + th)).cast(db.dtype);
+        let dact = 0.5 * (1.0 + th) + 0.5 * av * (1.0 - th * th) * GELU_C * (1.0 + 0.134145 * av * av);
+        da[..] = (g * b[..].cast(f32) * dact).cast(da.dtype);
+    } else {
+        let sg = sigmoid(av);
+        db[..] = (g * av * sg).cast(db.dtype);
+        // d silu(a) / da = s + a * s * (1 - s) = s * (1 + a * (1 - s)).
+        da[..] = (g * b[..].cast(f32) * sg * (1.0 + av * (1.0 - sg))).cast(da.dtype);
+    }
 }
 
 #[tpu_kernel(
     grid = [t / bt],
     semantics = [parallel],
-    a = block([bt, f], |i| [i, 0]),
-    b = block([bt, f], |i| [i, 0]),
-    dy = block([bt, f], |i| [i, 0]),
-    da = block([bt, f], |i| [i, 0]),
-    db = block([bt, f], |i| [i, 0]),
+    (a, b, out) = block([bt, d], |i| [i, 0]),
 )]
-pub fn swiglu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize) {
-    let av = a[..].cast(f32);
-    let g = dy[..].cast(f32);
-    let s = sigmoid(av);
-    db[..] = (g * av * s).cast(db.dtype);
-    // d silu(a) / da = s + a * s * (1 - s) = s * (1 + a * (1 - s)).
-    da[..] = (g * b[..].cast(f32) * s * (1.0 + av * (1.0 - s))).cast(da.dtype);
+pub fn add_kernel(a: In<t, d>, b: In<t, d>, out: Out<t, d>, bt: usize) {
+    out[..] = (a[..].cast(f32) + b[..].cast(f32)).cast(out.dtype);
 }
 
 // ---- kernels with the target's blocks -----------------------------------------------------
@@ -153,171 +169,218 @@ pub mod build {
         rmsnorm_bwd_kernel(x.clone(), w.clone(), dy.clone(), x.clone(), w.clone(), row_tile(x, 3, target), eps)
     }
 
-    pub fn swiglu(a: &Type, b: &Type, target: &Target) -> Result<Kernel, KernelError> {
-        swiglu_kernel(a.clone(), b.clone(), a.clone(), row_tile(a, 3, target))
+    /// `act(a) * b` (SwiGLU, or GeGLU with `gelu`).
+    pub fn glu(a: &Type, b: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
+        glu_kernel(a.clone(), b.clone(), a.clone(), row_tile(a, 3, target), gelu)
+    }
+
+    /// `a + b` (summed in f32, as the backward kernels accumulate).
+    pub fn add(a: &Type, target: &Target) -> Result<Kernel, KernelError> {
+        add_kernel(a.clone(), a.clone(), a.clone(), row_tile(a, 3, target))
     }
 
     /// `(da, db)`.
-    pub fn swiglu_bwd(a: &Type, b: &Type, dy: &Type, target: &Target) -> Result<Kernel, KernelError> {
-        swiglu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), row_tile(a, 5, target))
+    pub fn glu_bwd(a: &Type, b: &Type, dy: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
+        glu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), row_tile(a, 5, target), gelu)
     }
 }
 
-// ---- ops on arrays, for composition -------------------------------------------------------
+// ---- ops on arrays (through the op table) ---------------------------------------------------
 
-fn ty(a: &Array) -> Type {
-    Type::vector(a.dtype, &a.shape)
-}
-
-fn run(kernel: Result<Kernel, KernelError>, args: &[&Array]) -> Result<Vec<Array>, KernelError> {
-    interp::run(&kernel?, args)
-}
-
-fn pair(name: &str, outputs: Vec<Array>) -> Result<(Array, Array), KernelError> {
-    let n = outputs.len();
-    let mut it = outputs.into_iter();
-    match (it.next(), it.next()) {
+fn run2(exec: &dyn Executor, op: &str, inputs: &[&Array], statics: &str, target: &Target) -> Result<(Array, Array), KernelError> {
+    let mut out = crate::run(exec, op, inputs, statics, target)?.into_iter();
+    match (out.next(), out.next()) {
         (Some(a), Some(b)) => Ok((a, b)),
-        _ => Err(KernelError::new(name, "outputs", "output-count", format!("the kernel produced {n} outputs, expected 2"), "report this as a library bug")),
+        _ => Err(KernelError::new(op, "outputs", "output-count", "expected 2 results", "report this as a library bug")),
     }
 }
 
-fn single(name: &str, outputs: Vec<Array>) -> Result<Array, KernelError> {
-    outputs.into_iter().next().ok_or_else(|| KernelError::new(name, "outputs", "output-count", "the kernel produced no output", "report this as a library bug"))
-}
-
-/// `(rmsnorm(x + residual) * w, x + residual)` on the CPU interpreter.
-pub fn rmsnorm_residual(x: &Array, residual: &Array, w: &Array, eps: f32, target: &Target) -> Result<(Array, Array), KernelError> {
-    let t = [ty(x), ty(residual), ty(w)];
-    pair("rmsnorm_residual", run(build::rmsnorm_residual(&t[0], &t[1], &t[2], eps, target), &[x, residual, w])?)
+/// `(rmsnorm(x + residual) * w, x + residual)`.
+pub fn rmsnorm_residual(exec: &dyn Executor, x: &Array, residual: &Array, w: &Array, eps: f32, target: &Target) -> Result<(Array, Array), KernelError> {
+    run2(exec, "rmsnorm_residual", &[x, residual, w], &format!("eps={eps:?}"), target)
 }
 
 /// `(x - mean) / sqrt(var + eps) * w + b` per row (biased variance).
-pub fn layernorm(x: &Array, w: &Array, b: &Array, eps: f32, target: &Target) -> Result<Array, KernelError> {
-    let t = [ty(x), ty(w), ty(b)];
-    single("layernorm", run(build::layernorm(&t[0], &t[1], &t[2], eps, target), &[x, w, b])?)
+pub fn layernorm(exec: &dyn Executor, x: &Array, w: &Array, b: &Array, eps: f32, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "layernorm", &[x, w, b], &format!("eps={eps:?}"), target)
 }
 
 /// `(dx, dw)` of `y = rmsnorm(x) * w` given `dy`.
-pub fn rmsnorm_bwd(x: &Array, w: &Array, dy: &Array, eps: f32, target: &Target) -> Result<(Array, Array), KernelError> {
-    let t = [ty(x), ty(w), ty(dy)];
-    pair("rmsnorm_bwd", run(build::rmsnorm_bwd(&t[0], &t[1], &t[2], eps, target), &[x, w, dy])?)
+pub fn rmsnorm_bwd(exec: &dyn Executor, x: &Array, w: &Array, dy: &Array, eps: f32, target: &Target) -> Result<(Array, Array), KernelError> {
+    run2(exec, "rmsnorm_bwd", &[x, w, dy], &format!("eps={eps:?}"), target)
 }
 
 /// `silu(a) * b`.
-pub fn swiglu(a: &Array, b: &Array, target: &Target) -> Result<Array, KernelError> {
-    let t = [ty(a), ty(b)];
-    single("swiglu", run(build::swiglu(&t[0], &t[1], target), &[a, b])?)
+pub fn swiglu(exec: &dyn Executor, a: &Array, b: &Array, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "swiglu", &[a, b], "", target)
 }
 
 /// `(da, db)` of `y = silu(a) * b` given `dy`.
-pub fn swiglu_bwd(a: &Array, b: &Array, dy: &Array, target: &Target) -> Result<(Array, Array), KernelError> {
-    let t = [ty(a), ty(b), ty(dy)];
-    pair("swiglu_bwd", run(build::swiglu_bwd(&t[0], &t[1], &t[2], target), &[a, b, dy])?)
+pub fn swiglu_bwd(exec: &dyn Executor, a: &Array, b: &Array, dy: &Array, target: &Target) -> Result<(Array, Array), KernelError> {
+    run2(exec, "swiglu_bwd", &[a, b, dy], "", target)
 }
 
-// ---- library entries ----------------------------------------------------------------------
+// ---- ops ------------------------------------------------------------------------------------
 
-fn build_rmsnorm_residual(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    let t = crate::arity("rmsnorm_residual", t, 3)?;
-    build::rmsnorm_residual(&t[0], &t[1], &t[2], RMSNORM_EPS, target)
+fn eps(c: &Call, default: f32) -> f32 {
+    c.statics.f64("eps").unwrap_or(default as f64) as f32
 }
 
-fn build_layernorm(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    let t = crate::arity("layernorm", t, 3)?;
-    build::layernorm(&t[0], &t[1], &t[2], LAYERNORM_EPS, target)
+/// Tensor inputs `names` seen as `[rows, d]`, all of `names[0]`'s type.
+fn same_rows(c: &Call, names: &[&str]) -> Result<Type, KernelError> {
+    let first = c.rows(names[0])?;
+    c.float(names[0])?;
+    for &n in &names[1..] {
+        let t = c.tensor(n)?;
+        if t.shape != c.tensor(names[0])?.shape || t.dtype != first.dtype {
+            return Err(c.err(format!("input `{n}`"), "operand-shape", format!("{n} is {t}, {} is {}", names[0], c.tensor(names[0])?), format!("pass {n} with {}'s shape and dtype", names[0])));
+        }
+    }
+    Ok(first)
 }
 
-fn build_rmsnorm_bwd(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    let t = crate::arity("rmsnorm_bwd", t, 3)?;
-    build::rmsnorm_bwd(&t[0], &t[1], &t[2], RMSNORM_EPS, target)
+fn plan_rmsnorm_residual(c: &Call) -> Result<Plan, KernelError> {
+    let x = same_rows(c, &["x", "residual"])?;
+    let w = c.row_vector("weight", x.shape[1])?;
+    let kernel = build::rmsnorm_residual(&x, &x, &w, eps(c, RMSNORM_EPS), c.target)?;
+    let shape = Some(c.tensor("x")?.shape.clone());
+    Ok(single(c, kernel, vec![c.input("x", x.clone())?, c.input("residual", x)?, c.input("weight", w)?], &[shape.clone(), shape]))
 }
 
-fn build_swiglu(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    let t = crate::arity("swiglu", t, 2)?;
-    build::swiglu(&t[0], &t[1], target)
+/// rmsnorm_bwd on `h`, then `dx + d_new_residual` (the residual stream's own gradient).
+fn plan_rmsnorm_residual_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let h = same_rows(c, &["h", "dout", "dh"])?;
+    let w = c.row_vector("weight", h.shape[1])?;
+    let bwd = Launch::new(build::rmsnorm_bwd(&h, &w, &h, eps(c, RMSNORM_EPS), c.target)?, vec![c.input("h", h.clone())?, c.input("weight", w.clone())?, c.input("dout", h.clone())?]);
+    let add = Launch::new(build::add(&h, c.target)?, vec![result(0, 0, h.clone()), c.input("dh", h.clone())?]);
+    let shape = c.tensor("h")?.shape.clone();
+    let results = vec![result(1, 0, Type::vector(h.dtype, &shape)), result(0, 1, c.tensor("weight")?.clone())];
+    Ok(Plan::new(c.op, c.target, vec![bwd, add], results))
 }
 
-fn build_swiglu_bwd(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    let t = crate::arity("swiglu_bwd", t, 3)?;
-    build::swiglu_bwd(&t[0], &t[1], &t[2], target)
+fn plan_layernorm(c: &Call) -> Result<Plan, KernelError> {
+    let x = same_rows(c, &["x"])?;
+    let (w, b) = (c.row_vector("weight", x.shape[1])?, c.row_vector("bias", x.shape[1])?);
+    let kernel = build::layernorm(&x, &w, &b, eps(c, LAYERNORM_EPS), c.target)?;
+    let shape = Some(c.tensor("x")?.shape.clone());
+    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("weight", w)?, c.input("bias", b)?], &[shape]))
 }
 
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[
-    LibraryKernel {
-        name: "rmsnorm_residual",
-        summary: "fused residual add + RMSNorm: h = x + residual, (h * rsqrt(mean(h^2) + eps) * w, h), eps = 1e-6",
-        signature: "rmsnorm_residual(x: [t, d], residual: [t, d], w: [1, d]; eps: f32) -> (out: [t, d], new_residual: [t, d])",
-        inputs: &[float("x", "[t, d]", &[1024, 1024]), float("residual", "[t, d]", &[1024, 1024]), float("w", "[1, d]", &[1, 1024])],
-        alt_shapes: &[&[40, 5120], &[40, 5120], &[1, 5120]],
-        build: |t, target| Ok(vec![build_rmsnorm_residual(t, target)?]),
-        run: |a, target| crate::run_single(build_rmsnorm_residual, a, target),
-        random_inputs: uniform_inputs,
-        reference: |a| {
-            let x = f64s(a);
-            let (out, h) = reference::rmsnorm_residual(&x[0], &x[1], &x[2], a[0].shape[1], RMSNORM_EPS as f64);
-            vec![out, h]
-        },
+fn plan_rmsnorm_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let x = same_rows(c, &["x", "dy"])?;
+    let w = c.row_vector("weight", x.shape[1])?;
+    let kernel = build::rmsnorm_bwd(&x, &w, &x, eps(c, RMSNORM_EPS), c.target)?;
+    let shapes = [Some(c.tensor("x")?.shape.clone()), Some(c.tensor("weight")?.shape.clone())];
+    Ok(single(c, kernel, vec![c.input("x", x.clone())?, c.input("weight", w)?, c.input("dy", x)?], &shapes))
+}
+
+fn plan_glu(c: &Call, gelu: bool) -> Result<Plan, KernelError> {
+    let a = same_rows(c, &["a", "b"])?;
+    let shape = Some(c.tensor("a")?.shape.clone());
+    Ok(single(c, build::glu(&a, &a, gelu, c.target)?, vec![c.input("a", a.clone())?, c.input("b", a)?], &[shape]))
+}
+
+fn plan_glu_bwd(c: &Call, gelu: bool) -> Result<Plan, KernelError> {
+    let a = same_rows(c, &["a", "b", "dy"])?;
+    let shape = Some(c.tensor("a")?.shape.clone());
+    let kernel = build::glu_bwd(&a, &a, &a, gelu, c.target)?;
+    Ok(single(c, kernel, vec![c.input("a", a.clone())?, c.input("b", a.clone())?, c.input("dy", a)?], &[shape.clone(), shape]))
+}
+
+fn eps_of(s: &Statics, default: f32) -> f64 {
+    s.f64("eps").unwrap_or(default as f64) as f32 as f64
+}
+
+fn ref_rmsnorm_residual(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    let (out, h) = reference::rmsnorm_residual(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, RMSNORM_EPS));
+    vec![out, h]
+}
+
+fn ref_rmsnorm_residual_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    let (dx, dw) = reference::rmsnorm_bwd(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, RMSNORM_EPS));
+    vec![dx.iter().zip(&x[3]).map(|(a, b)| a + b).collect(), dw]
+}
+
+fn ref_layernorm(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    vec![reference::layernorm(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, LAYERNORM_EPS))]
+}
+
+fn ref_rmsnorm_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    let (dx, dw) = reference::rmsnorm_bwd(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, RMSNORM_EPS));
+    vec![dx, dw]
+}
+
+fn ref_glu(a: &[Array], gelu: bool) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    vec![if gelu { reference::geglu(&x[0], &x[1]) } else { reference::swiglu(&x[0], &x[1]) }]
+}
+
+fn ref_glu_bwd(a: &[Array], gelu: bool) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    let (da, db) = if gelu { reference::geglu_bwd(&x[0], &x[1], &x[2]) } else { reference::swiglu_bwd(&x[0], &x[1], &x[2]) };
+    vec![da, db]
+}
+
+/// `sqrt(2 / pi)`, of the tanh-approximated GELU.
+const GELU_C: f64 = 0.7978845608028654;
+
+/// The GLU family's entries (`act(a) * b` and its backward) for one activation.
+const fn glu_ops(name: &'static str, bwd: &'static str, doc: &'static str, bwd_doc: &'static str, gelu: bool) -> [Op; 2] {
+    const ROWS: &[Input] = &[rows("a"), rows("b")];
+    const BWD_ROWS: &[Input] = &[rows("a"), rows("b"), rows("dy")];
+    const OUT: &[Output] = &[like("out", "a")];
+    const GRADS: &[Output] = &[like("da", "a"), like("db", "a")];
+    const CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[200, 1408], &[200, 1408]] }];
+    const BWD_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[1024, 2816], &[1024, 2816], &[1024, 2816]] }, Case { name: "alt", statics: "", shapes: &[&[1, 4096], &[1, 4096], &[1, 4096]] }];
+    let (plan, plan_bwd): (crate::op::PlanFn, crate::op::PlanFn) = if gelu { (|c| plan_glu(c, true), |c| plan_glu_bwd(c, true)) } else { (|c| plan_glu(c, false), |c| plan_glu_bwd(c, false)) };
+    let (reference, reference_bwd): (crate::op::ReferenceFn, crate::op::ReferenceFn) = if gelu { (|a, _| ref_glu(a, true), |a, _| ref_glu_bwd(a, true)) } else { (|a, _| ref_glu(a, false), |a, _| ref_glu_bwd(a, false)) };
+    [
+        Op { name, doc, schema: "(Tensor a, Tensor b) -> Tensor", plan, reference: Some(reference), inputs: ROWS, outputs: OUT, backward: Some(Backward { op: bwd, args: "a, b, d_out", grads: &["a", "b"] }), cases: CASES, ..Op::EMPTY },
+        Op { name: bwd, doc: bwd_doc, schema: "(Tensor a, Tensor b, Tensor dy) -> (Tensor, Tensor)", plan: plan_bwd, reference: Some(reference_bwd), inputs: BWD_ROWS, outputs: GRADS, cases: BWD_CASES, ..Op::EMPTY },
+    ]
+}
+const SWIGLU: [Op; 2] = glu_ops("swiglu", "swiglu_bwd", "SwiGLU gate: silu(a) * b, silu(a) = a * sigmoid(a)", "(da, db) of swiglu: db = dy * silu(a), da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a)))", false);
+const GEGLU: [Op; 2] = glu_ops("geglu", "geglu_bwd", "GeGLU gate: gelu(a) * b (tanh approximation), the math in f32", "(da, db) of geglu: da = dy * b * gelu'(a), db = dy * gelu(a)", true);
+
+const fn rows(name: &'static str) -> Input {
+    Input { name, dims: "[..., d]", kind: Kind::Float }
+}
+const WEIGHT: Input = Input { name: "weight", dims: "[d]", kind: Kind::Float };
+const fn like(name: &'static str, of: &'static str) -> Output {
+    Output { name, shape: of, dtype: of }
+}
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "rmsnorm_residual", doc: "fused residual add + RMSNorm: h = x + residual; (rmsnorm(h) * weight, h)", schema: "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual, reference: Some(ref_rmsnorm_residual),
+        inputs: &[rows("x"), rows("residual"), WEIGHT], outputs: &[like("out", "x"), like("new_residual", "x")],
+        backward: Some(Backward { op: "rmsnorm_residual_bwd", args: "new_residual, weight, d_out, d_new_residual, eps", grads: &["x residual", "weight"] }),
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[40, 5120], &[5120]] }], ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "layernorm",
-        summary: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * w + b, biased variance, eps = 1e-5",
-        signature: "layernorm(x: [t, d], w: [1, d], b: [1, d]; eps: f32) -> [t, d]",
-        inputs: &[float("x", "[t, d]", &[1024, 1024]), float("w", "[1, d]", &[1, 1024]), float("b", "[1, d]", &[1, 1024])],
-        alt_shapes: &[&[300, 640], &[1, 640], &[1, 640]],
-        build: |t, target| Ok(vec![build_layernorm(t, target)?]),
-        run: |a, target| crate::run_single(build_layernorm, a, target),
-        random_inputs: uniform_inputs,
-        reference: |a| {
-            let x = f64s(a);
-            vec![reference::layernorm(&x[0], &x[1], &x[2], a[0].shape[1], LAYERNORM_EPS as f64)]
-        },
+    Op {
+        name: "rmsnorm_residual_bwd", doc: "(dx, dweight) of rmsnorm_residual from h = x + residual: rmsnorm_bwd(h) + dh (dx is also the residual's gradient)", schema: "(Tensor h, Tensor weight, Tensor dout, Tensor dh, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual_bwd, reference: Some(ref_rmsnorm_residual_bwd),
+        inputs: &[rows("h"), WEIGHT, rows("dout"), rows("dh")], outputs: &[like("dx", "h"), like("dweight", "weight")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[5120], &[40, 5120], &[40, 5120]] }], ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "rmsnorm_bwd",
-        summary: "RMSNorm backward: dx per row; dw summed over rows in an f32 VMEM scratch along the (arbitrary) row axis",
-        signature: "rmsnorm_bwd(x: [t, d], w: [1, d], dy: [t, d]; eps: f32) -> (dx: [t, d], dw: [1, d])",
-        inputs: &[float("x", "[t, d]", &[1024, 1024]), float("w", "[1, d]", &[1, 1024]), float("dy", "[t, d]", &[1024, 1024])],
-        alt_shapes: &[&[512, 1536], &[1, 1536], &[512, 1536]],
-        build: |t, target| Ok(vec![build_rmsnorm_bwd(t, target)?]),
-        run: |a, target| crate::run_single(build_rmsnorm_bwd, a, target),
-        random_inputs: uniform_inputs,
-        reference: |a| {
-            let x = f64s(a);
-            let (dx, dw) = reference::rmsnorm_bwd(&x[0], &x[1], &x[2], a[0].shape[1], RMSNORM_EPS as f64);
-            vec![dx, dw]
-        },
+    Op {
+        name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
+        inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[d]", kind: Kind::Float }], outputs: &[like("out", "x")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }], ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "swiglu",
-        summary: "SwiGLU gate: silu(a) * b, silu(a) = a * sigmoid(a)",
-        signature: "swiglu(a: [t, f], b: [t, f]) -> [t, f]",
-        inputs: &[float("a", "[t, f]", &[1024, 2816]), float("b", "[t, f]", &[1024, 2816])],
-        alt_shapes: &[&[200, 1408], &[200, 1408]],
-        build: |t, target| Ok(vec![build_swiglu(t, target)?]),
-        run: |a, target| crate::run_single(build_swiglu, a, target),
-        random_inputs: uniform_inputs,
-        reference: |a| {
-            let x = f64s(a);
-            vec![reference::swiglu(&x[0], &x[1])]
-        },
+    Op {
+        name: "rmsnorm_bwd", doc: "(dx, dweight) of rmsnorm: dx per row; dweight summed over rows in an f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_bwd, reference: Some(ref_rmsnorm_bwd),
+        inputs: &[rows("x"), WEIGHT, rows("dy")], outputs: &[like("dx", "x"), like("dweight", "weight")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[512, 1536], &[1536], &[512, 1536]] }], ..Op::EMPTY
     },
-    LibraryKernel {
-        name: "swiglu_bwd",
-        summary: "SwiGLU backward: db = dy * silu(a), da = dy * b * sigmoid(a) * (1 + a * (1 - sigmoid(a)))",
-        signature: "swiglu_bwd(a: [t, f], b: [t, f], dy: [t, f]) -> (da: [t, f], db: [t, f])",
-        inputs: &[float("a", "[t, f]", &[1024, 2816]), float("b", "[t, f]", &[1024, 2816]), float("dy", "[t, f]", &[1024, 2816])],
-        alt_shapes: &[&[1, 4096], &[1, 4096], &[1, 4096]],
-        build: |t, target| Ok(vec![build_swiglu_bwd(t, target)?]),
-        run: |a, target| crate::run_single(build_swiglu_bwd, a, target),
-        random_inputs: uniform_inputs,
-        reference: |a| {
-            let x = f64s(a);
-            let (da, db) = reference::swiglu_bwd(&x[0], &x[1], &x[2]);
-            vec![da, db]
-        },
-    },
+    SWIGLU[0],
+    SWIGLU[1],
+    GEGLU[0],
+    GEGLU[1],
 ];
 
 /// Independent references: plain f64 loops over row-major data, written from the formulas
@@ -373,6 +436,23 @@ pub mod reference {
     /// `a * sigmoid(a) * b`.
     pub fn swiglu(a: &[f64], b: &[f64]) -> Vec<f64> {
         a.iter().zip(b).map(|(&a, &b)| a * sigmoid(a) * b).collect()
+    }
+
+    /// `gelu_tanh(z)` and its derivative, from the formula.
+    fn gelu_tanh(z: f64) -> (f64, f64) {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let t = (c * (z + 0.044715 * z.powi(3))).tanh();
+        (0.5 * z * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * z * z))
+    }
+
+    /// `gelu_tanh(a) * b`.
+    pub fn geglu(a: &[f64], b: &[f64]) -> Vec<f64> {
+        a.iter().zip(b).map(|(&a, &b)| gelu_tanh(a).0 * b).collect()
+    }
+
+    /// `(da, db)` of `y = gelu_tanh(a) * b`.
+    pub fn geglu_bwd(a: &[f64], b: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        (0..a.len()).map(|i| (dy[i] * b[i] * gelu_tanh(a[i]).1, dy[i] * gelu_tanh(a[i]).0)).unzip()
     }
 
     /// `(da, db)` of `y = silu(a) * b`.

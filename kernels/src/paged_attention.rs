@@ -19,33 +19,28 @@
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Call, Case, Input, Kind, Op, Output};
+use crate::plan::{single, Plan};
 
 /// Attention of one decode token per sequence over its pages (see the module docs);
 /// `q` is `[B, Hkv, G, D]`, the output likewise.
 #[tpu_kernel(
     grid = [b, hkv],
-    q = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
-    o = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
-    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
-    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    (q, o) = block([None, None, g, d], |bi, hi| [bi, hi, 0, 0]),
+    (k_buf, v_buf) = scratch([2, ppcb, ps, d], k_pages.dtype),
     sem = semaphores(4),
 )]
 #[allow(clippy::too_many_arguments)]
+#[rustfmt::skip]
 pub fn paged_attention_kernel(
-    lengths: Prefetch<b>,
-    page_indices: Prefetch<b, pps>,
-    q: In<b, hkv, g, d>,
-    k_pages: Any<hkv, np, ps, d>,
-    v_pages: Any<hkv, np, ps, d>,
-    o: Out<b, hkv, g, d>,
-    k_buf: Scratch,
-    v_buf: Scratch,
-    sem: Scratch,
+    lengths: Prefetch<b>, page_indices: Prefetch<b, pps>,
+    q: In<b, hkv, g, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>, o: Out<b, hkv, g, d>,
+    k_buf: Scratch, v_buf: Scratch, sem: Scratch,
     ppcb: usize,
 ) {
     let bi = program_id(0);
@@ -143,20 +138,32 @@ pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &T
     paged_attention_kernel(lengths.clone(), pages.clone(), q4.clone(), k.clone(), v.clone(), q4, ppcb)
 }
 
-/// Runs the op on the interpreter: `(q, k_pages, v_pages, lengths, page_indices) -> o`.
-pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, pages_per_compute_block: Option<usize>, target: &Target) -> Result<Array, KernelError> {
-    let types = crate::types_of(&[q.clone(), k.clone(), v.clone(), lengths.clone(), page_indices.clone()]);
-    let kernel = build(&types, pages_per_compute_block, target)?;
-    run_kernel(&kernel, q, k, v, lengths, page_indices)
+/// Paged attention: `(q, k_pages, v_pages, lengths, page_indices) -> o [b, h, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, pages_per_compute_block: Option<usize>, target: &Target) -> Result<Array, KernelError> {
+    let statics = pages_per_compute_block.map_or(String::new(), |p| format!("pages_per_compute_block={p}"));
+    crate::run1(exec, "paged_attention", &[q, k, v, lengths, page_indices], &statics, target)
 }
 
 /// Runs an already built paged-attention kernel (e.g. a modified one in a test).
-pub fn run_kernel(kernel: &Kernel, q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array) -> Result<Array, KernelError> {
+#[allow(clippy::too_many_arguments)]
+pub fn run_kernel(exec: &dyn Executor, kernel: &Kernel, q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array) -> Result<Array, KernelError> {
     let (b, h, d, hkv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[0]);
     let q4 = Array { shape: vec![b, hkv, h / hkv, d], ..q.clone() };
-    let mut out = interp::run(kernel, &[lengths, page_indices, &q4, k, v])?.remove(0);
+    let mut out = tessera_dsl::exec::run(exec, kernel, &[lengths, page_indices, &q4, k, v])?.remove(0);
     out.shape = vec![b, h, d];
     Ok(out)
+}
+
+fn plan_paged_attention(c: &Call) -> Result<Plan, KernelError> {
+    let names = ["q", "k_pages", "v_pages", "lengths", "page_indices"];
+    let types: Vec<Type> = names.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
+    let kernel = build(&types, c.usize_opt("pages_per_compute_block")?, c.target)?;
+    let (q, k) = (&types[0], &types[1]);
+    let (b, h, d, hkv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[0]);
+    let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
+    let args = vec![c.input("lengths", types[3].clone())?, c.input("page_indices", types[4].clone())?, c.input("q", q4)?, c.input("k_pages", types[1].clone())?, c.input("v_pages", types[2].clone())?];
+    Ok(single(c, kernel, args, &[Some(q.shape.clone())]))
 }
 
 /// Random valid inputs: uniform q, k, v; lengths from 0 to the capacity, with sequence 0
@@ -178,32 +185,12 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
     vec![q, k, v, Array::from_i32(&[b], lengths), Array::from_i32(&[b, pps], pages)]
 }
 
-const LENGTHS: Operand = Operand { name: "lengths", dims: "[b]", default_shape: &[8], kind: OperandKind::Int32 };
-const PAGE_INDICES: Operand = Operand { name: "page_indices", dims: "[b, pages_per_seq]", default_shape: &[8, 16], kind: OperandKind::Int32 };
-
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[LibraryKernel {
-    name: "paged_attention",
-    summary: "decode attention over a paged KV cache: pages fetched by manual DMA into double-buffered VMEM, online softmax, GQA, length masking; empty sequences give zeros",
-    signature: "paged_attention(q: [b, h, d], k_pages: [hkv, num_pages, page_size, d], v_pages: [hkv, num_pages, page_size, d], lengths: [b] i32, page_indices: [b, pages_per_seq] i32; pages_per_compute_block) -> [b, h, d]",
-    inputs: &[
-        crate::float("q", "[b, h, d]", &[8, 32, 128]),
-        crate::float("k_pages", "[hkv, num_pages, page_size, d]", &[4, 128, 16, 128]),
-        crate::float("v_pages", "[hkv, num_pages, page_size, d]", &[4, 128, 16, 128]),
-        LENGTHS,
-        PAGE_INDICES,
-    ],
-    alt_shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]],
-    build: |t, target| Ok(vec![build(t, None, target)?]),
-    run: |a, target| {
-        let [q, k, v, lengths, pages] = a else {
-            return Err(err("inputs", "input-count", format!("{} inputs given", a.len()), "pass q, k_pages, v_pages, lengths, page_indices"));
-        };
-        Ok(vec![paged_attention(q, k, v, lengths, pages, None, target)?])
-    },
-    random_inputs,
-    reference: |a| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])],
-}];
+/// This module's ops.
+pub const OPS: &[Op] = &[Op {
+                             name: "paged_attention", doc: "decode attention over a paged KV cache (q pre-scaled): pages fetched by manual DMA into double-buffered VMEM, online softmax, GQA, length masking; empty sequences give zeros", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor lengths, Tensor page_indices, int? pages_per_compute_block=None) -> Tensor", plan: plan_paged_attention, reference: Some(|a, _| vec![reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4])]),
+                             inputs: &[ Input { name: "q", dims: "[b, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "lengths", dims: "[b]", kind: Kind::Int32 }, Input { name: "page_indices", dims: "[b, pages_per_seq]", kind: Kind::Int32 }, ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
+                             cases: &[ Case { name: "default", statics: "", shapes: &[&[8, 32, 128], &[4, 128, 16, 128], &[4, 128, 16, 128], &[8], &[8, 16]] }, Case { name: "alt", statics: "", shapes: &[&[3, 8, 128], &[8, 40, 32, 128], &[8, 40, 32, 128], &[3], &[3, 5]] }, ], random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)), ..Op::EMPTY
+                         }];
 
 /// Independent f64 reference: gathers each sequence's keys and values token by token
 /// from the page table and runs an explicit (two-pass) softmax.

@@ -10,7 +10,9 @@ use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::blocks::{fit_blocks, pick_block};
-use crate::{float, harness, run_single, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{single, Plan};
 
 #[tpu_kernel(
     grid = [m / bm, n / bn, k / bk],
@@ -57,16 +59,25 @@ pub fn quantized_matmul(x: &Type, w: &Type, scale: &Type, target: &Target) -> Re
     quantized_matmul_kernel(x.clone(), w.clone(), scale.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk)
 }
 
-fn build(t: &[Type], target: &Target) -> Result<Kernel, KernelError> {
-    match t {
-        [x, w, scale] => quantized_matmul(x, w, scale, target),
-        _ => Err(KernelError::new("quantized_matmul", "inputs", "input-count", format!("{} inputs given, the op takes 3", t.len()), "pass x, w and scale")),
+fn plan_quantized_matmul(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.dims("x", 2)?.to_vec();
+    let w = c.dims("w", 2)?.to_vec();
+    c.float("x")?;
+    if c.tensor("w")?.dtype != DType::I8 || w[1] != x[1] {
+        return Err(c.err("input `w`", "operand-shape", format!("w is {}, x is {}", c.tensor("w")?, c.tensor("x")?), format!("pass int8 w of shape [n, {}]", x[1])));
     }
+    let scale = c.row_vector("scale", w[0])?;
+    if scale.dtype != DType::F32 {
+        return Err(c.err("input `scale`", "operand-dtype", format!("scale is {}", scale.dtype), "pass float32 per-channel scales"));
+    }
+    let (xt, wt) = (c.tensor("x")?.clone(), c.tensor("w")?.clone());
+    let kernel = quantized_matmul(&xt, &wt, &scale, c.target)?;
+    Ok(single(c, kernel, vec![c.input("x", xt)?, c.input("w", wt)?, c.input("scale", scale)?], &[]))
 }
 
 /// Random activations in [-1, 1), int8 weights over the full range, scales in [0.001, 0.02)
 /// (what symmetric per-channel quantization of weights of magnitude ~1 gives).
-fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+fn random_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let x = harness::random_array(dtype, &shapes[0], rng);
     let w: Vec<i8> = (0..shapes[1].iter().product::<usize>()).map(|_| rng.gen_range(-127..=127)).collect();
     let scale: Vec<f32> = (0..shapes[2].iter().product::<usize>()).map(|_| rng.gen_range(0.001..0.02)).collect();
@@ -85,17 +96,9 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
     out
 }
 
-pub const OPS: &[LibraryKernel] = &[LibraryKernel {
-    name: "quantized_matmul",
-    summary: "int8 weight-only matmul with per-output-channel f32 scales, f32 accumulation",
-    signature: "quantized_matmul(x: [m, k], w: [n, k] i8, scale: [1, n] f32) -> [m, n]",
-    inputs: &[float("x", "[m, k]", &[512, 2048]), Operand { name: "w", dims: "[n, k]", default_shape: &[2048, 2048], kind: OperandKind::Int8 }, Operand { name: "scale", dims: "[1, n]", default_shape: &[1, 2048], kind: OperandKind::Float32 }],
-    alt_shapes: &[&[384, 1536], &[640, 1536], &[1, 640]],
-    build: |t, target| Ok(vec![build(t, target)?]),
-    run: |a, target| run_single(build, a, target),
-    random_inputs,
-    reference: |a| {
-        let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]);
-        vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)]
-    },
-}];
+/// This module's ops.
+pub const OPS: &[Op] = &[Op {
+                             name: "quantized_matmul", doc: "x [m, k] @ (int8 w [n, k] * float32 scale [n])^T: weight-only int8 with per-output-channel scales, f32 accumulation", schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]); vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)] }),
+                             inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
+                             cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 1536], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
+                         }];

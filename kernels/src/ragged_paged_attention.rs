@@ -59,35 +59,28 @@
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use tessera_dsl::interp::{self, Array, Data};
-use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::interp::{Array, Data};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Call, Case, Input, Kind, Op, Output};
+use crate::plan::{Launch, Layout, Operand, Plan, Source};
 
 /// Attention of the query tokens of `q` (`[Hkv, G, Tp, D]`, the host layout of the module
 /// docs) over their sequences' pages; the output has `q`'s layout.
 #[tpu_kernel(
     grid = [tp / bq, hkv],
-    q = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
-    o = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
-    k_buf = scratch([2, ppcb, ps, d], k_pages.dtype),
-    v_buf = scratch([2, ppcb, ps, d], v_pages.dtype),
+    (q, o) = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
+    (k_buf, v_buf) = scratch([2, ppcb, ps, d], k_pages.dtype),
     sem = semaphores(4),
 )]
 #[allow(clippy::too_many_arguments)]
+#[rustfmt::skip]
 pub fn ragged_paged_attention_kernel(
-    kv_lens: Prefetch<ms>,
-    page_indices: Prefetch<ms, pps>,
-    cu_q_lens: Prefetch<ms1>,
-    num_seqs: Prefetch<1>,
-    q: In<hkv, g, tp, d>,
-    k_pages: Any<hkv, np, ps, d>,
-    v_pages: Any<hkv, np, ps, d>,
-    o: Out<hkv, g, tp, d>,
-    k_buf: Scratch,
-    v_buf: Scratch,
-    sem: Scratch,
+    kv_lens: Prefetch<ms>, page_indices: Prefetch<ms, pps>, cu_q_lens: Prefetch<ms1>, num_seqs: Prefetch<1>,
+    q: In<hkv, g, tp, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>, o: Out<hkv, g, tp, d>,
+    k_buf: Scratch, v_buf: Scratch, sem: Scratch,
     bq: usize,
     ppcb: usize,
     sm_scale: f32,
@@ -302,20 +295,56 @@ pub fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, 
     Array::new(&shape, data)
 }
 
-/// Runs the op on the interpreter: `(q, k_pages, v_pages, kv_lens, page_indices,
-/// cu_q_lens, num_seqs) -> o: [T, H, D]`.
-pub fn ragged_paged_attention(args: &[Array], opts: &Options, target: &Target) -> Result<Array, KernelError> {
-    let kernel = build(&crate::types_of(args), opts, target)?;
-    run_kernel(&kernel, args)
+impl Options {
+    /// The op's statics for these options.
+    fn statics(&self) -> String {
+        let mut s = format!("sm_scale={:?}", self.sm_scale as f64);
+        let opt = |name: &str, v: Option<String>| v.map_or(String::new(), |v| format!(", {name}={v}"));
+        s += &opt("sliding_window", self.sliding_window.map(|w| w.to_string()));
+        s += &opt("soft_cap", self.soft_cap.map(|c| format!("{:?}", c as f64)));
+        s += &opt("num_queries_per_block", self.block_q.map(|b| b.to_string()));
+        s += &opt("num_kv_pages_per_block", self.pages_per_compute_block.map(|p| p.to_string()));
+        s
+    }
+}
+
+/// Ragged paged attention on op-order arrays `(q, k_pages, v_pages, kv_lens,
+/// page_indices, cu_q_lens, num_seqs) -> o: [T, H, D]`.
+pub fn ragged_paged_attention(exec: &dyn Executor, args: &[Array], opts: &Options, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "ragged_paged_attention", &args.iter().collect::<Vec<_>>(), &opts.statics(), target)
 }
 
 /// Runs an already built kernel (e.g. a modified one in a test) on op-order arrays.
-pub fn run_kernel(kernel: &Kernel, args: &[Array]) -> Result<Array, KernelError> {
-    let dims = check(&crate::types_of(args))?;
+pub fn run_kernel(exec: &dyn Executor, kernel: &Kernel, args: &[Array]) -> Result<Array, KernelError> {
+    let types: Vec<Type> = args.iter().map(|a| Type::vector(a.dtype, &a.shape)).collect();
+    let dims = check(&types)?;
     let (hkv, g, tp) = (dims.hkv, dims.h / dims.hkv, kernel.find_ref("q").map_or(dims.t, |r| kernel.refs[r.0 as usize].shape.get(2).copied().unwrap_or(dims.t)));
     let qk = relayout(&args[0], dims.t, hkv, g, tp, dims.d, true);
-    let out = interp::run(kernel, &[&args[3], &args[4], &args[5], &args[6], &qk, &args[1], &args[2]])?.remove(0);
+    let out = tessera_dsl::exec::run(exec, kernel, &[&args[3], &args[4], &args[5], &args[6], &qk, &args[1], &args[2]])?.remove(0);
     Ok(relayout(&out, dims.t, hkv, g, tp, dims.d, false))
+}
+
+fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
+    const NAMES: [&str; 7] = ["q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"];
+    let types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
+    let opts = Options {
+        sm_scale: c.statics.f64("sm_scale").unwrap_or(1.0) as f32,
+        sliding_window: c.usize_opt("sliding_window")?,
+        soft_cap: c.statics.f64("soft_cap").map(|x| x as f32),
+        block_q: c.usize_opt("num_queries_per_block")?,
+        pages_per_compute_block: c.usize_opt("num_kv_pages_per_block")?,
+    };
+    let kernel = build(&types, &opts, c.target)?;
+    let q = &types[0];
+    let hkv = types[1].shape[0];
+    let qk = kernel.ref_decl(kernel.find_ref("q").ok_or_else(|| c.err("kernel", "plan-consistency", "the kernel has no `q`", "report this as a Tessera bug"))?).shape.clone();
+    let layout = Layout::HeadMajor { hkv, group: qk[1], padded_tokens: qk[2] };
+    let q_arg = Operand { source: Source::Input(c.index("q")?), layout, ty: Type::vector(q.dtype, &qk) };
+    let mut args: Vec<Operand> = NAMES[3..].iter().zip(&types[3..]).map(|(n, t)| c.input(n, t.clone())).collect::<Result<_, _>>()?;
+    args.extend([q_arg, c.input("k_pages", types[1].clone())?, c.input("v_pages", types[2].clone())?]);
+    let launch = Launch::new(kernel, args);
+    let out = Operand { source: Source::Result { launch: 0, output: 0 }, layout, ty: q.clone() };
+    Ok(Plan::new(c.op, c.target, vec![launch], vec![out]))
 }
 
 /// Random valid inputs: uniform q, k, v; `num_seqs` one less than `S` when `S > 2` (the
@@ -364,39 +393,23 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
     vec![q, k, v, Array::from_i32(&[ms], kv_lens), Array::from_i32(&[ms, pps], pages), Array::from_i32(&[ms + 1], cu), Array::from_i32(&[1], vec![ns as i32])]
 }
 
-/// The library entry's options: `sm_scale = 1 / sqrt(D)`, no window, no cap.
-fn library_options(inputs: &[Type]) -> Options {
-    let d = inputs.first().and_then(|q| q.shape.last()).copied().unwrap_or(1);
-    Options { sm_scale: 1.0 / (d as f32).sqrt(), ..Options::default() }
+const fn int(name: &'static str, dims: &'static str) -> Input {
+    Input { name, dims, kind: Kind::Int32 }
 }
 
-const fn int(name: &'static str, dims: &'static str, default_shape: &'static [usize]) -> Operand {
-    Operand { name, dims, default_shape, kind: OperandKind::Int32 }
-}
+/// `1 / sqrt(128)`, the cases' softmax scale (both shape sets have D = 128).
+const CASES: &[Case] = &[
+    Case { name: "default", statics: "sm_scale=0.08838834764831845", shapes: &[&[256, 32, 128], &[8, 128, 16, 128], &[8, 128, 16, 128], &[8], &[8, 32], &[9], &[1]] },
+    Case { name: "alt", statics: "sm_scale=0.08838834764831845", shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]] },
+    Case { name: "window", statics: "sm_scale=0.08838834764831845, sliding_window=40, soft_cap=30.0", shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]] },
+];
 
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[LibraryKernel {
-    name: "ragged_paged_attention",
-    summary: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA",
-    signature: "ragged_paged_attention(q: [t, h, d], k_pages: [hkv, num_pages, page_size, d], v_pages: [hkv, num_pages, page_size, d], kv_lens: [s] i32, page_indices: [s, pages_per_seq] i32, cu_q_lens: [s + 1] i32, num_seqs: [1] i32; sm_scale = 1/sqrt(d), sliding_window?, soft_cap?, block_q, pages_per_compute_block) -> [t, h, d]",
-    inputs: &[
-        crate::float("q", "[t, h, d]", &[256, 32, 128]),
-        crate::float("k_pages", "[hkv, num_pages, page_size, d]", &[8, 128, 16, 128]),
-        crate::float("v_pages", "[hkv, num_pages, page_size, d]", &[8, 128, 16, 128]),
-        int("kv_lens", "[s]", &[8]),
-        int("page_indices", "[s, pages_per_seq]", &[8, 32]),
-        int("cu_q_lens", "[s + 1]", &[9]),
-        int("num_seqs", "[1]", &[1]),
-    ],
-    alt_shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]],
-    build: |t, target| Ok(vec![build(t, &library_options(t), target)?]),
-    run: |a, target| Ok(vec![ragged_paged_attention(a, &library_options(&crate::types_of(a)), target)?]),
-    random_inputs,
-    reference: |a| {
-        let d = a[0].shape[2];
-        vec![reference::ragged_paged_attention(a, 1.0 / (d as f64).sqrt(), None, None)]
-    },
-}];
+/// This module's ops.
+pub const OPS: &[Op] = &[Op {
+                             name: "ragged_paged_attention", doc: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, int? num_queries_per_block=None, int? num_kv_pages_per_block=None) -> Tensor", plan: plan_ragged_paged_attention, reference: Some(|a, s| vec![reference::ragged_paged_attention(a, s.f64("sm_scale").unwrap_or(1.0) as f32 as f64, s.i64("sliding_window").map(|w| w as usize), s.f64("soft_cap").map(|c| c as f32 as f64))]),
+                             inputs: &[ Input { name: "q", dims: "[t, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, int("kv_lens", "[s]"), int("page_indices", "[s, pages_per_seq]"), int("cu_q_lens", "[s + 1]"), int("num_seqs", "[1]"), ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
+                             cases: CASES, random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)), ..Op::EMPTY
+                         }];
 
 /// Independent f64 reference: for each sequence, each query token and each head, gathers
 /// the visible keys token by token from the page table and runs an explicit softmax.

@@ -26,11 +26,13 @@
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use tessera_dsl::interp::{self, Array, Data};
-use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::interp::{Array, Data};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{host, result, single, Launch, Operand, Plan};
 
 /// RoPE's base in the library entries (the builders take any).
 pub const ROPE_THETA: f64 = 10000.0;
@@ -59,10 +61,8 @@ const MASKED: f32 = f32::MIN;
 #[tpu_kernel(
     grid = [t.div_ceil(tm), n / w],
     semantics = [parallel, parallel],
-    x = block([tm, w], |i, j| [i, j]),
-    cos = block([tm, w], |i, j| [i, 0]),
-    sin = block([tm, w], |i, j| [i, 0]),
-    out = block([tm, w], |i, j| [i, j]),
+    (x, out) = block([tm, w], |i, j| [i, j]),
+    (cos, sin) = block([tm, w], |i, j| [i, 0]),
 )]
 pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, tm: usize, dh: usize, interleaved: bool, sign: f32) {
     // R[i, i + off] = +1 and R[i + off, i] = -1 for i the first member of a pair.
@@ -166,37 +166,15 @@ pub fn rope_tables(positions: &[i32], dh: usize, w: usize, theta: f64, interleav
     (Array::from_f32(&shape, cos), Array::from_f32(&shape, sin))
 }
 
-/// The positions of a RoPE call as i32, checked against `t`.
-fn positions_of<'a>(op: &str, positions: &'a Array, t: usize) -> Result<&'a [i32], KernelError> {
-    match positions.as_i32() {
-        Some(p) if positions.shape == [t] => Ok(p),
-        _ => Err(shape_err(op, "input `position_ids`", format!("position_ids is {}{:?}, x has {t} tokens", positions.dtype, positions.shape), "pass int32 position ids of shape [tokens]")),
-    }
-}
-
-fn reshaped(a: &Array, shape: &[usize]) -> Array {
-    Array { shape: shape.to_vec(), ..a.clone() }
-}
-
-fn run_rope(x: &Array, positions: &Array, theta: f64, interleaved: bool, backward: bool, target: &Target) -> Result<Array, KernelError> {
-    let op = if backward { "rope_bwd" } else { "rope" };
-    let kernel = build_rope(&Type::vector(x.dtype, &x.shape), interleaved, backward, target)?;
-    let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
-    let positions = positions_of(op, positions, t)?;
-    let (cos, sin) = rope_tables(positions, dh, rope_chunk(h * dh, dh), theta, interleaved);
-    let out = interp::run(&kernel, &[&reshaped(x, &[t, h * dh]), &cos, &sin])?;
-    Ok(reshaped(&out[0], &x.shape))
-}
-
-/// RoPE on the CPU interpreter: `x: [t, h, dh]` (f32 or bf16) rotated by the angles of
-/// `positions: i32[t]` with base `theta`; rotate-half unless `interleaved`.
-pub fn rope(x: &Array, positions: &Array, theta: f64, interleaved: bool, target: &Target) -> Result<Array, KernelError> {
-    run_rope(x, positions, theta, interleaved, false, target)
+/// RoPE: `x: [t, h, dh]` (f32 or bf16) rotated by the angles of `positions: i32[t]`
+/// with base `theta`; rotate-half unless `interleaved`.
+pub fn rope(exec: &dyn Executor, x: &Array, positions: &Array, theta: f64, interleaved: bool, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "rope", &[x, positions], &format!("theta={theta:?}, interleaved={}", if interleaved { "True" } else { "False" }), target)
 }
 
 /// The gradient of [`rope`] with respect to `x`, given `dy` (the inverse rotation).
-pub fn rope_bwd(dy: &Array, positions: &Array, theta: f64, interleaved: bool, target: &Target) -> Result<Array, KernelError> {
-    run_rope(dy, positions, theta, interleaved, true, target)
+pub fn rope_bwd(exec: &dyn Executor, dy: &Array, positions: &Array, theta: f64, interleaved: bool, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "rope_bwd", &[dy, positions], &format!("theta={theta:?}, interleaved={}", if interleaved { "True" } else { "False" }), target)
 }
 
 // ---- cross-entropy ---------------------------------------------------------------------
@@ -207,12 +185,8 @@ pub fn rope_bwd(dy: &Array, positions: &Array, theta: f64, interleaved: bool, ta
     grid = [t.div_ceil(tm), vocab.div_ceil(tv)],
     semantics = [parallel, arbitrary],
     logits = block([tm, tv], |i, j| [i, j]),
-    labels = block([tm, 1], |i, j| [i, 0]),
-    loss = block([tm, 1], |i, j| [i, 0]),
-    lse = block([tm, 1], |i, j| [i, 0]),
-    m_run = scratch([tm, 1], f32),
-    s_run = scratch([tm, 1], f32),
-    picked = scratch([tm, 1], f32),
+    (labels, loss, lse) = block([tm, 1], |i, j| [i, 0]),
+    (m_run, s_run, picked) = scratch([tm, 1], f32),
 )]
 pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t, 1>, lse: Out<t, 1>, m_run: Scratch, s_run: Scratch, picked: Scratch, tm: usize, tv: usize) {
     let j = program_id(1);
@@ -243,11 +217,8 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
 #[tpu_kernel(
     grid = [t.div_ceil(tm), vocab.div_ceil(tv)],
     semantics = [parallel, parallel],
-    logits = block([tm, tv], |i, j| [i, j]),
-    labels = block([tm, 1], |i, j| [i, 0]),
-    lse = block([tm, 1], |i, j| [i, 0]),
-    dloss = block([tm, 1], |i, j| [i, 0]),
-    dlogits = block([tm, tv], |i, j| [i, j]),
+    (logits, dlogits) = block([tm, tv], |i, j| [i, j]),
+    (labels, lse, dloss) = block([tm, 1], |i, j| [i, 0]),
 )]
 pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<t, 1>, dloss: In<t, 1>, dlogits: Out<t, vocab>, tm: usize, tv: usize) {
     // No column mask: columns past the vocabulary are garbage but their writes are dropped.
@@ -292,75 +263,112 @@ pub fn build_cross_entropy_bwd(logits: &Type, lse_dtype: DType, dloss_dtype: DTy
     cross_entropy_bwd_kernel(logits.clone(), col(DType::I32), col(lse_dtype), col(dloss_dtype), logits.clone(), tm, tv)
 }
 
-/// `a` (of `t` elements: `[t]` or `[t, 1]`) as a `[t, 1]` column, checked.
-fn column(op: &str, name: &str, a: &Array, t: usize, int: bool) -> Result<Array, KernelError> {
-    let ok = a.len() == t && (a.shape == [t] || a.shape == [t, 1]) && (a.dtype == DType::I32) == int && (int || a.dtype.is_float());
-    if !ok {
-        let want = if int { "int32" } else { "float" };
-        return Err(shape_err(op, &format!("input `{name}`"), format!("{name} is {}{:?}, the logits have {t} rows", a.dtype, a.shape), &format!("pass {want} {name} of shape [tokens]")));
-    }
-    Ok(reshaped(a, &[t, 1]))
-}
-
-/// Cross-entropy on the CPU interpreter: `(loss [t], lse [t, 1])`, both f32, for
-/// `logits: [t, v]` and `labels: i32[t]`.
-pub fn cross_entropy(logits: &Array, labels: &Array, target: &Target) -> Result<(Array, Array), KernelError> {
-    let kernel = build_cross_entropy(&Type::vector(logits.dtype, &logits.shape), target)?;
-    let t = logits.shape[0];
-    let labels = column("cross_entropy", "labels", labels, t, true)?;
-    let mut out = interp::run(&kernel, &[logits, &labels])?;
-    let lse = out.pop().expect("two outputs");
-    let loss = out.pop().expect("two outputs");
-    Ok((reshaped(&loss, &[t]), lse))
+/// Cross-entropy: `(loss [t], lse [t])`, both f32, for `logits: [t, v]` and
+/// `labels: i32[t]`.
+pub fn cross_entropy(exec: &dyn Executor, logits: &Array, labels: &Array, target: &Target) -> Result<(Array, Array), KernelError> {
+    let mut out = crate::run(exec, "cross_entropy", &[logits, labels], "", target)?.into_iter();
+    let (loss, lse) = (out.next(), out.next());
+    loss.zip(lse).ok_or_else(|| KernelError::new("cross_entropy", "outputs", "output-count", "expected 2 results", "report this as a library bug"))
 }
 
 /// The gradient of `sum(cross_entropy(logits, labels).loss * dloss)` with respect to the
 /// logits, given the forward's `lse`; `dlogits` has the logits' dtype.
-pub fn cross_entropy_bwd(logits: &Array, labels: &Array, lse: &Array, dloss: &Array, target: &Target) -> Result<Array, KernelError> {
-    let kernel = build_cross_entropy_bwd(&Type::vector(logits.dtype, &logits.shape), lse.dtype, dloss.dtype, target)?;
-    let t = logits.shape[0];
-    let op = "cross_entropy_bwd";
-    let args = [logits.clone(), column(op, "labels", labels, t, true)?, column(op, "lse", lse, t, false)?, column(op, "dloss", dloss, t, false)?];
-    Ok(interp::run(&kernel, &args.iter().collect::<Vec<_>>())?.remove(0))
+pub fn cross_entropy_bwd(exec: &dyn Executor, logits: &Array, labels: &Array, lse: &Array, dloss: &Array, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "cross_entropy_bwd", &[logits, labels, lse, dloss], "", target)
 }
 
-// ---- library entries -------------------------------------------------------------------
+// ---- ops ------------------------------------------------------------------------------------
 
-fn arity(op: &str, n: usize, want: usize) -> Result<(), KernelError> {
-    if n == want {
-        return Ok(());
+fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
+    let backward = c.op == "rope_bwd";
+    let name = if backward { "dy" } else { "x" };
+    let x = c.tensor(name)?.clone();
+    let interleaved = c.statics.bool("interleaved");
+    let kernel = build_rope(&x, interleaved, backward, c.target)?;
+    let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
+    let positions = c.tensor("position_ids")?;
+    if positions.dtype != DType::I32 || positions.shape != [t] {
+        return Err(c.err("input `position_ids`", "operand-shape", format!("position_ids is {positions}, {name} has {t} tokens"), format!("pass integer position ids of shape [{t}]")));
     }
-    Err(KernelError::new(op, "inputs", "input-count", format!("{n} inputs given, the op takes {want}"), "pass one array per input operand"))
+    let w = rope_chunk(h * dh, dh);
+    let table = Type::vector(DType::F32, &[t, w]);
+    let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, host(0, table.clone()), host(1, table)];
+    let theta = c.statics.f64("theta").unwrap_or(ROPE_THETA);
+    let positions_at = c.index("position_ids")?;
+    Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(
+        &[positions_at],
+        Box::new(move |v| {
+            let positions = v[0].as_i32().unwrap_or_default();
+            let (cos, sin) = rope_tables(positions, dh, w, theta, interleaved);
+            Ok(vec![cos, sin])
+        }),
+    ))
 }
 
+/// Tensor input `name` (`[t]` or `[t, 1]`) as a `[t, 1]` column: int32 if `int`, else
+/// any float.
+fn column(c: &Call, name: &str, t: usize, int: bool) -> Result<Operand, KernelError> {
+    let a = c.tensor(name)?;
+    let ok = a.num_elements() == t && a.rank() <= 2 && a.shape.first() == Some(&t) && (a.dtype == DType::I32) == int && (int || a.dtype.is_float());
+    if !ok {
+        let want = if int { "int32" } else { "float" };
+        return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {a}, the logits have {t} rows"), format!("pass {want} {name} of shape [{t}]")));
+    }
+    c.input(name, Type::vector(a.dtype, &[t, 1]))
+}
+
+fn logits_rows(c: &Call) -> Result<(Type, usize), KernelError> {
+    let logits = c.tensor("logits")?.clone();
+    ce_dims(c.op, &logits)?;
+    let t = logits.shape[0];
+    Ok((logits, t))
+}
+
+fn plan_cross_entropy(c: &Call) -> Result<Plan, KernelError> {
+    let (logits, t) = logits_rows(c)?;
+    let kernel = build_cross_entropy(&logits, c.target)?;
+    let args = vec![c.input("logits", logits)?, column(c, "labels", t, true)?];
+    Ok(single(c, kernel, args, &[Some(vec![t]), Some(vec![t])]))
+}
+
+fn plan_cross_entropy_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let (logits, t) = logits_rows(c)?;
+    let (labels, lse, dloss) = (column(c, "labels", t, true)?, column(c, "lse", t, false)?, column(c, "dloss", t, false)?);
+    let kernel = build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, c.target)?;
+    Ok(single(c, kernel, vec![c.input("logits", logits)?, labels, lse, dloss], &[]))
+}
+
+fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
+    let (logits, t) = logits_rows(c)?;
+    let forward = build_cross_entropy(&logits, c.target)?;
+    let labels = column(c, "labels", t, true)?;
+    let col = Type::vector(DType::F32, &[t, 1]);
+    let backward = build_cross_entropy_bwd(&logits, DType::F32, DType::F32, c.target)?;
+    let launches = vec![
+        Launch::new(forward, vec![c.input("logits", logits.clone())?, labels.clone()]),
+        Launch::new(backward, vec![c.input("logits", logits.clone())?, labels, result(0, 1, col.clone()), host(0, col)]),
+    ];
+    let results = vec![result(0, 0, Type::vector(DType::F32, &[t])), result(1, 0, logits)];
+    Ok(Plan::new(c.op, c.target, launches, results).with_host(&[], Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])]))))
+}
 
 /// x in [-1, 1) and positions drawn from [0, 8192) in no particular order.
-fn rope_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+fn rope_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let (xs, ts) = (&shapes[0], shapes[1][0]);
     let x = Array::from_f32_in(dtype, xs, harness::uniform(xs.iter().product(), 1.0, rng));
     let pos = Array::from_i32(&[ts], (0..ts).map(|_| rng.gen_range(0..8192)).collect());
     vec![x, pos]
 }
 
-fn rope_op_build(types: &[Type], target: &Target, interleaved: bool, backward: bool) -> Result<Vec<Kernel>, KernelError> {
-    arity(if backward { "rope_bwd" } else { "rope" }, types.len(), 2)?;
-    Ok(vec![build_rope(&types[0], interleaved, backward, target)?])
-}
-
-fn rope_op_run(a: &[Array], target: &Target, interleaved: bool, backward: bool) -> Result<Vec<Array>, KernelError> {
-    arity(if backward { "rope_bwd" } else { "rope" }, a.len(), 2)?;
-    Ok(vec![run_rope(&a[0], &a[1], ROPE_THETA, interleaved, backward, target)?])
-}
-
-fn rope_op_reference(a: &[Array], interleaved: bool, backward: bool) -> Vec<Vec<f64>> {
+fn ref_rope(a: &[Array], s: &Statics, backward: bool) -> Vec<Vec<f64>> {
     let (t, h, dh) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
     let pos = a[1].to_f64_vec();
     let f = if backward { reference::rope_bwd } else { reference::rope };
-    vec![f(&a[0].to_f64_vec(), &pos, t, h, dh, ROPE_THETA, interleaved)]
+    vec![f(&a[0].to_f64_vec(), &pos, t, h, dh, s.f64("theta").unwrap_or(ROPE_THETA), s.bool("interleaved"))]
 }
 
 /// Logits in [-4, 4) (a spread that exercises the max subtraction), labels in [0, v).
-fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
+fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let (t, v) = (shapes[0][0], shapes[0][1]);
     let logits = Array::from_f32_in(dtype, &[t, v], harness::uniform(t * v, 4.0, rng));
     let labels = Array::from_i32(&[t], (0..t).map(|_| rng.gen_range(0..v as i32)).collect());
@@ -368,8 +376,8 @@ fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array
 }
 
 /// [`ce_inputs`] plus the forward's `lse` (exact, rounded to `dtype`) and a random `dloss`.
-fn ce_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<Array> {
-    let mut a = ce_inputs(shapes, dtype, rng);
+fn ce_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let mut a = ce_inputs(shapes, dtype, s, rng);
     let (t, v) = (shapes[0][0], shapes[0][1]);
     let x = a[0].to_f64_vec();
     let lse = x
@@ -379,151 +387,27 @@ fn ce_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> Vec<A
             (m + row.iter().map(|z| (z - m).exp()).sum::<f64>().ln()) as f32
         })
         .collect();
-    a.push(Array::from_f32_in(dtype, &[t, 1], lse));
+    a.push(Array::from_f32_in(dtype, &shapes[2], lse));
     a.push(Array::from_f32_in(dtype, &[t], harness::uniform(t, 1.0, rng)));
     a
 }
 
-const ROPE_INPUTS: &[Operand] = &[
-    Operand { name: "x", dims: "[t, h, dh]", default_shape: &[1024, 8, 128], kind: OperandKind::Float },
-    Operand { name: "position_ids", dims: "[t]", default_shape: &[1024], kind: OperandKind::Int32 },
-];
-const ROPE_BWD_INPUTS: &[Operand] = &[
-    Operand { name: "dy", dims: "[t, h, dh]", default_shape: &[1024, 8, 128], kind: OperandKind::Float },
-    Operand { name: "position_ids", dims: "[t]", default_shape: &[1024], kind: OperandKind::Int32 },
-];
-/// dh = 64 (two heads per 128-lane chunk) and more rows than one block, the last partial.
-const ROPE_ALT: &[&[usize]] = &[&[4100, 6, 64], &[4100]];
+fn ref_cross_entropy(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let (loss, lse) = reference::cross_entropy(&a[0].to_f64_vec(), &labels_of(&a[1]), a[0].shape[1]);
+    vec![loss, lse]
+}
 
-const CE_INPUTS: &[Operand] = &[
-    Operand { name: "logits", dims: "[t, v]", default_shape: &[512, 32000], kind: OperandKind::Float },
-    Operand { name: "labels", dims: "[t]", default_shape: &[512], kind: OperandKind::Int32 },
-];
-const CE_BWD_INPUTS: &[Operand] = &[
-    Operand { name: "logits", dims: "[t, v]", default_shape: &[512, 32000], kind: OperandKind::Float },
-    Operand { name: "labels", dims: "[t]", default_shape: &[512], kind: OperandKind::Int32 },
-    Operand { name: "lse", dims: "[t, 1]", default_shape: &[512, 1], kind: OperandKind::Float },
-    Operand { name: "dloss", dims: "[t]", default_shape: &[512], kind: OperandKind::Float },
-];
+fn ref_cross_entropy_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    vec![reference::cross_entropy_bwd(&a[0].to_f64_vec(), &labels_of(&a[1]), &a[3].to_f64_vec(), a[0].shape[1])]
+}
 
-/// The interleaved (GPT-J) RoPE, listed in [`OPS`] under its own name.
-pub const ROPE_INTERLEAVED: LibraryKernel = LibraryKernel {
-    name: "rope_interleaved",
-    summary: "RoPE, interleaved (GPT-J) pairs (2i, 2i+1), theta = 10000",
-    signature: "rope(x: [t, h, dh], position_ids: i32[t]; theta: f64 = 10000, interleaved: bool = true) -> [t, h, dh]",
-    inputs: ROPE_INPUTS,
-    alt_shapes: ROPE_ALT,
-    build: |t, target| rope_op_build(t, target, true, false),
-    run: |a, target| rope_op_run(a, target, true, false),
-    random_inputs: rope_inputs,
-    reference: |a| rope_op_reference(a, true, false),
-};
-
-/// The backward of [`ROPE_INTERLEAVED`].
-pub const ROPE_INTERLEAVED_BWD: LibraryKernel = LibraryKernel {
-    name: "rope_interleaved_bwd",
-    summary: "gradient of interleaved RoPE (the inverse rotation)",
-    signature: "rope_bwd(dy: [t, h, dh], position_ids: i32[t]; theta: f64 = 10000, interleaved: bool = true) -> [t, h, dh]",
-    inputs: ROPE_BWD_INPUTS,
-    alt_shapes: ROPE_ALT,
-    build: |t, target| rope_op_build(t, target, true, true),
-    run: |a, target| rope_op_run(a, target, true, true),
-    random_inputs: rope_inputs,
-    reference: |a| rope_op_reference(a, true, true),
-};
-
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[
-    LibraryKernel {
-        name: "rope",
-        summary: "rotary position embedding, rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), theta = 10000; pair swap as a matmul with an in-kernel signed permutation",
-        signature: "rope(x: [t, h, dh], position_ids: i32[t]; theta: f64 = 10000, interleaved: bool = false) -> [t, h, dh]",
-        inputs: ROPE_INPUTS,
-        alt_shapes: ROPE_ALT,
-        build: |t, target| rope_op_build(t, target, false, false),
-        run: |a, target| rope_op_run(a, target, false, false),
-        random_inputs: rope_inputs,
-        reference: |a| rope_op_reference(a, false, false),
-    },
-    LibraryKernel {
-        name: "rope_bwd",
-        summary: "gradient of rope: dx = dy * cos + (dy * sin) @ R^T (the inverse rotation)",
-        signature: "rope_bwd(dy: [t, h, dh], position_ids: i32[t]; theta: f64 = 10000, interleaved: bool = false) -> [t, h, dh]",
-        inputs: ROPE_BWD_INPUTS,
-        alt_shapes: ROPE_ALT,
-        build: |t, target| rope_op_build(t, target, false, true),
-        run: |a, target| rope_op_run(a, target, false, true),
-        random_inputs: rope_inputs,
-        reference: |a| rope_op_reference(a, false, true),
-    },
-    LibraryKernel {
-        name: "cross_entropy",
-        summary: "fused softmax cross-entropy over vocab tiles: online logsumexp in f32 scratch, label logit by iota mask; labels outside [0, v) give 0",
-        signature: "cross_entropy(logits: [t, v], labels: i32[t]) -> (loss: f32[t], lse: f32[t, 1])",
-        inputs: CE_INPUTS,
-        // A GPT-2-sized vocabulary (not a multiple of the tile) and a partial row tile.
-        alt_shapes: &[&[300, 50257], &[300]],
-        build: |t, target| {
-            arity("cross_entropy", t.len(), 2)?;
-            Ok(vec![build_cross_entropy(&t[0], target)?])
-        },
-        run: |a, target| {
-            arity("cross_entropy", a.len(), 2)?;
-            let (loss, lse) = cross_entropy(&a[0], &a[1], target)?;
-            Ok(vec![loss, lse])
-        },
-        random_inputs: ce_inputs,
-        reference: |a| {
-            let (loss, lse) = reference::cross_entropy(&a[0].to_f64_vec(), &labels_of(&a[1]), a[0].shape[1]);
-            vec![loss, lse]
-        },
-    },
-    LibraryKernel {
-        name: "cross_entropy_with_grad",
-        summary: "the training step's loss op: cross_entropy then cross_entropy_bwd with dloss = 1, giving per-token loss and the logit gradient; never holds the [t, v] probabilities",
-        signature: "cross_entropy_with_grad(logits: [t, v], labels: i32[t]) -> (loss: f32[t], dlogits: [t, v])",
-        inputs: CE_INPUTS,
-        alt_shapes: &[&[300, 50257], &[300]],
-        build: |t, target| {
-            arity("cross_entropy_with_grad", t.len(), 2)?;
-            Ok(vec![build_cross_entropy(&t[0], target)?, build_cross_entropy_bwd(&t[0], DType::F32, DType::F32, target)?])
-        },
-        run: |a, target| {
-            arity("cross_entropy_with_grad", a.len(), 2)?;
-            let (loss, lse) = cross_entropy(&a[0], &a[1], target)?;
-            let ones = Array::from_f32(&[a[0].shape[0]], vec![1.0; a[0].shape[0]]);
-            let dlogits = cross_entropy_bwd(&a[0], &a[1], &lse, &ones, target)?;
-            Ok(vec![loss, dlogits])
-        },
-        random_inputs: ce_inputs,
-        reference: |a| {
-            let labels = labels_of(&a[1]);
-            let v = a[0].shape[1];
-            let logits = a[0].to_f64_vec();
-            let (loss, _) = reference::cross_entropy(&logits, &labels, v);
-            vec![loss, reference::cross_entropy_bwd(&logits, &labels, &vec![1.0; a[0].shape[0]], v)]
-        },
-    },
-    LibraryKernel {
-        name: "cross_entropy_bwd",
-        summary: "gradient of cross_entropy: dlogits = (softmax - onehot(label)) * dloss by vocab tiles, softmax recomputed from lse",
-        signature: "cross_entropy_bwd(logits: [t, v], labels: i32[t], lse: [t, 1], dloss: [t]) -> [t, v]",
-        inputs: CE_BWD_INPUTS,
-        alt_shapes: &[&[300, 50257], &[300], &[300, 1], &[300]],
-        build: |t, target| {
-            arity("cross_entropy_bwd", t.len(), 4)?;
-            Ok(vec![build_cross_entropy_bwd(&t[0], t[2].dtype, t[3].dtype, target)?])
-        },
-        run: |a, target| {
-            arity("cross_entropy_bwd", a.len(), 4)?;
-            Ok(vec![cross_entropy_bwd(&a[0], &a[1], &a[2], &a[3], target)?])
-        },
-        random_inputs: ce_bwd_inputs,
-        reference: |a| vec![reference::cross_entropy_bwd(&a[0].to_f64_vec(), &labels_of(&a[1]), &a[3].to_f64_vec(), a[0].shape[1])],
-    },
-    ROPE_INTERLEAVED,
-    ROPE_INTERLEAVED_BWD,
-];
+fn ref_cross_entropy_with_grad(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let labels = labels_of(&a[1]);
+    let v = a[0].shape[1];
+    let logits = a[0].to_f64_vec();
+    let (loss, _) = reference::cross_entropy(&logits, &labels, v);
+    vec![loss, reference::cross_entropy_bwd(&logits, &labels, &vec![1.0; a[0].shape[0]], v)]
+}
 
 fn labels_of(a: &Array) -> Vec<i64> {
     match &a.data {
@@ -531,6 +415,50 @@ fn labels_of(a: &Array) -> Vec<i64> {
         _ => a.to_f64_vec().iter().map(|&l| l as i64).collect(),
     }
 }
+
+const POSITIONS: Input = Input { name: "position_ids", dims: "[t]", kind: Kind::Int32 };
+/// Default, dh = 64 with more rows than one block (the last partial), and both interleaved.
+const ROPE_CASES: &[Case] = &[
+    Case { name: "default", statics: "", shapes: &[&[1024, 8, 128], &[1024]] },
+    Case { name: "alt", statics: "", shapes: &[&[4100, 6, 64], &[4100]] },
+    Case { name: "interleaved", statics: "interleaved=True", shapes: &[&[1024, 8, 128], &[1024]] },
+    Case { name: "interleaved_alt", statics: "interleaved=True", shapes: &[&[4100, 6, 64], &[4100]] },
+];
+const LOGITS: Input = Input { name: "logits", dims: "[t, v]", kind: Kind::Float };
+const LABELS: Input = Input { name: "labels", dims: "[t]", kind: Kind::Int32 };
+/// A GPT-2-sized vocabulary (not a multiple of the tile) and a partial row tile.
+const CE_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300]] }];
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "rope", doc: "rotary embedding of x [tokens, heads, head_dim] at integer position_ids [tokens]: rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), or interleaved (GPT-J) pairs (2i, 2i+1); pair swap as a matmul with an in-kernel signed permutation", schema: "(Tensor x, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, false)),
+        inputs: &[Input { name: "x", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+        backward: Some(Backward { op: "rope_bwd", args: "d_out, position_ids, theta, interleaved", grads: &["x"] }),
+        cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "rope_bwd", doc: "gradient of rope: dx = dy * cos + (dy * sin) @ R^T (the inverse rotation)", schema: "(Tensor dy, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, true)),
+        inputs: &[Input { name: "dy", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "dx", shape: "dy", dtype: "dy" }],
+        cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "cross_entropy", doc: "(loss [t], lse [t]) in float32 for logits [t, v] and int32 labels [t]: online logsumexp over vocab tiles in f32 scratch, the label's logit by an iota mask; the [t, v] probabilities never exist", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy, reference: Some(ref_cross_entropy),
+        inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "lse", shape: "[logits.0]", dtype: "f32" }],
+        backward: Some(Backward { op: "cross_entropy_bwd", args: "logits, labels, lse, d_loss", grads: &["logits"] }),
+        cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
+        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }], random: Some(ce_bwd_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "cross_entropy_with_grad", doc: "(loss, dlogits of sum(loss)): the training step's loss op, cross_entropy then cross_entropy_bwd with dloss = 1; never holds the [t, v] probabilities", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy_with_grad, reference: Some(ref_cross_entropy_with_grad),
+        inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
+    },
+];
 
 /// Independent f64 references: explicit rotation formulas with the trig evaluated
 /// directly, explicit log-softmax. They share no code with the kernels or their host

@@ -53,11 +53,13 @@
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{verify, DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::{harness, LibraryKernel, Operand, OperandKind};
+use crate::harness;
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics, COMPOSITE};
+use crate::plan::{host, result, single, Launch, Operand, Plan};
 
 /// The largest `k` `router_topk` supports (each round is a full pass over the row).
 pub const MAX_TOP_K: usize = 8;
@@ -86,8 +88,7 @@ pub enum Gate {
     grid = [t.div_ceil(tm)],
     semantics = [parallel],
     logits = block([tm, e], |i| [i, 0]),
-    weights = block([tm, k], |i| [i, 0]),
-    expert_ids = block([tm, k], |i| [i, 0]),
+    (weights, expert_ids) = block([tm, k], |i| [i, 0]),
 )]
 pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<t, k>, tm: usize, sigmoid_gate: bool, normalize: bool) {
     let x = logits[..].cast(f32);
@@ -146,8 +147,7 @@ pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scr
 #[tpu_kernel(
     grid = [t.div_ceil(tm), d.div_ceil(td), rows.div_ceil(ti)],
     semantics = [parallel, parallel, arbitrary],
-    weights = block([tm, k], |i, j, kk| [i, 0]),
-    pos = block([tm, k], |i, j, kk| [i, 0]),
+    (weights, pos) = block([tm, k], |i, j, kk| [i, 0]),
     y = block([ti, td], |i, j, kk| [kk, j]),
     out = block([tm, td], |i, j, kk| [i, j]),
     acc = scratch([tm, td], f32),
@@ -287,63 +287,192 @@ pub fn plan(ids: &Array, num_experts: usize) -> Result<Routing, KernelError> {
     Ok(Routing { tokens: t, k, src, pos, group_sizes })
 }
 
-fn run_checked(kernel: &Kernel, target: &Target, args: &[&Array]) -> Result<Vec<Array>, KernelError> {
-    verify::verify(kernel, target)?;
-    interp::run(kernel, args)
+/// Gate + top-k: `(weights [T, k], expert_ids [T, k])`.
+pub fn route(exec: &dyn Executor, logits: &Array, k: usize, gate: Gate, normalize: bool, target: &Target) -> Result<(Array, Array), KernelError> {
+    let gate = if gate == Gate::Sigmoid { "sigmoid" } else { "softmax" };
+    let mut out = crate::run(exec, "router_topk", &[logits], &format!("k={k}, gate=\"{gate}\", normalize={}", if normalize { "True" } else { "False" }), target)?.into_iter();
+    out.next().zip(out.next()).ok_or_else(|| KernelError::new("router_topk", "outputs", "output-count", "expected 2 results", "report this as a library bug"))
 }
 
-fn check_tokens(op: &str, operand: &str, a: &Array, routing: &Routing, want: usize) -> Result<(), KernelError> {
-    if a.shape.len() == 2 && a.shape[0] == want {
-        return Ok(());
+/// `x [T, D]` rows in expert-sorted order, `[T*k, D]`, with the rows per expert.
+pub fn permute(exec: &dyn Executor, x: &Array, expert_ids: &Array, num_experts: usize, target: &Target) -> Result<(Array, Array), KernelError> {
+    let mut out = crate::run(exec, "permute", &[x, expert_ids], &format!("num_experts={num_experts}"), target)?.into_iter();
+    out.next().zip(out.next()).ok_or_else(|| KernelError::new("permute", "outputs", "output-count", "expected 2 results", "report this as a library bug"))
+}
+
+/// `out[t] = sum_j weights[t, j] * y[row of (t, j)]`, `[T, D]` in `y`'s dtype.
+pub fn combine(exec: &dyn Executor, y: &Array, weights: &Array, expert_ids: &Array, num_experts: usize, target: &Target) -> Result<Array, KernelError> {
+    crate::run1(exec, "combine", &[y, weights, expert_ids], &format!("num_experts={num_experts}"), target)
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+fn plan_router_topk(c: &Call) -> Result<Plan, KernelError> {
+    let logits = c.tensor("logits")?.clone();
+    let gate = match c.statics.str("gate") {
+        "softmax" => Gate::Softmax,
+        "sigmoid" => Gate::Sigmoid,
+        other => return Err(c.err("argument `gate`", "option-value", format!("gate = {other:?}"), "use \"softmax\" or \"sigmoid\"")),
+    };
+    let kernel = router_topk(&logits, c.usize("k")?, gate, c.statics.bool("normalize"), c.target)?;
+    Ok(single(c, kernel, vec![c.input("logits", logits)?], &[]))
+}
+
+/// The `[t, k]` int32 expert ids of a routing call.
+fn expert_ids(c: &Call) -> Result<(usize, usize), KernelError> {
+    let ids = c.tensor("expert_ids")?;
+    match ids.shape[..] {
+        [t, k] if ids.dtype == DType::I32 && t > 0 && k > 0 => Ok((t, k)),
+        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] integer expert ids from router_topk")),
     }
-    Err(KernelError::new(
-        op,
-        format!("operand `{operand}`"),
-        "routing-shape",
-        format!("shape {:?}, but the routing has {} tokens x {} slots", a.shape, routing.tokens, routing.k),
-        format!("pass {want} rows"),
+}
+
+/// The MoE routing order of `ids`, errors reported as op `op`'s.
+fn routing_for(op: &str, ids: &Array, experts: usize) -> Result<Routing, KernelError> {
+    plan(ids, experts).map_err(|e| KernelError { kernel: op.to_string(), ..e })
+}
+
+fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
+    let x = c.tensor("x")?.clone();
+    let (t, k) = expert_ids(c)?;
+    let experts = c.usize("num_experts")?;
+    if x.rank() != 2 || x.shape[0] != t {
+        return Err(c.err("input `x`", "routing-shape", format!("x is {x}, expert_ids has {t} tokens"), format!("pass x of shape [{t}, d]")));
+    }
+    let kernel = permute_for(&x, t * k, c.target)?;
+    let launch = Launch::new(kernel, vec![host(0, Type::vector(DType::I32, &[t * k, 1])), c.input("x", x)?]);
+    let results = vec![result(0, 0, launch.outputs[0].clone()), host(1, Type::vector(DType::I32, &[experts]))];
+    let op = c.op;
+    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
+        &[c.index("expert_ids")?],
+        Box::new(move |v| {
+            let r = routing_for(op, v[0], experts)?;
+            Ok(vec![Array::from_i32(&[t * k, 1], r.src), Array::from_i32(&[experts], r.group_sizes)])
+        }),
     ))
 }
 
-/// Gate + top-k on the CPU interpreter: `(weights [T, k], expert_ids [T, k])`.
-pub fn route(logits: &Array, k: usize, gate: Gate, normalize: bool, target: &Target) -> Result<(Array, Array), KernelError> {
-    let kernel = router_topk(&Type::vector(logits.dtype, &logits.shape), k, gate, normalize, target)?;
-    let mut out = run_checked(&kernel, target, &[logits])?.into_iter();
-    Ok((out.next().expect("two outputs"), out.next().expect("two outputs")))
-}
-
-/// `x [T, D]` rows in expert-sorted order, `[T*k, D]`.
-pub fn permute(x: &Array, routing: &Routing, target: &Target) -> Result<Array, KernelError> {
-    check_tokens("permute", "x", x, routing, routing.tokens)?;
-    let rows = routing.src.len();
-    let kernel = permute_for(&Type::vector(x.dtype, &x.shape), rows, target)?;
-    let src = Array::from_i32(&[rows, 1], routing.src.clone());
-    Ok(run_checked(&kernel, target, &[&src, x])?.remove(0))
-}
-
-/// `out[t] = sum_j weights[t, j] * y[pos[t, j]]`, `[T, D]` in `y`'s dtype.
-pub fn combine(y: &Array, weights: &Array, routing: &Routing, target: &Target) -> Result<Array, KernelError> {
-    check_tokens("combine", "y", y, routing, routing.src.len())?;
-    if weights.shape != [routing.tokens, routing.k] {
-        return Err(KernelError::new(
-            "combine",
-            "operand `weights`",
-            "routing-shape",
-            format!("shape {:?}, the routing is [{}, {}]", weights.shape, routing.tokens, routing.k),
-            "pass the [T, k] weights from router_topk",
-        ));
+/// A combine launch of `y` rows (tensor `y_name`) weighted by `weights` (an operand),
+/// positions from host array 0.
+fn combine_launch(c: &Call, y_name: &str, weights: Operand, t: usize, k: usize) -> Result<Launch, KernelError> {
+    let y = c.tensor(y_name)?.clone();
+    if y.rank() != 2 || y.shape[0] != t * k {
+        return Err(c.err(format!("input `{y_name}`"), "routing-shape", format!("{y_name} is {y}, expert_ids is [{t}, {k}]"), format!("pass {y_name} of shape [{}, d]", t * k)));
     }
-    let pos = Array::from_i32(&[routing.tokens, routing.k], routing.pos.clone());
-    let kernel = combine_for(&Type::vector(weights.dtype, &weights.shape), &Type::vector(DType::I32, &pos.shape), &Type::vector(y.dtype, &y.shape), target)?;
-    Ok(run_checked(&kernel, target, &[weights, &pos, y])?.remove(0))
+    let pos = Type::vector(DType::I32, &[t, k]);
+    let kernel = combine_for(&weights.ty, &pos, &y, c.target)?;
+    Ok(Launch::new(kernel, vec![weights, host(0, pos), c.input(y_name, y)?]))
 }
 
-// ---- library entries ----------------------------------------------------------------------
+fn positions(c: &Call, t: usize, k: usize) -> Result<crate::plan::HostFn, KernelError> {
+    let (op, experts) = (c.op, c.usize("num_experts")?);
+    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], routing_for(op, v[0], experts)?.pos)])))
+}
 
-/// The library entry's static parameters for `router_topk`.
-pub const LIBRARY_TOP_K: usize = 2;
-pub const LIBRARY_GATE: Gate = Gate::Softmax;
-pub const LIBRARY_NORMALIZE: bool = true;
+fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
+    let weights = c.tensor("weights")?.clone();
+    let (t, k) = expert_ids(c)?;
+    if weights.shape != [t, k] {
+        return Err(c.err("input `weights`", "routing-shape", format!("weights is {weights}, expert_ids is [{t}, {k}]"), format!("pass weights of shape [{t}, {k}]")));
+    }
+    let launch = combine_launch(c, "y", c.input("weights", weights)?, t, k)?;
+    let results = vec![result(0, 0, launch.outputs[0].clone())];
+    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("expert_ids")?], positions(c, t, k)?))
+}
+
+/// Each token's rows summed back: combine with unit weights (host array 1).
+fn plan_permute_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let (t, k) = expert_ids(c)?;
+    let dtype = c.tensor("dout")?.dtype;
+    let ones = Type::vector(dtype, &[t, k]);
+    let launch = combine_launch(c, "dout", host(1, ones), t, k)?;
+    let results = vec![result(0, 0, launch.outputs[0].clone())];
+    let pos = positions(c, t, k)?;
+    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
+        &[c.index("expert_ids")?],
+        Box::new(move |v| {
+            let mut arrays = pos(v)?;
+            arrays.push(Array::from_f32_in(dtype, &[t, k], vec![1.0; t * k]));
+            Ok(arrays)
+        }),
+    ))
+}
+
+/// Random valid routing for [`random_expert_ids`] shapes: `x`, then the ids.
+fn permute_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    vec![harness::random_array(dtype, &shapes[0], rng), ids_input(shapes, 1, s, rng)]
+}
+
+fn combine_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let y = harness::random_array(dtype, &shapes[0], rng);
+    let w = harness::random_array(dtype, &shapes[1], rng);
+    vec![y, w, ids_input(shapes, 2, s, rng)]
+}
+
+fn ids_of(a: &Array) -> Vec<i64> {
+    a.to_f64_vec().into_iter().map(|v| v as i64).collect()
+}
+
+fn ref_router_topk(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let k = s.i64("k").unwrap_or(2) as usize;
+    let (w, ids) = reference::router_topk(&a[0].to_f64_vec(), a[0].shape[1], k, s.str("gate") == "sigmoid", s.bool("normalize"));
+    vec![w, ids.into_iter().map(|i| i as f64).collect()]
+}
+
+fn ref_permute(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let ids = ids_of(&a[1]);
+    let experts = s.i64("num_experts").unwrap_or(0) as usize;
+    let mut sizes = vec![0.0; experts];
+    for &e in &ids {
+        sizes[e as usize] += 1.0;
+    }
+    vec![reference::permute(&a[0].to_f64_vec(), a[0].shape[1], &ids, a[1].shape[1]), sizes]
+}
+
+fn ref_combine(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    vec![reference::combine(&a[0].to_f64_vec(), a[0].shape[1], &a[1].to_f64_vec(), &ids_of(&a[2]), a[2].shape[1])]
+}
+
+/// `dx[t] = sum_j dout[row of (t, j)]`: combine with unit weights.
+fn ref_permute_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
+    let ids = ids_of(&a[1]);
+    vec![reference::combine(&a[0].to_f64_vec(), a[0].shape[1], &vec![1.0; ids.len()], &ids, a[1].shape[1])]
+}
+
+fn permute_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    vec![harness::random_array(dtype, &shapes[0], rng), ids_input(shapes, 1, s, rng)]
+}
+
+const IDS: Input = Input { name: "expert_ids", dims: "[t, k]", kind: Kind::Int32 };
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "router_topk", doc: "MoE router: (weights [t, k], int32 expert_ids [t, k]); softmax or sigmoid gate over the experts, top-k (ties: lowest expert), optionally renormalised; f32 math", schema: "(Tensor logits, int k=2, str gate=\"softmax\", bool normalize=True) -> (Tensor, Tensor)", plan: plan_router_topk, reference: Some(ref_router_topk),
+        inputs: &[Input { name: "logits", dims: "[t, e]", kind: Kind::Float }], outputs: &[Output { name: "weights", shape: "[logits.0, k]", dtype: "logits" }, Output { name: "expert_ids", shape: "[logits.0, k]", dtype: "i32" }],
+        backward: Some(Backward { op: COMPOSITE, args: "", grads: &["logits"] }),
+        cases: &[Case { name: "default", statics: "", shapes: &[&[512, 8]] }, Case { name: "alt", statics: "k=4", shapes: &[&[1000, 60]] }, Case { name: "sigmoid", statics: "gate=\"sigmoid\"", shapes: &[&[512, 8]] }], ..Op::EMPTY
+    },
+    Op {
+        name: "permute", doc: "MoE dispatch: (x rows in expert-sorted order [t*k, d] (stable by expert), int32 group_sizes [num_experts]); one-hot matmul gather, O(t * t*k * d)", schema: "(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor)", plan: plan_permute, reference: Some(ref_permute),
+        inputs: &[Input { name: "x", dims: "[t, d]", kind: Kind::Float }, IDS], outputs: &[Output { name: "xs", shape: "[expert_ids.0 * expert_ids.1, x.1]", dtype: "x" }, Output { name: "group_sizes", shape: "[num_experts]", dtype: "i32" }],
+        backward: Some(Backward { op: "permute_bwd", args: "d_xs, expert_ids, num_experts", grads: &["x"] }),
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[512, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[1000, 384], &[1000, 4]] }], random: Some(permute_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "permute_bwd", doc: "gradient of permute: dx[t] = sum over t's k rows of dout (combine with unit weights)", schema: "(Tensor dout, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_permute_bwd, reference: Some(ref_permute_bwd),
+        inputs: &[Input { name: "dout", dims: "[t*k, d]", kind: Kind::Float }, IDS], outputs: &[Output { name: "dx", shape: "[expert_ids.0, dout.1]", dtype: "dout" }],
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4]] }], random: Some(permute_bwd_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "combine", doc: "MoE combine: out[t] = sum_j weights[t, j] * y[row of (t, j)] from expert-sorted rows; weighted one-hot matmul, O(t * t*k * d)", schema: "(Tensor y, Tensor weights, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_combine, reference: Some(ref_combine),
+        inputs: &[Input { name: "y", dims: "[t*k, d]", kind: Kind::Float }, Input { name: "weights", dims: "[t, k]", kind: Kind::Float }, IDS], outputs: &[Output { name: "out", shape: "[expert_ids.0, y.1]", dtype: "y" }],
+        backward: Some(Backward { op: COMPOSITE, args: "", grads: &["y", "weights"] }),
+        cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4], &[1000, 4]] }], random: Some(combine_inputs), ..Op::EMPTY
+    },
+];
+
+// ---- random inputs --------------------------------------------------------------------------
 
 /// The number of experts random routings draw from for `[T, k]` ids: `2k + 3` (odd, not
 /// a power of two). Expert 1 is never chosen, so one group is always empty.
@@ -354,7 +483,13 @@ pub fn random_routing_experts(k: usize) -> usize {
 /// Random valid routing: each token picks `k` distinct experts of
 /// [`random_routing_experts`], never expert 1.
 pub fn random_expert_ids(t: usize, k: usize, rng: &mut StdRng) -> Array {
-    let pool: Vec<i32> = (0..random_routing_experts(k) as i32).filter(|&e| e != 1).collect();
+    random_expert_ids_over(t, k, random_routing_experts(k), rng)
+}
+
+/// Random valid routing over `experts` experts (at least `k + 1`): each token picks `k`
+/// distinct experts, never expert 1 (so one group is always empty).
+pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdRng) -> Array {
+    let pool: Vec<i32> = (0..experts.max(k + 1) as i32).filter(|&e| e != 1).collect();
     let mut ids = Vec::with_capacity(t * k);
     for _ in 0..t {
         let mut p = pool.clone();
@@ -367,106 +502,13 @@ pub fn random_expert_ids(t: usize, k: usize, rng: &mut StdRng) -> Array {
     Array::from_i32(&[t, k], ids)
 }
 
-fn ids_input(shapes: &[Vec<usize>], at: usize, rng: &mut StdRng) -> Array {
-    let s = shapes.get(at).map(|s| s.as_slice()).unwrap_or(&[]);
-    random_expert_ids(s.first().copied().unwrap_or(1), s.get(1).copied().unwrap_or(1), rng)
+/// Random ids of shape `shapes[at]` over `num_experts` (or [`random_routing_experts`]).
+fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) -> Array {
+    let shape = shapes.get(at).map(|s| s.as_slice()).unwrap_or(&[]);
+    let (t, k) = (shape.first().copied().unwrap_or(1), shape.get(1).copied().unwrap_or(1));
+    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e as usize);
+    random_expert_ids_over(t, k, experts, rng)
 }
-
-fn arity(op: &str, n: usize, want: usize) -> Result<(), KernelError> {
-    if n == want {
-        return Ok(());
-    }
-    Err(KernelError::new(op, "inputs", "input-count", format!("{n} inputs given, the op takes {want}"), "pass one array per input operand"))
-}
-
-fn routing_of(op: &str, ids: &Array) -> Result<Routing, KernelError> {
-    let experts = ids.as_i32().and_then(|d| d.iter().max()).map_or(1, |&m| m.max(0) as usize + 1);
-    plan(ids, experts).map_err(|e| KernelError { kernel: op.to_string(), ..e })
-}
-
-fn rows_of(op: &str, ids: &Type) -> Result<usize, KernelError> {
-    let (t, k) = rank2(op, "expert_ids", ids)?;
-    int_operand(op, "expert_ids", ids)?;
-    Ok(t * k)
-}
-
-const fn operand(name: &'static str, dims: &'static str, default_shape: &'static [usize], kind: OperandKind) -> Operand {
-    Operand { name, dims, default_shape, kind }
-}
-
-/// This module's library ops.
-pub const OPS: &[LibraryKernel] = &[
-    LibraryKernel {
-        name: "router_topk",
-        summary: "MoE router: softmax over experts, top-2 (ties: lowest expert), renormalised; f32 math",
-        signature: "router_topk(logits: [t, e]; k = 2, gate = softmax, normalize = true) -> (weights: [t, k], expert_ids: [t, k] i32)",
-        inputs: &[operand("logits", "[t, e]", &[512, 8], OperandKind::Float)],
-        alt_shapes: &[&[1000, 60]],
-        build: |t, target| {
-            arity("router_topk", t.len(), 1)?;
-            Ok(vec![router_topk(&t[0], LIBRARY_TOP_K, LIBRARY_GATE, LIBRARY_NORMALIZE, target)?])
-        },
-        run: |a, target| {
-            arity("router_topk", a.len(), 1)?;
-            let (w, ids) = route(&a[0], LIBRARY_TOP_K, LIBRARY_GATE, LIBRARY_NORMALIZE, target)?;
-            Ok(vec![w, ids])
-        },
-        random_inputs: crate::uniform_inputs,
-        reference: |a| {
-            let (w, ids) = reference::router_topk(&a[0].to_f64_vec(), a[0].shape[1], LIBRARY_TOP_K, LIBRARY_GATE == Gate::Sigmoid, LIBRARY_NORMALIZE);
-            vec![w, ids.into_iter().map(|i| i as f64).collect()]
-        },
-    },
-    LibraryKernel {
-        name: "permute",
-        summary: "MoE dispatch: token rows into expert-sorted order (stable by expert), one-hot matmul gather, O(T*Tk*D)",
-        signature: "permute(x: [t, d], expert_ids: [t, k] i32) -> [t*k, d]",
-        inputs: &[operand("x", "[t, d]", &[512, 512], OperandKind::Float), operand("expert_ids", "[t, k]", &[512, 2], OperandKind::Int32)],
-        alt_shapes: &[&[1000, 384], &[1000, 4]],
-        build: |t, target| {
-            arity("permute", t.len(), 2)?;
-            Ok(vec![permute_for(&t[0], rows_of("permute", &t[1])?, target)?])
-        },
-        run: |a, target| {
-            arity("permute", a.len(), 2)?;
-            Ok(vec![permute(&a[0], &routing_of("permute", &a[1])?, target)?])
-        },
-        random_inputs: |shapes, dtype, rng| vec![harness::random_array(dtype, &shapes[0], rng), ids_input(shapes, 1, rng)],
-        reference: |a| {
-            let ids: Vec<i64> = a[1].to_f64_vec().into_iter().map(|v| v as i64).collect();
-            vec![reference::permute(&a[0].to_f64_vec(), a[0].shape[1], &ids, a[1].shape[1])]
-        },
-    },
-    LibraryKernel {
-        name: "combine",
-        summary: "MoE combine: out[t] = sum_j w[t, j] * y[pos[t, j]] from expert-sorted rows, weighted one-hot matmul, O(T*Tk*D)",
-        signature: "combine(y: [t*k, d], weights: [t, k], expert_ids: [t, k] i32) -> [t, d]",
-        inputs: &[
-            operand("y", "[t*k, d]", &[1024, 512], OperandKind::Float),
-            operand("weights", "[t, k]", &[512, 2], OperandKind::Float),
-            operand("expert_ids", "[t, k]", &[512, 2], OperandKind::Int32),
-        ],
-        alt_shapes: &[&[4000, 384], &[1000, 4], &[1000, 4]],
-        build: |t, target| {
-            arity("combine", t.len(), 3)?;
-            rows_of("combine", &t[2])?;
-            Ok(vec![combine_for(&t[1], &t[2], &t[0], target)?])
-        },
-        run: |a, target| {
-            arity("combine", a.len(), 3)?;
-            Ok(vec![combine(&a[0], &a[1], &routing_of("combine", &a[2])?, target)?])
-        },
-        random_inputs: |shapes, dtype, rng| {
-            let y = harness::random_array(dtype, &shapes[0], rng);
-            let w = harness::random_array(dtype, &shapes[1], rng);
-            vec![y, w, ids_input(shapes, 2, rng)]
-        },
-        reference: |a| {
-            let ids: Vec<i64> = a[2].to_f64_vec().into_iter().map(|v| v as i64).collect();
-            vec![reference::combine(&a[0].to_f64_vec(), a[0].shape[1], &a[1].to_f64_vec(), &ids, a[2].shape[1])]
-        },
-    },
-];
 
 /// Independent references: plain f64 loops (explicit softmax, sort-based top-k and
 /// routing order, gather, weighted sum) sharing no code with the kernels or [`plan`].

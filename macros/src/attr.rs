@@ -18,6 +18,9 @@ pub struct KernelAttr {
     pub blocks: Vec<(Ident, BlockAttr)>,
     pub scratch: Vec<(Ident, ScratchAttr)>,
     pub vmem_limit_bytes: Option<Expr>,
+    /// `name = expr`: the kernel's name from a `&'static str` expression over the static
+    /// parameters (a family of kernels sharing one body, each under its own name).
+    pub name: Option<Expr>,
 }
 
 /// `name = block([dims], |grid idx...| [block idx...])`.
@@ -44,22 +47,34 @@ pub enum ScratchMemory {
     Semaphore,
 }
 
+/// `key = value`, or `(a, b, ..) = value` for operands that share one declaration.
 struct Item {
-    key: Ident,
+    keys: Vec<Ident>,
     value: Expr,
 }
 
 impl Parse for Item {
     fn parse(input: ParseStream) -> syn::Result<Self> {
-        let key: Ident = input.parse()?;
+        let keys = if input.peek(syn::token::Paren) {
+            let inner;
+            syn::parenthesized!(inner in input);
+            let names = Punctuated::<Ident, Token![,]>::parse_terminated(&inner)?;
+            if names.is_empty() {
+                return Err(inner.error("name the operands that share this declaration: `(k, v) = block(..)`"));
+            }
+            names.into_iter().collect()
+        } else {
+            vec![input.parse()?]
+        };
         input.parse::<Token![=]>()?;
-        Ok(Item { key, value: input.parse()? })
+        Ok(Item { keys, value: input.parse()? })
     }
 }
 
-const ATTR_HELP: &str = "expected `grid = [..]`, `semantics = [..]`, `vmem_limit_bytes = ..`, or \
+const ATTR_HELP: &str = "expected `grid = [..]`, `semantics = [..]`, `vmem_limit_bytes = ..`, `name = \"..\"`, or \
 `<operand> = block([dims], |grid indices| [block indices])`, `<name> = scratch([dims], dtype)`, \
-`<name> = scratch_smem([dims], dtype)`, `<name> = semaphores(n)`";
+`<name> = scratch_smem([dims], dtype)`, `<name> = semaphores(n)`; operands sharing a declaration \
+can be grouped: `(k, v) = block(..)`";
 
 impl Parse for KernelAttr {
     fn parse(input: ParseStream) -> syn::Result<Self> {
@@ -71,15 +86,30 @@ impl Parse for KernelAttr {
             blocks: Vec::new(),
             scratch: Vec::new(),
             vmem_limit_bytes: None,
+            name: None,
         };
         let mut errors = Errors::default();
         let mut seen: Vec<Ident> = Vec::new();
-        for Item { key, value } in items {
-            if seen.contains(&key) {
-                errors.push(syn::Error::new_spanned(&key, format!("`{key}` is given twice")));
+        for Item { keys, value } in items {
+            if let Some(dup) = keys.iter().find(|k| seen.contains(k)) {
+                errors.push(syn::Error::new_spanned(dup, format!("`{dup}` is given twice")));
                 continue;
             }
-            seen.push(key.clone());
+            seen.extend(keys.iter().cloned());
+            if keys.len() > 1 {
+                // A shared declaration: the same block spec (or scratch) for each operand.
+                let res = keys.iter().try_for_each(|key| {
+                    parse_operand(key, value.clone()).map(|spec| match spec {
+                        OperandAttr::Block(b) => attr.blocks.push((key.clone(), b)),
+                        OperandAttr::Scratch(s) => attr.scratch.push((key.clone(), s)),
+                    })
+                });
+                if let Err(e) = res {
+                    errors.push(e);
+                }
+                continue;
+            }
+            let key = keys.into_iter().next().expect("one key");
             let res = match key.to_string().as_str() {
                 "grid" => array(&value, "grid").map(|a| {
                     attr.grid_span = a.span();
@@ -88,6 +118,10 @@ impl Parse for KernelAttr {
                 "semantics" => parse_semantics(&value).map(|s| attr.semantics = Some(s)),
                 "vmem_limit_bytes" => {
                     attr.vmem_limit_bytes = Some(value);
+                    Ok(())
+                }
+                "name" => {
+                    attr.name = Some(value);
                     Ok(())
                 }
                 _ => parse_operand(&key, value).map(|spec| match spec {

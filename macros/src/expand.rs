@@ -135,19 +135,25 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
     let const_name = format_ident!("{}_SIGNATURE", name.to_string().trim_start_matches("r#").to_uppercase());
     let const_doc = format!(" The signature of the `{name}` kernel, for listings.");
     let name_str = name.to_string();
+    let kernel_name = match &attr.name {
+        Some(e) => quote_spanned!(e.span()=> #[allow(non_snake_case)] let __KERNEL: &'static str = #e;),
+        None => quote!(const __KERNEL: &str = #name_str;),
+    };
     Ok(quote! {
         #(#attrs)*
         #[doc = ""]
         #[doc = #doc]
         #[allow(clippy::too_many_arguments)]
         #vis fn #name(#(#inputs),*) -> ::core::result::Result<::tessera_dsl::Kernel, ::tessera_dsl::KernelError> {
-            const __KERNEL: &str = #name_str;
+            #kernel_name
             #shapes
-            let mut __b = ::tessera_dsl::KernelBuilder::new(__KERNEL);
+            let mut __builder = ::tessera_dsl::KernelBuilder::new(__KERNEL);
+            // The body (its branches and fragments too) appends through `&mut KernelBuilder`.
+            let __b = &mut __builder;
             #grid
             #decls
             #body
-            __b.finish()
+            __builder.finish()
         }
 
         #[doc = #const_doc]

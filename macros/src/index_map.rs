@@ -137,6 +137,26 @@ impl IndexMapCx<'_> {
                 }
                 bin(op, &c.args[0], &c.args[1])
             }
+            // `if flag { a } else { b }` on a static condition (a kernel parameter, not a
+            // grid index): chosen when the kernel is built, so one kernel body serves
+            // variants that differ only in a flag (e.g. a transposed operand).
+            Expr::If(ei) if !self.is_dynamic(&ei.cond) => {
+                let branch = |b: &syn::Block| -> syn::Result<TokenStream> {
+                    match b.stmts.as_slice() {
+                        [syn::Stmt::Expr(e, None)] => self.lower(e),
+                        _ => Err(syn::Error::new_spanned(b, "each branch of an index-map `if` is a single index expression")),
+                    }
+                };
+                let Some((_, else_branch)) = &ei.else_branch else {
+                    return Err(syn::Error::new_spanned(ei, "an index-map `if` needs an `else` branch"));
+                };
+                let else_expr = match &**else_branch {
+                    Expr::Block(b) => branch(&b.block)?,
+                    other => self.lower(other)?,
+                };
+                let (cond, then_expr) = (&ei.cond, branch(&ei.then_branch)?);
+                Ok(quote_spanned!(span=> if #cond { #then_expr } else { #else_expr }))
+            }
             Expr::Index(ix) => {
                 let name = match strip_parens(&ix.expr) {
                     Expr::Path(p) => p.path.get_ident().map(|i| i.to_string()),

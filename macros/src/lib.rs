@@ -9,6 +9,7 @@ use proc_macro::TokenStream;
 
 mod attr;
 mod expand;
+mod fragment;
 mod index_map;
 mod lower;
 mod sig;
@@ -41,6 +42,31 @@ pub fn tpu_kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return e.to_compile_error().into(),
     };
     match expand::expand(attr, func) {
+        Ok(t) => t.into(),
+        Err(e) => e.to_compile_error().into(),
+    }
+}
+
+/// Declares a kernel fragment: a function in kernel syntax that kernels call. Parameters
+/// typed `Value` are IR values, the others static; it returns nothing, a `Value` or a
+/// tuple of `Value`s. See the crate README.
+///
+/// ```ignore
+/// #[tpu_fn]
+/// fn capped(s: Value, cap: f32) -> Value {
+///     if cap > 0.0 { (s * (1.0 / cap)).tanh() * cap } else { s }
+/// }
+/// ```
+#[proc_macro_attribute]
+pub fn tpu_fn(attr: TokenStream, item: TokenStream) -> TokenStream {
+    if !attr.is_empty() {
+        return syn::Error::new(proc_macro2::Span::call_site(), "`#[tpu_fn]` takes no arguments").to_compile_error().into();
+    }
+    let func = match syn::parse::<syn::ItemFn>(item) {
+        Ok(f) => f,
+        Err(e) => return e.to_compile_error().into(),
+    };
+    match fragment::expand(func) {
         Ok(t) => t.into(),
         Err(e) => e.to_compile_error().into(),
     }

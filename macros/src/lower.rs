@@ -40,7 +40,7 @@ const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf,
 cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
-ds(start, len) inside ref indices";
+ds(start, len) inside ref indices; any other function called with IR values is a `#[tpu_fn]` fragment";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
 
 pub struct Lowerer<'a> {
@@ -89,6 +89,44 @@ impl<'a> Lowerer<'a> {
     pub fn lower_body(mut self, body: &Block) -> (TokenStream, Errors) {
         let stmts = self.stmts(&body.stmts);
         (stmts, self.errors)
+    }
+
+    /// Declares the IR-valued parameters of a `#[tpu_fn]` fragment.
+    pub fn with_ir_params(mut self, names: &[Ident]) -> Self {
+        for n in names {
+            self.declare(n, Var::Ir { mutable: false });
+        }
+        self
+    }
+
+    /// Lowers a fragment's body: its statements, then its tail expression as `results`
+    /// values (`0`: no tail; `1`: a `Value`; `n`: a tuple of `n` values).
+    pub fn lower_fragment(mut self, body: &Block, results: usize) -> (TokenStream, Errors) {
+        let (init, tail) = match body.stmts.split_last() {
+            Some((Stmt::Expr(tail, None), init)) if results > 0 => (init, Some(tail)),
+            _ => (&body.stmts[..], None),
+        };
+        let stmts = self.stmts(init);
+        let tail = match (tail, results) {
+            (None, 0) => Ok(quote!()),
+            (None, _) => err(body, format!("the fragment returns {results} value(s): end its body with them (an expression without `;`)")),
+            (Some(t), 1) => self.value(t),
+            (Some(t), n) => match strip(t) {
+                Expr::Tuple(tu) if tu.elems.len() == n => {
+                    let vals = tu.elems.iter().map(|e| self.value(e)).collect::<syn::Result<Vec<_>>>();
+                    vals.map(|v| {
+                        let names: Vec<Ident> = (0..n).map(|i| format_ident!("__r{i}")).collect();
+                        quote!({ #(let #names = #v;)* (#(#names),*) })
+                    })
+                }
+                other => err(other, format!("the fragment returns {n} values: end its body with a tuple of {n} IR values")),
+            },
+        };
+        let tail = tail.unwrap_or_else(|e| {
+            self.errors.push(e);
+            quote!(::core::unreachable!())
+        });
+        (quote!(#stmts #tail), self.errors)
     }
 
     // ---- environment -------------------------------------------------------------------
@@ -442,13 +480,22 @@ impl<'a> Lowerer<'a> {
                 }))
             }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
+            "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" => {
+                let hint = if matches!(name.as_str(), "max" | "min" | "pow") { format!("write `a.{name}(b)`") } else { format!("write `x.{name}()`") };
+                err(f, format!("`{name}` is a method on IR values: {hint}; {BUILTINS_HELP}"))
+            }
             _ => {
-                let hint = match name.as_str() {
-                    "max" | "min" | "pow" => format!("; write `a.{name}(b)`"),
-                    "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" => format!("; write `x.{name}()`"),
-                    _ => String::new(),
-                };
-                err(f, format!("unknown builtin function `{name}` called with IR values{hint}; {BUILTINS_HELP}"))
+                // A `#[tpu_fn]` fragment: IR arguments lowered to values, static ones as
+                // written; it appends its ops to this builder.
+                let mut lets = TokenStream::new();
+                let mut passed = Vec::new();
+                for (k, a) in args.iter().enumerate() {
+                    let t = format_ident!("__f{k}");
+                    let v = if self.is_dynamic(a) { self.value(a)? } else { self.static_expr(a)?.to_token_stream() };
+                    lets.extend(quote!(let #t = #v;));
+                    passed.push(t);
+                }
+                Ok(quote_spanned!(f.span()=> { #lets #f(__b, #(#passed),*) }))
             }
         }
     }
@@ -564,6 +611,24 @@ impl<'a> Lowerer<'a> {
             Pat::Type(pt) => (&*pt.pat, Some(&pt.ty)),
             p => (p, None),
         };
+        if let (Pat::Tuple(t), Some(init)) = (pat, &l.init) {
+            // `let (a, b) = fragment(..)`: a fragment returning several IR values.
+            let names = t.elems.iter().map(|p| match p {
+                Pat::Ident(pi) if pi.by_ref.is_none() && pi.subpat.is_none() => Ok((&pi.ident, &pi.mutability)),
+                other => err(other, "destructure a fragment's values into plain names: `let (a, b) = f(..);`"),
+            });
+            let names = names.collect::<syn::Result<Vec<_>>>()?;
+            if !self.is_dynamic(&init.expr) {
+                return err(pat, "only `let name = ...` and `let mut name = ...` are supported (tuples destructure a fragment's IR values)");
+            }
+            let v = self.value(&init.expr)?;
+            let tys = names.iter().map(|_| quote!(::tessera_dsl::Value));
+            let pats = names.iter().map(|(n, m)| quote!(#m #n));
+            for (n, m) in &names {
+                self.declare(n, Var::Ir { mutable: m.is_some() });
+            }
+            return Ok(quote!(let (#(#pats),*): (#(#tys),*) = #v;));
+        }
         let Pat::Ident(pi) = pat else {
             return err(pat, "only `let name = ...` and `let mut name = ...` are supported (no patterns)");
         };

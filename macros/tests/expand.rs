@@ -332,3 +332,56 @@ fn dma_kernel_builds_and_runs() {
         }
     }
 }
+
+// ---- fragments (#[tpu_fn]) ----------------------------------------------------------------
+
+mod fragments {
+    use tessera_dsl::interp::{self, Array};
+    use tessera_dsl::{DType, Type};
+    use tessera_macros::{tpu_fn, tpu_kernel};
+
+    /// `x * scale + shift`, a static parameter and two IR values.
+    #[tpu_fn]
+    fn affine(x: Value, shift: Value, scale: f32) -> Value {
+        x * scale + shift
+    }
+
+    /// Two results, and a fragment calling another one.
+    #[tpu_fn]
+    fn both(x: Value, y: Value) -> (Value, Value) {
+        let a = affine(x, y, 2.0);
+        (a, x.max(y))
+    }
+
+    #[tpu_kernel(
+        grid = [m / bm],
+        x = block([bm, n], |i| [i, 0]),
+        y = block([bm, n], |i| [i, 0]),
+        out = block([bm, n], |i| [i, 0]),
+        top = block([bm, n], |i| [i, 0]),
+    )]
+    fn uses_fragments(x: In<m, n>, y: In<m, n>, out: Out<m, n>, top: Out<m, n>, bm: usize) {
+        // At the top level of the body, and inside a dynamic branch.
+        let (a, b) = both(x[..], y[..]);
+        out[..] = a;
+        top[..] = b;
+        if program_id(0) == 1 {
+            out[..] = affine(x[..], y[..], 3.0);
+        }
+    }
+
+    #[test]
+    fn fragments_inline_into_the_caller() {
+        let t = Type::vector(DType::F32, &[16, 128]);
+        let k = uses_fragments(t.clone(), t.clone(), t.clone(), t, 8).unwrap();
+        let x: Vec<f32> = (0..16 * 128).map(|i| (i % 7) as f32).collect();
+        let y: Vec<f32> = (0..16 * 128).map(|i| (i % 5) as f32).collect();
+        let out = interp::run(&k, &[&Array::from_f32(&[16, 128], x.clone()), &Array::from_f32(&[16, 128], y.clone())]).unwrap();
+        let (o, t) = (out[0].as_f32().unwrap(), out[1].as_f32().unwrap());
+        for i in 0..16 * 128 {
+            let scale = if i >= 8 * 128 { 3.0 } else { 2.0 };
+            assert_eq!(o[i], x[i] * scale + y[i], "element {i}");
+            assert_eq!(t[i], x[i].max(y[i]));
+        }
+    }
+}

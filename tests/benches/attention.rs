@@ -36,7 +36,7 @@ fn main() {
         let params = AttentionParams::new(D, causal);
         let tag = if causal { "causal" } else { "noncausal" };
         for (name, blocks) in [("default_blocks", default), ("blocks128", small)] {
-            g.bench_function(format!("interp_{tag}_{name}"), |b| b.iter(|| black_box(attention::flash_attention_with_blocks(&q, &k, &v, None, &params, blocks, &target).unwrap())));
+            g.bench_function(format!("interp_{tag}_{name}"), |b| b.iter(|| black_box(attention::flash_attention_with_blocks(&tessera_dsl::Interpreter, &q, &k, &v, None, &params, blocks, &target).unwrap())));
         }
     }
     g.finish();

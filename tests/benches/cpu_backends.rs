@@ -14,7 +14,7 @@ use criterion::{black_box, Criterion};
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_codegen::cpu::Backend;
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, BlockSpec, DType, IndexExpr, Kernel, KernelBuilder, Semantics, Target, Type};
+use tessera_dsl::{BlockSpec, DType, IndexExpr, Kernel, KernelBuilder, Semantics, Target, Type};
 use tessera_kernels::attention::{self, AttentionParams};
 use tessera_kernels::gmm;
 use tessera_kernels::harness::random_array;
@@ -53,7 +53,7 @@ fn main() {
     // matmul
     let t = Type::vector(DType::F32, &[1024, 1024]);
     let (bm, bk, bn) = matmul_blocks(1024, 1024, 1024, DType::F32, DType::F32, &target);
-    let mm = matmul_kernel(t.clone(), t.clone(), t, bm, bn, bk).unwrap();
+    let mm = matmul_kernel(t.clone(), t.clone(), t, bm, bn, bk, 1024, false, false).unwrap();
     let (x, y) = (random_array(DType::F32, &[1024, 1024], &mut rng), random_array(DType::F32, &[1024, 1024], &mut rng));
     // attention
     let [q, k, v] = [0; 3].map(|_| random_array(DType::F32, &[1, 8, 1024, 128], &mut rng));
@@ -86,9 +86,9 @@ fn main() {
         for causal in [false, true] {
             let params = AttentionParams::new(128, causal);
             let tag = if causal { "causal" } else { "noncausal" };
-            g.bench_function(format!("attention_{tag}_{n}"), |b| b.iter(|| black_box(exec::with_executor(e, || attention::flash_attention_with_blocks(&q, &k, &v, None, &params, ablocks, &target).unwrap()))));
+            g.bench_function(format!("attention_{tag}_{n}"), |b| b.iter(|| black_box(attention::flash_attention_with_blocks(e, &q, &k, &v, None, &params, ablocks, &target).unwrap())));
         }
-        g.bench_function(format!("gmm_{n}"), |b| b.iter(|| black_box(exec::with_executor(e, || gmm::gmm_with_blocks(&lhs, &rhs, &gs, false, gblocks, &target).unwrap()))));
+        g.bench_function(format!("gmm_{n}"), |b| b.iter(|| black_box(gmm::gmm_with_blocks(e, &lhs, &rhs, &gs, false, gblocks, &target).unwrap())));
         let mut big = Array::zeros(DType::F32, &[4096, 4096]);
         g.bench_function(format!("rmsnorm_{n}"), |b| b.iter(|| run_into(&rms, &[&rx, &rw], black_box(&mut big))));
         g.bench_function(format!("elementwise_{n}"), |b| b.iter(|| run_into(&ew, &[&rx], black_box(&mut big))));

@@ -33,8 +33,8 @@ fn main() {
 
     let mut g = c.benchmark_group("gmm");
     g.sample_size(10);
-    g.bench_function("interp_blocks128", |b| b.iter(|| black_box(gmm::gmm_with_blocks(&lhs, &rhs, &gs, false, small, &target).unwrap())));
-    g.bench_function("interp_default_blocks", |b| b.iter(|| black_box(gmm::gmm_with_blocks(&lhs, &rhs, &gs, false, default, &target).unwrap())));
+    g.bench_function("interp_blocks128", |b| b.iter(|| black_box(gmm::gmm_with_blocks(&tessera_dsl::Interpreter, &lhs, &rhs, &gs, false, small, &target).unwrap())));
+    g.bench_function("interp_default_blocks", |b| b.iter(|| black_box(gmm::gmm_with_blocks(&tessera_dsl::Interpreter, &lhs, &rhs, &gs, false, default, &target).unwrap())));
     g.finish();
     c.final_summary();
 

@@ -18,7 +18,7 @@ use tessera_kernels::matmul::{matmul_blocks, matmul_kernel};
 
 fn lower_matmul_512() -> String {
     let t = Type::vector(DType::F32, &[512, 512]);
-    let k = matmul_kernel(t.clone(), t.clone(), t, 128, 128, 128).unwrap();
+    let k = matmul_kernel(t.clone(), t.clone(), t, 128, 128, 128, 512, false, false).unwrap();
     tessera_codegen::lower(&k, &Target::V5E).unwrap().stablehlo
 }
 
@@ -30,10 +30,10 @@ fn benches(c: &mut Criterion) {
     let (x, y) = (random_array(DType::F32, &[1024, 1024], &mut rng), random_array(DType::F32, &[1024, 1024], &mut rng));
     let mut g = c.benchmark_group("interp");
     g.sample_size(10);
-    let k128 = matmul_kernel(t.clone(), t.clone(), t.clone(), 128, 128, 128).unwrap();
+    let k128 = matmul_kernel(t.clone(), t.clone(), t.clone(), 128, 128, 128, 1024, false, false).unwrap();
     g.bench_function("matmul_1024_blocks128", |b| b.iter(|| black_box(interp::run(&k128, &[&x, &y]).unwrap())));
     let (bm, bk, bn) = matmul_blocks(1024, 1024, 1024, DType::F32, DType::F32, &Target::V5E);
-    let kdef = matmul_kernel(t.clone(), t.clone(), t, bm, bn, bk).unwrap();
+    let kdef = matmul_kernel(t.clone(), t.clone(), t, bm, bn, bk, 1024, false, false).unwrap();
     g.bench_function("matmul_1024_default_blocks", |b| b.iter(|| black_box(interp::run(&kdef, &[&x, &y]).unwrap())));
     g.finish();
 }

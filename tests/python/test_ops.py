@@ -32,23 +32,29 @@ FLOATS = (F32, BF16)
 # Relative max-norm tolerance by the dtype of the output compared.
 TOL = {F32: 1e-5, BF16: 2e-2}
 
-# Differentiable ops: which tensor arguments get gradients, which outputs carry them.
-DIFF_ARGS = {
-    "matmul": (0, 1),
-    "rmsnorm": (0, 1),
-    "rmsnorm_residual": (0, 1, 2),
-    "swiglu": (0, 1),
-    "rope": (0,),
-    "cross_entropy": (0,),
-    "gmm": (0, 1),
-    "router_topk": (0,),
-    "permute": (0,),
-    "combine": (0, 1),
-    "flash_attention_fwd": (0, 1, 2),
-    "flash_attention": (0, 1, 2),
-}
-# lse, expert ids, group sizes: no gradient.
-DIFF_OUTS = {"cross_entropy": (0,), "router_topk": (0,), "permute": (0,), "flash_attention_fwd": (0,)}
+# Differentiable ops, from the op table's declared backwards: which arguments get gradients,
+# which outputs carry them (lse, expert ids and group sizes do not).
+def _differentiable():
+    from tessera._ops import SPECS
+
+    args, outs = {}, {}
+    for name, spec in SPECS.items():
+        source = SPECS[spec.alias_of[0]] if spec.alias_of else spec
+        if source.backward is None:
+            continue
+        bwd_op, bwd_args, grads = source.backward
+        targets = {n for g in grads for n in g}
+        args[name] = tuple(i for i, n in enumerate(spec.arg_names) if n in targets)
+        if spec.alias_of:
+            outs[name] = (0,)
+        elif bwd_op == "composite":
+            outs[name] = tuple(i for i, (_, _, dtype) in enumerate(spec.outputs) if dtype != "i32")
+        else:
+            outs[name] = tuple(i for i, (o, _, _) in enumerate(spec.outputs) if "d_" + o in bwd_args)
+    return args, outs
+
+
+DIFF_ARGS, DIFF_OUTS = _differentiable()
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -318,6 +324,8 @@ REFERENCES = {name[4:]: f for name, f in dict(globals()).items() if name.startsw
 # ---- samples: valid inputs for every op ------------------------------------------------------
 
 SAMPLES = {}  # op -> [(sample name, dtypes, builder(rng, dtype) -> (args, kwargs))]
+# Samples drawn from the op table (ops without hand-written samples): sample -> case.
+TABLE_SAMPLES = {}
 
 
 def sample(op, name, dtypes=FLOATS):
@@ -769,6 +777,45 @@ def _(r, dt):
 OPS = sorted(tessera.ops())
 
 
+def _table_sample(op, case):
+    """A sample from op `op`'s table case (its own input generator), in schema order."""
+    from tessera._ops import SPECS
+
+    spec = SPECS[op]
+
+    def builder(r, dt):
+        seed = int(r.randint(0, 2**31 - 1, 1)[0])
+        tensors, statics = tessera._native.sample(op, case, str(dt).removeprefix("torch."), seed)
+        tensors, statics = iter(tensors), iter(statics)
+        args = [next(tensors, None) if i in spec.tensor_idx else next(statics) for i in range(len(spec.arg_names))]
+        return tuple(args), {}
+
+    return builder
+
+
+# Ops added through the table alone get samples from their smallest case and the table's
+# independent f64 reference: every op is covered without editing this file.
+for _op in OPS:
+    if _op not in SAMPLES:
+        _cases = tessera._native.op_cases(_op)
+        _case = min(_cases, key=lambda c: sum(math.prod(s) for s in c[2]))[0]
+        SAMPLES[_op] = [(f"table_{_case}", FLOATS, _table_sample(_op, _case))]
+        TABLE_SAMPLES[(_op, f"table_{_case}")] = _case
+
+
+def reference(op, name, args, kwargs):
+    """The sample's float64 reference outputs: the torch reference written here, or for a
+    table sample the op table's f64 reference."""
+    case = TABLE_SAMPLES.get((op, name))
+    if case is None:
+        return as_tuple(REFERENCES[op](*map(f64, args), **kwargs))
+    tensors = [a for a in args if isinstance(a, torch.Tensor) or a is None]
+    from tessera._ops import SPECS
+
+    tensors = [args[i] for i in SPECS[op].tensor_idx]
+    return tuple(torch.frombuffer(bytearray(b), dtype=torch.float64).reshape(shape) for b, shape in tessera._native.reference(op, case, [t.detach() if t is not None else None for t in tensors]))
+
+
 def is_large(name):
     """Samples big enough for several blocks of the kernels' tiling (multi-block accumulators,
     online softmax across kv blocks, partial edge blocks, groups across row tiles)."""
@@ -805,14 +852,20 @@ def test_every_op_has_samples_and_a_reference():
     ops = set(tessera.ops())
     assert "flash_attention" in ops
     assert not ops - set(SAMPLES), f"ops without samples: {sorted(ops - set(SAMPLES))}"
-    assert not ops - set(REFERENCES), f"ops without a reference: {sorted(ops - set(REFERENCES))}"
+    hand = {op for op, samples in SAMPLES.items() if any((op, n) not in TABLE_SAMPLES for n, _, _ in samples)}
+    assert not hand - set(REFERENCES), f"hand-written samples without a reference: {sorted(hand - set(REFERENCES))}"
     assert not set(SAMPLES) - ops, f"samples of unknown ops: {sorted(set(SAMPLES) - ops)}"
 
 
 def test_differentiable_ops_are_the_ones_with_autograd():
-    from tessera import _autograd
+    """Every op with a declared backward gets an autograd kernel; the others raise on backprop
+    (test_ops_without_backward_refuse_to_backprop); the differentiable arguments name inputs."""
+    from tessera._ops import SPECS
 
-    assert set(DIFF_ARGS) == set(_autograd.BACKWARDS) | {"flash_attention"}
+    assert {"matmul", "rmsnorm", "flash_attention", "flash_attention_fwd", "gmm", "router_topk", "combine"} <= set(DIFF_ARGS)
+    for op, idx in DIFF_ARGS.items():
+        assert idx and all(i in SPECS[op].tensor_idx for i in idx), f"{op}: gradients for {idx}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(SPECS[op].qualname, "Autograd") or SPECS[op].alias_of, op
 
 
 # ---- opcheck -------------------------------------------------------------------------------------
@@ -835,7 +888,7 @@ F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_
 def sample_and_reference(op, name, dtype):
     """The sample's (args, kwargs) and its float64 reference outputs, built once (read-only)."""
     args, kwargs = build(op, name, dtype)
-    return args, kwargs, as_tuple(REFERENCES[op](*map(f64, args), **kwargs))
+    return args, kwargs, reference(op, name, args, kwargs)
 
 
 @pytest.mark.parametrize("op,name,dtype", cases())
@@ -900,6 +953,14 @@ def test_gradients(op, name, dtype, expanded):
         cotangents = [r.randn(*outs[i].shape, dtype=torch.float64) for i in out_idx]
     grads = torch.autograd.grad([outs[i] for i in out_idx], [args[i] for i in diff], [c.to(outs[i].dtype) for c, i in zip(cotangents, out_idx)])
 
+    if op not in REFERENCES:
+        # A table-only op: autograd must give what its declared backward op gives called
+        # directly (that op's numerics are checked against its own table reference).
+        for i, g, want in zip(diff, grads, declared_backward(op, args, kwargs, outs, {i: c.to(outs[i].dtype) for c, i in zip(cotangents, out_idx)})):
+            assert g.dtype == args[i].dtype
+            assert_close(g, want, f"{op}: gradient of input {i} vs its backward op", tol=0.0)
+        return
+
     ref_args = list(map(f64, args))
     full = [None] * len(outs)
     for c, i in zip(cotangents, out_idx):
@@ -915,6 +976,26 @@ def test_gradients(op, name, dtype, expanded):
     for i, g, rg in zip(diff, grads, ref_grads):
         assert g.dtype == args[i].dtype
         assert_close(g, rg, f"{op}: gradient of input {i}")
+
+
+def declared_backward(op, args, kwargs, outs, cotangents):
+    """The gradients of op's differentiable inputs from its declared backward op called
+    directly, for output cotangents `{output index: tensor}` (zeros elsewhere)."""
+    from tessera._ops import SPECS
+
+    spec = SPECS[op]
+    bwd_op, bwd_args, grads = spec.backward
+    full = list(args) + [kwargs.get(n, spec.defaults[i]) for i, n in enumerate(spec.arg_names) if i >= len(args)]
+    env = dict(zip(spec.arg_names, [a.detach() if isinstance(a, torch.Tensor) else a for a in full]))
+    for i, (name, _, _) in enumerate(spec.outputs):
+        env[name] = outs[i].detach()
+        env["d_" + name] = cotangents.get(i, torch.zeros_like(outs[i]))
+    results = as_tuple(getattr(tpu, bwd_op)(*[env[a] for a in bwd_args]))
+    by_input = {}
+    for result, targets in zip(results, grads):
+        for name in targets:
+            by_input[spec.arg_names.index(name)] = result
+    return [by_input[i] for i in DIFF_ARGS[op]]
 
 
 NO_BACKWARD = [op for op in OPS if op not in DIFF_ARGS]

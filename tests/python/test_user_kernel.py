@@ -91,7 +91,7 @@ def test_registered_in_tpu_namespace():
     assert isinstance(OP, torch._ops.OpOverloadPacket)
     assert OP.default.name() == "tpu::scaled_silu"
     assert OP.default._schema == torch._C.parse_schema("tpu::scaled_silu(Tensor x, Tensor scale, float beta=1.0) -> Tensor")
-    assert [name for name, _, _ in tessera_example.op_table()] == ["scaled_silu"]
+    assert [o["name"] for o in tessera_example.op_table()] == ["scaled_silu"]
     with pytest.raises(ValueError, match="already registered"):
         tessera.register_ops(tessera_example, fakes={"scaled_silu": scaled_silu_fake})
 

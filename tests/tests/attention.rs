@@ -7,10 +7,11 @@
 //! tpu_compiler.rs.)
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::{self, Array};
 use tessera_dsl::{DType, Target, Type};
 use tessera_kernels::attention::{self, reference, AttentionBlocks, AttentionParams, SegmentIds};
-use tessera_kernels::harness::{check_output, random_array, run_against_reference};
+use tessera_kernels::harness::{check_output, random_array, run_case};
 use tessera_kernels::find;
 use tessera_tests::oracle;
 
@@ -76,7 +77,7 @@ fn tol(dtype: DType, backward: bool) -> f64 {
 
 fn forward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
     let c = case(shape, dtype, params, segmented, seed);
-    let (o, lse) = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (o, lse) = attention::flash_attention_with_blocks(&Interpreter, &c.q, &c.k, &c.v, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
     let (o_ref, lse_ref) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
     let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
     assert_eq!(o.dtype, dtype);
@@ -97,7 +98,7 @@ fn backward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented
     let lse = Array::from_f32(&c.q.shape[..3], lse_ref.iter().map(|&x| x as f32).collect());
     let mut rng = StdRng::seed_from_u64(seed + 1000);
     let dout = random_array(dtype, &c.q.shape, &mut rng);
-    let (dq, dk, dv) = attention::flash_attention_bwd_with_blocks(&c.q, &c.k, &c.v, &o, &lse, &dout, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (dq, dk, dv) = attention::flash_attention_bwd_with_blocks(&Interpreter, &c.q, &c.k, &c.v, &o, &lse, &dout, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
     let (dq_ref, dk_ref, dv_ref) = reference::backward(&c.cfg, &q, &k, &v, &dout.to_f64_vec());
     let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
     assert_close(&format!("dq of {what}"), &dq, &dq_ref, tol(dtype, true));
@@ -166,16 +167,17 @@ fn library_entries_match_reference() {
     let (q, kv) = ([1, 4, 300, 64], [1, 1, 420, 64]);
     for dtype in [DType::F32, DType::BF16] {
         for target in [Target::V5E, Target::V6E] {
-            for (name, shapes) in [
-                ("flash_attention", fwd(q, kv)),
-                ("flash_attention_noncausal", fwd(q, kv)),
-                ("flash_attention_segmented", seg(fwd(q, kv), q, kv)),
-                ("flash_attention_bwd", bwd(q, kv)),
-                ("flash_attention_noncausal_bwd", bwd(q, kv)),
-                ("flash_attention_segmented_bwd", seg(bwd(q, kv), q, kv)),
+            for (name, case, shapes) in [
+                ("flash_attention_fwd", "causal", fwd(q, kv)),
+                ("flash_attention_fwd", "noncausal", fwd(q, kv)),
+                ("flash_attention_fwd", "segmented", seg(fwd(q, kv), q, kv)),
+                ("flash_attention_bwd", "causal", bwd(q, kv)),
+                ("flash_attention_bwd", "noncausal", bwd(q, kv)),
+                ("flash_attention_bwd", "segmented", seg(bwd(q, kv), q, kv)),
             ] {
                 let op = find(name).unwrap();
-                let r = run_against_reference(op, &shapes, dtype, &target, 3).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let statics = op.case_statics(op.case(case).unwrap()).unwrap();
+                let r = run_case(op, &statics, &shapes, dtype, &target, 3, &Interpreter).unwrap_or_else(|e| panic!("{name}: {e}"));
                 let bwd_bf16 = dtype == DType::BF16 && name.ends_with("bwd");
                 let ok = r.outputs.iter().all(|o| o.nan_count == 0 && o.scaled_err <= if bwd_bf16 { tol(dtype, true) } else { o.tolerance });
                 assert!(ok, "{name} {dtype} on {target} (grid {:?}): {:?}", r.grid, r.outputs);
@@ -200,7 +202,7 @@ fn causal_skips_blocks_and_their_dma() {
     // fetched only when its block changes: 1 + 1 + 3 + 4 fetches each (the 10 visible
     // blocks, less two that are still resident). The two dummies: once each.
     assert_eq!(stats.block_loads, 4 + 2 * 9 + 2, "{stats:?}");
-    let full = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, None, &params, AttentionBlocks { block_q: 128, block_kv: 512 }, &Target::V5E).unwrap().0;
+    let full = attention::flash_attention_with_blocks(&Interpreter, &c.q, &c.k, &c.v, None, &params, AttentionBlocks { block_q: 128, block_kv: 512 }, &Target::V5E).unwrap().0;
     let (o_ref, _) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
     assert_close("o (skipping)", &out[0], &o_ref, 1e-5);
     assert_close("o (one kv block)", &full, &o_ref, 1e-5);
@@ -262,10 +264,16 @@ fn default_blocks_follow_the_generation() {
     // Every default kernel fits the default scoped VMEM (no raised limit).
     for t in [Target::V5E, Target::V6E, Target::TPU7X] {
         let q = Type::vector(DType::F32, &[1, 8, 8192, 256]);
-        for k in attention::OPS.iter().filter(|k| !k.name.contains("segmented")) {
-            let types = if k.name.ends_with("bwd") { vec![q.clone(), q.clone(), q.clone(), q.clone(), Type::vector(DType::F32, &[1, 8, 8192]), q.clone()] } else { vec![q.clone(), q.clone(), q.clone()] };
-            for kernel in (k.build)(&types, &t).unwrap() {
-                assert_eq!(kernel.vmem_limit_bytes, None, "{} {} on {t}", k.name, kernel.name);
+        for (name, causal) in [("flash_attention_fwd", "causal=True"), ("flash_attention_fwd", ""), ("flash_attention_bwd", "causal=True"), ("flash_attention_bwd", "")] {
+            let op = find(name).unwrap();
+            let mut types = vec![Some(q.clone()), Some(q.clone()), Some(q.clone())];
+            if name.ends_with("bwd") {
+                types.extend([Some(q.clone()), Some(Type::vector(DType::F32, &[1, 8, 8192])), Some(q.clone())]);
+            }
+            types.resize(op.inputs.len(), None);
+            for launch in op.plan_for(&types, &op.statics(causal).unwrap(), &t).unwrap().launches {
+                let kernel = launch.kernel;
+                assert_eq!(kernel.vmem_limit_bytes, None, "{name} {} on {t}", kernel.name);
                 tessera_dsl::verify::verify(&kernel, &t).unwrap();
             }
         }
@@ -276,19 +284,19 @@ fn default_blocks_follow_the_generation() {
 fn rejected_override_names_the_operand() {
     let c = case((1, 2, 2, 256, 256, 128), DType::F32, &AttentionParams::new(128, true), false, 0);
     let bad = AttentionBlocks { block_q: 100, block_kv: 128 };
-    let e = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, None, &AttentionParams::new(128, true), bad, &Target::V5E).unwrap_err();
+    let e = attention::flash_attention_with_blocks(&Interpreter, &c.q, &c.k, &c.v, None, &AttentionParams::new(128, true), bad, &Target::V5E).unwrap_err();
     assert_eq!(e.rule, "block-tiling", "{e}");
     assert!(e.subject.contains("`q`"), "{e}");
     assert!(e.to_string().contains("100"), "{e}");
     // Segment ids put bk in the lane dim of the kv segment block: 64 is not a multiple of 128.
     let c = case((1, 2, 2, 256, 256, 128), DType::F32, &AttentionParams::new(128, true), true, 0);
-    let e = attention::flash_attention_with_blocks(&c.q, &c.k, &c.v, c.seg.as_ref(), &AttentionParams::new(128, true), AttentionBlocks { block_q: 64, block_kv: 64 }, &Target::V5E).unwrap_err();
+    let e = attention::flash_attention_with_blocks(&Interpreter, &c.q, &c.k, &c.v, c.seg.as_ref(), &AttentionParams::new(128, true), AttentionBlocks { block_q: 64, block_kv: 64 }, &Target::V5E).unwrap_err();
     assert_eq!(e.rule, "block-tiling", "{e}");
     assert!(e.subject.contains("kv_seg"), "{e}");
     // Shapes: H not a multiple of Hkv.
     let q = random_array(DType::F32, &[1, 3, 16, 8], &mut StdRng::seed_from_u64(0));
     let k = random_array(DType::F32, &[1, 2, 16, 8], &mut StdRng::seed_from_u64(0));
-    let e = attention::flash_attention(&q, &k, &k, None, &AttentionParams::new(8, true), &Target::V5E).unwrap_err();
+    let e = attention::flash_attention(&Interpreter, &q, &k, &k, None, &AttentionParams::new(8, true), &Target::V5E).unwrap_err();
     assert_eq!(e.rule, "operand-shape", "{e}");
 }
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
 use tessera_kernels::attention::{flash_attention, flash_attention_bwd, AttentionParams};
@@ -57,8 +58,8 @@ fn flash_attention_matches_torch_sdpa() {
         let v = random(&[c.b, c.hkv, c.skv, c.d], c.dtype, &mut rng);
         let dout = random(&[c.b, c.h, c.sq, c.d], c.dtype, &mut rng);
         let params = AttentionParams::new(c.d, c.causal);
-        let (o, lse) = flash_attention(&q, &k, &v, None, &params, &Target::V6E).unwrap();
-        let (dq, dk, dv) = flash_attention_bwd(&q, &k, &v, &o, &lse, &dout, None, &params, &Target::V6E).unwrap();
+        let (o, lse) = flash_attention(&Interpreter, &q, &k, &v, None, &params, &Target::V6E).unwrap();
+        let (dq, dk, dv) = flash_attention_bwd(&Interpreter, &q, &k, &v, &o, &lse, &dout, None, &params, &Target::V6E).unwrap();
         for (what, a) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout), ("o", &o), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
             write(&dir, format!("{}.{what}", c.name), a);
         }

@@ -13,9 +13,13 @@
 //! order). For library outputs: f32 `1e-5` of the output's max magnitude, bf16 one bf16 ulp
 //! (`2^-7`) of it, since a last-bit difference in f32 can round a bf16 the other way.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use tessera_codegen::cpu::{Backend, Compiled};
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, DType, Executor, Interpreter, Target, Type};
+use tessera_dsl::{exec, DType, Executor, Interpreter, Target};
+use tessera_kernels::{harness, Case, Op};
 use tessera_tests::conformance::{check_case, check_kernel, compare, random_case, GenOptions, Tolerance};
 
 /// Random kernels per backend and mode: `TESSERA_FUZZ_CASES`, else 10,000 (5,000 for LLVM,
@@ -42,70 +46,58 @@ fn no_fallbacks(exec: &dyn Executor) {
 }
 
 type OpResult = Result<Vec<Array>, tessera_dsl::KernelError>;
+type CaseRun = (Vec<Array>, tessera_kernels::Statics, OpResult);
 
-/// The interpreter's result for one library op run, computed once per test binary (the
-/// three instantiations compare against the same reference).
-fn interp_result(op: &tessera_kernels::LibraryKernel, shapes: &[Vec<usize>], dtype: DType, inputs: &[Array], target: &Target) -> OpResult {
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
-    static MEMO: OnceLock<Mutex<HashMap<String, Arc<OpResult>>>> = OnceLock::new();
-    let key = format!("{} {shapes:?} {dtype}", op.name);
+/// One library op case, run: its inputs (from a fixed seed) and the interpreter's results,
+/// computed once per test binary (the three instantiations compare against the same).
+fn interp_result(op: &'static Op, case: &'static Case, dtype: DType, target: &Target) -> Arc<CaseRun> {
+    static MEMO: OnceLock<Mutex<HashMap<String, Arc<CaseRun>>>> = OnceLock::new();
+    let key = format!("{} {} {dtype}", op.name, case.name);
     let memo = MEMO.get_or_init(Default::default);
     if let Some(r) = memo.lock().unwrap().get(&key) {
-        return (**r).clone();
+        return r.clone();
     }
-    let r = exec::with_executor(&Interpreter, || (op.run)(inputs, target));
-    memo.lock().unwrap().insert(key, Arc::new(r.clone()));
+    let statics = op.case_statics(case).unwrap_or_else(|e| panic!("{} case {}: {e}", op.name, case.name));
+    let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(7);
+    let inputs = harness::inputs_for(op, &shapes, dtype, &statics, &mut rng);
+    let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
+    let want = op.run(&Interpreter, &given, &statics, target);
+    let r = Arc::new((inputs, statics, want));
+    memo.lock().unwrap().insert(key, r.clone());
     r
 }
 
-/// Which shapes of each library op to run.
-#[derive(Clone, Copy, PartialEq)]
-enum Shapes {
-    Default,
-    Alt,
-    /// The defaults with every dim of 512 or more divided by 4 (ops that refuse them skip).
-    Small,
-}
-
-/// Every library op on `exec` vs the interpreter, at one of its shape sets.
-fn library(exec: &'static dyn Executor, dtype: DType, which: Shapes) {
+/// Every case (shape set and statics) of every library op on `exec` vs the interpreter.
+fn library(exec: &'static dyn Executor, dtype: DType) {
     let target = Target::V5E;
     let mut failures = Vec::new();
     let mut ran = 0;
     for op in tessera_kernels::library() {
-        let shapes: Vec<Vec<usize>> = match which {
-            Shapes::Alt if op.alt_shapes.is_empty() => continue,
-            Shapes::Alt => op.alt_shapes.iter().map(|s| s.to_vec()).collect(),
-            Shapes::Default => op.inputs.iter().map(|o| o.default_shape.to_vec()).collect(),
-            Shapes::Small => op.inputs.iter().map(|o| o.default_shape.iter().map(|&d| if d >= 512 { d / 4 } else { d }).collect()).collect(),
-        };
-        if which == Shapes::Small {
-            let types: Vec<Type> = op.inputs.iter().zip(&shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect();
-            if (op.build)(&types, &target).is_err() {
-                continue;
-            }
-        }
-        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(7);
-        let inputs = (op.random_inputs)(&shapes, dtype, &mut rng);
-        let want = interp_result(op, &shapes, dtype, &inputs, &target);
-        let got = exec::with_executor(exec, || (op.run)(&inputs, &target));
-        ran += 1;
-        match (got, want) {
-            (Ok(g), Ok(w)) => {
-                for (i, (g, w)) in g.iter().zip(&w).enumerate() {
-                    let tol = if g.dtype.is_float() { library_tolerance(g.dtype) } else { Tolerance::Exact };
-                    if let Err(e) = compare(&format!("{} output {i}", op.name), g, w, tol) {
-                        failures.push(format!("{} {shapes:?} {dtype}: {e}", op.name));
+        for case in op.cases {
+            let r = interp_result(op, case, dtype, &target);
+            let (inputs, statics, want) = (&r.0, &r.1, &r.2);
+            let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
+            let got = op.run(exec, &given, statics, &target);
+            ran += 1;
+            let what = format!("{} case {} {dtype}", op.name, case.name);
+            match (got, want) {
+                (Ok(g), Ok(w)) => {
+                    for (i, (g, w)) in g.iter().zip(w).enumerate() {
+                        let tol = if g.dtype.is_float() { library_tolerance(g.dtype) } else { Tolerance::Exact };
+                        if let Err(e) = compare(&format!("output {i}"), g, w, tol) {
+                            failures.push(format!("{what}: {e}"));
+                        }
                     }
                 }
+                (Err(g), Err(w)) if g.to_string() == w.to_string() => {}
+                (g, w) => failures.push(format!("{what}: {} gives {:?}, interp {:?}", exec.name(), g.err().map(|e| e.to_string()), w.as_ref().err().map(|e| e.to_string()))),
             }
-            (Err(g), Err(w)) if g.to_string() == w.to_string() => {}
-            (g, w) => failures.push(format!("{} {shapes:?} {dtype}: {} gives {:?}, interp {:?}", op.name, exec.name(), g.err().map(|e| e.to_string()), w.err().map(|e| e.to_string()))),
         }
     }
-    assert!(ran > if which == Shapes::Default { 20 } else { 10 }, "only {ran} library ops ran");
-    assert!(failures.is_empty(), "{} of {ran} ops differ on {}:\n{}", failures.len(), exec.name(), failures.join("\n"));
+    assert!(ran > 40, "only {ran} library cases ran");
+    eprintln!("{ran} library cases in {dtype} on {}", exec.name());
+    assert!(failures.is_empty(), "{} of {ran} cases differ on {}:\n{}", failures.len(), exec.name(), failures.join("\n"));
     no_fallbacks(exec);
 }
 
@@ -146,29 +138,13 @@ macro_rules! conformance {
             }
 
             #[test]
-            fn library_f32_default_shapes() {
-                library(exec(), DType::F32, Shapes::Default);
+            fn library_f32_every_case() {
+                library(exec(), DType::F32);
             }
 
             #[test]
-            fn library_bf16_default_shapes() {
-                library(exec(), DType::BF16, Shapes::Default);
-            }
-
-            #[test]
-            fn library_f32_alt_shapes() {
-                library(exec(), DType::F32, Shapes::Alt);
-            }
-
-            #[test]
-            fn library_bf16_alt_shapes() {
-                library(exec(), DType::BF16, Shapes::Alt);
-            }
-
-            #[test]
-            fn library_f32_and_bf16_small_shapes() {
-                library(exec(), DType::F32, Shapes::Small);
-                library(exec(), DType::BF16, Shapes::Small);
+            fn library_bf16_every_case() {
+                library(exec(), DType::BF16);
             }
 
             #[test]
@@ -413,19 +389,24 @@ mod cases {
 fn jit_results_identical_on_1_and_n_threads() {
     let one = Compiled { backend: Backend::Jit, exact: false, threads: Some(1) };
     let many = Compiled { backend: Backend::Jit, exact: false, threads: Some(4) };
-    let (one, many): (&'static Compiled, &'static Compiled) = (Box::leak(Box::new(one)), Box::leak(Box::new(many)));
     let target = Target::V5E;
+    let mut ran = 0;
     for name in ["matmul", "softmax", "rmsnorm", "flash_attention", "gmm", "gelu_affine"] {
         let Some(op) = tessera_kernels::find(name) else { continue };
-        let shapes: Vec<Vec<usize>> = op.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
+        let case = &op.cases[0];
+        let statics = op.case_statics(case).unwrap();
+        let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
-        let inputs = (op.random_inputs)(&shapes, DType::F32, &mut rng);
-        let a = exec::with_executor(one, || (op.run)(&inputs, &target)).unwrap();
-        let b = exec::with_executor(many, || (op.run)(&inputs, &target)).unwrap();
+        let inputs = harness::inputs_for(op, &shapes, DType::F32, &statics, &mut rng);
+        let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
+        let a = op.run(&one, &given, &statics, &target).unwrap();
+        let b = op.run(&many, &given, &statics, &target).unwrap();
         for (x, y) in a.iter().zip(&b) {
             compare(name, y, x, Tolerance::Exact).unwrap();
         }
+        ran += 1;
     }
+    assert!(ran >= 4, "only {ran} ops ran");
 }
 
 /// The transcendentals' documented ulp bounds, over a dense sweep and the edge values.
@@ -487,26 +468,26 @@ fn transcendental_ulp_bounds() {
         assert!(worst.0 <= bound, "{}: {} ulp at x = {:e} ({:e} vs interp {:e}); bound {bound}", op.name(), worst.0, worst.1, g[xs.iter().position(|&x| x.to_bits() == worst.1.to_bits()).unwrap()], w[xs.iter().position(|&x| x.to_bits() == worst.1.to_bits()).unwrap()]);
         eprintln!("{}: max {} ulp (bound {bound})", op.name(), worst.0);
     }
-    let _ = Type::scalar(DType::F32);
 }
 
-/// Cranelift compile time per library kernel (default shapes, f32 and bf16): median and max.
+/// Cranelift compile time per library kernel (every case, f32 and bf16): median and max.
 #[test]
 fn jit_compile_time_per_library_kernel() {
     let target = Target::V5E;
     let mut times = Vec::new();
     for op in tessera_kernels::library() {
-        for dtype in [DType::F32, DType::BF16] {
-            let types: Vec<Type> = op.inputs.iter().map(|o| Type::vector(o.kind.dtype(dtype), o.default_shape)).collect();
-            let Ok(kernels) = (op.build)(&types, &target) else { continue };
-            for k in kernels {
-                // Fresh compiles: rename so the cache cannot answer.
-                let mut k = k.clone();
-                k.name = format!("{}_{dtype}_compile_time", k.name);
-                let modes = tessera_codegen::cpu::layout::default_modes(&k, &[]);
-                let t = std::time::Instant::now();
-                tessera_codegen::cpu::cranelift::compile(&k, &modes, false).unwrap_or_else(|e| panic!("{}: {}", k.name, e.0));
-                times.push((t.elapsed().as_secs_f64() * 1e3, k.name.clone()));
+        for case in op.cases {
+            for dtype in [DType::F32, DType::BF16] {
+                let Ok(statics) = op.case_statics(case) else { continue };
+                let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+                let Ok(plan) = op.plan_for(&op.types(&shapes, dtype), &statics, &target) else { continue };
+                for l in &plan.launches {
+                    let k = &l.kernel;
+                    let modes = tessera_codegen::cpu::layout::default_modes(k, &[]);
+                    let t = std::time::Instant::now();
+                    tessera_codegen::cpu::cranelift::compile(k, &modes, false).unwrap_or_else(|e| panic!("{}: {}", k.name, e.0));
+                    times.push((t.elapsed().as_secs_f64() * 1e3, format!("{} ({} {})", k.name, op.name, case.name)));
+                }
             }
         }
     }

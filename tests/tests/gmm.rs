@@ -5,6 +5,7 @@
 //! `TESSERA_TPU_ORACLE=1`, libtpu compiles of a large-block configuration.
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target, Type};
 use tessera_kernels::gmm::{self, group_metadata, reference, visit_capacity, GmmBlocks};
@@ -103,12 +104,12 @@ fn gmm_direct_calls_chosen_groups() {
                     let (lhs, rhs) = inputs(dtype, &[&[m, k], rhs_shape], c as u64);
                     let want = reference::gmm(&lhs.to_f64_vec(), &rhs.to_f64_vec(), &sizes_usize(&sizes), k, n, transpose_rhs);
                     for blocks in block_choices(m, k, n, dtype, &target) {
-                        let out = gmm::gmm_with_blocks(&lhs, &rhs, &gs, transpose_rhs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+                        let out = gmm::gmm_with_blocks(&Interpreter, &lhs, &rhs, &gs, transpose_rhs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
                         assert_eq!(out.shape, vec![m, n]);
                         assert_eq!(out.dtype, dtype);
                         assert_close(&format!("gmm m={m} k={k} n={n} {sizes:?} t={transpose_rhs} {blocks:?} {dtype}"), &out, &want);
                     }
-                    let out = gmm::gmm(&lhs, &rhs, &gs, transpose_rhs, &Target::V6E).unwrap();
+                    let out = gmm::gmm(&Interpreter, &lhs, &rhs, &gs, transpose_rhs, &Target::V6E).unwrap();
                     assert_close(&format!("gmm v6e defaults m={m} {sizes:?} t={transpose_rhs} {dtype}"), &out, &want);
                 }
             }
@@ -127,7 +128,7 @@ fn tgmm_direct_calls_chosen_groups() {
                 let (lhs, grad) = inputs(dtype, &[&[m, k], &[m, n]], 100 + c as u64);
                 let want = reference::tgmm(&lhs.to_f64_vec(), &grad.to_f64_vec(), &sizes_usize(&sizes), k, n);
                 for blocks in block_choices(m, k, n, dtype, &target) {
-                    let out = gmm::tgmm_with_blocks(&lhs, &grad, &gs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
+                    let out = gmm::tgmm_with_blocks(&Interpreter, &lhs, &grad, &gs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
                     assert_eq!(out.shape, vec![g, k, n]);
                     assert_close(&format!("tgmm m={m} k={k} n={n} {sizes:?} {blocks:?} {dtype}"), &out, &want);
                     // Empty groups are exactly zero, not merely small.
@@ -145,25 +146,25 @@ fn tgmm_direct_calls_chosen_groups() {
 fn host_checks_are_kernel_errors() {
     let t = Target::V5E;
     let (lhs, rhs) = inputs(DType::F32, &[&[256, 128], &[2, 128, 128]], 0);
-    let sum_off = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[2], vec![100, 100]), false, &t).unwrap_err();
+    let sum_off = gmm::gmm(&Interpreter, &lhs, &rhs, &Array::from_i32(&[2], vec![100, 100]), false, &t).unwrap_err();
     assert_eq!((sum_off.kernel.as_str(), sum_off.rule, sum_off.subject.as_str()), ("gmm", "group-sizes", "operand `group_sizes`"));
     assert!(sum_off.message.contains("sum to 200") && sum_off.message.contains("256 rows"), "{sum_off}");
-    let negative = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[2], vec![300, -44]), false, &t).unwrap_err();
+    let negative = gmm::gmm(&Interpreter, &lhs, &rhs, &Array::from_i32(&[2], vec![300, -44]), false, &t).unwrap_err();
     assert_eq!(negative.rule, "group-sizes");
-    let groups_off = gmm::gmm(&lhs, &rhs, &Array::from_i32(&[3], vec![100, 100, 56]), false, &t).unwrap_err();
+    let groups_off = gmm::gmm(&Interpreter, &lhs, &rhs, &Array::from_i32(&[3], vec![100, 100, 56]), false, &t).unwrap_err();
     assert_eq!((groups_off.rule, groups_off.subject.as_str()), ("operand-shape", "operand `rhs`"));
     let bf = Array::zeros(DType::BF16, &[2, 128, 128]);
-    let mixed = gmm::gmm(&lhs, &bf, &Array::from_i32(&[2], vec![128, 128]), false, &t).unwrap_err();
+    let mixed = gmm::gmm(&Interpreter, &lhs, &bf, &Array::from_i32(&[2], vec![128, 128]), false, &t).unwrap_err();
     assert_eq!(mixed.rule, "operand-dtype");
-    let float_sizes = gmm::gmm(&lhs, &rhs, &Array::zeros(DType::F32, &[2]), false, &t).unwrap_err();
+    let float_sizes = gmm::gmm(&Interpreter, &lhs, &rhs, &Array::zeros(DType::F32, &[2]), false, &t).unwrap_err();
     assert_eq!(float_sizes.subject, "operand `group_sizes`");
-    let bad_tk = gmm::gmm_with_blocks(&lhs, &rhs, &Array::from_i32(&[2], vec![128, 128]), false, GmmBlocks { tm: 128, tk: 96, tn: 128 }, &t).unwrap_err();
+    let bad_tk = gmm::gmm_with_blocks(&Interpreter, &lhs, &rhs, &Array::from_i32(&[2], vec![128, 128]), false, GmmBlocks { tm: 128, tk: 96, tn: 128 }, &t).unwrap_err();
     assert_eq!(bad_tk.rule, "block-shape");
     let grad = Array::zeros(DType::F32, &[200, 128]);
-    let rows_off = gmm::tgmm(&lhs, &grad, &Array::from_i32(&[2], vec![128, 128]), &t).unwrap_err();
+    let rows_off = gmm::tgmm(&Interpreter, &lhs, &grad, &Array::from_i32(&[2], vec![128, 128]), &t).unwrap_err();
     assert_eq!((rows_off.kernel.as_str(), rows_off.subject.as_str()), ("tgmm", "operand `grad`"));
     let grad = Array::zeros(DType::F32, &[256, 128]);
-    let tsum = gmm::tgmm(&lhs, &grad, &Array::from_i32(&[2], vec![1, 2]), &t).unwrap_err();
+    let tsum = gmm::tgmm(&Interpreter, &lhs, &grad, &Array::from_i32(&[2], vec![1, 2]), &t).unwrap_err();
     assert_eq!((tsum.kernel.as_str(), tsum.rule), ("tgmm", "group-sizes"));
 }
 

@@ -5,10 +5,10 @@
 
 use rand::{rngs::StdRng, SeedableRng};
 use tessera_dsl::interp::Array;
-use tessera_dsl::{DType, Target};
+use tessera_dsl::{DType, Executor, Interpreter, Target};
 use tessera_kernels::routing::{self, Gate};
 use tessera_kernels::harness::{check_output, uniform};
-use tessera_kernels::{gmm, norms, run_single};
+use tessera_kernels::{gmm, norms};
 
 const E: usize = 4;
 const K: usize = 2;
@@ -40,22 +40,22 @@ fn layer(t: usize, d: usize, f: usize, dtype: DType, seed: u64) -> Layer {
 
 /// Output and expert-weight gradients `(out, dW_gate, dW_up, dW_down)` from the kernels.
 fn with_kernels(l: &Layer, target: &Target) -> (Array, Array, Array, Array) {
-    let matmul = |t: &[tessera_dsl::Type], tg: &Target| tessera_kernels::matmul(&t[0], &t[1], tg);
-    let logits = run_single(matmul, &[l.x.clone(), l.router.clone()], target).unwrap().remove(0);
-    let (weights, ids) = routing::route(&logits, K, Gate::Softmax, true, target).unwrap();
+    let ex: &dyn Executor = &Interpreter;
+    let logits = tessera_kernels::run1(ex, "matmul", &[&l.x, &l.router], "", target).unwrap();
+    let (weights, ids) = routing::route(ex, &logits, K, Gate::Softmax, true, target).unwrap();
     let plan = routing::plan(&ids, E).unwrap();
-    let group_sizes = Array::from_i32(&[E], plan.group_sizes.clone());
 
-    let xs = routing::permute(&l.x, &plan, target).unwrap();
-    let gate = gmm::gmm(&xs, &l.w_gate, &group_sizes, false, target).unwrap();
-    let up = gmm::gmm(&xs, &l.w_up, &group_sizes, false, target).unwrap();
-    let h = norms::swiglu(&gate, &up, target).unwrap();
-    let y = gmm::gmm(&h, &l.w_down, &group_sizes, false, target).unwrap();
-    let out = routing::combine(&y, &weights, &plan, target).unwrap();
+    let (xs, group_sizes) = routing::permute(ex, &l.x, &ids, E, target).unwrap();
+    assert_eq!(group_sizes.as_i32().unwrap(), plan.group_sizes);
+    let gate = gmm::gmm(ex, &xs, &l.w_gate, &group_sizes, false, target).unwrap();
+    let up = gmm::gmm(ex, &xs, &l.w_up, &group_sizes, false, target).unwrap();
+    let h = norms::swiglu(ex, &gate, &up, target).unwrap();
+    let y = gmm::gmm(ex, &h, &l.w_down, &group_sizes, false, target).unwrap();
+    let out = routing::combine(ex, &y, &weights, &ids, E, target).unwrap();
 
     // Backward. dy for sorted row i = weight(i) * dout[token(i)]: the permute kernel
     // gathers dout; scaling each row by its routing weight is host glue.
-    let douts = routing::permute(&l.dout, &plan, target).unwrap();
+    let douts = routing::permute(ex, &l.dout, &ids, E, target).unwrap().0;
     let w = weights.to_f32_vec();
     let mut row_weight = vec![0f32; plan.src.len()];
     for (n, &row) in plan.pos.iter().enumerate() {
@@ -64,11 +64,11 @@ fn with_kernels(l: &Layer, target: &Target) -> (Array, Array, Array, Array) {
     let d = l.dout.shape[1];
     let dy: Vec<f32> = douts.to_f32_vec().iter().enumerate().map(|(i, v)| v * row_weight[i / d]).collect();
     let dy = Array::from_f32_in(l.x.dtype, &douts.shape, dy);
-    let dw_down = gmm::tgmm(&h, &dy, &group_sizes, target).unwrap();
-    let dh = gmm::gmm(&dy, &l.w_down, &group_sizes, true, target).unwrap();
-    let (dgate, dup) = norms::swiglu_bwd(&gate, &up, &dh, target).unwrap();
-    let dw_gate = gmm::tgmm(&xs, &dgate, &group_sizes, target).unwrap();
-    let dw_up = gmm::tgmm(&xs, &dup, &group_sizes, target).unwrap();
+    let dw_down = gmm::tgmm(ex, &h, &dy, &group_sizes, target).unwrap();
+    let dh = gmm::gmm(ex, &dy, &l.w_down, &group_sizes, true, target).unwrap();
+    let (dgate, dup) = norms::swiglu_bwd(ex, &gate, &up, &dh, target).unwrap();
+    let dw_gate = gmm::tgmm(ex, &xs, &dgate, &group_sizes, target).unwrap();
+    let dw_up = gmm::tgmm(ex, &xs, &dup, &group_sizes, target).unwrap();
     (out, dw_gate, dw_up, dw_down)
 }
 

@@ -5,6 +5,7 @@
 //! differences of the forward references.
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::{self, Array};
 use tessera_dsl::{DType, Target, Type};
 use tessera_kernels::harness::{random_array, run_against_reference};
@@ -71,7 +72,7 @@ fn swiglu_bwd_fixed_shapes() {
 #[test]
 fn rmsnorm_bwd_default_grid_has_several_steps() {
     let op = tessera_kernels::find("rmsnorm_bwd").unwrap();
-    let shapes: Vec<Vec<usize>> = op.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
+    let shapes: Vec<Vec<usize>> = op.cases[0].shapes.iter().map(|s| s.to_vec()).collect();
     for target in [Target::V5E, Target::TPU7X] {
         let r = run_against_reference(op, &shapes, DType::F32, &target, 7).unwrap();
         assert!(r.grid[0] > 1, "grid {:?} on {target}", r.grid);
@@ -127,7 +128,7 @@ fn rmsnorm_bwd_matches_finite_differences() {
         assert!(scaled_err(&dx_ref, &dx_fd) < 1e-7, "reference dx vs finite differences, [{t}, {d}]");
         assert!(scaled_err(&dw_ref, &dw_fd) < 1e-7, "reference dw vs finite differences, [{t}, {d}]");
 
-        let (dx, dw) = norms::rmsnorm_bwd(&a[0], &a[1], &a[2], RMSNORM_EPS, &Target::V5E).unwrap();
+        let (dx, dw) = norms::rmsnorm_bwd(&Interpreter, &a[0], &a[1], &a[2], RMSNORM_EPS, &Target::V5E).unwrap();
         assert!(scaled_err(&dx.to_f64_vec(), &dx_fd) < 1e-5, "kernel dx vs finite differences, [{t}, {d}]");
         assert!(scaled_err(&dw.to_f64_vec(), &dw_fd) < 1e-5, "kernel dw vs finite differences, [{t}, {d}]");
 
@@ -157,7 +158,7 @@ fn swiglu_bwd_matches_finite_differences() {
         assert!(scaled_err(&da_ref, &da_fd) < 1e-7, "reference da vs finite differences, [{t}, {f}]");
         assert!(scaled_err(&db_ref, &db_fd) < 1e-7, "reference db vs finite differences, [{t}, {f}]");
 
-        let (da, db) = norms::swiglu_bwd(&arr[0], &arr[1], &arr[2], &Target::V6E).unwrap();
+        let (da, db) = norms::swiglu_bwd(&Interpreter, &arr[0], &arr[1], &arr[2], &Target::V6E).unwrap();
         assert!(scaled_err(&da.to_f64_vec(), &da_fd) < 1e-5, "kernel da vs finite differences, [{t}, {f}]");
         assert!(scaled_err(&db.to_f64_vec(), &db_fd) < 1e-5, "kernel db vs finite differences, [{t}, {f}]");
     }
@@ -171,15 +172,15 @@ fn array_functions_match_references() {
     let a = inputs(&[&[16, 256], &[16, 256], &[1, 256], &[1, 256]], 9);
     let f = |i: usize| a[i].to_f64_vec();
 
-    let (out, h) = norms::rmsnorm_residual(&a[0], &a[1], &a[2], RMSNORM_EPS, &t).unwrap();
+    let (out, h) = norms::rmsnorm_residual(&Interpreter, &a[0], &a[1], &a[2], RMSNORM_EPS, &t).unwrap();
     let (out_ref, h_ref) = reference::rmsnorm_residual(&f(0), &f(1), &f(2), 256, RMSNORM_EPS as f64);
     assert!(scaled_err(&out.to_f64_vec(), &out_ref) < 1e-5);
     assert!(scaled_err(&h.to_f64_vec(), &h_ref) < 1e-6);
 
-    let ln = norms::layernorm(&a[0], &a[2], &a[3], norms::LAYERNORM_EPS, &t).unwrap();
+    let ln = norms::layernorm(&Interpreter, &a[0], &a[2], &a[3], norms::LAYERNORM_EPS, &t).unwrap();
     assert!(scaled_err(&ln.to_f64_vec(), &reference::layernorm(&f(0), &f(2), &f(3), 256, norms::LAYERNORM_EPS as f64)) < 1e-5);
 
-    let s = norms::swiglu(&a[0], &a[1], &t).unwrap();
+    let s = norms::swiglu(&Interpreter, &a[0], &a[1], &t).unwrap();
     assert!(scaled_err(&s.to_f64_vec(), &reference::swiglu(&f(0), &f(1))) < 1e-5);
 }
 
@@ -187,8 +188,8 @@ fn array_functions_match_references() {
 #[test]
 fn shape_mismatch_is_an_error() {
     let a = inputs(&[&[8, 128], &[8, 256]], 1);
-    let err = norms::swiglu(&a[0], &a[1], &Target::V5E).unwrap_err();
+    let err = norms::swiglu(&Interpreter, &a[0], &a[1], &Target::V5E).unwrap_err();
     assert_eq!(err.rule, "operand-shape", "{err}");
     let w = inputs(&[&[1, 64]], 2);
-    assert!(norms::rmsnorm_residual(&a[0], &a[0], &w[0], RMSNORM_EPS, &Target::V5E).is_err());
+    assert!(norms::rmsnorm_residual(&Interpreter, &a[0], &a[0], &w[0], RMSNORM_EPS, &Target::V5E).is_err());
 }

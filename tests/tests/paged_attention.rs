@@ -4,6 +4,7 @@
 //! page, and libtpu acceptance of a large-block configuration.
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Inst, Kernel, Target, Type};
 use tessera_kernels::harness::check_output;
@@ -45,7 +46,7 @@ fn matches_the_reference_f32_and_bf16() {
     for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
             let a = inputs(set, dtype, 7 + set as u64);
-            let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(sh.7), &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
+            let out = pa::paged_attention(&Interpreter, &a[0], &a[1], &a[2], &a[3], &a[4], Some(sh.7), &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
             let want = reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4]);
             let check = check_output(&out, &want);
             assert!(check.passed(), "set {set} {dtype}: {check:?}; lengths {:?}", a[3].as_i32().unwrap());
@@ -68,7 +69,7 @@ fn default_compute_block_is_per_generation() {
 fn single_token_sequences_return_their_value_row() {
     let a = inputs(0, DType::F32, 3);
     assert_eq!(a[3].as_i32().unwrap()[1], 1);
-    let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], None, &Target::V5E).unwrap().to_f64_vec();
+    let out = pa::paged_attention(&Interpreter, &a[0], &a[1], &a[2], &a[3], &a[4], None, &Target::V5E).unwrap().to_f64_vec();
     let (h, d, hkv, np, ps) = (8, 128, 2, 16, 16);
     let page = a[4].as_i32().unwrap()[4] as usize; // sequence 1, page 0
     let v = a[2].to_f64_vec();
@@ -85,7 +86,7 @@ fn every_compute_block_size_agrees() {
     let a = inputs(4, DType::F32, 11);
     let want = reference::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4]);
     for ppcb in 1..=9 {
-        let out = pa::paged_attention(&a[0], &a[1], &a[2], &a[3], &a[4], Some(ppcb), &Target::V5E).unwrap();
+        let out = pa::paged_attention(&Interpreter, &a[0], &a[1], &a[2], &a[3], &a[4], Some(ppcb), &Target::V5E).unwrap();
         assert!(check_output(&out, &want).passed(), "pages_per_compute_block {ppcb}");
     }
 }
@@ -108,7 +109,7 @@ fn removing_a_dma_wait_fails_loudly() {
     for b in &mut k.blocks {
         b.insts.retain(|i| !waits.contains(i));
     }
-    let e = pa::run_kernel(&k, &a[0], &a[1], &a[2], &a[3], &a[4]).unwrap_err();
+    let e = pa::run_kernel(&Interpreter, &k, &a[0], &a[1], &a[2], &a[3], &a[4]).unwrap_err();
     assert_eq!(e.rule, "dma-unwaited", "{e}");
     assert!(e.message.contains("v_buf"), "{e}");
 }
@@ -128,7 +129,7 @@ fn copying_the_wrong_page_is_caught() {
             }
         }
     }
-    let out = pa::run_kernel(&k, &a[0], &a[1], &a[2], &a[3], &a[4]).unwrap();
+    let out = pa::run_kernel(&Interpreter, &k, &a[0], &a[1], &a[2], &a[3], &a[4]).unwrap();
     assert!(!check_output(&out, &want).passed());
 }
 

@@ -4,6 +4,7 @@
 //! interpreter catching a missing DMA wait, and libtpu acceptance of a large-block config.
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Inst, Target, Type};
 use tessera_kernels::harness::check_output;
@@ -38,7 +39,7 @@ fn opts(set: &Set, d: usize) -> Options {
 }
 
 fn check(a: &[Array], o: Options, what: &str) {
-    let out = rpa::ragged_paged_attention(a, &o, &Target::V5E).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let out = rpa::ragged_paged_attention(&Interpreter, a, &o, &Target::V5E).unwrap_or_else(|e| panic!("{what}: {e}"));
     let want = reference::ragged_paged_attention(a, o.sm_scale as f64, o.sliding_window, o.soft_cap.map(f64::from));
     let c = check_output(&out, &want);
     assert!(c.passed(), "{what}: {c:?}; kv_lens {:?} cu_q_lens {:?}", a[3].as_i32().unwrap(), a[5].as_i32().unwrap());
@@ -101,7 +102,7 @@ fn hand_built_mixed_batch() {
         }
     }
     // The single-token, single-key sequence returns its value row; padding tokens are zero.
-    let out = rpa::ragged_paged_attention(&a, &Options { sm_scale: 0.125, ..Options::default() }, &Target::V5E).unwrap().to_f64_vec();
+    let out = rpa::ragged_paged_attention(&Interpreter, &a, &Options { sm_scale: 0.125, ..Options::default() }, &Target::V5E).unwrap().to_f64_vec();
     let page = a[4].as_i32().unwrap()[pps] as usize;
     let v = a[2].to_f64_vec();
     for head in 0..h {
@@ -117,7 +118,7 @@ fn hand_built_mixed_batch() {
 fn num_seqs_zero_gives_zeros() {
     let mut a = inputs(0, DType::F32, 3);
     a[6] = Array::from_i32(&[1], vec![0]);
-    let out = rpa::ragged_paged_attention(&a, &Options::default(), &Target::V5E).unwrap();
+    let out = rpa::ragged_paged_attention(&Interpreter, &a, &Options::default(), &Target::V5E).unwrap();
     assert!(out.to_f64_vec().iter().all(|&x| x == 0.0));
 }
 
@@ -154,7 +155,7 @@ fn removing_a_dma_wait_fails_loudly() {
     for b in &mut k.blocks {
         b.insts.retain(|i| !waits.contains(i));
     }
-    let e = rpa::run_kernel(&k, &a).unwrap_err();
+    let e = rpa::run_kernel(&Interpreter, &k, &a).unwrap_err();
     assert_eq!(e.rule, "dma-unwaited", "{e}");
 }
 
@@ -199,16 +200,15 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
     }
 }
 
-/// The library entry (sm_scale = 1/sqrt(d)) at its default and alt shapes, as the CLI runs it.
+/// The library entry (sm_scale = 1/sqrt(d)) at every case's shapes, as the CLI runs it.
 #[test]
 fn library_entry_matches_its_reference() {
     let op = tessera_kernels::find("ragged_paged_attention").unwrap();
-    let defaults: Vec<Vec<usize>> = op.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
-    let alt: Vec<Vec<usize>> = op.alt_shapes.iter().map(|s| s.to_vec()).collect();
-    for shapes in [defaults, alt] {
+    for case in op.cases {
+        let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
         for dtype in [DType::F32, DType::BF16] {
-            let r = tessera_kernels::harness::run_against_reference(op, &shapes, dtype, &Target::V6E, 3).unwrap_or_else(|e| panic!("{e}"));
-            assert!(r.passed(), "{shapes:?} {dtype}: {:?}", r.worst());
+            let r = tessera_kernels::harness::run_case(op, &op.case_statics(case).unwrap(), &shapes, dtype, &Target::V6E, 3, &Interpreter).unwrap_or_else(|e| panic!("{e}"));
+            assert!(r.passed(), "{} {shapes:?} {dtype}: {:?}", case.name, r.worst());
         }
     }
 }

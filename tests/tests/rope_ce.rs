@@ -5,26 +5,30 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tessera_dsl::interp::Array;
-use tessera_dsl::{DType, Target, Type};
-use tessera_kernels::harness::{run_against_reference, Report};
-use tessera_kernels::rope_ce::{self, reference, ROPE_INTERLEAVED, ROPE_INTERLEAVED_BWD};
-use tessera_kernels::{find, LibraryKernel};
+use tessera_dsl::{DType, Interpreter, Target, Type};
+use tessera_kernels::harness::{run_case, Report};
+use tessera_kernels::rope_ce::{self, reference};
+use tessera_kernels::{find, Op};
 
-fn check(op: &LibraryKernel, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Report {
-    let r = run_against_reference(op, shapes, dtype, target, seed).unwrap_or_else(|e| panic!("{} {shapes:?} {dtype}: {e}", op.name));
+fn check(op: &Op, statics: &str, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64) -> Report {
+    let r = run_case(op, &op.statics(statics).unwrap(), shapes, dtype, target, seed, &Interpreter).unwrap_or_else(|e| panic!("{} {shapes:?} {dtype}: {e}", op.name));
     assert!(r.passed(), "{} {shapes:?} {dtype} on {target} (grid {:?}): {:?}", op.name, r.grid, r.outputs);
     r
 }
 
-fn fixed(op: &LibraryKernel, sets: &[Vec<Vec<usize>>]) {
+fn fixed_with(op: &Op, statics: &str, sets: &[Vec<Vec<usize>>]) {
     assert!(sets.len() >= 5);
     for dtype in [DType::F32, DType::BF16] {
         for target in [Target::V5E, Target::TPU7X] {
             for (i, shapes) in sets.iter().enumerate() {
-                check(op, shapes, dtype, &target, i as u64);
+                check(op, statics, shapes, dtype, &target, i as u64);
             }
         }
     }
+}
+
+fn fixed(op: &Op, sets: &[Vec<Vec<usize>>]) {
+    fixed_with(op, "", sets)
 }
 
 /// `[t, h, dh]` + `[t]` shape sets: dh 128 / 64 / 256 / 96 (chunk = whole row), T not a
@@ -54,12 +58,12 @@ fn rope_rotate_half_bwd() {
 
 #[test]
 fn rope_interleaved() {
-    fixed(&ROPE_INTERLEAVED, &rope_sets());
+    fixed_with(find("rope").unwrap(), "interleaved=True", &rope_sets());
 }
 
 #[test]
 fn rope_interleaved_bwd() {
-    fixed(&ROPE_INTERLEAVED_BWD, &rope_sets());
+    fixed_with(find("rope_bwd").unwrap(), "interleaved=True", &rope_sets());
 }
 
 #[test]
@@ -148,8 +152,8 @@ fn cross_entropy_public_functions() {
     let labels_i: Vec<i32> = (0..t).map(|i| if i == 4 { -100 } else if i == 7 { v as i32 } else { rng.gen_range(0..v as i32) }).collect();
     let labels = Array::from_i32(&[t], labels_i.clone());
     let target = Target::V6E;
-    let (loss, lse) = rope_ce::cross_entropy(&logits, &labels, &target).unwrap();
-    assert_eq!((loss.shape.as_slice(), lse.shape.as_slice(), lse.dtype), (&[t][..], &[t, 1][..], DType::F32));
+    let (loss, lse) = rope_ce::cross_entropy(&Interpreter, &logits, &labels, &target).unwrap();
+    assert_eq!((loss.shape.as_slice(), lse.shape.as_slice(), lse.dtype), (&[t][..], &[t][..], DType::F32));
     let x64: Vec<f64> = logits_f.iter().map(|&z| z as f64).collect();
     let l64: Vec<i64> = labels_i.iter().map(|&l| l as i64).collect();
     let (want_loss, want_lse) = reference::cross_entropy(&x64, &l64, v);
@@ -161,12 +165,12 @@ fn cross_entropy_public_functions() {
     assert_eq!(loss.to_f64_vec()[4], 0.0);
     assert_eq!(loss.to_f64_vec()[7], 0.0);
     let dloss = Array::from_f32(&[t], vec![1.0; t]);
-    let d = rope_ce::cross_entropy_bwd(&logits, &labels, &lse, &dloss, &target).unwrap();
+    let d = rope_ce::cross_entropy_bwd(&Interpreter, &logits, &labels, &lse, &dloss, &target).unwrap();
     let want = reference::cross_entropy_bwd(&x64, &l64, &vec![1.0; t], v);
     let err = d.to_f64_vec().iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0, f64::max);
     assert!(err < 1e-6, "dlogits max error {err}");
 
-    let e = rope_ce::cross_entropy(&logits, &Array::from_i32(&[t - 1], vec![0; t - 1]), &target).unwrap_err();
+    let e = rope_ce::cross_entropy(&Interpreter, &logits, &Array::from_i32(&[t - 1], vec![0; t - 1]), &target).unwrap_err();
     assert_eq!((e.rule, e.subject.as_str()), ("operand-shape", "input `labels`"));
 }
 
@@ -180,9 +184,9 @@ fn rope_public_functions() {
     let x = Array::from_f32(&[t, h, dh], xs.clone());
     let pos = Array::from_i32(&[t], (0..t).map(|i| 100_000 - 37 * i as i32).collect());
     for interleaved in [false, true] {
-        let y = rope_ce::rope(&x, &pos, 500000.0, interleaved, &Target::V5E).unwrap();
+        let y = rope_ce::rope(&Interpreter, &x, &pos, 500000.0, interleaved, &Target::V5E).unwrap();
         assert_eq!(y.shape, x.shape);
-        let back = rope_ce::rope_bwd(&y, &pos, 500000.0, interleaved, &Target::V5E).unwrap();
+        let back = rope_ce::rope_bwd(&Interpreter, &y, &pos, 500000.0, interleaved, &Target::V5E).unwrap();
         let err = back.to_f64_vec().iter().zip(&xs).map(|(a, &b)| (a - b as f64).abs()).fold(0.0, f64::max);
         assert!(err < 1e-6, "interleaved={interleaved}: round trip error {err}");
     }

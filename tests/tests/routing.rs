@@ -6,9 +6,10 @@
 //! the errors users get for bad parameters.
 
 use rand::{rngs::StdRng, SeedableRng};
+use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
-use tessera_kernels::harness::{check_output, random_array, run_against_reference};
+use tessera_kernels::harness::{check_output, random_array, run_case};
 use tessera_kernels::routing::{self, reference, Gate, Routing};
 
 const TARGETS: [Target; 2] = [Target::V5E, Target::TPU7X];
@@ -21,7 +22,12 @@ fn library_op(name: &str, sets: &[&[&[usize]]]) {
         for target in TARGETS {
             for (i, set) in sets.iter().enumerate() {
                 let shapes: Vec<Vec<usize>> = set.iter().map(|s| s.to_vec()).collect();
-                let r = run_against_reference(op, &shapes, dtype, &target, i as u64).unwrap_or_else(|e| panic!("{name} {shapes:?} {dtype}: {e}"));
+                // permute and combine take the expert count; random routings draw from 2k + 3.
+                let statics = match shapes.last() {
+                    Some(ids) if name != "router_topk" => format!("num_experts={}", routing::random_routing_experts(ids[1])),
+                    _ => String::new(),
+                };
+                let r = run_case(op, &op.statics(&statics).unwrap(), &shapes, dtype, &target, i as u64, &Interpreter).unwrap_or_else(|e| panic!("{name} {shapes:?} {dtype}: {e}"));
                 assert!(r.passed(), "{name} {shapes:?} {dtype} on {target} (grid {:?}): {:?}", r.grid, r.outputs);
             }
         }
@@ -47,7 +53,7 @@ fn router_topk_matches_reference() {
                 // Spread the logits so softmax weights are far from uniform.
                 let logits = random_array(DType::F32, &[t, e], &mut rng).to_f32_vec().iter().map(|v| 4.0 * v).collect::<Vec<_>>();
                 let logits = Array::from_f32_in(dtype, &[t, e], logits);
-                let (w, ids) = routing::route(&logits, k, gate, normalize, &target).unwrap_or_else(|err| panic!("{t}x{e} k={k}: {err}"));
+                let (w, ids) = routing::route(&Interpreter, &logits, k, gate, normalize, &target).unwrap_or_else(|err| panic!("{t}x{e} k={k}: {err}"));
                 assert_eq!((w.dtype, &w.shape[..], ids.dtype, &ids.shape[..]), (dtype, &[t, k][..], DType::I32, &[t, k][..]));
                 let (want_w, want_ids) = reference::router_topk(&logits.to_f64_vec(), e, k, gate == Gate::Sigmoid, normalize);
                 let want_ids: Vec<f64> = want_ids.into_iter().map(|i| i as f64).collect();
@@ -75,7 +81,7 @@ fn router_topk_ties_go_to_the_lowest_expert() {
         [2.0, 2.0, 2.0, 2.0, 2.0],
     ];
     let logits = Array::from_f32(&[3, 5], rows.iter().flatten().copied().collect());
-    let (w, ids) = routing::route(&logits, 3, Gate::Softmax, true, &Target::V5E).unwrap();
+    let (w, ids) = routing::route(&Interpreter, &logits, 3, Gate::Softmax, true, &Target::V5E).unwrap();
     assert_eq!(ids.as_i32().unwrap(), &[1, 2, 4, 0, 1, 2, 0, 1, 2]);
     let w = w.as_f32().unwrap();
     assert!(w[..3].iter().all(|&v| (v - 1.0 / 3.0).abs() < 1e-6), "{w:?}");
@@ -154,11 +160,11 @@ fn permute_then_combine_is_the_identity() {
             let ids = routing::random_expert_ids(t, k, &mut rng);
             let r = routing::plan(&ids, routing::random_routing_experts(k)).unwrap();
             assert_eq!(r.group_sizes[1], 0, "expert 1 receives no tokens");
-            let xs = routing::permute(&x, &r, &Target::V6E).unwrap();
+            let xs = routing::permute(&Interpreter, &x, &ids, routing::random_routing_experts(k), &Target::V6E).unwrap().0;
             // Weights 1/k are exact in bf16, and so is the f32 sum of k halves/quarters.
             let w = random_array(dtype, &[t, k], &mut rng);
             let w = Array { data: filled(&w, 1.0 / k as f32), ..w };
-            let back = routing::combine(&xs, &w, &r, &Target::V6E).unwrap();
+            let back = routing::combine(&Interpreter, &xs, &w, &ids, routing::random_routing_experts(k), &Target::V6E).unwrap();
             assert_eq!(back, x, "{t}x{d} k={k} {dtype}");
         }
     }
@@ -186,11 +192,11 @@ fn moe_layer_composition_matches_a_direct_loop() {
     let logits = Array::from_f32(&[t, e], logits);
     let x = random_array(DType::F32, &[t, d], &mut rng);
     let target = Target::V5E;
-    let (w, ids) = routing::route(&logits, k, Gate::Softmax, true, &target).unwrap();
+    let (w, ids) = routing::route(&Interpreter, &logits, k, Gate::Softmax, true, &target).unwrap();
     let r: Routing = routing::plan(&ids, e).unwrap();
     assert_eq!((r.group_sizes[2], r.group_sizes[5]), (0, 0));
     assert_eq!(r.group_sizes.iter().sum::<i32>() as usize, t * k);
-    let xs = routing::permute(&x, &r, &target).unwrap().to_f32_vec();
+    let xs = routing::permute(&Interpreter, &x, &ids, e, &target).unwrap().0.to_f32_vec();
     // Expert `g` multiplies by (g + 1): walk the groups in sorted order.
     let mut ys = Vec::with_capacity(xs.len());
     let mut rows = xs.chunks(d);
@@ -199,7 +205,7 @@ fn moe_layer_composition_matches_a_direct_loop() {
             ys.extend(row.iter().map(|v| v * (g + 1) as f32));
         }
     }
-    let out = routing::combine(&Array::from_f32(&[t * k, d], ys), &w, &r, &target).unwrap();
+    let out = routing::combine(&Interpreter, &Array::from_f32(&[t * k, d], ys), &w, &ids, e, &target).unwrap();
     let (wv, iv, xv) = (w.to_f64_vec(), ids.as_i32().unwrap(), x.to_f64_vec());
     let mut want = vec![0.0; t * d];
     for tok in 0..t {
@@ -218,20 +224,19 @@ fn moe_layer_composition_matches_a_direct_loop() {
 fn bad_parameters_are_errors_not_panics() {
     let logits = Array::from_f32(&[16, 4], vec![0.0; 64]);
     for k in [0, 5, 9] {
-        let e = routing::route(&logits, k, Gate::Softmax, true, &Target::V5E).unwrap_err();
+        let e = routing::route(&Interpreter, &logits, k, Gate::Softmax, true, &Target::V5E).unwrap_err();
         assert_eq!((e.kernel.as_str(), e.rule), ("router_topk", "top-k"), "{e}");
     }
-    let e = routing::route(&Array::from_i32(&[16, 4], vec![0; 64]), 2, Gate::Softmax, true, &Target::V5E).unwrap_err();
+    let e = routing::route(&Interpreter, &Array::from_i32(&[16, 4], vec![0; 64]), 2, Gate::Softmax, true, &Target::V5E).unwrap_err();
     assert_eq!(e.rule, "operand-dtype");
-    let r = routing::plan(&Array::from_i32(&[4, 2], vec![0, 1, 1, 0, 2, 0, 1, 2]), 3).unwrap();
-    let e = routing::permute(&Array::from_f32(&[5, 128], vec![0.0; 640]), &r, &Target::V5E).unwrap_err();
+    let ids = Array::from_i32(&[4, 2], vec![0, 1, 1, 0, 2, 0, 1, 2]);
+    let e = routing::permute(&Interpreter, &Array::from_f32(&[5, 128], vec![0.0; 640]), &ids, 3, &Target::V5E).unwrap_err();
     assert_eq!((e.kernel.as_str(), e.rule), ("permute", "routing-shape"), "{e}");
     let y = Array::from_f32(&[8, 128], vec![0.0; 1024]);
-    let e = routing::combine(&y, &Array::from_f32(&[4, 3], vec![0.0; 12]), &r, &Target::V5E).unwrap_err();
+    let e = routing::combine(&Interpreter, &y, &Array::from_f32(&[4, 3], vec![0.0; 12]), &ids, 3, &Target::V5E).unwrap_err();
     assert_eq!((e.kernel.as_str(), e.rule), ("combine", "routing-shape"), "{e}");
-    // The library entry derives E from the ids; a negative id is an error too.
-    let op = tessera_kernels::find("permute").unwrap();
-    let e = (op.run)(&[Array::from_f32(&[2, 128], vec![0.0; 256]), Array::from_i32(&[2, 1], vec![0, -1])], &Target::V5E).unwrap_err();
+    // A negative id is an error too.
+    let e = routing::permute(&Interpreter, &Array::from_f32(&[2, 128], vec![0.0; 256]), &Array::from_i32(&[2, 1], vec![0, -1]), 4, &Target::V5E).unwrap_err();
     assert_eq!((e.kernel.as_str(), e.rule), ("permute", "expert-id-range"), "{e}");
 }
 

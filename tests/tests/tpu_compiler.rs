@@ -1,9 +1,9 @@
 //! The real TPU compiler tier (enabled by `TESSERA_TPU_ORACLE=1`, which `scripts/test.sh`
-//! sets): every library kernel, f32 and bf16, at default shapes and at a second shape set,
+//! sets): every library op's kernels, f32 and bf16, at the shapes of each of its cases,
 //! compiles with libtpu for v5e, v6e and tpu7x; and the broken kernels that libtpu can
 //! judge are rejected by it too when forced past our verifier.
 
-use tessera_dsl::{DType, Target, Type};
+use tessera_dsl::{DType, Target};
 use tessera_kernels::library;
 use tessera_tests::{broken, oracle};
 
@@ -17,25 +17,26 @@ fn skip() -> bool {
     false
 }
 
-/// Input types of an op: float operands take `dtype`, the others are int32.
-fn op_types(k: &tessera_kernels::LibraryKernel, shapes: &[Vec<usize>], dtype: DType) -> Vec<Type> {
-    k.inputs.iter().zip(shapes).map(|(o, s)| Type::vector(o.kind.dtype(dtype), s)).collect()
-}
-
 #[test]
 fn every_library_kernel_compiles_for_v5e_v6e_tpu7x() {
     if skip() {
         return;
     }
     for target in TARGETS {
-        let mut modules = Vec::new();
-        for k in library() {
-            let defaults: Vec<Vec<usize>> = k.inputs.iter().map(|o| o.default_shape.to_vec()).collect();
-            for (set, shapes) in [("default", defaults), ("alt", k.alt_shapes.iter().map(|s| s.to_vec()).collect())] {
+        let mut modules: Vec<(String, String)> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for op in library().filter(|op| op.alias_of.is_none()) {
+            for case in op.cases {
+                let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+                let statics = op.case_statics(case).unwrap();
                 for dtype in [DType::F32, DType::BF16] {
-                    for kernel in (k.build)(&op_types(k, &shapes, dtype), &target).unwrap_or_else(|e| panic!("{}: {e}", k.name)) {
-                        let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", k.name));
-                        modules.push((format!("{}-{}-{set}-{dtype}", k.name, kernel.name), lowered.stablehlo));
+                    let plan = op.plan_for(&op.types(&shapes, dtype), &statics, &target).unwrap_or_else(|e| panic!("{} {}: {e}", op.name, case.name));
+                    for launch in plan.launches {
+                        let lowered = tessera_codegen::lower(&launch.kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", op.name));
+                        // Cases share kernels (a backward op reuses its forward's): compile each module once.
+                        if seen.insert(lowered.stablehlo.clone()) {
+                            modules.push((format!("{}-{}-{}-{dtype}", op.name, case.name, launch.kernel.name), lowered.stablehlo));
+                        }
                     }
                 }
             }

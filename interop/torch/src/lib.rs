@@ -1,13 +1,12 @@
 //! `tessera._native`: the Rust side of the `tessera` Python package.
 //!
-//! It knows the ops ([`ops::OPS`]), turns a call into a cached [`plan::Plan`], runs plans on
-//! the interpreter over tensor memory (CPU tensors and the emulated host-memory `tpu`
-//! device), and hands the Python side each launch's StableHLO module for TorchTPU.
+//! It serves an op table (the library's, [`tessera_kernels::library`], or a user crate's:
+//! [`init_module`]), turns a call into a cached [`Plan`] (built by the op's entry), runs
+//! plans on a CPU backend over tensor memory (CPU tensors and the emulated host-memory
+//! `tpu` device), and hands the Python side each launch's StableHLO module for TorchTPU.
+//! The Python side registers every op from [`op_table`]: schema, fake shapes, autograd.
 //!
 //! Tensors cross as their `data_ptr()`; see [`TensorRef`] for the contract.
-
-pub mod ops;
-pub mod plan;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,11 +16,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyTuple};
 use tessera_dsl::interp::{Array, HostData, HostDataMut, HostMut, HostRef};
-use tessera_dsl::{DType, KernelError, Target, Type};
+use tessera_dsl::{DType, Executor, Interpreter, KernelError, Target, Type};
 
-pub use ops::{Call, OpDef, Static};
-pub use plan::{Launch, Operand, Plan};
-use plan::{Layout, Source};
+pub use tessera_kernels::op::{Backward, Call, Case, Input, Kind, Op, Output, Static, Statics};
+pub use tessera_kernels::plan::{self, Launch, Operand, Plan};
+use tessera_kernels::plan::{Layout, Source};
 
 /// Kernel errors reach Python as `ValueError` carrying the full diagnostic (kernel,
 /// operand, rule and what to change).
@@ -228,70 +227,46 @@ fn torch_dtype_of(py: Python<'_>, dtype: DType) -> PyResult<Bound<'_, PyAny>> {
 
 // ---- statics and the plan cache -------------------------------------------------------------
 
-fn statics_of(t: &Bound<'_, PyTuple>) -> PyResult<Vec<Static>> {
-    t.iter()
-        .map(|v| {
-            Ok(if v.is_none() {
-                Static::None
-            } else if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
-                Static::Bool(b.is_true())
-            } else if let Ok(i) = v.extract::<i64>() {
-                Static::Int(i)
-            } else if let Ok(x) = v.extract::<f64>() {
-                Static::Float(x)
-            } else if let Ok(s) = v.extract::<String>() {
-                Static::Str(s)
-            } else {
-                return Err(PyValueError::new_err(format!(
-                    "tessera: unsupported static argument {v}"
-                )));
-            })
-        })
-        .collect()
+/// A Python static argument as a [`Static`].
+fn static_of(v: &Bound<'_, PyAny>) -> PyResult<Static> {
+    Ok(if v.is_none() {
+        Static::None
+    } else if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
+        Static::Bool(b.is_true())
+    } else if let Ok(i) = v.extract::<i64>() {
+        Static::Int(i)
+    } else if let Ok(x) = v.extract::<f64>() {
+        Static::Float(x)
+    } else if let Ok(s) = v.extract::<String>() {
+        Static::Str(s)
+    } else if let Ok(v) = v.extract::<Vec<i64>>() {
+        Static::Ints(v)
+    } else {
+        return Err(PyValueError::new_err(format!("tessera: unsupported static argument {v}")));
+    })
+}
+
+/// The statics of a call of `op` (schema order, defaults for missing trailing ones).
+fn statics_of(op: &Op, t: &Bound<'_, PyTuple>) -> PyResult<Statics> {
+    let values = t.iter().map(|v| static_of(&v)).collect::<PyResult<Vec<_>>>()?;
+    let schema = op.parsed().map_err(py_err)?;
+    Statics::from_values(&schema, values).map_err(|m| py_err(KernelError::new(op.name, "static arguments", "option-value", m, format!("see the schema: {}{}", op.name, op.schema))))
 }
 
 type PlanKey = (&'static str, String, Vec<Option<Type>>, &'static str);
 
 /// Plans by op, statics, input types and target: built once, shared.
-fn plan_for(
-    name: &str,
-    statics: &[Static],
-    inputs: &[Option<Type>],
-    target: &Target,
-) -> PyResult<Arc<Plan>> {
+fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
     static PLANS: Mutex<Option<HashMap<PlanKey, Arc<Plan>>>> = Mutex::new(None);
-    let op = op_named(name)?;
-    let key: PlanKey = (
-        op.name,
-        format!("{statics:?}"),
-        inputs.to_vec(),
-        target.name,
-    );
-    if let Some(p) = PLANS
-        .lock()
-        .expect("plan cache")
-        .get_or_insert_with(HashMap::new)
-        .get(&key)
-    {
+    let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
+    if let Some(p) = PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).get(&key) {
         return Ok(p.clone());
     }
-    let plan = Arc::new(
-        (op.plan)(&Call {
-            op: op.name,
-            inputs,
-            statics,
-            target,
-        })
-        .map_err(py_err)?,
-    );
+    let plan = Arc::new(op.plan_for(inputs, statics, target).map_err(py_err)?);
     for launch in &plan.launches {
         tessera_dsl::verify::verify(&launch.kernel, target).map_err(py_err)?;
     }
-    PLANS
-        .lock()
-        .expect("plan cache")
-        .get_or_insert_with(HashMap::new)
-        .insert(key, plan.clone());
+    PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).insert(key, plan.clone());
     Ok(plan)
 }
 
@@ -319,41 +294,48 @@ fn tensor_refs<'py>(
 }
 
 /// The names of an op's tensor arguments, in schema order.
-fn tensor_names(op: &OpDef) -> Vec<&'static str> {
-    let args = op
-        .schema
-        .trim_start_matches('(')
-        .split(") ->")
-        .next()
-        .unwrap_or("");
-    args.split(", ")
-        .filter(|a| a.starts_with("Tensor"))
-        .filter_map(|a| a.split_whitespace().nth(1))
-        .collect()
+fn tensor_names(op: &Op) -> Vec<&'static str> {
+    op.inputs.iter().map(|i| i.name).collect()
 }
 
 // ---- the Python API ---------------------------------------------------------------------------
 
 /// The ops this extension module serves: the library's, or a user crate's (see
 /// [`init_module`]). Each extension module (cdylib) has its own.
-static TABLE: std::sync::OnceLock<&'static [OpDef]> = std::sync::OnceLock::new();
+static TABLE: std::sync::OnceLock<Vec<&'static Op>> = std::sync::OnceLock::new();
 
-fn op_named(name: &str) -> PyResult<&'static OpDef> {
-    let table = TABLE.get().copied().unwrap_or_default();
-    table.iter().find(|o| o.name == name).ok_or_else(|| {
-        PyValueError::new_err(format!("tessera: no op named {name:?} in this module"))
-    })
+fn table() -> &'static [&'static Op] {
+    TABLE.get().map(Vec::as_slice).unwrap_or_default()
 }
 
-/// `[(name, schema, doc)]` of every op.
+fn op_named(name: &str) -> PyResult<&'static Op> {
+    table().iter().copied().find(|o| o.name == name).ok_or_else(|| PyValueError::new_err(format!("tessera: no op named {name:?} in this module")))
+}
+
+/// Every op of this module as a dict: `name`, `schema`, `doc`, `outputs` (`[(name, shape
+/// expression, dtype expression)]`, from which the Python side derives the fake kernel),
+/// `backward` (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
+/// (`None` or `(op, result)`), in registration order.
 #[pyfunction]
-fn op_table() -> Vec<(&'static str, &'static str, &'static str)> {
-    TABLE
-        .get()
-        .copied()
-        .unwrap_or_default()
+fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
+    table()
         .iter()
-        .map(|o| (o.name, o.schema, o.doc))
+        .map(|op| {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("name", op.name)?;
+            d.set_item("schema", op.schema)?;
+            d.set_item("doc", op.doc)?;
+            d.set_item("inputs", op.inputs.iter().map(|i| i.name).collect::<Vec<_>>())?;
+            d.set_item("outputs", op.outputs.iter().map(|o| (o.name, o.shape, o.dtype)).collect::<Vec<_>>())?;
+            let backward = op.backward.map(|b| {
+                let args: Vec<&str> = b.args.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+                let grads: Vec<Vec<&str>> = b.grads.iter().map(|g| g.split_whitespace().collect()).collect();
+                (b.op, args, grads)
+            });
+            d.set_item("backward", backward)?;
+            d.set_item("alias_of", op.alias_of)?;
+            Ok(d)
+        })
         .collect()
 }
 
@@ -365,12 +347,13 @@ fn call<'py>(
     target: &str,
 ) -> PyResult<(Vec<Option<TensorRef<'py>>>, Arc<Plan>)> {
     let target = target_named(target)?;
+    let op = op_named(name)?;
     let refs = tensor_refs(name, inputs)?;
     let types: Vec<Option<Type>> = refs
         .iter()
         .map(|r| r.as_ref().map(|r| r.ty.clone()))
         .collect();
-    let plan = plan_for(name, &statics_of(statics)?, &types, &target)?;
+    let plan = plan_for(op, &statics_of(op, statics)?, &types, &target)?;
     Ok((refs, plan))
 }
 
@@ -398,7 +381,7 @@ fn run<'py>(
         .map(|r| r.as_ref().map(TensorRef::host))
         .collect();
     let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(TensorRef::host_mut).collect();
-    plan::execute_into(&plan, &ins, &mut views).map_err(py_err)?;
+    plan::execute_into(&plan, backend(), &ins, &mut views).map_err(py_err)?;
     Ok(tensors)
 }
 
@@ -427,12 +410,105 @@ fn time_plan(
         .map(|_| {
             let start = std::time::Instant::now();
             let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(Array::as_host_mut).collect();
-            plan::execute_into(&plan, &ins, &mut views).map_err(py_err)?;
+            plan::execute_into(&plan, backend(), &ins, &mut views).map_err(py_err)?;
             Ok(start.elapsed().as_secs_f64())
         })
         .collect::<PyResult<Vec<f64>>>()?;
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+// ---- the op table's cases, for table-driven tests -----------------------------------------------
+
+/// The op whose cases and reference serve `op` (an alias uses the aliased op's).
+fn case_source(op: &'static Op) -> &'static Op {
+    op.alias_of.and_then(|(of, _)| table().iter().copied().find(|o| o.name == of)).unwrap_or(op)
+}
+
+fn case_named(op: &'static Op, case: &str) -> PyResult<&'static Case> {
+    case_source(op).case(case).ok_or_else(|| PyValueError::new_err(format!("tessera: op {} has no case {case:?}", op.name)))
+}
+
+/// A case as Python sees it: `(name, statics, shapes)`.
+type CaseTuple = (&'static str, &'static str, Vec<Vec<usize>>);
+
+/// `[(case, statics, shapes)]` of op `name` (an alias: the aliased op's cases).
+#[pyfunction]
+fn op_cases(name: &str) -> PyResult<Vec<CaseTuple>> {
+    let op = case_source(op_named(name)?);
+    Ok(op.cases.iter().map(|c| (c.name, c.statics, c.shapes.iter().map(|s| s.to_vec()).collect())).collect())
+}
+
+fn static_to_py<'py>(py: Python<'py>, s: &Static) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match s {
+        Static::None => py.None().into_bound(py),
+        Static::Bool(b) => pyo3::types::PyBool::new(py, *b).to_owned().into_any(),
+        Static::Int(i) => i.into_pyobject(py)?.into_any(),
+        Static::Float(x) => x.into_pyobject(py)?.into_any(),
+        Static::Str(s) => s.into_pyobject(py)?.into_any(),
+        Static::Ints(v) => PyList::new(py, v)?.into_any(),
+    })
+}
+
+/// A sample's `(tensors, statics)`.
+type Sample<'py> = (Vec<Bound<'py, PyAny>>, Vec<Bound<'py, PyAny>>);
+
+/// Random inputs of case `case` of op `name` for float `dtype` (`float32`/`bfloat16`):
+/// `(tensors, statics)` in schema order, the tensors fresh CPU tensors (the op's own
+/// contract-respecting generator, seeded by `seed`).
+#[pyfunction]
+fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64) -> PyResult<Sample<'py>> {
+    use rand::SeedableRng;
+    let op = op_named(name)?;
+    let case = case_named(op, case)?;
+    let source = case_source(op);
+    let dtype = plan::dtype_from_torch(dtype).filter(|d| d.is_float()).ok_or_else(|| PyValueError::new_err(format!("tessera: sample dtype {dtype:?}: use float32 or bfloat16")))?;
+    let statics = source.case_statics(case).map_err(py_err)?;
+    let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let arrays = tessera_kernels::harness::inputs_for(source, &shapes, dtype, &statics, &mut rng);
+    let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;
+    let tensors = arrays
+        .iter()
+        .map(|a| {
+            let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), &cpu)?;
+            plan::copy_into(a.as_host().data, &mut r.host_mut().data).map_err(PyRuntimeError::new_err)?;
+            Ok(t)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let statics = statics.values().iter().map(|s| static_to_py(py, s)).collect::<PyResult<Vec<_>>>()?;
+    Ok((tensors, statics))
+}
+
+/// The independent f64 reference of op `name` under case `case`'s statics on `inputs`
+/// (CPU tensors, as `sample` gives them): one `(little-endian f64 bytes, shape)` per result.
+#[pyfunction]
+fn reference<'py>(py: Python<'py>, name: &str, case: &str, inputs: &Bound<'py, PyList>) -> PyResult<Vec<(Bound<'py, pyo3::types::PyBytes>, Vec<usize>)>> {
+    let op = op_named(name)?;
+    let case = case_named(op, case)?;
+    let source = case_source(op);
+    let statics = source.case_statics(case).map_err(py_err)?;
+    let refs = tensor_refs(name, inputs)?;
+    let arrays: Vec<Array> = refs.iter().flatten().map(|r| plan::to_array(r.host())).collect();
+    let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
+    let Some(reference) = source.reference else {
+        return Err(PyValueError::new_err(format!("tessera: op {} has no reference", source.name)));
+    };
+    let plan = source.plan_for(&types, &statics, &Target::V6E).map_err(py_err)?;
+    let mut values = reference(&arrays, &statics);
+    let mut shapes: Vec<Vec<usize>> = plan.results.iter().map(|r| r.ty.shape.clone()).collect();
+    if let Some((_, i)) = op.alias_of {
+        values = values.into_iter().skip(i).take(1).collect();
+        shapes = shapes.into_iter().skip(i).take(1).collect();
+    }
+    Ok(values
+        .iter()
+        .zip(shapes)
+        .map(|(v, shape)| {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (pyo3::types::PyBytes::new(py, &bytes), shape)
+        })
+        .collect())
 }
 
 /// A plan, for the Python side of the TorchTPU path.
@@ -501,10 +577,9 @@ impl PyPlan {
     /// Launch `i`'s StableHLO module text (lowered on first use).
     fn module(&self, i: usize) -> PyResult<String> {
         let target = self.0.target;
-        self.launch(i)?
-            .module(&target)
-            .map(str::to_string)
-            .map_err(PyRuntimeError::new_err)
+        let launch = self.launch(i)?;
+        let lowered = launch.module.get_or_init(|| tessera_codegen::lower(&launch.kernel, &target).map(|l| l.stablehlo).map_err(|e| e.to_string()));
+        lowered.clone().map_err(PyRuntimeError::new_err)
     }
 
     /// Launch `i`'s operands: `(kind, index, output, layout, shape, dtype)` with kind
@@ -555,7 +630,7 @@ impl PyPlan {
         host.iter()
             .map(|a| {
                 let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), &cpu)?;
-                plan::copy_into(a.as_host().data, &mut r.host_mut().data);
+                plan::copy_into(a.as_host().data, &mut r.host_mut().data).map_err(PyRuntimeError::new_err)?;
                 Ok(t)
             })
             .collect()
@@ -575,7 +650,7 @@ impl PyPlan {
         let ins: Vec<HostRef<'_>> = ins.iter().flatten().map(TensorRef::host).collect();
         let mut outs: Vec<HostMut<'_>> =
             outs.iter_mut().flatten().map(TensorRef::host_mut).collect();
-        tessera_dsl::interp::run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
+        backend().run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
         Ok(())
     }
 }
@@ -597,6 +672,7 @@ fn make_plan(
     target: &str,
 ) -> PyResult<PyPlan> {
     let target = target_named(target)?;
+    let op = op_named(name)?;
     let types = inputs
         .into_iter()
         .map(|i| {
@@ -610,28 +686,27 @@ fn make_plan(
             .transpose()
         })
         .collect::<PyResult<Vec<_>>>()?;
-    Ok(PyPlan(plan_for(
-        name,
-        &statics_of(statics)?,
-        &types,
-        &target,
-    )?))
+    Ok(PyPlan(plan_for(op, &statics_of(op, statics)?, &types, &target)?))
 }
 
 /// Fills a Python extension module serving `ops`: the library's `tessera._native`, or a
 /// user crate's own module, which `tessera.register_ops(module)` then registers as
 /// `torch.ops.tpu.*` exactly like the library (see `interop/torch/example`).
-pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<()> {
-    if TABLE.set(ops).is_err() && !std::ptr::eq(*TABLE.get().expect("set"), ops) {
-        return Err(PyRuntimeError::new_err(
-            "tessera: this extension module was initialised with another op table",
-        ));
+pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'static Op>) -> PyResult<()> {
+    let ops: Vec<&'static Op> = ops.into_iter().collect();
+    let names = |t: &[&Op]| t.iter().map(|o| o.name).collect::<Vec<_>>();
+    if TABLE.get().is_some_and(|t| names(t) != names(&ops)) {
+        return Err(PyRuntimeError::new_err("tessera: this extension module was initialised with another op table"));
     }
+    let _ = TABLE.set(ops);
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_function(wrap_pyfunction!(time_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(op_cases, m)?)?;
+    m.add_function(wrap_pyfunction!(sample, m)?)?;
+    m.add_function(wrap_pyfunction!(reference, m)?)?;
     m.add_class::<PyPlan>()?;
     Ok(())
 }
@@ -639,5 +714,10 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: &'static [OpDef]) -> PyResult<(
 #[pymodule]
 #[pyo3(name = "_native")]
 fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    init_module(m, ops::OPS)
+    init_module(m, tessera_kernels::library())
+}
+
+/// The CPU backend plans run on.
+fn backend() -> &'static dyn Executor {
+    &Interpreter
 }

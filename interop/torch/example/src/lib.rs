@@ -3,28 +3,27 @@
 //! Three pieces (see README.md for the walk-through):
 //!
 //! 1. the kernel, written with `#[tpu_kernel]`;
-//! 2. its [`OpDef`]: the torch schema and a plan function that turns a call (input types
-//!    and static arguments) into kernel launches;
+//! 2. its [`Op`] entry: the torch schema, the inputs and outputs (whose shape expressions
+//!    give the fake kernel), and a plan function that turns a call (input types and static
+//!    arguments) into kernel launches;
 //! 3. the Python extension module, filled by [`tessera_torch::init_module`].
 //!
-//! In Python, `tessera.register_ops(tessera_example, fakes=...)` then registers every op of
-//! the module as `torch.ops.tpu.<name>`, the way the library registers its own.
+//! In Python, `tessera.register_ops(tessera_example)` then registers every op of the module
+//! as `torch.ops.tpu.<name>`, the way the library registers its own.
 
 use pyo3::prelude::*;
 use tessera_dsl::{KernelError, Target, Type};
 use tessera_kernels::blocks::row_block;
 use tessera_macros::tpu_kernel;
-use tessera_torch::ops::{input, single};
-use tessera_torch::{Call, OpDef, Plan};
+use tessera_torch::plan::single;
+use tessera_torch::{Call, Input, Kind, Op, Output, Plan};
 
 // ---- 1. the kernel ------------------------------------------------------------------------------
 
 #[tpu_kernel(
-    grid = [m / bm],
-    semantics = [parallel],
-    x = block([bm, n], |i| [i, 0]),
+    grid = [m / bm], // one grid step per `bm` rows; grid dims are `parallel` unless `semantics` says otherwise
+    (x, out) = block([bm, n], |i| [i, 0]),
     scale = block([1, n], |i| [0, 0]),
-    out = block([bm, n], |i| [i, 0]),
 )]
 pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, beta: f32) {
     // Each grid step owns `bm` whole rows; the math runs in f32 whatever the storage dtype.
@@ -43,24 +42,21 @@ pub fn rows_per_block(x: &Type, target: &Target) -> usize {
 /// `x [..., n]` is the kernel's `[m, n]` and `scale [n]` its `[1, n]`: views of the same
 /// memory, so the plan is one launch and no copies.
 fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
-    let x = c.rows(0, "x")?;
-    let scale = c.row_vector(1, "scale", x.shape[1])?;
-    if !x.dtype.is_float() {
-        return Err(c.err("input `x`", "operand-dtype", format!("x is {}", x.dtype), "pass float32 or bfloat16"));
-    }
-    let beta = c.f64_opt(0).unwrap_or(1.0) as f32; // statics are numbered in schema order
+    let x = c.rows("x")?;
+    let scale = c.row_vector("scale", x.shape[1])?;
+    c.float("x")?;
+    let beta = c.statics.f64("beta").unwrap_or(1.0) as f32; // statics by name, defaults filled in
     let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), rows_per_block(&x, c.target), beta)?;
-    let out_shape = c.input(0)?.shape.clone(); // the [m, n] output seen with x's shape
-    Ok(single(c, kernel, vec![input(0, x), input(1, scale)], &[Some(out_shape)]))
+    let out_shape = c.tensor("x")?.shape.clone(); // the [m, n] output seen with x's shape
+    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("scale", scale)?], &[Some(out_shape)]))
 }
 
 /// This crate's ops.
-pub const OPS: &[OpDef] = &[OpDef {
-    name: "scaled_silu",
-    schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor",
-    doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype",
-    plan: plan_scaled_silu,
-}];
+pub const OPS: &[Op] = &[Op {
+                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
+                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+                             ..Op::EMPTY
+                         }];
 
 // ---- 3. the Python module -------------------------------------------------------------------------
 

@@ -1,114 +1,20 @@
-"""Autograd for the ops that have backward kernels.
+"""Autograd, derived from each op's table entry.
 
-Each backward is made of `torch.ops.tpu.*` calls (the backward kernels), so it runs on
-whatever device the forward ran on and `torch.compile` traces it like any op.
-Outputs that are statistics for the backward (`lse`) are not differentiable.
+An op's backward is declared natively (`kernels/src/op.rs`, `Backward`): another op of the
+table, its arguments (the forward's inputs, outputs and statics, and `d_<output>` for the
+gradient flowing into an output) and which forward inputs its results are the gradients
+of. `register` turns that into `torch.library.register_autograd` for every op, so the
+backward runs as `torch.ops.tpu.*` calls on whatever device the forward ran on and
+`torch.compile` traces it like any op. Outputs whose gradient the backward does not take
+(`lse`, expert ids, group sizes) are marked non-differentiable.
+
+Two ops declare a `composite` backward: a torch composite of other ops, written below
+(`COMPOSITES`), until they get backward kernels of their own.
 """
 
 import torch
 
 tpu = torch.ops.tpu
-
-
-def _matmul_backward(ctx, g):
-    x, y = ctx.saved_tensors
-    dx = tpu.matmul(g, y.t()) if ctx.needs_input_grad[0] else None
-    dy = tpu.matmul(x.t(), g) if ctx.needs_input_grad[1] else None
-    return dx, dy
-
-
-def _matmul_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _rmsnorm_setup(ctx, inputs, output):
-    x, w, eps = inputs
-    ctx.save_for_backward(x, w)
-    ctx.eps = eps
-
-
-def _rmsnorm_backward(ctx, dy):
-    x, w = ctx.saved_tensors
-    dx, dw = tpu.rmsnorm_bwd(x, w, dy, ctx.eps)
-    return dx, dw, None
-
-
-def _rmsnorm_residual_setup(ctx, inputs, output):
-    x, residual, w, eps = inputs
-    ctx.save_for_backward(output[1], w)
-    ctx.eps = eps
-
-
-def _rmsnorm_residual_backward(ctx, dout, dh):
-    h, w = ctx.saved_tensors
-    dx, dw = tpu.rmsnorm_bwd(h, w, dout, ctx.eps)
-    if dh is not None:
-        dx = dx + dh
-    return dx, dx, dw, None
-
-
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _swiglu_backward(ctx, dy):
-    a, b = ctx.saved_tensors
-    da, db = tpu.swiglu_bwd(a, b, dy)
-    return da, db
-
-
-def _rope_setup(ctx, inputs, output):
-    x, position_ids, theta, interleaved = inputs
-    ctx.save_for_backward(position_ids)
-    ctx.statics = (theta, interleaved)
-
-
-def _rope_backward(ctx, dy):
-    (position_ids,) = ctx.saved_tensors
-    return tpu.rope_bwd(dy, position_ids, *ctx.statics), None, None, None
-
-
-def _cross_entropy_setup(ctx, inputs, output):
-    logits, labels = inputs
-    loss, lse = output
-    ctx.save_for_backward(logits, labels, lse)
-    ctx.mark_non_differentiable(lse)
-
-
-def _cross_entropy_backward(ctx, dloss, dlse):
-    logits, labels, lse = ctx.saved_tensors
-    return tpu.cross_entropy_bwd(logits, labels, lse, dloss), None
-
-
-def _gmm_setup(ctx, inputs, output):
-    lhs, rhs, group_sizes, transpose_rhs = inputs
-    ctx.save_for_backward(lhs, rhs, group_sizes)
-    ctx.transpose_rhs = transpose_rhs
-
-
-def _gmm_backward(ctx, grad):
-    lhs, rhs, group_sizes = ctx.saved_tensors
-    dlhs = tpu.gmm(grad, rhs, group_sizes, not ctx.transpose_rhs) if ctx.needs_input_grad[0] else None
-    drhs = None
-    if ctx.needs_input_grad[1]:
-        # rhs [g, k, n]: lhs^T @ grad per group; rhs [g, n, k] (transposed): grad^T @ lhs.
-        drhs = tpu.tgmm(grad, lhs, group_sizes) if ctx.transpose_rhs else tpu.tgmm(lhs, grad, group_sizes)
-    return dlhs, drhs, None, None
-
-
-def _permute_setup(ctx, inputs, output):
-    x, expert_ids, num_experts = inputs
-    ctx.save_for_backward(expert_ids)
-    ctx.num_experts = num_experts
-    ctx.mark_non_differentiable(output[1])
-
-
-def _permute_backward(ctx, dxs, dgroup_sizes):
-    (ids,) = ctx.saved_tensors
-    # Each token's rows summed back: combine with unit weights.
-    ones = torch.ones(ids.shape, dtype=dxs.dtype, device=dxs.device)
-    return tpu.combine(dxs, ones, ids, ctx.num_experts), None, None
-
 
 def _combine_setup(ctx, inputs, output):
     y, weights, expert_ids, num_experts = inputs
@@ -156,34 +62,51 @@ def _router_backward(ctx, dweights, dids):
     return dl.to(logits.dtype), None, None, None
 
 
-def _flash_setup(ctx, inputs, output):
-    q, k, v, causal, sm_scale, soft_cap, q_seg, kv_seg = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, q_seg, kv_seg)
-    ctx.statics = (causal, sm_scale, soft_cap)
-    ctx.mark_non_differentiable(lse)
 
-
-def _flash_backward(ctx, do, dlse):
-    q, k, v, o, lse, q_seg, kv_seg = ctx.saved_tensors
-    causal, sm_scale, soft_cap = ctx.statics
-    dq, dk, dv = tpu.flash_attention_bwd(q, k, v, o, lse, do, causal, sm_scale, soft_cap, q_seg, kv_seg)
-    return dq, dk, dv, None, None, None, None, None
-
-
-BACKWARDS = {
-    "matmul": (_matmul_setup, _matmul_backward),
-    "rmsnorm": (_rmsnorm_setup, _rmsnorm_backward),
-    "rmsnorm_residual": (_rmsnorm_residual_setup, _rmsnorm_residual_backward),
-    "swiglu": (_swiglu_setup, _swiglu_backward),
-    "rope": (_rope_setup, _rope_backward),
-    "cross_entropy": (_cross_entropy_setup, _cross_entropy_backward),
-    "gmm": (_gmm_setup, _gmm_backward),
+COMPOSITES = {
     "router_topk": (_router_setup, _router_backward),
-    "permute": (_permute_setup, _permute_backward),
     "combine": (_combine_setup, _combine_backward),
-    "flash_attention_fwd": (_flash_setup, _flash_backward),
 }
+
+
+def _declared(spec):
+    """setup_context and backward of an op whose backward is another op of the table."""
+    bwd_op, args, grads = spec.backward
+    names, outputs = spec.arg_names, [o[0] for o in spec.outputs]
+    tensor_args = [a for a in args if not a.startswith("d_") and (a in outputs or a in spec.tensor_names)]
+    static_args = [a for a in args if not a.startswith("d_") and a not in tensor_args]
+    flowing = {a[2:] for a in args if a.startswith("d_")}
+    input_index = {n: i for i, n in enumerate(names)}
+    backward_fn = getattr(tpu, bwd_op)
+
+    def setup(ctx, inputs, output):
+        inputs = tuple(inputs) + spec.defaults[len(inputs):]
+        out = spec.as_tuple(output)
+        env = dict(zip(names, inputs))
+        env.update(zip(outputs, out))
+        ctx.save_for_backward(*[env[a] for a in tensor_args])
+        ctx.statics = {a: env[a] for a in static_args}
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in out]
+        nondiff = [o for name, o in zip(outputs, out) if name not in flowing or not o.is_floating_point()]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+
+    def backward(ctx, *grad_outputs):
+        env = dict(zip(tensor_args, ctx.saved_tensors))
+        env.update(ctx.statics)
+        for name, g, (shape, dtype, device) in zip(outputs, grad_outputs, ctx.out_meta):
+            env["d_" + name] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        from tessera._ops import SPECS
+
+        results = SPECS[bwd_op].as_tuple(backward_fn(*[env[a] for a in args]))
+        grads_in = [None] * len(names)
+        for result, targets in zip(results, grads):
+            for name in targets:
+                i = input_index[name]
+                grads_in[i] = result if grads_in[i] is None else grads_in[i] + result
+        return tuple(grads_in)
+
+    return setup, backward
 
 
 def _no_backward(name):
@@ -196,13 +119,16 @@ def _no_backward(name):
     return backward
 
 
-def register(lib):
-    from tessera import _native
-
-    for name, (setup, backward) in BACKWARDS.items():
-        torch.library.register_autograd(f"tpu::{name}", backward, setup_context=setup, lib=lib)
-    # Without an autograd kernel, torch's fallback only warns and backprop silently gives
-    # no gradient (None) to the op's inputs: make that an error naming the op instead.
-    for name, _, _ in _native.op_table():
-        if name not in BACKWARDS:
-            torch.library.register_autograd(f"tpu::{name}", _no_backward(name), lib=lib)
+def register(lib, spec, error_without_backward=True):
+    """Registers op `spec`'s autograd: its declared backward, its composite, or an error."""
+    if spec.alias_of is not None:
+        return  # a composite of the aliased op: autograd flows through it
+    if spec.backward is None:
+        if not error_without_backward:
+            return
+        # Without an autograd kernel, torch's fallback only warns and backprop silently gives
+        # no gradient (None) to the op's inputs: make that an error naming the op instead.
+        torch.library.register_autograd(spec.qualname, _no_backward(spec.name), lib=lib)
+        return
+    setup, backward = COMPOSITES[spec.name] if spec.backward[0] == "composite" else _declared(spec)
+    torch.library.register_autograd(spec.qualname, backward, setup_context=setup, lib=lib)

@@ -1,113 +1,93 @@
-"""Fake (meta) implementations: each op's output shapes and dtypes from its inputs'.
+"""Fake (meta) kernels, derived from each op's table entry.
 
-They only use shape arithmetic, so symbolic shapes flow through `torch.compile` and
-`torch.export`. The real kernels are checked against these by `torch.library.opcheck`.
+An op's outputs are declared natively as shape and dtype expressions over its inputs and
+static arguments (`kernels/src/op.rs`, `Output`); this module evaluates them on the
+(possibly symbolic) shapes of the fake inputs, so `torch.compile` and `torch.export` see
+each op's output shapes without running it. A native test checks every expression against
+the real plans' result types, and `torch.library.opcheck` checks the fakes against the real
+kernels.
+
+Shape expressions: `x` (x's shape), or `[item, ...]` with items `*x` (all of x's dims),
+`*x[a:b]`, `x.i` (dim i, negative from the end), an integer static's name, an integer, a
+product `a * b` and `flag ? a : b` on a bool static. Dtype expressions: an input's name or
+a dtype (`f32`, `bf16`, `i32`, `i8`, `bool`).
 """
 
 import torch
 
-F32, I32 = torch.float32, torch.int32
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i8": torch.int8, "bool": torch.bool}
 
 
-def _like(t):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+def _split(s):
+    """Splits on commas outside brackets."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([":
+            depth += 1
+        elif c in ")]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(s[start:i])
+            start = i + 1
+    if s[start:].strip():
+        out.append(s[start:])
+    return [p.strip() for p in out]
 
 
-def matmul(x, y):
-    return x.new_empty((x.shape[0], y.shape[1]))
+def _dim(item, env):
+    if "?" in item:
+        cond, rest = item.split("?", 1)
+        a, b = rest.split(":", 1)
+        return _dim(a.strip() if env[cond.strip()] else b.strip(), env)
+    value = 1
+    for atom in item.split("*"):
+        atom = atom.strip()
+        if atom.lstrip("-").isdigit():
+            v = int(atom)
+        elif "." in atom:
+            name, d = atom.split(".", 1)
+            v = env[name.strip()].shape[int(d)]
+        else:
+            v = env[atom]
+        value = value * v
+    return value
 
 
-def gelu_affine(x, a, b):
-    return _like(x)
+def shape_of(expr, env):
+    """The shape of `expr` (see the module docs); `env` maps names to tensors and statics."""
+    expr = expr.strip()
+    if not expr.startswith("["):
+        return tuple(env[expr].shape)
+    dims = []
+    for item in _split(expr[1:-1]):
+        if item.startswith("*"):
+            name, _, rng = item[1:].partition("[")
+            shape = tuple(env[name.strip()].shape)
+            if rng:
+                lo, _, hi = rng.rstrip("]").partition(":")
+                shape = shape[int(lo) if lo.strip() else None : int(hi) if hi.strip() else None]
+            dims.extend(shape)
+        else:
+            dims.append(_dim(item, env))
+    return tuple(dims)
 
 
-def softmax(x):
-    return _like(x)
+def dtype_of(expr, env):
+    return _DTYPES[expr] if expr in _DTYPES else env[expr].dtype
 
 
-def rmsnorm(x, weight, eps=1e-6):
-    return _like(x)
+def make_fake(spec):
+    """The fake kernel of an op (`spec` is the op's `OpSpec`)."""
+    outputs, names, defaults = spec.outputs, spec.arg_names, spec.defaults
 
+    def fake(*args):
+        args = args + defaults[len(args):]
+        env = dict(zip(names, args))
+        results = []
+        for _, shape, dtype in outputs:
+            like = next((t for t in args if isinstance(t, torch.Tensor)), None)
+            results.append(like.new_empty(shape_of(shape, env), dtype=dtype_of(dtype, env)))
+        return results[0] if spec.single else tuple(results)
 
-def rmsnorm_residual(x, residual, weight, eps=1e-6):
-    return _like(x), _like(x)
-
-
-def layernorm(x, weight, bias, eps=1e-5):
-    return _like(x)
-
-
-def rmsnorm_bwd(x, weight, dy, eps=1e-6):
-    return _like(x), _like(weight)
-
-
-def swiglu(a, b):
-    return _like(a)
-
-
-def swiglu_bwd(a, b, dy):
-    return _like(a), _like(a)
-
-
-def rope(x, position_ids, theta=10000.0, interleaved=False):
-    return _like(x)
-
-
-def rope_bwd(dy, position_ids, theta=10000.0, interleaved=False):
-    return _like(dy)
-
-
-def cross_entropy(logits, labels):
-    t = logits.shape[0]
-    return logits.new_empty((t,), dtype=F32), logits.new_empty((t,), dtype=F32)
-
-
-def cross_entropy_bwd(logits, labels, lse, dloss):
-    return _like(logits)
-
-
-def cross_entropy_with_grad(logits, labels):
-    return logits.new_empty((logits.shape[0],), dtype=F32), _like(logits)
-
-
-def quantized_matmul(x, w, scale):
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-def gmm(lhs, rhs, group_sizes, transpose_rhs=False):
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return lhs.new_empty((lhs.shape[0], n))
-
-
-def tgmm(lhs, grad, group_sizes):
-    return lhs.new_empty((group_sizes.shape[0], lhs.shape[1], grad.shape[1]))
-
-
-def router_topk(logits, k=2, gate="softmax", normalize=True):
-    t = logits.shape[0]
-    return logits.new_empty((t, k)), logits.new_empty((t, k), dtype=I32)
-
-
-def permute(x, expert_ids, num_experts):
-    rows = expert_ids.shape[0] * expert_ids.shape[1]
-    return x.new_empty((rows, x.shape[1])), x.new_empty((num_experts,), dtype=I32)
-
-
-def combine(y, weights, expert_ids, num_experts):
-    return y.new_empty((expert_ids.shape[0], y.shape[1]))
-
-
-def flash_attention_fwd(q, k, v, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
-    return _like(q), q.new_empty(q.shape[:3], dtype=F32)
-
-
-def flash_attention_bwd(q, k, v, o, lse, do, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
-    return _like(q), _like(k), _like(v)
-
-
-def paged_attention(q, k_pages, v_pages, lengths, page_indices, pages_per_compute_block=None):
-    return _like(q)
-
-
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=1.0, sliding_window=None, soft_cap=None, num_queries_per_block=None, num_kv_pages_per_block=None):
-    return _like(q)
+    fake.__name__ = f"tessera_{spec.name}_fake"
+    return fake

@@ -1,14 +1,18 @@
 """Registers every Tessera op in the `tpu` namespace of `torch.ops`.
 
-Each op is a FRAGMENT of TorchTPU's `tpu` library (TorchTPU owns the namespace) with an
-explicit schema from the native op table, and four kernels:
+Everything here is read from the native op table (`_native.op_table()`, one entry per op,
+declared once in `kernels/src`): each op is a FRAGMENT of TorchTPU's `tpu` library
+(TorchTPU owns the namespace) with its explicit schema, and four kernels:
 
-- CPU: the op's plan runs on the interpreter over the tensors' memory (`_native.run`);
+- CPU: the op's plan runs on a CPU backend over the tensors' memory (`_native.run`);
 - PrivateUse1 (`tpu`): the plan is walked launch by launch through a kernel runner
   (`tessera._tpu`): TorchTPU's `register_custom_kernel`/`call_custom_kernel` on a real
-  TorchTPU device, the interpreter on the emulated host-memory device;
-- Meta/fake: output shapes from `_fake.py`, symbolic-shape safe;
-- Autograd (where a backward exists): `_autograd.py`.
+  TorchTPU device, the emulator on the emulated host-memory device;
+- Meta/fake: output shapes from the op's output expressions (`_fake.py`), symbolic-shape safe;
+- Autograd: from the op's declared backward (`_autograd.py`).
+
+An op that is an alias of another's result (`flash_attention` is `flash_attention_fwd`'s
+`o`) is a CompositeImplicitAutograd kernel calling that op.
 """
 
 import os
@@ -36,19 +40,23 @@ def get_target() -> str:
 
 
 class OpSpec:
-    """One op: where its tensors and static arguments sit in the schema."""
+    """One op of a native table: its entry, and where its tensors and statics sit in the schema."""
 
-    def __init__(self, name, schema, doc, native):
-        self.name = name
+    def __init__(self, info, native):
+        self.name = info["name"]
         self.native = native
-        self.qualname = f"{NAMESPACE}::{name}"
-        self.schema = schema
-        self.doc = doc
-        parsed = torch._C.parse_schema(f"{self.qualname}{schema}")
+        self.qualname = f"{NAMESPACE}::{self.name}"
+        self.schema = info["schema"]
+        self.doc = info["doc"]
+        self.outputs = [tuple(o) for o in info["outputs"]]
+        self.backward = info["backward"]
+        self.alias_of = info["alias_of"]
+        parsed = torch._C.parse_schema(f"{self.qualname}{self.schema}")
         self.arg_names = [a.name for a in parsed.arguments]
         is_tensor = [str(a.type) in ("Tensor", "Optional[Tensor]") for a in parsed.arguments]
         self.tensor_idx = [i for i, t in enumerate(is_tensor) if t]
         self.static_idx = [i for i, t in enumerate(is_tensor) if not t]
+        self.tensor_names = [self.arg_names[i] for i in self.tensor_idx]
         self.single = len(parsed.returns) == 1
         # The dispatcher drops trailing arguments left at their defaults; kernels refill them.
         self.defaults = tuple(a.default_value if a.has_default_value() else None for a in parsed.arguments)
@@ -61,6 +69,9 @@ class OpSpec:
 
     def pack(self, results):
         return results[0] if self.single else tuple(results)
+
+    def as_tuple(self, results):
+        return (results,) if self.single else tuple(results)
 
 
 def _prepare(t):
@@ -103,43 +114,45 @@ def _tpu_kernel(spec):
     return tpu_impl
 
 
-def register_ops(native, fakes):
+def _alias_kernel(spec):
+    of, index = spec.alias_of
+    target = getattr(torch.ops.tpu, of)
+
+    def alias_impl(*args):
+        return target(*args)[index]
+
+    alias_impl.__name__ = f"tessera_{spec.name}"
+    return alias_impl
+
+
+def register_ops(native, fakes=None):
     """Registers every op of `native` as `torch.ops.tpu.<name>`.
 
     `native` is an extension module filled by `tessera_torch::init_module` (the library's
-    `tessera._native`, or a user crate's); `fakes` maps each op name to its fake (meta)
-    function, which returns empty outputs of the right shapes and dtypes.
+    `tessera._native`, or a user crate's). Each op's fake kernel comes from its declared
+    output shapes, unless `fakes` (a dict or module of functions by op name) gives one;
+    its autograd from its declared backward (the library's ops without one raise on
+    backprop; a user module may register its own autograd for those).
     """
-    for name, schema, doc in native.op_table():
-        if name in SPECS:
-            raise ValueError(f"tessera: torch.ops.tpu.{name} is already registered; pick another name")
-        fake = fakes.get(name) if isinstance(fakes, dict) else getattr(fakes, name, None)
-        if fake is None:
-            raise ValueError(f"tessera: no fake implementation given for {name}; pass one in `fakes`")
-        spec = OpSpec(name, schema, doc, native)
-        SPECS[name] = spec
-        _LIB.define(f"{name}{schema}")
-        _LIB.impl(name, _cpu_kernel(spec), "CPU")
-        _LIB.impl(name, _tpu_kernel(spec), "PrivateUse1")
-        torch.library.register_fake(spec.qualname, fake, lib=_LIB)
-
-
-def _register_library():
     from tessera import _autograd, _fake
 
-    register_ops(_native, _fake)
+    specs = [OpSpec(info, native) for info in native.op_table()]
+    for spec in specs:
+        if spec.name in SPECS:
+            raise ValueError(f"tessera: torch.ops.tpu.{spec.name} is already registered; pick another name")
+    for spec in specs:
+        SPECS[spec.name] = spec
+        _LIB.define(f"{spec.name}{spec.schema}")
+        if spec.alias_of is not None:
+            _LIB.impl(spec.name, _alias_kernel(spec), "CompositeImplicitAutograd")
+            continue
+        _LIB.impl(spec.name, _cpu_kernel(spec), "CPU")
+        _LIB.impl(spec.name, _tpu_kernel(spec), "PrivateUse1")
+        given = (fakes.get(spec.name) if isinstance(fakes, dict) else getattr(fakes, spec.name, None)) if fakes is not None else None
+        torch.library.register_fake(spec.qualname, given or _fake.make_fake(spec), lib=_LIB)
+    for spec in specs:
+        # A user module's op without a declared backward may get its own autograd later.
+        _autograd.register(_LIB, spec, error_without_backward=native is _native)
 
-    # flash_attention: the output of flash_attention_fwd (the user-facing op, as in
-    # torch_xla); a composite, so autograd flows through flash_attention_fwd's backward.
-    schema = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor"
-    _LIB.define(f"flash_attention{schema}")
 
-    def flash_attention(q, k, v, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
-        return torch.ops.tpu.flash_attention_fwd(q, k, v, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids)[0]
-
-    _LIB.impl("flash_attention", flash_attention, "CompositeImplicitAutograd")
-    SPECS["flash_attention"] = OpSpec("flash_attention", schema, "flash attention output (differentiable)", _native)
-    _autograd.register(_LIB)
-
-
-_register_library()
+register_ops(_native)

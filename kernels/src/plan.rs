@@ -1,0 +1,390 @@
+//! A launch plan: what one call of an op runs, for concrete input types and static
+//! arguments (built by the op's [`crate::op::Op::plan`]). Every way of running an op
+//! executes the same plan:
+//!
+//! - on the CPU (the CLI, the tests, CPU tensors and the emulated host-memory `tpu`
+//!   device), [`execute_into`] runs each launch's kernel on a CPU backend
+//!   ([`tessera_dsl::Executor`]: the interpreter or a compiled emulator);
+//! - the TorchTPU path submits each launch's StableHLO module (lowered once into
+//!   [`Launch::module`] by `interop/torch`, since this crate does not depend on codegen)
+//!   through `register_custom_kernel` / `call_custom_kernel`.
+//!
+//! A plan depends on types and static arguments only, so it is built once and cached. The
+//! few ops whose host-side preparation reads input *values* (gmm's group metadata, MoE
+//! routing, RoPE tables) get those arrays per call from [`Plan::host_arrays`].
+
+use std::sync::OnceLock;
+
+use tessera_dsl::interp::{Array, Data, HostData, HostDataMut, HostMut, HostRef};
+use tessera_dsl::ir::RefKind;
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
+
+use crate::ragged_paged_attention;
+
+/// Where a kernel operand or an op result comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The op's `i`-th tensor input.
+    Input(usize),
+    /// The `i`-th array the host side prepared for this call.
+    Host(usize),
+    /// Output `output` of launch `launch`.
+    Result { launch: usize, output: usize },
+}
+
+/// How the source's elements are laid out for their consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The same row-major elements seen with another shape (free for contiguous memory).
+    View,
+    /// Token-major `[T, Hkv * G, D]` to head-major `[Hkv, G, Tp, D]`, the tokens
+    /// zero-padded to `Tp` (ragged paged attention's q); as a result layout, the inverse
+    /// (padding rows dropped).
+    HeadMajor {
+        hkv: usize,
+        group: usize,
+        padded_tokens: usize,
+    },
+}
+
+/// A value with its layout and the type its consumer sees.
+#[derive(Clone, Debug)]
+pub struct Operand {
+    pub source: Source,
+    pub layout: Layout,
+    pub ty: Type,
+}
+
+impl Operand {
+    pub fn view(source: Source, ty: Type) -> Operand {
+        Operand {
+            source,
+            layout: Layout::View,
+            ty,
+        }
+    }
+}
+
+/// One kernel launch.
+pub struct Launch {
+    pub kernel: Kernel,
+    /// The kernel's prefetch and input operands, in signature order.
+    pub args: Vec<Operand>,
+    /// The kernel's output types, in signature order.
+    pub outputs: Vec<Type>,
+    /// The launch's StableHLO module for the plan's target, lowered on first use by the
+    /// TPU path (`interop/torch`); the error text if lowering failed.
+    pub module: OnceLock<Result<String, String>>,
+}
+
+impl Launch {
+    pub fn new(kernel: Kernel, args: Vec<Operand>) -> Launch {
+        let outputs = kernel
+            .refs_of(RefKind::Output)
+            .map(|(_, r)| Type::vector(r.dtype, &r.shape))
+            .collect();
+        Launch {
+            kernel,
+            args,
+            outputs,
+            module: OnceLock::new(),
+        }
+    }
+}
+
+/// Prepares the per-call host arrays from the values of the op's host-read inputs.
+pub type HostFn = Box<dyn Fn(&[&Array]) -> Result<Vec<Array>, KernelError> + Send + Sync>;
+
+/// Everything one op call runs.
+pub struct Plan {
+    pub op: &'static str,
+    pub target: Target,
+    pub launches: Vec<Launch>,
+    /// The op's results.
+    pub results: Vec<Operand>,
+    /// The op inputs whose values [`Plan::host_arrays`] reads, in its argument order.
+    pub host_reads: Vec<usize>,
+    host: Option<HostFn>,
+}
+
+impl Plan {
+    pub fn new(
+        op: &'static str,
+        target: &Target,
+        launches: Vec<Launch>,
+        results: Vec<Operand>,
+    ) -> Plan {
+        Plan {
+            op,
+            target: *target,
+            launches,
+            results,
+            host_reads: Vec::new(),
+            host: None,
+        }
+    }
+
+    /// Adds host-side preparation reading the values of inputs `reads`.
+    pub fn with_host(mut self, reads: &[usize], host: HostFn) -> Plan {
+        self.host_reads = reads.to_vec();
+        self.host = Some(host);
+        self
+    }
+
+    /// The host arrays for one call, from the values of the `host_reads` inputs.
+    pub fn host_arrays(&self, values: &[&Array]) -> Result<Vec<Array>, KernelError> {
+        match &self.host {
+            Some(host) => host(values),
+            None => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Runs `plan` with `exec` over borrowed memory: `inputs` are the op's tensor
+/// inputs (`None` for an absent optional one), `outputs` the op's results (of the plan's
+/// result types), written in full.
+///
+/// Inputs seen through a view are read in place (no copy); the last launch writes the
+/// results it produces straight into `outputs`. Only intermediates (earlier launches'
+/// outputs), relayouts and results that are not a last-launch output are owned copies.
+pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'_>>], outputs: &mut [HostMut<'_>]) -> Result<(), KernelError> {
+    if outputs.len() != plan.results.len() {
+        return Err(bug(plan, format!("{} output buffers for {} results", outputs.len(), plan.results.len())));
+    }
+    for (r, (res, out)) in plan.results.iter().zip(outputs.iter()).enumerate() {
+        if res.ty.dtype != out.data.dtype() || res.ty.num_elements() != out.data.len() {
+            return Err(bug(plan, format!("result {r} is {} but its buffer holds {} {} elements", res.ty, out.data.len(), out.data.dtype())));
+        }
+    }
+    let input = |i: usize| -> Result<HostRef<'_>, KernelError> {
+        inputs.get(i).copied().flatten().ok_or_else(|| KernelError::new(plan.op, format!("tensor input {i}"), "missing-input", "the plan reads an input that was not given", "pass every tensor the op needs"))
+    };
+    let values = plan.host_reads.iter().map(|&i| input(i).map(to_array)).collect::<Result<Vec<_>, _>>()?;
+    let host = plan.host_arrays(&values.iter().collect::<Vec<_>>())?;
+    let last = plan.launches.len().saturating_sub(1);
+    // results[l][j]: launch l's output j, unless the last launch wrote it into `outputs`.
+    let mut results: Vec<Vec<Option<Array>>> = Vec::with_capacity(plan.launches.len());
+    let mut direct = vec![false; plan.results.len()];
+    for (l, launch) in plan.launches.iter().enumerate() {
+        let mut targets: Vec<Option<usize>> = vec![None; launch.outputs.len()];
+        if l == last {
+            // The last launch's outputs that are results seen as-is go straight to `outputs`.
+            for (r, res) in plan.results.iter().enumerate() {
+                if let (Source::Result { launch, output }, Layout::View) = (res.source, res.layout) {
+                    if launch == l && output < targets.len() && targets[output].is_none() && launch_output_fits(&launch_output(plan, l, output), res) {
+                        targets[output] = Some(r);
+                        direct[r] = true;
+                    }
+                }
+            }
+        }
+        // The other outputs are owned, allocated poisoned (run_into poisons them anyway).
+        let mut owned: Vec<Option<Array>> = launch.outputs.iter().zip(&targets).map(|(t, target)| target.is_none().then(|| Array::poison(t.dtype, &t.shape))).collect();
+        {
+            let relaid: Vec<Option<Array>> = launch
+                .args
+                .iter()
+                .map(|a| {
+                    Ok(match a.layout {
+                        Layout::View => None,
+                        Layout::HeadMajor { .. } => Some(relayout(plan.op, &to_array(source(plan, a, &input, &host, &results)?), a)?),
+                    })
+                })
+                .collect::<Result<_, KernelError>>()?;
+            let args = launch.args.iter().zip(&relaid).map(|(a, r)| match r {
+                Some(array) => Ok(array.as_host()),
+                None => source(plan, a, &input, &host, &results).and_then(|data| {
+                    if data.data.len() != a.ty.num_elements() || data.data.dtype() != a.ty.dtype {
+                        return Err(bug(plan, format!("an operand of {} {} elements is seen as {}", data.data.len(), data.data.dtype(), a.ty)));
+                    }
+                    Ok(HostRef { shape: &a.ty.shape, data: data.data })
+                }),
+            });
+            let args = args.collect::<Result<Vec<_>, KernelError>>()?;
+            let mut by_result: Vec<Option<&mut HostMut<'_>>> = outputs.iter_mut().map(Some).collect();
+            let mut views: Vec<HostMut<'_>> = Vec::with_capacity(launch.outputs.len());
+            for ((ty, target), slot) in launch.outputs.iter().zip(&targets).zip(owned.iter_mut()) {
+                let view = match (*target, slot.as_mut()) {
+                    (Some(r), _) => HostMut { shape: &ty.shape, data: by_result[r].take().ok_or_else(|| bug(plan, "one result written twice"))?.data.reborrow_mut() },
+                    (None, Some(array)) => array.as_host_mut(),
+                    (None, None) => return Err(bug(plan, "a launch output has no destination")),
+                };
+                views.push(view);
+            }
+            exec.run_into(&launch.kernel, &args, &mut views)?;
+        }
+        results.push(owned);
+    }
+    for (r, res) in plan.results.iter().enumerate() {
+        if !direct[r] {
+            let value = relayout(plan.op, &to_array(source(plan, res, &input, &host, &results)?), res)?;
+            copy_into(value.as_host().data, &mut outputs[r].data).map_err(|m| bug(plan, m))?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `plan` with `exec` on `inputs` (`None` for an absent optional tensor) and returns
+/// the results, allocated here.
+pub fn execute(plan: &Plan, exec: &dyn Executor, inputs: &[Option<&Array>]) -> Result<Vec<Array>, KernelError> {
+    let mut outputs: Vec<Array> = plan.results.iter().map(|r| Array::poison(r.ty.dtype, &r.ty.shape)).collect();
+    let ins: Vec<Option<HostRef<'_>>> = inputs.iter().map(|a| a.map(Array::as_host)).collect();
+    let mut views: Vec<HostMut<'_>> = outputs.iter_mut().map(Array::as_host_mut).collect();
+    execute_into(plan, exec, &ins, &mut views)?;
+    drop(views);
+    Ok(outputs)
+}
+
+/// An inconsistent plan: a bug in an op's plan builder, not in the caller's input.
+fn bug(plan: &Plan, message: impl Into<String>) -> KernelError {
+    KernelError::new(plan.op, "plan", "plan-consistency", message, "report this as a Tessera bug")
+}
+
+fn launch_output(plan: &Plan, launch: usize, output: usize) -> Type {
+    plan.launches[launch].outputs[output].clone()
+}
+
+/// Whether a launch output can be written straight into a result's buffer.
+fn launch_output_fits(out: &Type, res: &Operand) -> bool {
+    out.dtype == res.ty.dtype && out.num_elements() == res.ty.num_elements()
+}
+
+/// The memory an operand's source holds (before its layout).
+fn source<'a, 'b: 'a>(
+    plan: &Plan,
+    op: &Operand,
+    input: &impl Fn(usize) -> Result<HostRef<'b>, KernelError>,
+    host: &'a [Array],
+    results: &'a [Vec<Option<Array>>],
+) -> Result<HostRef<'a>, KernelError> {
+    match op.source {
+        Source::Input(i) => input(i),
+        Source::Host(i) => host.get(i).map(Array::as_host).ok_or_else(|| bug(plan, format!("host array {i} of {}", host.len()))),
+        Source::Result { launch, output } => match results.get(launch).and_then(|r| r.get(output)) {
+            Some(Some(a)) => Ok(a.as_host()),
+            Some(None) => Err(bug(plan, "an operand reads a result written straight to the op's outputs")),
+            None => Err(bug(plan, format!("an operand reads output {output} of launch {launch}, which has not run"))),
+        },
+    }
+}
+
+/// An owned copy of borrowed memory.
+pub fn to_array(h: HostRef<'_>) -> Array {
+    let data = match h.data {
+        HostData::F32(v) => Data::F32(v.to_vec()),
+        HostData::BF16(v) => Data::BF16(v.to_vec()),
+        HostData::I32(v) => Data::I32(v.to_vec()),
+        HostData::I8(v) => Data::I8(v.to_vec()),
+        HostData::Bool(v) => Data::Bool(v.to_vec()),
+    };
+    Array::new(h.shape, data)
+}
+
+/// Copies `src` into `dst`; an error if their dtypes or lengths differ.
+pub fn copy_into(src: HostData<'_>, dst: &mut HostDataMut<'_>) -> Result<(), String> {
+    if src.len() != dst.len() {
+        return Err(format!("copying {} elements into {}", src.len(), dst.len()));
+    }
+    match (src, dst) {
+        (HostData::F32(s), HostDataMut::F32(d)) => d.copy_from_slice(s),
+        (HostData::BF16(s), HostDataMut::BF16(d)) => d.copy_from_slice(s),
+        (HostData::I32(s), HostDataMut::I32(d)) => d.copy_from_slice(s),
+        (HostData::I8(s), HostDataMut::I8(d)) => d.copy_from_slice(s),
+        (HostData::Bool(s), HostDataMut::Bool(d)) => d.copy_from_slice(s),
+        (s, d) => return Err(format!("copying {} data into {} memory", s.dtype(), d.dtype())),
+    }
+    Ok(())
+}
+
+/// `array` in the operand's layout and shape.
+fn relayout(op: &str, array: &Array, to: &Operand) -> Result<Array, KernelError> {
+    if array.len() != to.ty.num_elements() && to.layout == Layout::View {
+        return Err(KernelError::new(
+            op,
+            "operand",
+            "operand-shape",
+            format!("{} elements seen as {}", array.len(), to.ty),
+            "report this as a Tessera bug",
+        ));
+    }
+    match to.layout {
+        Layout::View => Ok(Array {
+            shape: to.ty.shape.clone(),
+            ..array.clone()
+        }),
+        Layout::HeadMajor {
+            hkv,
+            group,
+            padded_tokens,
+        } => {
+            // The op's own relayout (ragged paged attention's q and o).
+            let d = *array.shape.last().unwrap_or(&1);
+            let to_kernel = to.ty.shape.len() == 4;
+            let t = if to_kernel {
+                array.shape[0]
+            } else {
+                to.ty.shape[0]
+            };
+            Ok(ragged_paged_attention::relayout(
+                array,
+                t,
+                hkv,
+                group,
+                padded_tokens,
+                d,
+                to_kernel,
+            ))
+        }
+    }
+}
+
+/// The element type torch calls `name` (`float32`, `bfloat16`, `int32`, `int8`, `bool`).
+pub fn dtype_from_torch(name: &str) -> Option<DType> {
+    match name {
+        "float32" => Some(DType::F32),
+        "bfloat16" => Some(DType::BF16),
+        "int32" => Some(DType::I32),
+        "int8" => Some(DType::I8),
+        "bool" => Some(DType::Bool),
+        _ => None,
+    }
+}
+
+/// The torch name of `dtype`.
+pub fn dtype_to_torch(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::I32 => "int32",
+        DType::I8 => "int8",
+        DType::Bool => "bool",
+    }
+}
+
+// ---- building plans -------------------------------------------------------------------------
+
+/// The `i`-th host-prepared array seen as `ty`.
+pub fn host(i: usize, ty: Type) -> Operand {
+    Operand::view(Source::Host(i), ty)
+}
+
+/// Output `output` of launch `launch` seen as `ty`.
+pub fn result(launch: usize, output: usize, ty: Type) -> Operand {
+    Operand::view(Source::Result { launch, output }, ty)
+}
+
+/// A plan of one kernel whose results are its outputs, each seen with `shapes[j]`
+/// (`None` or missing: as the kernel writes it).
+pub fn single(c: &crate::op::Call, kernel: Kernel, args: Vec<Operand>, shapes: &[Option<Vec<usize>>]) -> Plan {
+    let launch = Launch::new(kernel, args);
+    let results = launch
+        .outputs
+        .iter()
+        .enumerate()
+        .map(|(j, t)| {
+            let shape = shapes.get(j).cloned().flatten().unwrap_or_else(|| t.shape.clone());
+            result(0, j, Type::vector(t.dtype, &shape))
+        })
+        .collect();
+    Plan::new(c.op, c.target, vec![launch], results)
+}

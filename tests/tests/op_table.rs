@@ -1,0 +1,107 @@
+//! The op table is consistent with itself, so everything that reads it (the CLI, the torch
+//! package's fakes and autograd, the tests, the docs) can trust it: every schema parses and
+//! names the entry's inputs; every case's statics parse and its plan builds and verifies on
+//! every target; the declared output shapes and dtypes (the torch fakes) are the plan's
+//! result types; every backward names an op of the table whose results map onto the
+//! forward's inputs; and every op's smallest case matches its independent reference.
+//! (The docs show the table through `tessera table --ops`, which prints it, rather than a
+//! copy that adding an op would leave stale.)
+
+use tessera_dsl::{DType, Interpreter, Target, Type};
+use tessera_kernels::op::{eval_dtype, eval_shape, ArgType, Schema, COMPOSITE};
+use tessera_kernels::{find, harness, library, Op};
+
+fn schema(op: &Op) -> Schema {
+    Schema::parse(op.schema).unwrap_or_else(|e| panic!("{}: {e}", op.name))
+}
+
+#[test]
+fn schemas_name_the_inputs_and_outputs() {
+    let mut names = std::collections::HashSet::new();
+    for op in library() {
+        assert!(names.insert(op.name), "two ops are called {}", op.name);
+        let s = schema(op);
+        let tensors: Vec<&str> = s.tensors().map(|p| p.name.as_str()).collect();
+        let inputs: Vec<&str> = op.inputs.iter().map(|i| i.name).collect();
+        assert_eq!(tensors, inputs, "{}: the schema's tensors and the entry's inputs differ", op.name);
+        assert_eq!(s.results, op.outputs.len(), "{}: the schema returns {} results, the entry declares {}", op.name, s.results, op.outputs.len());
+        assert!(!op.doc.is_empty(), "{} has no doc", op.name);
+        match op.alias_of {
+            Some((of, i)) => {
+                let target = find(of).unwrap_or_else(|| panic!("{} aliases unknown op {of}", op.name));
+                assert!(i < target.outputs.len(), "{}: {of} has no result {i}", op.name);
+                assert_eq!(schema(target).params, s.params, "{}: an alias takes its op's arguments", op.name);
+            }
+            None => assert!(!op.cases.is_empty(), "{} has no case to run", op.name),
+        }
+    }
+}
+
+#[test]
+fn output_expressions_are_the_plans_result_types() {
+    for op in library() {
+        let source = op.alias_of.and_then(|(of, _)| find(of)).unwrap_or(op);
+        for case in source.cases {
+            let statics = op.case_statics(case).unwrap_or_else(|e| panic!("{e}"));
+            let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+            for dtype in [DType::F32, DType::BF16] {
+                let types = op.types(&shapes, dtype);
+                for target in Target::ALL {
+                    let plan = op.plan_for(&types, &statics, &target).unwrap_or_else(|e| panic!("{} {}: {e}", op.name, case.name));
+                    for launch in &plan.launches {
+                        tessera_dsl::verify::verify(&launch.kernel, &target).unwrap_or_else(|e| panic!("{} {} on {target}: {e}", op.name, case.name));
+                    }
+                    let names: Vec<&str> = op.inputs.iter().map(|i| i.name).collect();
+                    assert_eq!(plan.results.len(), op.outputs.len(), "{} {}", op.name, case.name);
+                    for (out, res) in op.outputs.iter().zip(&plan.results) {
+                        let shape = eval_shape(out.shape, &names, &types, &statics).unwrap_or_else(|e| panic!("{} output {}: {e}", op.name, out.name));
+                        let dt = eval_dtype(out.dtype, &names, &types).unwrap_or_else(|e| panic!("{} output {}: {e}", op.name, out.name));
+                        assert_eq!(Type::vector(dt, &shape), res.ty, "{} {} {dtype}: output `{}` is declared {} / {}", op.name, case.name, out.name, out.shape, out.dtype);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn backwards_name_ops_whose_results_are_input_gradients() {
+    for op in library() {
+        let Some(b) = op.backward else { continue };
+        let s = schema(op);
+        let inputs: Vec<&str> = op.inputs.iter().map(|i| i.name).collect();
+        for g in b.grads.iter().flat_map(|g| g.split_whitespace()) {
+            assert!(inputs.contains(&g), "{}: the backward gives a gradient for `{g}`, which is not a tensor input", op.name);
+        }
+        if b.op == COMPOSITE {
+            continue;
+        }
+        let bwd = find(b.op).unwrap_or_else(|| panic!("{}: backward op {} is not in the table", op.name, b.op));
+        assert_eq!(schema(bwd).results, b.grads.len(), "{}: {} returns {} results for {} gradients", op.name, b.op, schema(bwd).results, b.grads.len());
+        let outputs: Vec<&str> = op.outputs.iter().map(|o| o.name).collect();
+        let args: Vec<&str> = b.args.split(',').map(str::trim).collect();
+        let bwd_params = &schema(bwd).params;
+        assert!(args.len() <= bwd_params.len(), "{}: {} takes {} arguments", op.name, b.op, bwd_params.len());
+        for (a, p) in args.iter().zip(bwd_params) {
+            let known = inputs.contains(a) || outputs.contains(a) || s.statics().any(|q| q.name == *a) || a.strip_prefix("d_").is_some_and(|o| outputs.contains(&o));
+            assert!(known, "{}: backward argument `{a}` is neither an input, an output, a static nor `d_<output>`", op.name);
+            let is_tensor = !s.statics().any(|q| q.name == *a);
+            assert_eq!(is_tensor, p.ty == ArgType::Tensor, "{}: `{a}` fills {}'s argument `{}` of another kind", op.name, b.op, p.name);
+        }
+    }
+}
+
+/// The smallest case of every op, f32 and bf16, on the interpreter against the op's
+/// independent f64 reference (`tessera run --all` covers every case at full size).
+#[test]
+fn every_op_matches_its_reference_at_its_smallest_case() {
+    for op in library() {
+        let source = op.alias_of.and_then(|(of, _)| find(of)).unwrap_or(op);
+        let case = source.cases.iter().min_by_key(|c| c.shapes.iter().map(|s| s.iter().product::<usize>()).sum::<usize>()).unwrap();
+        let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let r = harness::run_case(op, &op.case_statics(case).unwrap(), &shapes, dtype, &Target::V5E, 11, &Interpreter).unwrap_or_else(|e| panic!("{} {}: {e}", op.name, case.name));
+            assert!(r.passed(), "{} {} {dtype}: {:?}", op.name, case.name, r.worst());
+        }
+    }
+}
