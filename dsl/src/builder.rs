@@ -43,12 +43,27 @@ macro_rules! int_arg {
     ($($t:ty),*) => {$(
         impl From<$t> for Arg {
             fn from(v: $t) -> Arg {
-                Arg::Int(v as i64)
+                // Beyond i64 saturates: out of every IR dtype's range, so `constant` says so.
+                Arg::Int(i64::try_from(v).unwrap_or(i64::MAX))
             }
         }
     )*};
 }
-int_arg!(i32, i64, u32, usize);
+int_arg!(i8, i32, i64, u32, u64, usize);
+
+/// Why a literal does not fit `dtype` (a wrapped integer, or a finite float that would
+/// round to infinity), if it does not. NaN and infinite literals are what they say.
+fn out_of_range(value: Scalar, dtype: DType) -> Option<String> {
+    match (value, dtype) {
+        (Scalar::Int(i), DType::I8) if i8::try_from(i).is_err() => Some("i8 holds -128..=127; it would wrap".into()),
+        (Scalar::Int(i), DType::I32) if i32::try_from(i).is_err() => Some(format!("i32 holds {}..={}; it would wrap", i32::MIN, i32::MAX)),
+        (Scalar::Float(x), DType::F32) if x.is_finite() && (x as f32).is_infinite() => Some(format!("beyond f32's largest finite value {:e}, it would round to infinity", f32::MAX)),
+        (Scalar::Float(x), DType::BF16) if x.is_finite() && half::bf16::from_f64(x).is_infinite() => {
+            Some(format!("beyond bf16's largest finite value {:e}, it would round to infinity", f64::from(half::bf16::MAX)))
+        }
+        _ => None,
+    }
+}
 
 /// One dimension of a ref access in the builder: the whole dim, or `len` elements from
 /// a (possibly dynamic) start.
@@ -226,6 +241,14 @@ impl KernelBuilder {
             },
             (v, _) => v,
         };
+        if let Some(range) = out_of_range(value, ty.dtype) {
+            self.fail(
+                "constant",
+                "literal-range",
+                format!("literal {value} does not fit {}: {range}", ty.dtype),
+                "write a value in range, or make the other operand (or the `full`/`zeros` dtype) a wider type",
+            );
+        }
         self.push1(Inst::Const(value), ty)
     }
 

@@ -117,6 +117,17 @@ fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv
     keep
 }
 
+/// Masking selects, it does not multiply by zero: in a masked block, `p @ v` would carry a
+/// nonfinite value of a v row into every query through `0 * NaN`, also into the queries
+/// that must not see that key. So a masked block zeroes its nonfinite v values and counts,
+/// per (query, column), the *visible* keys that held one (exact: 0/1 operands, f32
+/// accumulation). Where the count is `> 0` the output is NaN, as in math attention over
+/// the visible keys (an `inf` in a visible v also gives NaN).
+#[tpu_fn]
+fn visible_nonfinite(finite: Value, keep: Value) -> Value {
+    dot(select(keep, 1.0, 0.0).cast(bf16), select(finite, 0.0, 1.0).cast(bf16))
+}
+
 /// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
 /// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
 #[tpu_fn]
@@ -159,6 +170,9 @@ pub fn flash_attention_fwd_kernel(
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
+        // Per (query, column): visible nonfinite v values (counted in masked blocks only;
+        // in an unmasked block every key is visible and `p @ v` propagates them itself).
+        let mut visible_bad = zeros([bq, d], f32);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
@@ -168,20 +182,24 @@ pub fn flash_attention_fwd_kernel(
             if !skv.is_multiple_of(bk) {
                 vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
             }
+            let finite = (vb - vb) == 0.0;
+            visible_bad = visible_nonfinite(finite, keep);
+            vb = select(finite, vb, 0.0);
         }
         let m_old = m_run[..];
         let m_new = m_old.max(s.reduce_max(1));
         let alpha = (m_old - m_new).exp();
         let p = (s - m_new).exp();
         l_run[..] = alpha * l_run[..] + p.sum(1);
-        acc[..] = alpha * acc[..] + dot(p.cast(v.dtype), vb);
+        acc[..] = select(visible_bad > 0.0, f32::NAN, alpha * acc[..] + dot(p.cast(v.dtype), vb));
         m_run[..] = m_new;
     }
     if j == num_programs(3) - 1 {
         let m = m_run[..];
         let l = l_run[..];
-        // Rows that saw no key (segment ids only) still hold MASKED: define them as o = 0.
-        let seen = m > MASKED;
+        // Rows that saw no key (segment ids only) still hold exactly MASKED: define them as
+        // o = 0. A NaN row (NaN in q or a visible key) is not MASKED: it stays NaN.
+        let seen = m != MASKED;
         o[..] = select(seen, acc[..] / l, 0.0).cast(o.dtype);
         lse[..] = select(seen, m + l.log(), MASKED);
     }

@@ -1,34 +1,30 @@
 //! Row-blocked elementwise and row-reduction kernels: fused `gelu(x * a + b)`, row
-//! softmax and RMSNorm. Each grid step owns `bm` whole rows, so reductions along a row
-//! never cross blocks. Math runs in f32 whatever the storage dtype (v5e has no bf16
-//! VPU/EUP, and it is what PyTorch and JAX do for these ops).
+//! softmax and RMSNorm. Blocks follow [`row_tiles`]: a grid step owns `bm` whole rows,
+//! so reductions along a row never cross blocks, unless rows are too wide for VMEM; then
+//! softmax and RMSNorm run as two passes over column blocks (`wide_rows.rs`) and the
+//! elementwise op simply tiles columns too. Math runs in f32 whatever the storage dtype
+//! (v5e has no bf16 VPU/EUP, and it is what PyTorch and JAX do for these ops).
 
 use tessera_dsl::interp::Array;
 use tessera_dsl::{Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::blocks::row_block;
+use crate::blocks::{row_tiles, RowTiles};
 use crate::op::{Call, Case, Input, Kind, Op, Output, Statics};
-use crate::plan::{single, Plan};
+use crate::plan::{result, single, Plan};
+use crate::wide_rows;
 use crate::{f64s, last_dim, reference};
 
-/// Bytes of f32 per row block: large enough to amortise per-step overhead, small enough
-/// that a few temporaries of the block stay well inside VMEM.
-const ROW_BLOCK_BYTES: usize = 1 << 20;
-
-fn rows(x: &Type, target: &Target) -> usize {
-    let m = x.shape.first().copied().unwrap_or(0);
-    let n = x.shape.get(1).copied().unwrap_or(0);
-    row_block(m, n, target.tiling(x.dtype).0, ROW_BLOCK_BYTES)
-}
+/// Row-blocked operands of every op here: the input and the output.
+const STREAMS: usize = 2;
 
 #[tpu_kernel(
-    grid = [m / bm],
-    semantics = [parallel],
-    (x, out) = block([bm, n], |i| [i, 0]),
-    (a, b) = block([1, n], |i| [0, 0]),
+    grid = [m.div_ceil(bm), n.div_ceil(bn)],
+    semantics = [parallel, parallel],
+    (x, out) = block([bm, bn], |i, j| [i, j]),
+    (a, b) = block([1, bn], |i, j| [0, j]),
 )]
-pub fn gelu_affine_kernel(x: In<m, n>, a: In<1, n>, b: In<1, n>, out: Out<m, n>, bm: usize) {
+pub fn gelu_affine_kernel(x: In<m, n>, a: In<1, n>, b: In<1, n>, out: Out<m, n>, bm: usize, bn: usize) {
     let z = x[..].cast(f32) * a[..].cast(f32) + b[..].cast(f32);
     // tanh approximation, as jax.nn.gelu(approximate=True) and torch's gelu(approximate="tanh").
     let inner = 0.7978845608028654 * (z + 0.044715 * z * z * z);
@@ -37,11 +33,12 @@ pub fn gelu_affine_kernel(x: In<m, n>, a: In<1, n>, b: In<1, n>, out: Out<m, n>,
 
 /// `gelu(x * a + b)` with `a`, `b` of shape `[1, n]` broadcast over rows.
 pub fn gelu_affine(x: &Type, a: &Type, b: &Type, target: &Target) -> Result<Kernel, KernelError> {
-    gelu_affine_kernel(x.clone(), a.clone(), b.clone(), x.clone(), rows(x, target))
+    let RowTiles { bm, bn } = row_tiles(x, STREAMS, target);
+    gelu_affine_kernel(x.clone(), a.clone(), b.clone(), x.clone(), bm, bn)
 }
 
 #[tpu_kernel(
-    grid = [m / bm],
+    grid = [m.div_ceil(bm)],
     semantics = [parallel],
     (x, out) = block([bm, n], |i| [i, 0]),
 )]
@@ -51,13 +48,14 @@ pub fn softmax_kernel(x: In<m, n>, out: Out<m, n>, bm: usize) {
     out[..] = (e / e.sum(1)).cast(out.dtype);
 }
 
-/// Softmax along the last dim of a `[m, n]` array.
+/// Softmax along the last dim of a `[m, n]` array, whole rows per block (`bm` of
+/// [`row_tiles`]; rows too wide for that are [`crate::wide_rows::softmax`]'s).
 pub fn softmax(x: &Type, target: &Target) -> Result<Kernel, KernelError> {
-    softmax_kernel(x.clone(), x.clone(), rows(x, target))
+    softmax_kernel(x.clone(), x.clone(), row_tiles(x, STREAMS, target).bm)
 }
 
 #[tpu_kernel(
-    grid = [m / bm],
+    grid = [m.div_ceil(bm)],
     semantics = [parallel],
     (x, out) = block([bm, n], |i| [i, 0]),
     w = block([1, n], |i| [0, 0]),
@@ -68,9 +66,10 @@ pub fn rmsnorm_kernel(x: In<m, n>, w: In<1, n>, out: Out<m, n>, bm: usize, eps: 
     out[..] = (v * (mean_sq + eps).rsqrt() * w[..].cast(f32)).cast(out.dtype);
 }
 
-/// RMSNorm over the last dim: `x * rsqrt(mean(x^2) + eps) * w`, `w` of shape `[1, n]`.
+/// RMSNorm over the last dim: `x * rsqrt(mean(x^2) + eps) * w`, `w` of shape `[1, n]`,
+/// whole rows per block.
 pub fn rmsnorm(x: &Type, w: &Type, eps: f32, target: &Target) -> Result<Kernel, KernelError> {
-    rmsnorm_kernel(x.clone(), w.clone(), x.clone(), rows(x, target), eps)
+    rmsnorm_kernel(x.clone(), w.clone(), x.clone(), row_tiles(x, STREAMS, target).bm, eps)
 }
 
 // ---- ops ------------------------------------------------------------------------------------
@@ -91,6 +90,10 @@ fn plan_softmax(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
     c.float("x")?;
     let shape = c.tensor("x")?.shape.clone();
+    let tiles = row_tiles(&x, STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        return wide_rows::softmax(c, &x, c.input("x", x.clone())?, tiles, shape);
+    }
     Ok(single(c, softmax(&x, c.target)?, vec![c.input("x", x)?], &[Some(shape)]))
 }
 
@@ -99,8 +102,14 @@ fn plan_rmsnorm(c: &Call) -> Result<Plan, KernelError> {
     c.float("x")?;
     let w = c.row_vector("weight", x.shape[1])?;
     let eps = c.statics.f64("eps").unwrap_or(RMSNORM_EPS as f64) as f32;
-    let kernel = rmsnorm(&x, &w, eps, c.target)?;
     let shape = c.tensor("x")?.shape.clone();
+    let tiles = row_tiles(&x, STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        let mut launches = Vec::new();
+        let out = wide_rows::rmsnorm_launches(&mut launches, &x, c.input("x", x.clone())?, &w, c.input("weight", w.clone())?, eps, tiles, c.op)?;
+        return Ok(Plan::new(c.op, c.target, launches, vec![result(out, 0, Type::vector(x.dtype, &shape))]));
+    }
+    let kernel = rmsnorm(&x, &w, eps, c.target)?;
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("weight", w)?], &[Some(shape)]))
 }
 
@@ -131,12 +140,12 @@ pub const OPS: &[Op] = &[
     Op {
         name: "softmax", doc: "softmax over the last dim", schema: "(Tensor x) -> Tensor", plan: plan_softmax, reference: Some(ref_softmax),
         inputs: &[ROW], outputs: LIKE_X,
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[96, 2048]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[96, 2048]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000]] }], ..Op::EMPTY
     },
     Op {
         name: "rmsnorm", doc: "RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight", schema: "(Tensor x, Tensor weight, float eps=1e-06) -> Tensor", plan: plan_rmsnorm, reference: Some(ref_rmsnorm),
         inputs: &[ROW, Input { name: "weight", dims: "[n]", kind: Kind::Float }], outputs: LIKE_X,
         backward: Some(crate::op::Backward { op: "rmsnorm_bwd", args: "x, weight, d_out, eps", grads: &["x", "weight"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[48, 4096], &[4096]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[48, 4096], &[4096]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000]] }], ..Op::EMPTY
     },
 ];

@@ -3,15 +3,16 @@
 //! backward.
 //!
 //! All are row-blocked like `elementwise.rs`: each grid step owns `bt` whole rows, so the
-//! per-row reductions never cross blocks and any row length is legal (a block always spans
-//! the full last dim). Math runs in f32 whatever the storage dtype.
+//! per-row reductions never cross blocks. Math runs in f32 whatever the storage dtype.
 //!
-//! Block rule ([`row_tile`]): `bt` rows with about `min(1 MiB, scoped VMEM / (4 * streams))`
-//! of f32 per block, where `streams` counts the op's row-blocked `[t, d]` operands (inputs
-//! and outputs): each is double-buffered by the pipeline and the body keeps about as many
-//! f32 temporaries again, so `4 * streams` blocks fit the target's default scoped VMEM.
-//! `bt` is a multiple of the dtype's sublane tiling (`Target::tiling`: 8, or 16 for bf16
-//! on tpu7x) dividing `t`, or all of `t`.
+//! Block rule ([`row_tiles`]): `bt` rows with about `min(1 MiB, scoped VMEM / (4 * streams))`
+//! of f32 per block *as laid out* (lanes padded to 128), where `streams` counts the op's
+//! row-blocked `[t, d]` operands (inputs and outputs): each is double-buffered by the
+//! pipeline and the body keeps about as many f32 temporaries again, so `4 * streams`
+//! blocks fit the target's default scoped VMEM. `bt` is a multiple of the dtype's sublane
+//! tiling (`Target::tiling`: 8, or 16 for bf16 on tpu7x), or all of `t`; the last block
+//! may be partial. Rows too wide for `bt` of them at that budget run as two passes over
+//! column blocks (`wide_rows.rs`); the GLU and add kernels tile columns directly.
 //!
 //! `rmsnorm_bwd`'s weight gradient sums over every row. It is accumulated in an f32
 //! `[1, d]` VMEM scratch across the row axis, which is therefore `arbitrary`, and written
@@ -20,32 +21,31 @@
 
 use tessera_dsl::interp::Array;
 use tessera_dsl::{Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
-use crate::blocks::row_block;
+use crate::blocks::{row_tiles, RowTiles};
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
-use crate::plan::{result, single, Launch, Plan};
+use crate::plan::{result, single, Launch, Operand, Plan};
+use crate::wide_rows;
 use crate::{f64s, last_dim, RMSNORM_EPS};
 
 /// LayerNorm's epsilon in the library entry (PyTorch's default; the builders take any).
 pub const LAYERNORM_EPS: f32 = 1e-5;
 
-/// Upper bound on f32 bytes per row block (as in `elementwise.rs`).
-const MAX_BLOCK_BYTES: usize = 1 << 20;
-
-/// Rows per block for an op over `[t, d]` arrays of `x`'s dtype with `streams` row-blocked
-/// operands (see the module docs for the rule).
-pub fn row_tile(x: &Type, streams: usize, target: &Target) -> usize {
-    let t = x.shape.first().copied().unwrap_or(0);
-    let d = x.shape.get(1).copied().unwrap_or(0);
-    let bytes = MAX_BLOCK_BYTES.min(target.default_scoped_vmem_bytes / (4 * streams.max(1)));
-    row_block(t, d, target.tiling(x.dtype).0, bytes)
-}
-
 // ---- kernels ------------------------------------------------------------------------------
 
+/// `v - mean(v)` along rows of `len` values, by the corrected two-pass algorithm: subtract the computed mean, then the
+/// mean of what is left. No `E[x^2] - E[x]^2` cancellation, and the rounding error of the
+/// first mean (large when the row mean is) is removed: a constant row centres to exactly 0,
+/// as in torch, instead of to one ulp of the mean that `rsqrt(var + eps)` magnifies.
+#[tpu_fn]
+pub fn centre(v: Value, len: usize) -> Value {
+    let first = v - v.sum(1) * (1.0 / len as f32);
+    first - first.sum(1) * (1.0 / len as f32)
+}
+
 #[tpu_kernel(
-    grid = [t / bt],
+    grid = [t.div_ceil(bt)],
     semantics = [parallel],
     (x, residual, out, new_residual) = block([bt, d], |i| [i, 0]),
     w = block([1, d], |i| [0, 0]),
@@ -59,21 +59,20 @@ pub fn rmsnorm_residual_kernel(x: In<t, d>, residual: In<t, d>, w: In<1, d>, out
 }
 
 #[tpu_kernel(
-    grid = [t / bt],
+    grid = [t.div_ceil(bt)],
     semantics = [parallel],
     (x, out) = block([bt, d], |i| [i, 0]),
     (w, b) = block([1, d], |i| [0, 0]),
 )]
 pub fn layernorm_kernel(x: In<t, d>, w: In<1, d>, b: In<1, d>, out: Out<t, d>, bt: usize, eps: f32) {
     let v = x[..].cast(f32);
-    // Two passes over the block (mean, then centred squares): no E[x^2] - E[x]^2 cancellation.
-    let centred = v - v.sum(1) * (1.0 / d as f32);
+    let centred = centre(v, d);
     let var = (centred * centred).sum(1) * (1.0 / d as f32);
     out[..] = (centred * (var + eps).rsqrt() * w[..].cast(f32) + b[..].cast(f32)).cast(out.dtype);
 }
 
 #[tpu_kernel(
-    grid = [t / bt],
+    grid = [t.div_ceil(bt)],
     semantics = [arbitrary],
     (x, dy, dx) = block([bt, d], |i| [i, 0]),
     (w, dw) = block([1, d], |i| [0, 0]),
@@ -91,7 +90,12 @@ pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>,
     if program_id(0) == 0 {
         dw_acc[..] = zeros([1, d], f32);
     }
-    dw_acc[..] += (g * v * r).sum(0);
+    let mut part = g * v * r;
+    if !t.is_multiple_of(bt) {
+        // Rows past `t` in the last block are garbage: keep them out of the sum.
+        part = select(iota([bt, d], 0) + program_id(0) * (bt as i32) < (t as i32), part, 0.0);
+    }
+    dw_acc[..] += part.sum(0);
     if program_id(0) == num_programs(0) - 1 {
         dw[..] = dw_acc[..].cast(dw.dtype);
     }
@@ -101,11 +105,11 @@ pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>,
 /// GELU (GeGLU), one body for the family.
 #[tpu_kernel(
     name = if gelu { "geglu_kernel" } else { "swiglu_kernel" },
-    grid = [t / bt],
-    semantics = [parallel],
-    (a, b, out) = block([bt, f], |i| [i, 0]),
+    grid = [t.div_ceil(bt), f.div_ceil(bf)],
+    semantics = [parallel, parallel],
+    (a, b, out) = block([bt, bf], |i, j| [i, j]),
 )]
-pub fn glu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize, gelu: bool) {
+pub fn glu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize, bf: usize, gelu: bool) {
     let av = a[..].cast(f32);
     if gelu {
         let th = (GELU_C * (av + 0.044715 * av * av * av)).tanh();
@@ -118,11 +122,11 @@ pub fn glu_kernel(a: In<t, f>, b: In<t, f>, out: Out<t, f>, bt: usize, gelu: boo
 /// `(da, db)` of [`glu_kernel`]: `db = dy * act(a)`, `da = dy * b * act'(a)`.
 #[tpu_kernel(
     name = if gelu { "geglu_bwd_kernel" } else { "swiglu_bwd_kernel" },
-    grid = [t / bt],
-    semantics = [parallel],
-    (a, b, dy, da, db) = block([bt, f], |i| [i, 0]),
+    grid = [t.div_ceil(bt), f.div_ceil(bf)],
+    semantics = [parallel, parallel],
+    (a, b, dy, da, db) = block([bt, bf], |i, j| [i, j]),
 )]
-pub fn glu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize, gelu: bool) {
+pub fn glu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db: Out<t, f>, bt: usize, bf: usize, gelu: bool) {
     let av = a[..].cast(f32);
     let g = dy[..].cast(f32);
     if gelu {
@@ -141,47 +145,57 @@ pub fn glu_bwd_kernel(a: In<t, f>, b: In<t, f>, dy: In<t, f>, da: Out<t, f>, db:
 }
 
 #[tpu_kernel(
-    grid = [t / bt],
-    semantics = [parallel],
-    (a, b, out) = block([bt, d], |i| [i, 0]),
+    grid = [t.div_ceil(bt), d.div_ceil(bd)],
+    semantics = [parallel, parallel],
+    (a, b, out) = block([bt, bd], |i, j| [i, j]),
 )]
-pub fn add_kernel(a: In<t, d>, b: In<t, d>, out: Out<t, d>, bt: usize) {
+pub fn add_kernel(a: In<t, d>, b: In<t, d>, out: Out<t, d>, bt: usize, bd: usize) {
     out[..] = (a[..].cast(f32) + b[..].cast(f32)).cast(out.dtype);
 }
 
 // ---- kernels with the target's blocks -----------------------------------------------------
+
+/// Row-blocked `[t, d]` operands (inputs and outputs) of each row-reduction kernel.
+const RESIDUAL_STREAMS: usize = 4;
+const LAYERNORM_STREAMS: usize = 2;
+const BWD_STREAMS: usize = 3;
 
 /// The op kernels with default blocks for a target, from operand types (what `emit` lowers).
 pub mod build {
     use super::*;
 
     /// `(out, new_residual)` of the fused residual-add RMSNorm.
+    /// `(out, new_residual)` of the fused residual-add RMSNorm (whole rows).
     pub fn rmsnorm_residual(x: &Type, residual: &Type, w: &Type, eps: f32, target: &Target) -> Result<Kernel, KernelError> {
-        rmsnorm_residual_kernel(x.clone(), residual.clone(), w.clone(), x.clone(), x.clone(), row_tile(x, 4, target), eps)
+        rmsnorm_residual_kernel(x.clone(), residual.clone(), w.clone(), x.clone(), x.clone(), row_tiles(x, RESIDUAL_STREAMS, target).bm, eps)
     }
 
+    /// LayerNorm (whole rows).
     pub fn layernorm(x: &Type, w: &Type, b: &Type, eps: f32, target: &Target) -> Result<Kernel, KernelError> {
-        layernorm_kernel(x.clone(), w.clone(), b.clone(), x.clone(), row_tile(x, 2, target), eps)
+        layernorm_kernel(x.clone(), w.clone(), b.clone(), x.clone(), row_tiles(x, LAYERNORM_STREAMS, target).bm, eps)
     }
 
-    /// `(dx, dw)`; `dw` has `w`'s type.
+    /// `(dx, dw)`; `dw` has `w`'s type (whole rows).
     pub fn rmsnorm_bwd(x: &Type, w: &Type, dy: &Type, eps: f32, target: &Target) -> Result<Kernel, KernelError> {
-        rmsnorm_bwd_kernel(x.clone(), w.clone(), dy.clone(), x.clone(), w.clone(), row_tile(x, 3, target), eps)
+        rmsnorm_bwd_kernel(x.clone(), w.clone(), dy.clone(), x.clone(), w.clone(), row_tiles(x, BWD_STREAMS, target).bm, eps)
     }
 
     /// `act(a) * b` (SwiGLU, or GeGLU with `gelu`).
     pub fn glu(a: &Type, b: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
-        glu_kernel(a.clone(), b.clone(), a.clone(), row_tile(a, 3, target), gelu)
+        let RowTiles { bm, bn } = row_tiles(a, 3, target);
+        glu_kernel(a.clone(), b.clone(), a.clone(), bm, bn, gelu)
     }
 
     /// `a + b` (summed in f32, as the backward kernels accumulate).
     pub fn add(a: &Type, target: &Target) -> Result<Kernel, KernelError> {
-        add_kernel(a.clone(), a.clone(), a.clone(), row_tile(a, 3, target))
+        let RowTiles { bm, bn } = row_tiles(a, 3, target);
+        add_kernel(a.clone(), a.clone(), a.clone(), bm, bn)
     }
 
     /// `(da, db)`.
     pub fn glu_bwd(a: &Type, b: &Type, dy: &Type, gelu: bool, target: &Target) -> Result<Kernel, KernelError> {
-        glu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), row_tile(a, 5, target), gelu)
+        let RowTiles { bm, bn } = row_tiles(a, 5, target);
+        glu_bwd_kernel(a.clone(), b.clone(), dy.clone(), a.clone(), a.clone(), bm, bn, gelu)
     }
 }
 
@@ -242,36 +256,64 @@ fn same_rows(c: &Call, names: &[&str]) -> Result<Type, KernelError> {
 fn plan_rmsnorm_residual(c: &Call) -> Result<Plan, KernelError> {
     let x = same_rows(c, &["x", "residual"])?;
     let w = c.row_vector("weight", x.shape[1])?;
+    let shape = c.tensor("x")?.shape.clone();
+    let (x_in, r_in, w_in) = (c.input("x", x.clone())?, c.input("residual", x.clone())?, c.input("weight", w.clone())?);
+    let tiles = row_tiles(&x, RESIDUAL_STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        // h = x + residual (stored: it is `new_residual`), then RMSNorm of the stored h
+        // in two passes (what torch computes too: the norm of the rounded sum).
+        let mut launches = vec![Launch::new(build::add(&x, c.target)?, vec![x_in, r_in])];
+        let out = wide_rows::rmsnorm_launches(&mut launches, &x, result(0, 0, x.clone()), &w, w_in, eps(c, RMSNORM_EPS), tiles, c.op)?;
+        let ty = Type::vector(x.dtype, &shape);
+        return Ok(Plan::new(c.op, c.target, launches, vec![result(out, 0, ty.clone()), result(0, 0, ty)]));
+    }
     let kernel = build::rmsnorm_residual(&x, &x, &w, eps(c, RMSNORM_EPS), c.target)?;
-    let shape = Some(c.tensor("x")?.shape.clone());
-    Ok(single(c, kernel, vec![c.input("x", x.clone())?, c.input("residual", x)?, c.input("weight", w)?], &[shape.clone(), shape]))
+    Ok(single(c, kernel, vec![x_in, r_in, w_in], &[Some(shape.clone()), Some(shape)]))
+}
+
+/// The launches of `rmsnorm_bwd(x, w, dy)`, whole rows or in two passes; returns the
+/// index of the launch whose outputs are `(dx, dw)`.
+fn rmsnorm_bwd_launches(c: &Call, launches: &mut Vec<Launch>, x: &Type, ins: [Operand; 3], w: &Type) -> Result<usize, KernelError> {
+    let tiles = row_tiles(x, BWD_STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        return wide_rows::rmsnorm_bwd_launches(launches, x, ins, w, eps(c, RMSNORM_EPS), tiles, c.op);
+    }
+    launches.push(Launch::new(build::rmsnorm_bwd(x, w, x, eps(c, RMSNORM_EPS), c.target)?, ins.into()));
+    Ok(launches.len() - 1)
 }
 
 /// rmsnorm_bwd on `h`, then `dx + d_new_residual` (the residual stream's own gradient).
 fn plan_rmsnorm_residual_bwd(c: &Call) -> Result<Plan, KernelError> {
     let h = same_rows(c, &["h", "dout", "dh"])?;
     let w = c.row_vector("weight", h.shape[1])?;
-    let bwd = Launch::new(build::rmsnorm_bwd(&h, &w, &h, eps(c, RMSNORM_EPS), c.target)?, vec![c.input("h", h.clone())?, c.input("weight", w.clone())?, c.input("dout", h.clone())?]);
-    let add = Launch::new(build::add(&h, c.target)?, vec![result(0, 0, h.clone()), c.input("dh", h.clone())?]);
+    let mut launches = Vec::new();
+    let bwd = rmsnorm_bwd_launches(c, &mut launches, &h, [c.input("h", h.clone())?, c.input("weight", w.clone())?, c.input("dout", h.clone())?], &w)?;
+    launches.push(Launch::new(build::add(&h, c.target)?, vec![result(bwd, 0, h.clone()), c.input("dh", h.clone())?]));
     let shape = c.tensor("h")?.shape.clone();
-    let results = vec![result(1, 0, Type::vector(h.dtype, &shape)), result(0, 1, c.tensor("weight")?.clone())];
-    Ok(Plan::new(c.op, c.target, vec![bwd, add], results))
+    let results = vec![result(bwd + 1, 0, Type::vector(h.dtype, &shape)), result(bwd, 1, c.tensor("weight")?.clone())];
+    Ok(Plan::new(c.op, c.target, launches, results))
 }
 
 fn plan_layernorm(c: &Call) -> Result<Plan, KernelError> {
     let x = same_rows(c, &["x"])?;
     let (w, b) = (c.row_vector("weight", x.shape[1])?, c.row_vector("bias", x.shape[1])?);
+    let shape = c.tensor("x")?.shape.clone();
+    let ins = [c.input("x", x.clone())?, c.input("weight", w.clone())?, c.input("bias", b.clone())?];
+    let tiles = row_tiles(&x, LAYERNORM_STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        return wide_rows::layernorm(c, &x, ins, &w, eps(c, LAYERNORM_EPS), tiles, shape);
+    }
     let kernel = build::layernorm(&x, &w, &b, eps(c, LAYERNORM_EPS), c.target)?;
-    let shape = Some(c.tensor("x")?.shape.clone());
-    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("weight", w)?, c.input("bias", b)?], &[shape]))
+    Ok(single(c, kernel, ins.into(), &[Some(shape)]))
 }
 
 fn plan_rmsnorm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let x = same_rows(c, &["x", "dy"])?;
     let w = c.row_vector("weight", x.shape[1])?;
-    let kernel = build::rmsnorm_bwd(&x, &w, &x, eps(c, RMSNORM_EPS), c.target)?;
-    let shapes = [Some(c.tensor("x")?.shape.clone()), Some(c.tensor("weight")?.shape.clone())];
-    Ok(single(c, kernel, vec![c.input("x", x.clone())?, c.input("weight", w)?, c.input("dy", x)?], &shapes))
+    let mut launches = Vec::new();
+    let bwd = rmsnorm_bwd_launches(c, &mut launches, &x, [c.input("x", x.clone())?, c.input("weight", w.clone())?, c.input("dy", x.clone())?], &w)?;
+    let results = vec![result(bwd, 0, Type::vector(x.dtype, &c.tensor("x")?.shape)), result(bwd, 1, c.tensor("weight")?.clone())];
+    Ok(Plan::new(c.op, c.target, launches, results))
 }
 
 fn plan_glu(c: &Call, gelu: bool) -> Result<Plan, KernelError> {
@@ -360,22 +402,22 @@ pub const OPS: &[Op] = &[
         name: "rmsnorm_residual", doc: "fused residual add + RMSNorm: h = x + residual; (rmsnorm(h) * weight, h)", schema: "(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual, reference: Some(ref_rmsnorm_residual),
         inputs: &[rows("x"), rows("residual"), WEIGHT], outputs: &[like("out", "x"), like("new_residual", "x")],
         backward: Some(Backward { op: "rmsnorm_residual_bwd", args: "new_residual, weight, d_out, d_new_residual, eps", grads: &["x residual", "weight"] }),
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[40, 5120], &[5120]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[40, 5120], &[5120]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[6, 300_000], &[300_000]] }], ..Op::EMPTY
     },
     Op {
         name: "rmsnorm_residual_bwd", doc: "(dx, dweight) of rmsnorm_residual from h = x + residual: rmsnorm_bwd(h) + dh (dx is also the residual's gradient)", schema: "(Tensor h, Tensor weight, Tensor dout, Tensor dh, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_residual_bwd, reference: Some(ref_rmsnorm_residual_bwd),
         inputs: &[rows("h"), WEIGHT, rows("dout"), rows("dh")], outputs: &[like("dx", "h"), like("dweight", "weight")],
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[5120], &[40, 5120], &[40, 5120]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[40, 5120], &[5120], &[40, 5120], &[40, 5120]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[6, 300_000], &[6, 300_000]] }], ..Op::EMPTY
     },
     Op {
         name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
         inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[d]", kind: Kind::Float }], outputs: &[like("out", "x")],
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[300_000]] }], ..Op::EMPTY
     },
     Op {
         name: "rmsnorm_bwd", doc: "(dx, dweight) of rmsnorm: dx per row; dweight summed over rows in an f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_bwd, reference: Some(ref_rmsnorm_bwd),
         inputs: &[rows("x"), WEIGHT, rows("dy")], outputs: &[like("dx", "x"), like("dweight", "weight")],
-        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[512, 1536], &[1536], &[512, 1536]] }], ..Op::EMPTY
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[512, 1536], &[1536], &[512, 1536]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[6, 300_000]] }], ..Op::EMPTY
     },
     SWIGLU[0],
     SWIGLU[1],

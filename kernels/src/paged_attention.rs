@@ -4,9 +4,11 @@
 //! - `q: [B, H, D]`; `k_pages`, `v_pages: [Hkv, num_pages, page_size, D]` stay in HBM;
 //!   `lengths: [B]` i32 and `page_indices: [B, pages_per_seq]` i32 are scalar prefetch.
 //!   Sequence `b`'s token `t` lives in page `page_indices[b, t / page_size]`, row
-//!   `t % page_size`. Contract: `0 <= lengths[b] <= pages_per_seq * page_size` and every
-//!   `page_indices` entry is a valid page (entries past a sequence's end are fetched, then
-//!   masked; the interpreter reports an out-of-range page as `slice-out-of-bounds`).
+//!   `t % page_size`. Contract, checked on the host before the kernel runs:
+//!   `0 <= lengths[b] <= pages_per_seq * page_size`, and the entries of the pages holding a
+//!   sequence's first `lengths[b]` tokens are valid pages. Entries past a sequence's end
+//!   may be anything (padding such as -1): the kernel clamps every fetched page index into
+//!   the cache, and zeroes the cache rows past the length before `p @ v`.
 //! - No softmax scale (as in torch_xla and JAX): pre-scale `q`. No logit soft-cap.
 //! - GQA: `H = Hkv * G`; the `G` query heads of one kv head are one `[G, D]` block (the
 //!   host reshapes `q` to `[B, Hkv, G, D]`, a free row-major view).
@@ -51,7 +53,7 @@ pub fn paged_attention_kernel(
     // Slot `s` uses semaphores 2s (K) and 2s + 1 (V); one copy per page on each.
     if nblocks > 0 {
         for j in 0..ppcb {
-            let page = page_indices[(bi, j.min(pps - 1))];
+            let page = page_indices[(bi, j.min(pps - 1))].max(0).min(np - 1);
             dma_start(k_pages[(h, page)], k_buf[(0, j)], sem[0]);
             dma_start(v_pages[(h, page)], v_buf[(0, j)], sem[1]);
         }
@@ -66,18 +68,20 @@ pub fn paged_attention_kernel(
         if i + 1 < nblocks {
             // Prefetch block i + 1 into the other slot before computing on this one.
             for j in 0..ppcb {
-                let page = page_indices[(bi, ((i + 1) * ppcb + j).min(pps - 1))];
+                let page = page_indices[(bi, ((i + 1) * ppcb + j).min(pps - 1))].max(0).min(np - 1);
                 dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[2 * next]);
                 dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[2 * next + 1]);
             }
         }
         for j in 0..ppcb {
-            let page = page_indices[(bi, (i * ppcb + j).min(pps - 1))];
+            let page = page_indices[(bi, (i * ppcb + j).min(pps - 1))].max(0).min(np - 1);
             dma_wait(k_pages[(h, page)], k_buf[(slot, j)], sem[2 * slot]);
             dma_wait(v_pages[(h, page)], v_buf[(slot, j)], sem[2 * slot + 1]);
         }
         let k = k_buf[(slot, .., .., ..)].reshape([bs, d]);
-        let v = v_buf[(slot, .., .., ..)].reshape([bs, d]);
+        // Cache rows past the length are whatever the pages hold (uninitialised on a TPU):
+        // zero them, or `0 * NaN` in `p @ v` would leak into the output.
+        let v = select(iota([bs, 1], 0) + i * bs < len, v_buf[(slot, .., .., ..)].reshape([bs, d]), 0.0);
         let s = dot_t(qv, k);
         let pos = iota([g, bs], 1) + i * bs;
         let s = select(pos < len, s, f32::NEG_INFINITY);
@@ -89,7 +93,8 @@ pub fn paged_attention_kernel(
         acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
         m = m_new;
     }
-    let out = select(l > 0.0, acc / l, 0.0);
+    // An empty sequence saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
+    let out = select(l == 0.0, 0.0, acc / l);
     o[..] = out.cast(o.dtype);
 }
 
@@ -163,7 +168,40 @@ fn plan_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     let (b, h, d, hkv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[0]);
     let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
     let args = vec![c.input("lengths", types[3].clone())?, c.input("page_indices", types[4].clone())?, c.input("q", q4)?, c.input("k_pages", types[1].clone())?, c.input("v_pages", types[2].clone())?];
-    Ok(single(c, kernel, args, &[Some(q.shape.clone())]))
+    let (np, ps) = (k.shape[1], k.shape[2]);
+    let check: crate::plan::CheckFn = Box::new(move |v| {
+        let (lengths, pages) = (ints(v[0]), ints(v[1]));
+        let pps = v[1].shape[1];
+        for (seq, &len) in lengths.iter().enumerate() {
+            check_length("paged_attention", "lengths", seq, len, pps * ps)?;
+            check_page_table("paged_attention", seq, len as usize, &pages[seq * pps..(seq + 1) * pps], ps, np)?;
+        }
+        Ok(())
+    });
+    Ok(single(c, kernel, args, &[Some(q.shape.clone())]).with_check(&[c.index("lengths")?, c.index("page_indices")?], check))
+}
+
+/// An int32 array's elements (plans check dtypes before their checks run).
+pub(crate) fn ints(a: &Array) -> &[i32] {
+    a.as_i32().unwrap_or(&[])
+}
+
+/// `len` (element `seq` of `what`) is a token count in `[0, capacity]`.
+pub(crate) fn check_length(op: &str, what: &str, seq: usize, len: i32, capacity: usize) -> Result<(), KernelError> {
+    if len < 0 || len as usize > capacity {
+        return Err(KernelError::new(op, format!("input `{what}`"), "length-range", format!("sequence {seq} has length {len}, but its page table holds {capacity} tokens"), format!("pass lengths in [0, {capacity}] (pages_per_seq * page_size)")));
+    }
+    Ok(())
+}
+
+/// The page-table row of sequence `seq` maps its first `len` tokens to pages of the cache.
+pub(crate) fn check_page_table(op: &str, seq: usize, len: usize, row: &[i32], page_size: usize, num_pages: usize) -> Result<(), KernelError> {
+    for (p, &page) in row.iter().enumerate().take(len.div_ceil(page_size.max(1))) {
+        if page < 0 || page as usize >= num_pages {
+            return Err(KernelError::new(op, "input `page_indices`", "page-range", format!("sequence {seq}'s page {p} (holding tokens {}..) is {page}, but the cache has {num_pages} pages", p * page_size), format!("point the pages a sequence uses at pages in [0, {num_pages})")));
+        }
+    }
+    Ok(())
 }
 
 /// Random valid inputs: uniform q, k, v; lengths from 0 to the capacity, with sequence 0

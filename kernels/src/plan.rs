@@ -95,6 +95,10 @@ impl Launch {
 /// Prepares the per-call host arrays from the values of the op's host-read inputs.
 pub type HostFn = Box<dyn Fn(&[&Array]) -> Result<Vec<Array>, KernelError> + Send + Sync>;
 
+/// Checks the values of metadata inputs against the op's contract (lengths within the
+/// page table, monotone offsets, labels in range...) before any kernel reads them.
+pub type CheckFn = Box<dyn Fn(&[&Array]) -> Result<(), KernelError> + Send + Sync>;
+
 /// Everything one op call runs.
 pub struct Plan {
     pub op: &'static str,
@@ -105,6 +109,9 @@ pub struct Plan {
     /// The op inputs whose values [`Plan::host_arrays`] reads, in its argument order.
     pub host_reads: Vec<usize>,
     host: Option<HostFn>,
+    /// The op inputs whose values [`Plan::check`] reads, in its argument order.
+    pub check_reads: Vec<usize>,
+    check: Option<CheckFn>,
 }
 
 impl Plan {
@@ -121,6 +128,8 @@ impl Plan {
             results,
             host_reads: Vec::new(),
             host: None,
+            check_reads: Vec::new(),
+            check: None,
         }
     }
 
@@ -129,6 +138,21 @@ impl Plan {
         self.host_reads = reads.to_vec();
         self.host = Some(host);
         self
+    }
+
+    /// Adds a check of the values of inputs `reads` (see [`CheckFn`]).
+    pub fn with_check(mut self, reads: &[usize], check: CheckFn) -> Plan {
+        self.check_reads = reads.to_vec();
+        self.check = Some(check);
+        self
+    }
+
+    /// Checks one call's metadata, from the values of the `check_reads` inputs.
+    pub fn check(&self, values: &[&Array]) -> Result<(), KernelError> {
+        match &self.check {
+            Some(check) => check(values),
+            None => Ok(()),
+        }
     }
 
     /// The host arrays for one call, from the values of the `host_reads` inputs.
@@ -159,6 +183,8 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
     let input = |i: usize| -> Result<HostRef<'_>, KernelError> {
         inputs.get(i).copied().flatten().ok_or_else(|| KernelError::new(plan.op, format!("tensor input {i}"), "missing-input", "the plan reads an input that was not given", "pass every tensor the op needs"))
     };
+    let checked = plan.check_reads.iter().map(|&i| input(i).map(to_array)).collect::<Result<Vec<_>, _>>()?;
+    plan.check(&checked.iter().collect::<Vec<_>>())?;
     let values = plan.host_reads.iter().map(|&i| input(i).map(to_array)).collect::<Result<Vec<_>, _>>()?;
     let host = plan.host_arrays(&values.iter().collect::<Vec<_>>())?;
     let last = plan.launches.len().saturating_sub(1);

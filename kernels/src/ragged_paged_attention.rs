@@ -117,7 +117,7 @@ pub fn ragged_paged_attention_kernel(
         let last_page = ((kv_end + (ps - 1)) / ps - 1).min(pps - 1);
         if hi > lo && last > first {
             for j in 0..ppcb {
-                let page = page_indices[(s, (first * ppcb + j).min(last_page))];
+                let page = page_indices[(s, (first * ppcb + j).min(last_page))].max(0).min(np - 1);
                 dma_start(k_pages[(h, page)], k_buf[(0, j)], sem[0]);
                 dma_start(v_pages[(h, page)], v_buf[(0, j)], sem[1]);
             }
@@ -127,18 +127,20 @@ pub fn ragged_paged_attention_kernel(
                 let next = 1 - sl;
                 if i + 1 < last {
                     for j in 0..ppcb {
-                        let page = page_indices[(s, ((i + 1) * ppcb + j).min(last_page))];
+                        let page = page_indices[(s, ((i + 1) * ppcb + j).min(last_page))].max(0).min(np - 1);
                         dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[2 * next]);
                         dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[2 * next + 1]);
                     }
                 }
                 for j in 0..ppcb {
-                    let page = page_indices[(s, (i * ppcb + j).min(last_page))];
+                    let page = page_indices[(s, (i * ppcb + j).min(last_page))].max(0).min(np - 1);
                     dma_wait(k_pages[(h, page)], k_buf[(sl, j)], sem[2 * sl]);
                     dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[2 * sl + 1]);
                 }
                 let k = k_buf[(sl, .., .., ..)].reshape([bs, d]);
-                let v = v_buf[(sl, .., .., ..)].reshape([bs, d]);
+                // Cache rows past kv_len are whatever the pages hold: zeroed, so that
+                // `0 * NaN` in `p @ v` cannot leak into the output.
+                let v = select(iota([bs, 1], 0) + i * bs < kv_len, v_buf[(sl, .., .., ..)].reshape([bs, d]), 0.0);
                 let mut sc = dot_t(qv, k) * sm_scale;
                 if soft_cap > 0.0 {
                     sc = (sc / soft_cap).tanh() * soft_cap;
@@ -159,7 +161,8 @@ pub fn ragged_paged_attention_kernel(
             }
         }
     }
-    let out = select(l > 0.0, acc / l, 0.0);
+    // Padding tokens saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
+    let out = select(l == 0.0, 0.0, acc / l);
     o[..] = out.reshape([g, bq, d]).cast(o.dtype);
 }
 
@@ -344,7 +347,45 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     args.extend([q_arg, c.input("k_pages", types[1].clone())?, c.input("v_pages", types[2].clone())?]);
     let launch = Launch::new(kernel, args);
     let out = Operand { source: Source::Result { launch: 0, output: 0 }, layout, ty: q.clone() };
-    Ok(Plan::new(c.op, c.target, vec![launch], vec![out]))
+    let (t, np, ps) = (q.shape[0], types[1].shape[1], types[1].shape[2]);
+    let reads: Vec<usize> = NAMES[3..].iter().map(|n| c.index(n)).collect::<Result<_, _>>()?;
+    Ok(Plan::new(c.op, c.target, vec![launch], vec![out]).with_check(&reads, Box::new(move |v| check_metadata(v, t, ps, np))))
+}
+
+/// The contract of the metadata (see the module docs), checked on the host: `num_seqs`
+/// in `[0, S]`; `cu_q_lens` non-decreasing from a non-negative start up to
+/// `cu_q_lens[num_seqs] <= T`; each sequence's `q_len <= kv_len <= pages_per_seq *
+/// page_size`; the pages holding its first `kv_len` keys valid. Sequences past `num_seqs`
+/// are ignored.
+fn check_metadata(v: &[&Array], t: usize, ps: usize, np: usize) -> Result<(), KernelError> {
+    use crate::paged_attention::{check_length, check_page_table, ints};
+    let (kv_lens, pages, cu, ns) = (ints(v[0]), ints(v[1]), ints(v[2]), ints(v[3]));
+    let (ms, pps) = (v[1].shape[0], v[1].shape[1]);
+    let bad = |what: &str, rule: &'static str, message: String, help: &str| Err(KernelError::new("ragged_paged_attention", format!("input `{what}`"), rule, message, help));
+    let num_seqs = ns.first().copied().unwrap_or(0);
+    if num_seqs < 0 || num_seqs as usize > ms {
+        return bad("num_seqs", "num-seqs-range", format!("num_seqs is {num_seqs}, the metadata describes {ms} sequences"), &format!("pass num_seqs in [0, {ms}]"));
+    }
+    let ns = num_seqs as usize;
+    if cu[0] < 0 {
+        return bad("cu_q_lens", "cu-q-lens", format!("cu_q_lens starts at {}", cu[0]), "start cu_q_lens at 0");
+    }
+    for s in 0..ns {
+        let (start, end) = (cu[s], cu[s + 1]);
+        if end < start {
+            return bad("cu_q_lens", "cu-q-lens", format!("cu_q_lens decreases at sequence {s}: {start} then {end}"), "pass non-decreasing offsets (each sequence's queries follow the previous one's)");
+        }
+        if end as usize > t {
+            return bad("cu_q_lens", "cu-q-lens", format!("sequence {s} ends at query token {end}, but q has {t} tokens"), &format!("keep cu_q_lens[num_seqs] <= {t}"));
+        }
+        let (q_len, kv_len) = (end - start, kv_lens[s]);
+        check_length("ragged_paged_attention", "kv_lens", s, kv_len, pps * ps)?;
+        if q_len > kv_len {
+            return bad("kv_lens", "q-len-exceeds-kv-len", format!("sequence {s} has {q_len} queries but {kv_len} keys"), "a sequence's keys include its new queries' own: kv_len >= q_len");
+        }
+        check_page_table("ragged_paged_attention", s, kv_len as usize, &pages[s * pps..(s + 1) * pps], ps, np)?;
+    }
+    Ok(())
 }
 
 /// Random valid inputs: uniform q, k, v; `num_seqs` one less than `S` when `S > 2` (the

@@ -188,7 +188,7 @@ pub fn rope_bwd(exec: &dyn Executor, dy: &Array, positions: &Array, theta: f64, 
     (labels, loss, lse) = block([tm, 1], |i, j| [i, 0]),
     (m_run, s_run, picked) = scratch([tm, 1], f32),
 )]
-pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t, 1>, lse: Out<t, 1>, m_run: Scratch, s_run: Scratch, picked: Scratch, tm: usize, tv: usize) {
+pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t, 1>, lse: Out<t, 1>, m_run: Scratch, s_run: Scratch, picked: Scratch, tm: usize, tv: usize, ignore_index: i32) {
     let j = program_id(1);
     if j == 0 {
         m_run[..] = full([tm, 1], f32, MASKED);
@@ -207,7 +207,9 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
     if j == num_programs(1) - 1 {
         let l = m_run[..] + s_run[..].log();
         lse[..] = l;
-        let valid = (label >= 0) & (label < (vocab as i32));
+        // The host checks labels are in [0, vocab) or ignore_index; the range test also
+        // keeps a bad label that reached the kernel from picking a garbage column.
+        let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
         loss[..] = select(valid, l - picked[..], 0.0);
     }
 }
@@ -220,13 +222,13 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
     (logits, dlogits) = block([tm, tv], |i, j| [i, j]),
     (labels, lse, dloss) = block([tm, 1], |i, j| [i, 0]),
 )]
-pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<t, 1>, dloss: In<t, 1>, dlogits: Out<t, vocab>, tm: usize, tv: usize) {
+pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<t, 1>, dloss: In<t, 1>, dlogits: Out<t, vocab>, tm: usize, tv: usize, ignore_index: i32) {
     // No column mask: columns past the vocabulary are garbage but their writes are dropped.
     let col = iota([tm, tv], 1) + program_id(1) * (tv as i32);
     let label = labels[..];
     let p = (logits[..].cast(f32) - lse[..].cast(f32)).exp();
     let onehot = select(col == label, 1.0, 0.0);
-    let valid = (label >= 0) & (label < (vocab as i32));
+    let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
     let g = select(valid, dloss[..].cast(f32), 0.0);
     dlogits[..] = ((p - onehot) * g).cast(dlogits.dtype);
 }
@@ -247,20 +249,20 @@ fn ce_dims(op: &str, logits: &Type) -> Result<(usize, usize), KernelError> {
 
 /// The cross-entropy forward kernel for `logits: [t, v]` on `target` (default blocks);
 /// it takes labels as i32 `[t, 1]` and returns f32 `loss [t, 1]` and `lse [t, 1]`.
-pub fn build_cross_entropy(logits: &Type, target: &Target) -> Result<Kernel, KernelError> {
+pub fn build_cross_entropy(logits: &Type, ignore_index: i32, target: &Target) -> Result<Kernel, KernelError> {
     let (t, v) = ce_dims("cross_entropy", logits)?;
     let (tm, tv) = cross_entropy_blocks(t, v, logits.dtype, target);
     let col = |d| Type::vector(d, &[t, 1]);
-    cross_entropy_kernel(logits.clone(), col(DType::I32), col(DType::F32), col(DType::F32), tm, tv)
+    cross_entropy_kernel(logits.clone(), col(DType::I32), col(DType::F32), col(DType::F32), tm, tv, ignore_index)
 }
 
 /// The cross-entropy backward kernel: `lse` and `dloss` are `[t, 1]` of any float dtype
 /// (f32 as the forward returns them); `dlogits` has the logits' dtype.
-pub fn build_cross_entropy_bwd(logits: &Type, lse_dtype: DType, dloss_dtype: DType, target: &Target) -> Result<Kernel, KernelError> {
+pub fn build_cross_entropy_bwd(logits: &Type, lse_dtype: DType, dloss_dtype: DType, ignore_index: i32, target: &Target) -> Result<Kernel, KernelError> {
     let (t, v) = ce_dims("cross_entropy_bwd", logits)?;
     let (tm, tv) = cross_entropy_blocks(t, v, logits.dtype, target);
     let col = |d| Type::vector(d, &[t, 1]);
-    cross_entropy_bwd_kernel(logits.clone(), col(DType::I32), col(lse_dtype), col(dloss_dtype), logits.clone(), tm, tv)
+    cross_entropy_bwd_kernel(logits.clone(), col(DType::I32), col(lse_dtype), col(dloss_dtype), logits.clone(), tm, tv, ignore_index)
 }
 
 /// Cross-entropy: `(loss [t], lse [t])`, both f32, for `logits: [t, v]` and
@@ -324,32 +326,56 @@ fn logits_rows(c: &Call) -> Result<(Type, usize), KernelError> {
     Ok((logits, t))
 }
 
+/// `ignore_index` as the kernels' i32 (torch's default, -100).
+fn ignore_index(c: &Call) -> Result<i32, KernelError> {
+    let v = c.statics.i64("ignore_index").unwrap_or(-100);
+    i32::try_from(v).map_err(|_| c.err("argument `ignore_index`", "option-value", format!("ignore_index = {v}"), "pass an ignore_index in the int32 range"))
+}
+
+/// The plan's check that every label is a class of the `v`-column logits or `ignore`
+/// (torch's cross_entropy contract: other labels are an error, not a loss of 0).
+fn labels_check(c: &Call, plan: Plan, v: usize, ignore: i32) -> Result<Plan, KernelError> {
+    let op = c.op;
+    let check: crate::plan::CheckFn = Box::new(move |a| {
+        let labels = a[0].as_i32().unwrap_or(&[]);
+        match labels.iter().enumerate().find(|(_, &l)| l != ignore && !(0..v as i64).contains(&(l as i64))) {
+            Some((row, &l)) => Err(KernelError::new(op, "input `labels`", "label-range", format!("row {row} has label {l}, but the logits have {v} classes"), format!("pass labels in [0, {v}), or {ignore} (ignore_index) for rows to ignore"))),
+            None => Ok(()),
+        }
+    });
+    Ok(plan.with_check(&[c.index("labels")?], check))
+}
+
 fn plan_cross_entropy(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
-    let kernel = build_cross_entropy(&logits, c.target)?;
+    let (v, ignore) = (logits.shape[1], ignore_index(c)?);
+    let kernel = build_cross_entropy(&logits, ignore, c.target)?;
     let args = vec![c.input("logits", logits)?, column(c, "labels", t, true)?];
-    Ok(single(c, kernel, args, &[Some(vec![t]), Some(vec![t])]))
+    labels_check(c, single(c, kernel, args, &[Some(vec![t]), Some(vec![t])]), v, ignore)
 }
 
 fn plan_cross_entropy_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
     let (labels, lse, dloss) = (column(c, "labels", t, true)?, column(c, "lse", t, false)?, column(c, "dloss", t, false)?);
-    let kernel = build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, c.target)?;
-    Ok(single(c, kernel, vec![c.input("logits", logits)?, labels, lse, dloss], &[]))
+    let (v, ignore) = (logits.shape[1], ignore_index(c)?);
+    let kernel = build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, ignore, c.target)?;
+    labels_check(c, single(c, kernel, vec![c.input("logits", logits)?, labels, lse, dloss], &[]), v, ignore)
 }
 
 fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
-    let forward = build_cross_entropy(&logits, c.target)?;
+    let (v, ignore) = (logits.shape[1], ignore_index(c)?);
+    let forward = build_cross_entropy(&logits, ignore, c.target)?;
     let labels = column(c, "labels", t, true)?;
     let col = Type::vector(DType::F32, &[t, 1]);
-    let backward = build_cross_entropy_bwd(&logits, DType::F32, DType::F32, c.target)?;
+    let backward = build_cross_entropy_bwd(&logits, DType::F32, DType::F32, ignore, c.target)?;
     let launches = vec![
         Launch::new(forward, vec![c.input("logits", logits.clone())?, labels.clone()]),
         Launch::new(backward, vec![c.input("logits", logits.clone())?, labels, result(0, 1, col.clone()), host(0, col)]),
     ];
     let results = vec![result(0, 0, Type::vector(DType::F32, &[t])), result(1, 0, logits)];
-    Ok(Plan::new(c.op, c.target, launches, results).with_host(&[], Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])]))))
+    let plan = Plan::new(c.op, c.target, launches, results).with_host(&[], Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])])));
+    labels_check(c, plan, v, ignore)
 }
 
 /// x in [-1, 1) and positions drawn from [0, 8192) in no particular order.
@@ -367,11 +393,13 @@ fn ref_rope(a: &[Array], s: &Statics, backward: bool) -> Vec<Vec<f64>> {
     vec![f(&a[0].to_f64_vec(), &pos, t, h, dh, s.f64("theta").unwrap_or(ROPE_THETA), s.bool("interleaved"))]
 }
 
-/// Logits in [-4, 4) (a spread that exercises the max subtraction), labels in [0, v).
-fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
+/// Logits in [-4, 4) (a spread that exercises the max subtraction), labels in [0, v) with
+/// every 7th row `ignore_index`.
+fn ce_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
     let (t, v) = (shapes[0][0], shapes[0][1]);
+    let ignore = s.i64("ignore_index").unwrap_or(-100) as i32;
     let logits = Array::from_f32_in(dtype, &[t, v], harness::uniform(t * v, 4.0, rng));
-    let labels = Array::from_i32(&[t], (0..t).map(|_| rng.gen_range(0..v as i32)).collect());
+    let labels = Array::from_i32(&[t], (0..t).map(|r| if r % 7 == 3 { ignore } else { rng.gen_range(0..v as i32) }).collect());
     vec![logits, labels]
 }
 
@@ -392,28 +420,32 @@ fn ce_bwd_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut Std
     a
 }
 
-fn ref_cross_entropy(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
-    let (loss, lse) = reference::cross_entropy(&a[0].to_f64_vec(), &labels_of(&a[1]), a[0].shape[1]);
+fn ref_cross_entropy(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let (loss, lse) = reference::cross_entropy(&a[0].to_f64_vec(), &labels_of(&a[1], s), a[0].shape[1]);
     vec![loss, lse]
 }
 
-fn ref_cross_entropy_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
-    vec![reference::cross_entropy_bwd(&a[0].to_f64_vec(), &labels_of(&a[1]), &a[3].to_f64_vec(), a[0].shape[1])]
+fn ref_cross_entropy_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    vec![reference::cross_entropy_bwd(&a[0].to_f64_vec(), &labels_of(&a[1], s), &a[3].to_f64_vec(), a[0].shape[1])]
 }
 
-fn ref_cross_entropy_with_grad(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
-    let labels = labels_of(&a[1]);
+fn ref_cross_entropy_with_grad(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let labels = labels_of(&a[1], s);
     let v = a[0].shape[1];
     let logits = a[0].to_f64_vec();
     let (loss, _) = reference::cross_entropy(&logits, &labels, v);
     vec![loss, reference::cross_entropy_bwd(&logits, &labels, &vec![1.0; a[0].shape[0]], v)]
 }
 
-fn labels_of(a: &Array) -> Vec<i64> {
-    match &a.data {
+/// The labels for the references, which ignore any label outside `[0, v)`: rows labelled
+/// `ignore_index` become -1.
+fn labels_of(a: &Array, s: &Statics) -> Vec<i64> {
+    let ignore = s.i64("ignore_index").unwrap_or(-100);
+    let labels: Vec<i64> = match &a.data {
         Data::I32(v) => v.iter().map(|&l| l as i64).collect(),
         _ => a.to_f64_vec().iter().map(|&l| l as i64).collect(),
-    }
+    };
+    labels.into_iter().map(|l| if l == ignore { -1 } else { l }).collect()
 }
 
 const POSITIONS: Input = Input { name: "position_ids", dims: "[t]", kind: Kind::Int32 };
@@ -427,7 +459,7 @@ const ROPE_CASES: &[Case] = &[
 const LOGITS: Input = Input { name: "logits", dims: "[t, v]", kind: Kind::Float };
 const LABELS: Input = Input { name: "labels", dims: "[t]", kind: Kind::Int32 };
 /// A GPT-2-sized vocabulary (not a multiple of the tile) and a partial row tile.
-const CE_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300]] }];
+const CE_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512]] }, Case { name: "alt", statics: "ignore_index=0", shapes: &[&[300, 50257], &[300]] }];
 
 /// This module's ops.
 pub const OPS: &[Op] = &[
@@ -443,18 +475,18 @@ pub const OPS: &[Op] = &[
         cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy", doc: "(loss [t], lse [t]) in float32 for logits [t, v] and int32 labels [t]: online logsumexp over vocab tiles in f32 scratch, the label's logit by an iota mask; the [t, v] probabilities never exist", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy, reference: Some(ref_cross_entropy),
+        name: "cross_entropy", doc: "(loss [t], lse [t]) in float32 for logits [t, v] and int32 labels [t]: online logsumexp over vocab tiles in f32 scratch, the label's logit by an iota mask; the [t, v] probabilities never exist", schema: "(Tensor logits, Tensor labels, int ignore_index=-100) -> (Tensor, Tensor)", plan: plan_cross_entropy, reference: Some(ref_cross_entropy),
         inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "lse", shape: "[logits.0]", dtype: "f32" }],
-        backward: Some(Backward { op: "cross_entropy_bwd", args: "logits, labels, lse, d_loss", grads: &["logits"] }),
+        backward: Some(Backward { op: "cross_entropy_bwd", args: "logits, labels, lse, d_loss, ignore_index", grads: &["logits"] }),
         cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
+        name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss, int ignore_index=-100) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
         inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
         cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }], random: Some(ce_bwd_inputs), ..Op::EMPTY
     },
     Op {
-        name: "cross_entropy_with_grad", doc: "(loss, dlogits of sum(loss)): the training step's loss op, cross_entropy then cross_entropy_bwd with dloss = 1; never holds the [t, v] probabilities", schema: "(Tensor logits, Tensor labels) -> (Tensor, Tensor)", plan: plan_cross_entropy_with_grad, reference: Some(ref_cross_entropy_with_grad),
+        name: "cross_entropy_with_grad", doc: "(loss, dlogits of sum(loss)): the training step's loss op, cross_entropy then cross_entropy_bwd with dloss = 1; never holds the [t, v] probabilities", schema: "(Tensor logits, Tensor labels, int ignore_index=-100) -> (Tensor, Tensor)", plan: plan_cross_entropy_with_grad, reference: Some(ref_cross_entropy_with_grad),
         inputs: &[LOGITS, LABELS], outputs: &[Output { name: "loss", shape: "[logits.0]", dtype: "f32" }, Output { name: "dlogits", shape: "logits", dtype: "logits" }],
         cases: CE_CASES, random: Some(ce_inputs), ..Op::EMPTY
     },

@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod broken;
 pub mod conformance;
+pub mod hardening;
 pub mod oracle;

@@ -141,15 +141,16 @@ fn cross_entropy_bwd_reference_matches_finite_differences() {
     assert!(grad[2 * v..3 * v].iter().all(|&g| g == 0.0));
 }
 
-/// The public functions compose: the forward's f32 `lse` feeds the backward, labels
-/// outside the vocabulary are ignored, and a too-short label array is an error value.
+/// The public functions compose: the forward's f32 `lse` feeds the backward, rows labelled
+/// `ignore_index` (-100) are ignored, and labels outside the vocabulary or a too-short
+/// label array are error values.
 #[test]
 fn cross_entropy_public_functions() {
     let (t, v) = (11, 3000);
     let mut rng = StdRng::seed_from_u64(9);
     let logits_f: Vec<f32> = (0..t * v).map(|_| rng.gen_range(-4.0..4.0)).collect();
     let logits = Array::from_f32(&[t, v], logits_f.clone());
-    let labels_i: Vec<i32> = (0..t).map(|i| if i == 4 { -100 } else if i == 7 { v as i32 } else { rng.gen_range(0..v as i32) }).collect();
+    let labels_i: Vec<i32> = (0..t).map(|i| if i == 4 || i == 7 { -100 } else { rng.gen_range(0..v as i32) }).collect();
     let labels = Array::from_i32(&[t], labels_i.clone());
     let target = Target::V6E;
     let (loss, lse) = rope_ce::cross_entropy(&Interpreter, &logits, &labels, &target).unwrap();
@@ -172,6 +173,13 @@ fn cross_entropy_public_functions() {
 
     let e = rope_ce::cross_entropy(&Interpreter, &logits, &Array::from_i32(&[t - 1], vec![0; t - 1]), &target).unwrap_err();
     assert_eq!((e.rule, e.subject.as_str()), ("operand-shape", "input `labels`"));
+    for bad in [v as i32, -1, i32::MIN] {
+        let mut l = labels_i.clone();
+        l[3] = bad;
+        let e = rope_ce::cross_entropy(&Interpreter, &logits, &Array::from_i32(&[t], l), &target).unwrap_err();
+        assert_eq!((e.rule, e.subject.as_str()), ("label-range", "input `labels`"), "{e}");
+        assert!(e.to_string().contains(&format!("row 3 has label {bad}")), "{e}");
+    }
 }
 
 /// `rope` then `rope_bwd` is the identity (rotations are orthogonal), with positions far

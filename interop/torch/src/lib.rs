@@ -11,12 +11,14 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+mod tensor;
+
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyTuple};
-use tessera_dsl::interp::{Array, HostData, HostDataMut, HostMut, HostRef};
-use tessera_dsl::{DType, Executor, Interpreter, KernelError, Target, Type};
+use tensor::{check_disjoint, Refused, TensorRef};
+use tessera_dsl::interp::{Array, HostMut, HostRef};
+use tessera_dsl::{Executor, Interpreter, KernelError, Target, Type};
 
 pub use tessera_kernels::op::{Backward, Call, Case, Input, Kind, Op, Output, Static, Statics};
 pub use tessera_kernels::plan::{self, Launch, Operand, Plan};
@@ -34,195 +36,6 @@ fn target_named(name: &str) -> PyResult<Target> {
             "unknown TPU target {name:?}; use v5e, v5p, v6e or tpu7x"
         ))
     })
-}
-
-// ---- tensors ------------------------------------------------------------------------------------
-
-/// The torch dtypes we take, in [`DType`] order of `TORCH_DTYPES`.
-const TORCH_DTYPES: [(&str, DType); 5] = [
-    ("float32", DType::F32),
-    ("bfloat16", DType::BF16),
-    ("int32", DType::I32),
-    ("int8", DType::I8),
-    ("bool", DType::Bool),
-];
-
-/// `torch.float32` etc., looked up once, compared by identity.
-fn torch_dtypes(py: Python<'_>) -> PyResult<&'static [Py<PyAny>]> {
-    static CELL: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
-    CELL.get_or_try_init(py, || {
-        let torch = py.import("torch")?;
-        TORCH_DTYPES
-            .iter()
-            .map(|(name, _)| Ok(torch.getattr(*name)?.unbind()))
-            .collect()
-    })
-    .map(Vec::as_slice)
-}
-
-fn int64(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
-    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("int64")?.unbind()))
-}
-
-fn torch_empty(py: Python<'_>) -> PyResult<&'static Py<PyAny>> {
-    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    CELL.get_or_try_init(py, || Ok(py.import("torch")?.getattr("empty")?.unbind()))
-}
-
-/// `n` elements of `T` at `ptr`.
-///
-/// # Safety
-/// Per [`TensorRef`]'s contract, `ptr` addresses `n` contiguous, initialised elements of
-/// the tensor's dtype (bf16 is a transparent u16; torch bools are bytes 0 or 1, valid
-/// `bool`s) that outlive the borrow. A zero-size tensor may have a null pointer, so it is
-/// never turned into a slice.
-unsafe fn slice_of<'a, T>(ptr: usize, n: usize) -> &'a [T] {
-    if n == 0 {
-        &[]
-    } else {
-        unsafe { std::slice::from_raw_parts(ptr as *const T, n) }
-    }
-}
-
-/// [`slice_of`], mutable; the caller also guarantees no other reference to the memory.
-unsafe fn slice_of_mut<'a, T>(ptr: usize, n: usize) -> &'a mut [T] {
-    if n == 0 {
-        &mut []
-    } else {
-        unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, n) }
-    }
-}
-
-/// The `$slice` of `$n` elements of `$dtype` at `$ptr`, as a `$kind` (`HostData` or `HostDataMut`).
-macro_rules! typed {
-    ($kind:ident, $slice:ident, $dtype:expr, $ptr:expr, $n:expr) => {
-        match $dtype {
-            DType::F32 => $kind::F32($slice($ptr, $n)),
-            DType::BF16 => $kind::BF16($slice($ptr, $n)),
-            DType::I32 => $kind::I32($slice($ptr, $n)),
-            DType::I8 => $kind::I8($slice($ptr, $n)),
-            DType::Bool => $kind::Bool($slice($ptr, $n)),
-        }
-    };
-}
-
-/// A tensor as the native side sees it.
-///
-/// Contract (the Python side guarantees it): the tensor's memory is host memory (a CPU
-/// tensor, or the emulated `tpu` device, whose allocator is host memory), and it stays
-/// alive and unaliased by outputs for the duration of the call (the caller holds it, and
-/// the GIL is held throughout). Contiguity and index dtype are handled here: a
-/// non-contiguous tensor is read through a contiguous copy and int64 through an int32
-/// copy (`owner` keeps the copy alive); contiguous tensors are read in place.
-struct TensorRef<'py> {
-    ty: Type,
-    ptr: usize,
-    _owner: Option<Bound<'py, PyAny>>,
-}
-
-impl<'py> TensorRef<'py> {
-    fn extract(t: &Bound<'py, PyAny>) -> PyResult<TensorRef<'py>> {
-        let py = t.py();
-        let mut owner = None;
-        let mut t = t.clone();
-        let mut dtype_obj = t.getattr("dtype")?;
-        let dtypes = torch_dtypes(py)?;
-        if dtype_obj.is(int64(py)?.bind(py)) {
-            // Index tensors (positions, labels, ids) arrive as int64 from most code.
-            t = t.call_method1("to", (dtypes[2].bind(py),))?;
-            dtype_obj = t.getattr("dtype")?;
-            owner = Some(t.clone());
-        }
-        let Some(i) = dtypes.iter().position(|d| d.bind(py).is(&dtype_obj)) else {
-            let dtype = dtype_obj
-                .str()?
-                .to_string()
-                .trim_start_matches("torch.")
-                .to_string();
-            return Err(PyValueError::new_err(dtype));
-        };
-        if !t.call_method0("is_contiguous")?.is_truthy()? {
-            t = t.call_method0("contiguous")?;
-            owner = Some(t.clone());
-        }
-        let shape: Vec<usize> = t.getattr("shape")?.extract()?;
-        let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-        Ok(TensorRef {
-            ty: Type::vector(TORCH_DTYPES[i].1, &shape),
-            ptr,
-            _owner: owner,
-        })
-    }
-
-    /// The tensor's elements, borrowed in place.
-    fn host(&self) -> HostRef<'_> {
-        // SAFETY: see `slice_of`; `self` outlives the borrow.
-        let data = unsafe {
-            typed!(
-                HostData,
-                slice_of,
-                self.ty.dtype,
-                self.ptr,
-                self.ty.num_elements()
-            )
-        };
-        HostRef {
-            shape: &self.ty.shape,
-            data,
-        }
-    }
-
-    /// The tensor's elements, mutably borrowed: only for fresh output tensors, which
-    /// nothing else references while the call runs.
-    fn host_mut(&mut self) -> HostMut<'_> {
-        // SAFETY: see `slice_of`; the tensor was allocated for this call's result and no
-        // other reference to its memory exists until the call returns.
-        let data = unsafe {
-            typed!(
-                HostDataMut,
-                slice_of_mut,
-                self.ty.dtype,
-                self.ptr,
-                self.ty.num_elements()
-            )
-        };
-        HostMut {
-            shape: &self.ty.shape,
-            data,
-        }
-    }
-
-    /// A fresh tensor of `ty` on `device`, with its `TensorRef`.
-    fn empty(
-        py: Python<'py>,
-        ty: &Type,
-        device: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyAny>, TensorRef<'py>)> {
-        let kwargs = pyo3::types::PyDict::new(py);
-        kwargs.set_item("dtype", torch_dtype_of(py, ty.dtype)?)?;
-        kwargs.set_item("device", device)?;
-        let t = torch_empty(py)?
-            .bind(py)
-            .call((PyTuple::new(py, &ty.shape)?,), Some(&kwargs))?;
-        let ptr = t.call_method0("data_ptr")?.extract()?;
-        Ok((
-            t,
-            TensorRef {
-                ty: ty.clone(),
-                ptr,
-                _owner: None,
-            },
-        ))
-    }
-}
-
-fn torch_dtype_of(py: Python<'_>, dtype: DType) -> PyResult<Bound<'_, PyAny>> {
-    let i = TORCH_DTYPES
-        .iter()
-        .position(|(_, d)| *d == dtype)
-        .expect("every DType has a torch dtype");
-    Ok(torch_dtypes(py)?[i].bind(py).clone())
 }
 
 // ---- statics and the plan cache -------------------------------------------------------------
@@ -270,11 +83,10 @@ fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target:
     Ok(plan)
 }
 
-/// The tensors of a call of op `op` (`None` for an absent optional one).
-fn tensor_refs<'py>(
-    op: &str,
-    inputs: &Bound<'py, PyList>,
-) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+/// The tensors of a call of op `op` (`None` for an absent optional one), each checked
+/// (`tensor.rs`); `host_device`: a device besides `cpu` whose memory is host memory.
+fn tensor_refs<'py>(op: &str, inputs: &Bound<'py, PyList>, host_device: Option<&str>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+    let names = op_named(op).map(tensor_names).unwrap_or_default();
     inputs
         .iter()
         .enumerate()
@@ -282,15 +94,20 @@ fn tensor_refs<'py>(
             if t.is_none() {
                 return Ok(None);
             }
-            TensorRef::extract(&t).map(Some).map_err(|e| {
-                // An unsupported dtype: say which op and operand, in the verifier's terms.
-                let names = op_named(op).map(tensor_names).unwrap_or_default();
-                let operand = names.get(i).map_or(format!("tensor input {i}"), |n| format!("input `{n}`"));
-                let dtype = e.value(t.py()).to_string();
-                py_err(KernelError::new(op, operand, "operand-dtype", format!("tensors of {dtype} are not supported"), "pass float32, bfloat16, int32, int8 or bool tensors (index tensors may be int64)"))
-            })
+            TensorRef::extract(&t, host_device).map(Some).map_err(|r| refusal(op, names.get(i).copied(), i, r))
         })
         .collect()
+}
+
+/// A refused tensor as the op's error, naming the operand.
+fn refusal(op: &str, name: Option<&str>, i: usize, r: Refused) -> PyErr {
+    let operand = name.map_or(format!("tensor input {i}"), |n| format!("input `{n}`"));
+    py_err(KernelError::new(op, operand, r.rule, r.message, r.help))
+}
+
+/// Mutable views of output tensors allocated for this call.
+fn outputs_of<'a>(op: &str, outs: &'a mut [TensorRef<'_>]) -> PyResult<Vec<HostMut<'a>>> {
+    outs.iter_mut().map(|o| o.host_mut().ok_or_else(|| py_err(KernelError::new(op, "outputs", "output-dtype", "a bool result cannot be written in place", "report this as a Tessera bug")))).collect()
 }
 
 /// The names of an op's tensor arguments, in schema order.
@@ -348,7 +165,7 @@ fn call<'py>(
 ) -> PyResult<(Vec<Option<TensorRef<'py>>>, Arc<Plan>)> {
     let target = target_named(target)?;
     let op = op_named(name)?;
-    let refs = tensor_refs(name, inputs)?;
+    let refs = tensor_refs(name, inputs, None)?;
     let types: Vec<Option<Type>> = refs
         .iter()
         .map(|r| r.as_ref().map(|r| r.ty.clone()))
@@ -380,7 +197,7 @@ fn run<'py>(
         .iter()
         .map(|r| r.as_ref().map(TensorRef::host))
         .collect();
-    let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(TensorRef::host_mut).collect();
+    let mut views = outputs_of(name, &mut outs)?;
     plan::execute_into(&plan, backend(), &ins, &mut views).map_err(py_err)?;
     Ok(tensors)
 }
@@ -471,9 +288,7 @@ fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64) 
     let tensors = arrays
         .iter()
         .map(|a| {
-            let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), &cpu)?;
-            plan::copy_into(a.as_host().data, &mut r.host_mut().data).map_err(PyRuntimeError::new_err)?;
-            Ok(t)
+            host_tensor(py, a, &cpu)
         })
         .collect::<PyResult<Vec<_>>>()?;
     let statics = statics.values().iter().map(|s| static_to_py(py, s)).collect::<PyResult<Vec<_>>>()?;
@@ -488,7 +303,7 @@ fn reference<'py>(py: Python<'py>, name: &str, case: &str, inputs: &Bound<'py, P
     let case = case_named(op, case)?;
     let source = case_source(op);
     let statics = source.case_statics(case).map_err(py_err)?;
-    let refs = tensor_refs(name, inputs)?;
+    let refs = tensor_refs(name, inputs, None)?;
     let arrays: Vec<Array> = refs.iter().flatten().map(|r| plan::to_array(r.host())).collect();
     let types: Vec<Option<Type>> = refs.iter().map(|r| r.as_ref().map(|r| r.ty.clone())).collect();
     let Some(reference) = source.reference else {
@@ -509,6 +324,14 @@ fn reference<'py>(py: Python<'py>, name: &str, case: &str, inputs: &Bound<'py, P
             (pyo3::types::PyBytes::new(py, &bytes), shape)
         })
         .collect())
+}
+
+/// A fresh CPU tensor holding `a`.
+fn host_tensor<'py>(py: Python<'py>, a: &Array, device: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), device)?;
+    let mut out = r.host_mut().ok_or_else(|| PyRuntimeError::new_err("tessera: bool arrays are not returned as tensors"))?;
+    plan::copy_into(a.as_host().data, &mut out.data).map_err(PyRuntimeError::new_err)?;
+    Ok(t)
 }
 
 /// A plan, for the Python side of the TorchTPU path.
@@ -616,7 +439,7 @@ impl PyPlan {
         py: Python<'py>,
         values: &Bound<'py, PyList>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let refs = tensor_refs(self.0.op, values)?;
+        let refs = tensor_refs(self.0.op, values, None)?;
         let arrays: Vec<Array> = refs
             .iter()
             .flatten()
@@ -629,27 +452,24 @@ impl PyPlan {
         let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;
         host.iter()
             .map(|a| {
-                let (t, mut r) = TensorRef::empty(py, &Type::vector(a.dtype, &a.shape), &cpu)?;
-                plan::copy_into(a.as_host().data, &mut r.host_mut().data).map_err(PyRuntimeError::new_err)?;
-                Ok(t)
+                host_tensor(py, a, &cpu)
             })
             .collect()
     }
 
-    /// Runs launch `i`'s kernel on the interpreter: `inputs` are its operands (already in
-    /// kernel layout) and `outputs` fresh tensors of its output types, all host memory.
-    fn emulate(
-        &self,
-        i: usize,
-        inputs: &Bound<'_, PyList>,
-        outputs: &Bound<'_, PyList>,
-    ) -> PyResult<()> {
+    /// Runs launch `i`'s kernel on the CPU backend: `inputs` are its operands (already in
+    /// kernel layout) and `outputs` fresh tensors of its output types, on the CPU or on
+    /// `host_device` (the emulated `tpu`, whose memory is host memory). Outputs that
+    /// overlap an input or each other are refused.
+    #[pyo3(signature = (i, inputs, outputs, host_device=None))]
+    fn emulate(&self, i: usize, inputs: &Bound<'_, PyList>, outputs: &Bound<'_, PyList>, host_device: Option<&str>) -> PyResult<()> {
         let launch = self.launch(i)?;
-        let ins = tensor_refs(self.0.op, inputs)?;
-        let mut outs = tensor_refs(self.0.op, outputs)?;
+        let ins = tensor_refs(self.0.op, inputs, host_device)?;
+        let outs = tensor_refs(self.0.op, outputs, host_device)?;
+        check_disjoint(&ins, &outs).map_err(|r| refusal(self.0.op, Some("outputs"), 0, r))?;
         let ins: Vec<HostRef<'_>> = ins.iter().flatten().map(TensorRef::host).collect();
-        let mut outs: Vec<HostMut<'_>> =
-            outs.iter_mut().flatten().map(TensorRef::host_mut).collect();
+        let mut outs: Vec<TensorRef<'_>> = outs.into_iter().flatten().collect();
+        let mut outs = outputs_of(self.0.op, &mut outs)?;
         backend().run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
         Ok(())
     }

@@ -13,7 +13,7 @@
 
 use pyo3::prelude::*;
 use tessera_dsl::{KernelError, Target, Type};
-use tessera_kernels::blocks::row_block;
+use tessera_kernels::blocks::{row_tiles, RowTiles};
 use tessera_macros::tpu_kernel;
 use tessera_torch::plan::single;
 use tessera_torch::{Call, Input, Kind, Op, Output, Plan};
@@ -21,20 +21,23 @@ use tessera_torch::{Call, Input, Kind, Op, Output, Plan};
 // ---- 1. the kernel ------------------------------------------------------------------------------
 
 #[tpu_kernel(
-    grid = [m / bm], // one grid step per `bm` rows; grid dims are `parallel` unless `semantics` says otherwise
-    (x, out) = block([bm, n], |i| [i, 0]),
-    scale = block([1, n], |i| [0, 0]),
+    // One grid step per `[bm, bn]` block; a partial last block is fine (its reads past the
+    // end are garbage, its writes there are dropped). Grid dims are `parallel` unless
+    // `semantics` says otherwise.
+    grid = [m.div_ceil(bm), n.div_ceil(bn)],
+    (x, out) = block([bm, bn], |i, j| [i, j]),
+    scale = block([1, bn], |i, j| [0, j]),
 )]
-pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, beta: f32) {
-    // Each grid step owns `bm` whole rows; the math runs in f32 whatever the storage dtype.
+pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, bn: usize, beta: f32) {
+    // Elementwise, so any block works; the math runs in f32 whatever the storage dtype.
     let v = x[..].cast(f32);
     out[..] = (v * sigmoid(beta * v) * scale[..].cast(f32)).cast(out.dtype);
 }
 
-/// Rows per grid step: about 1 MiB of f32 per block, a multiple of the dtype's sublane
-/// tiling that divides `m` (the library's rule for its row-wise kernels).
-pub fn rows_per_block(x: &Type, target: &Target) -> usize {
-    row_block(x.shape[0], x.shape[1], target.tiling(x.dtype).0, 1 << 20)
+/// Blocks of about 1 MiB of f32 as laid out in VMEM (the library's rule for its row
+/// kernels, `x` and `out` being the two streams): whole rows unless they are too wide.
+pub fn blocks(x: &Type, target: &Target) -> RowTiles {
+    row_tiles(x, 2, target)
 }
 
 // ---- 2. the op ------------------------------------------------------------------------------------
@@ -46,7 +49,8 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
     let scale = c.row_vector("scale", x.shape[1])?;
     c.float("x")?;
     let beta = c.statics.f64("beta").unwrap_or(1.0) as f32; // statics by name, defaults filled in
-    let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), rows_per_block(&x, c.target), beta)?;
+    let RowTiles { bm, bn } = blocks(&x, c.target);
+    let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), bm, bn, beta)?;
     let out_shape = c.tensor("x")?.shape.clone(); // the [m, n] output seen with x's shape
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("scale", scale)?], &[Some(out_shape)]))
 }

@@ -63,7 +63,7 @@ class OpSpec:
 
     def split(self, args):
         args = args + self.defaults[len(args):]
-        tensors = [_prepare(args[i]) for i in self.tensor_idx]
+        tensors = [_prepare(args[i], self.name, self.arg_names[i]) for i in self.tensor_idx]
         statics = tuple(args[i] for i in self.static_idx)
         return tensors, statics
 
@@ -74,11 +74,18 @@ class OpSpec:
         return (results,) if self.single else tuple(results)
 
 
-def _prepare(t):
-    """Contiguous, and int64 index tensors as int32 (the kernels' index type)."""
+def _prepare(t, op=None, name=None):
+    """Contiguous, and int64 index tensors as int32 (the kernels' index type), checked to
+    fit: a value outside int32 is an error, never a wrap (on a device this reads back one
+    bool)."""
     if t is None:
         return None
     if t.dtype == torch.int64:
+        if t.numel() and bool(((t < -(2**31)) | (t >= 2**31)).any()):
+            raise ValueError(
+                f"error[index-range]: kernel `{op}`, input `{name}`: holds values outside the int32 range the kernels index with\n"
+                "  help: pass index values in [-2^31, 2^31)"
+            )
         t = t.to(torch.int32)
     return t.contiguous()
 

@@ -72,7 +72,8 @@ class EmulatorRunner:
 
     def __call__(self, plan, i, inputs, outputs):
         self.register(module_of(plan, i))
-        plan.emulate(i, [t.contiguous() for t in inputs], outputs)
+        # The emulated device's memory is host memory: say so, or the bridge refuses it.
+        plan.emulate(i, [t.contiguous() for t in inputs], outputs, "tpu")
         return outputs
 
 
