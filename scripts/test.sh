@@ -37,8 +37,8 @@ for d in f32 bf16; do
 done
 
 step "tessera check: every library kernel through libtpu (f32 and bf16)"
-cargo run --release -q -p tessera-cli -- check --all --dtype f32
-cargo run --release -q -p tessera-cli -- check --all --dtype bf16
+cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype f32
+cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype bf16
 
 step "tessera Python package: build (maturin) and install into .venv"
 # --no-build-isolation: maturin comes from the pinned venv, and the build reuses target/.
