@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every test, on a fresh machine: installs what it needs (the pinned Python venv with the
-# real TPU compiler; cargo fetches the crates), then runs
+# real TPU compiler; LLVM 22 from Debian; cargo fetches the crates), then runs
 #   1. the Rust test suite (unit, snapshot, trybuild, proptest numerics, verifier,
-#      comparisons with PyTorch),
+#      comparisons with PyTorch, the CPU-backend conformance suite on interp, the
+#      Cranelift JIT and LLVM), then every library op on the JIT vs its reference,
 #   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x,
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair and all
 #      2,544 probes judged by libtpu again, about 2 min cold; verdicts cached under
@@ -20,16 +21,27 @@ step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 step "python venv: jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.52, torch 2.15.0, torch-tpu 0.2.0"
 bash scripts/setup-venv.sh
 
-step "cargo test (workspace)"
+step "LLVM 22 for the LLVM CPU backend (llvm-22-dev)"
+export LLVM_SYS_221_PREFIX="$(bash scripts/setup-llvm.sh)"
+
+step "cargo test (workspace, with the LLVM backend)"
 export TESSERA_TPU_ORACLE=1          # enables the tests that call the real TPU compiler
 export TESSERA_TORCH=1               # enables the comparisons with PyTorch
 export TESSERA_PYTHON="$PWD/.venv/bin/python"
 # The Python extension crates are built by maturin below, not linked into test binaries.
-cargo test --workspace --release --exclude tessera-torch --exclude tessera-example 2>&1
+# `llvm` adds the LLVM backend to the CLI and its instantiation of the conformance suite
+# (tests/tests/conformance.rs runs on interp, jit and llvm).
+cargo test --workspace --release --exclude tessera-torch --exclude tessera-example \
+    --features tessera-tests/llvm,tessera-cli/llvm 2>&1
+
+step "tessera run --all on the JIT (f32 and bf16; LLVM's library runs are in the conformance suite)"
+for d in f32 bf16; do
+    cargo run --release -q -p tessera-cli --features llvm -- run --all --backend jit --dtype "$d"
+done
 
 step "tessera check: every library kernel through libtpu (f32 and bf16)"
-cargo run --release -q -p tessera-cli -- check --all --dtype f32
-cargo run --release -q -p tessera-cli -- check --all --dtype bf16
+cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype f32
+cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype bf16
 
 step "tessera Python package: build (maturin) and install into .venv"
 # --no-build-isolation: maturin comes from the pinned venv, and the build reuses target/.

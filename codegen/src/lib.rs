@@ -6,12 +6,16 @@
 //! - a static [`CostEstimate`] for XLA's scheduler ([`cost::estimate`]).
 //!
 //! [`lower`] runs the verifier first and does all three.
+//!
+//! [`cpu`] holds the CPU backends (the interpreter, the Cranelift JIT and LLVM) behind one
+//! [`tessera_dsl::Executor`] contract.
 
 // `CodegenError::Verify` carries the verifier's `KernelError` by value (the error callers
 // already match on); it is large, but errors are cold.
 #![allow(clippy::result_large_err)]
 
 pub mod cost;
+pub mod cpu;
 pub mod mosaic;
 pub mod stablehlo;
 mod text;

@@ -1017,7 +1017,19 @@ pub fn pairwise_sum(n: usize, at: impl Fn(usize) -> f32) -> f32 {
         }
         s
     };
-    let mut sums: Vec<f32> = (0..n.div_ceil(SUM_CHUNK)).map(|c| chunk_sum(c * SUM_CHUNK, SUM_CHUNK.min(n - c * SUM_CHUNK))).collect();
+    let chunks = n.div_ceil(SUM_CHUNK);
+    // Up to 64 chunks (n <= 8192) on the stack.
+    let mut small = [0f32; 64];
+    let mut large = Vec::new();
+    let sums: &mut [f32] = if chunks <= small.len() {
+        &mut small[..chunks]
+    } else {
+        large.resize(chunks, 0.0);
+        &mut large
+    };
+    for (c, s) in sums.iter_mut().enumerate() {
+        *s = chunk_sum(c * SUM_CHUNK, SUM_CHUNK.min(n - c * SUM_CHUNK));
+    }
     let mut count = sums.len();
     while count > 1 {
         for i in 0..count / 2 {

@@ -5,7 +5,8 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
-use tessera_dsl::{DType, Interpreter, Kernel, Target};
+use tessera_codegen::cpu::{self, Backend};
+use tessera_dsl::{DType, Kernel, Target};
 use tessera_kernels::{harness, library, Case, Op, Statics};
 
 #[derive(Parser)]
@@ -28,7 +29,7 @@ enum Cmd {
         #[arg(long, default_value = "out")]
         out: PathBuf,
     },
-    /// Run ops on the CPU with random inputs against their independent references.
+    /// Run ops on a CPU backend with random inputs against their independent references.
     Run {
         #[command(flatten)]
         select: Select,
@@ -37,6 +38,9 @@ enum Cmd {
         /// Target whose default block sizes to use.
         #[arg(long, default_value = "v5e")]
         target: String,
+        /// CPU backend: `interp` (the reference interpreter), `jit` (Cranelift) or `llvm`.
+        #[arg(long, default_value = "jit")]
+        backend: String,
     },
     /// A markdown table of every library kernel's VMEM use, grid and flops per
     /// generation at default shapes and blocks (what the kernels' README shows), or with
@@ -87,7 +91,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Cmd::List => list(),
         Cmd::Emit { select, target, out } => emit(&select, &target, &out),
-        Cmd::Run { select, seed, target } => run(&select, seed, &target),
+        Cmd::Run { select, seed, target, backend } => run(&select, seed, &target, &backend),
         Cmd::Check { select, targets } => check(&select, &targets),
         Cmd::Table { dtype, ops } => if ops { op_table() } else { table(&dtype) },
     };
@@ -247,17 +251,27 @@ fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     Ok(true)
 }
 
-fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
+fn run(s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
+    let backend = Backend::parse(backend_name).ok_or_else(|| format!("--backend `{backend_name}`: choose interp, jit or llvm"))?;
+    if !backend.available() {
+        return Err(format!("--backend {backend}: this build has no {backend} backend (build tessera-cli with `--features llvm`)"));
+    }
+    let exec = backend.executor();
     let mut all_ok = true;
-    println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms");
+    println!("backend: {backend}");
+    println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms", "compile ms");
     for sel in selection(s)? {
         build_and_warn(&sel, dtype, &target)?;
-        let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, &Interpreter).map_err(|e| e.to_string())?;
+        let before = cpu::cache_stats();
+        let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, exec).map_err(|e| e.to_string())?;
+        let after = cpu::cache_stats();
+        let compile_ms = after.compile_time.saturating_sub(before.compile_time).as_secs_f64() * 1e3;
+        let fell_back = after.fallbacks > before.fallbacks;
         let shape_txt: Vec<String> = sel.shapes.iter().map(|s| dims(s)).collect();
         let worst = r.worst();
-        let verdict = if r.passed() {
+        let mut verdict = if r.passed() {
             "ok".to_string()
         } else if worst.nan_count > 0 {
             format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
@@ -266,17 +280,25 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
         } else {
             "FAIL: error above tolerance".to_string()
         };
+        if fell_back {
+            verdict.push_str(" (some kernels ran on the interpreter: the compiler refused them)");
+        }
         all_ok &= r.passed();
         println!(
-            "{:<40} {:<40} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2}  {verdict}",
+            "{:<40} {:<40} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2} {:>10.2}  {verdict}",
             stem(&sel),
             shape_txt.join(","),
             dtype.name(),
             dims(&r.grid),
             worst.scaled_err,
             worst.tolerance,
-            r.run_time.as_secs_f64() * 1e3
+            r.run_time.as_secs_f64() * 1e3,
+            compile_ms
         );
+    }
+    if backend != Backend::Interp {
+        let st = cpu::cache_stats();
+        println!("{backend}: {} kernels compiled in {:.1} ms, {} cache hits, {} fallbacks to the interpreter", st.misses, st.compile_time.as_secs_f64() * 1e3, st.hits, st.fallbacks);
     }
     Ok(all_ok)
 }

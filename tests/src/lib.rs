@@ -7,5 +7,6 @@ pub mod probes;
 pub mod rulebook;
 pub mod vmem;
 pub mod broken;
+pub mod conformance;
 pub mod hardening;
 pub mod oracle;

@@ -1,0 +1,373 @@
+//! 128-bit SIMD building blocks in Cranelift IR: constants, bf16 rounding, i8 wrapping,
+//! memory conversions, and the vectorised f32 transcendentals.
+//!
+//! # Error bounds of the transcendentals (measured by `tests/tests/conformance.rs`'s
+//! `transcendental_ulp_bounds` against the interpreter's correctly rounded results, over
+//! every float of a dense sweep plus edge values: 0, -0, denormals, ±inf, NaN, huge)
+//!
+//! | op | bound | method |
+//! |---|---|---|
+//! | exp | 2 ulp | Cephes: `n = floor(x log2 e + 1/2)`, two-constant `ln 2`, degree-5 polynomial, scaled by `2^n` in two steps (so denormal results round once) |
+//! | log | 2 ulp | Cephes: mantissa in `[sqrt(1/2), sqrt(2))`, degree-8 polynomial, denormals scaled by `2^23` first |
+//! | tanh | 3 ulp | Cephes polynomial below 0.625, `1 - 2 / (exp(2|x|) + 1)` above |
+//! | erf | 3 ulp | Cephes polynomial `x P(x^2)` below 1; `1 - exp(-x^2) Q(1/x) / x` above (degree-8 `Q` fitted to `x erfc(x) e^{x^2}` on `[1, 4]`), 1 from 4 |
+//! | sqrt | exact | the hardware's correctly rounded `sqrt` |
+//! | rsqrt | exact | per lane in f64, as the interpreter |
+//! | pow | exact | per lane through the host's f64 `pow`, as the interpreter (not vectorised) |
+//!
+//! Special values follow the interpreter: NaN in, NaN out; `exp(-inf) = 0`, `exp(inf) = inf`,
+//! `log(0) = -inf`, `log(x < 0) = NaN`, `tanh(±inf) = ±1`, signed zeros kept.
+
+// The polynomial coefficients are written as published (Cephes) or as fitted; `1.1283792`
+// is a Cephes coefficient that happens to be close to 2/sqrt(pi).
+#![allow(clippy::excessive_precision, clippy::approx_constant)]
+
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::{F32, F32X4, F64, I32, I32X4, I64X2, I8X16};
+use cranelift_codegen::ir::{Endianness, FuncRef, InstBuilder, MemFlagsData, Value};
+use cranelift_frontend::FunctionBuilder;
+
+pub fn vflags() -> MemFlagsData {
+    MemFlagsData::new().with_endianness(Endianness::Little)
+}
+
+pub fn mflags() -> MemFlagsData {
+    MemFlagsData::new().with_notrap()
+}
+
+pub fn fsplat(b: &mut FunctionBuilder, c: f32) -> Value {
+    let s = b.ins().f32const(c);
+    b.ins().splat(F32X4, s)
+}
+
+pub fn isplat(b: &mut FunctionBuilder, c: i32) -> Value {
+    let s = b.ins().iconst(I32, c as i64);
+    b.ins().splat(I32X4, s)
+}
+
+pub fn as_i(b: &mut FunctionBuilder, v: Value) -> Value {
+    if b.func.dfg.value_type(v) == I32X4 { v } else { b.ins().bitcast(I32X4, vflags(), v) }
+}
+
+pub fn as_f(b: &mut FunctionBuilder, v: Value) -> Value {
+    if b.func.dfg.value_type(v) == F32X4 { v } else { b.ins().bitcast(F32X4, vflags(), v) }
+}
+
+/// `select(mask, t, f)` lane-wise on vectors of one type.
+pub fn vselect(b: &mut FunctionBuilder, mask: Value, t: Value, f: Value) -> Value {
+    let ty = b.func.dfg.value_type(t);
+    let m = if ty == F32X4 { as_f(b, mask) } else { mask };
+    b.ins().bitselect(m, t, f)
+}
+
+/// Rounds f32 lanes to bf16 (nearest-even; NaN stays a quiet NaN), as `half::bf16::from_f32`.
+pub fn round_bf16(b: &mut FunctionBuilder, v: Value) -> Value {
+    let bits = as_i(b, v);
+    let lsb = b.ins().ushr_imm_s(bits, 16);
+    let one = isplat(b, 1);
+    let lsb = b.ins().band(lsb, one);
+    let bias = isplat(b, 0x7fff);
+    let r = b.ins().iadd(bits, bias);
+    let r = b.ins().iadd(r, lsb);
+    let hi = isplat(b, 0xffff_0000u32 as i32);
+    let r = b.ins().band(r, hi);
+    let quiet = isplat(b, 0x0040_0000);
+    let q = b.ins().bor(bits, quiet);
+    let q = b.ins().band(q, hi);
+    let nan = b.ins().fcmp(FloatCC::Unordered, v, v);
+    let out = b.ins().bitselect(nan, q, r);
+    as_f(b, out)
+}
+
+/// Wraps i32 lanes to the i8 range.
+pub fn wrap_i8(b: &mut FunctionBuilder, v: Value) -> Value {
+    let s = b.ins().ishl_imm_s(v, 24);
+    b.ins().sshr_imm_s(s, 24)
+}
+
+/// Scalar i32 wrapped to the i8 range.
+pub fn wrap_i8_scalar(b: &mut FunctionBuilder, v: Value) -> Value {
+    let s = b.ins().ishl_imm_s(v, 24);
+    b.ins().sshr_imm_s(s, 24)
+}
+
+/// 4 x i8 (or bool bytes) at `addr` widened to i32 lanes (signed for i8, unsigned for bools).
+pub fn load_bytes4(b: &mut FunctionBuilder, addr: Value, signed: bool) -> Value {
+    let w = b.ins().load(I32, mflags(), addr, 0);
+    let v = b.ins().scalar_to_vector(I32X4, w);
+    let v = b.ins().bitcast(I8X16, vflags(), v);
+    let (h, s) = if signed {
+        let h = b.ins().swiden_low(v);
+        (h, b.ins().swiden_low(h))
+    } else {
+        let h = b.ins().uwiden_low(v);
+        (h, b.ins().uwiden_low(h))
+    };
+    let _ = h;
+    s
+}
+
+/// Stores the low byte of each i32 lane (values already in the byte's range) at `addr`.
+pub fn store_bytes4(b: &mut FunctionBuilder, v: Value, addr: Value) {
+    let n16 = b.ins().snarrow(v, v);
+    let n8 = b.ins().snarrow(n16, n16);
+    let w = b.ins().bitcast(I32X4, vflags(), n8);
+    let x = b.ins().extractlane(w, 0);
+    b.ins().store(mflags(), x, addr, 0);
+}
+
+/// 4 bf16 at `addr` as f32 lanes.
+pub fn load_bf16x4(b: &mut FunctionBuilder, addr: Value) -> Value {
+    let v = b.ins().uload16x4(mflags(), addr, 0);
+    let v = b.ins().ishl_imm_s(v, 16);
+    as_f(b, v)
+}
+
+/// Stores f32 lanes holding bf16 values as 4 bf16 at `addr`.
+pub fn store_bf16x4(b: &mut FunctionBuilder, v: Value, addr: Value) {
+    let bits = as_i(b, v);
+    let hi = b.ins().ushr_imm_s(bits, 16);
+    let n = b.ins().unarrow(hi, hi);
+    let w = b.ins().bitcast(I64X2, vflags(), n);
+    let x = b.ins().extractlane(w, 0);
+    b.ins().store(mflags(), x, addr, 0);
+}
+
+fn poly(b: &mut FunctionBuilder, x: Value, coeffs: &[f32]) -> Value {
+    // Horner, highest degree first.
+    let mut acc = fsplat(b, coeffs[0]);
+    for &c in &coeffs[1..] {
+        let m = b.ins().fmul(acc, x);
+        let cv = fsplat(b, c);
+        acc = b.ins().fadd(m, cv);
+    }
+    acc
+}
+
+fn copysign(b: &mut FunctionBuilder, mag: Value, sign_of: Value) -> Value {
+    let m = as_i(b, mag);
+    let s = as_i(b, sign_of);
+    let abs_mask = isplat(b, 0x7fff_ffff);
+    let m = b.ins().band(m, abs_mask);
+    let sign_mask = isplat(b, i32::MIN);
+    let s = b.ins().band(s, sign_mask);
+    let r = b.ins().bor(m, s);
+    as_f(b, r)
+}
+
+pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
+    let lo = fsplat(b, -104.0);
+    let hi = fsplat(b, 89.0);
+    let xc = b.ins().fmax(x, lo);
+    let xc = b.ins().fmin(xc, hi);
+    let log2e = fsplat(b, std::f32::consts::LOG2_E);
+    let half = fsplat(b, 0.5);
+    let t = b.ins().fmul(xc, log2e);
+    let t = b.ins().fadd(t, half);
+    let fx = b.ins().floor(t);
+    let c1 = fsplat(b, 0.693_359_4);
+    let c2 = fsplat(b, -2.121_944_4e-4);
+    let a = b.ins().fmul(fx, c1);
+    let r = b.ins().fsub(xc, a);
+    let a = b.ins().fmul(fx, c2);
+    let r = b.ins().fsub(r, a);
+    let z = b.ins().fmul(r, r);
+    let p = poly(b, r, &[1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1]);
+    let p = b.ins().fmul(p, z);
+    let p = b.ins().fadd(p, r);
+    let one = fsplat(b, 1.0);
+    let p = b.ins().fadd(p, one);
+    let n = b.ins().fcvt_to_sint_sat(I32X4, fx);
+    let n1 = b.ins().sshr_imm_s(n, 1);
+    let n2 = b.ins().isub(n, n1);
+    let bias = isplat(b, 127);
+    let e1 = b.ins().iadd(n1, bias);
+    let e1 = b.ins().ishl_imm_s(e1, 23);
+    let e2 = b.ins().iadd(n2, bias);
+    let e2 = b.ins().ishl_imm_s(e2, 23);
+    let s1 = as_f(b, e1);
+    let s2 = as_f(b, e2);
+    let y = b.ins().fmul(p, s1);
+    let y = b.ins().fmul(y, s2);
+    // NaN in, NaN out (the clamps already propagate it; keep it explicit).
+    let nan = b.ins().fcmp(FloatCC::Unordered, x, x);
+    vselect(b, nan, x, y)
+}
+
+pub fn log(b: &mut FunctionBuilder, x: Value) -> Value {
+    let min_normal = fsplat(b, f32::MIN_POSITIVE);
+    let den = b.ins().fcmp(FloatCC::LessThan, x, min_normal);
+    let scale = fsplat(b, 8_388_608.0);
+    let xs = b.ins().fmul(x, scale);
+    let xs = vselect(b, den, xs, x);
+    let m23 = isplat(b, -23);
+    let zero_i = isplat(b, 0);
+    let eadj = b.ins().bitselect(den, m23, zero_i);
+    let bits = as_i(b, xs);
+    let e = b.ins().ushr_imm_s(bits, 23);
+    let ff = isplat(b, 0xff);
+    let e = b.ins().band(e, ff);
+    let c126 = isplat(b, 126);
+    let e = b.ins().isub(e, c126);
+    let e = b.ins().iadd(e, eadj);
+    let mm = isplat(b, 0x807f_ffffu32 as i32);
+    let m = b.ins().band(bits, mm);
+    let half_bits = isplat(b, 0x3f00_0000);
+    let m = b.ins().bor(m, half_bits);
+    let m = as_f(b, m);
+    let sqrthf = fsplat(b, std::f32::consts::FRAC_1_SQRT_2);
+    let small = b.ins().fcmp(FloatCC::LessThan, m, sqrthf);
+    let e = b.ins().iadd(e, small); // mask is -1 where small
+    let m2 = b.ins().fadd(m, m);
+    let m = vselect(b, small, m2, m);
+    let one = fsplat(b, 1.0);
+    let m = b.ins().fsub(m, one);
+    let z = b.ins().fmul(m, m);
+    let p = poly(b, m, &[7.037_683_6e-2, -1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333_1e-1]);
+    let y = b.ins().fmul(p, m);
+    let y = b.ins().fmul(y, z);
+    let fe = b.ins().fcvt_from_sint(F32X4, e);
+    let q1 = fsplat(b, -2.121_944_4e-4);
+    let t = b.ins().fmul(fe, q1);
+    let y = b.ins().fadd(y, t);
+    let half = fsplat(b, 0.5);
+    let t = b.ins().fmul(z, half);
+    let y = b.ins().fsub(y, t);
+    let r = b.ins().fadd(m, y);
+    let q2 = fsplat(b, 0.693_359_4);
+    let t = b.ins().fmul(fe, q2);
+    let r = b.ins().fadd(r, t);
+    // Specials.
+    let zero = fsplat(b, 0.0);
+    let is_zero = b.ins().fcmp(FloatCC::Equal, x, zero);
+    let ninf = fsplat(b, f32::NEG_INFINITY);
+    let r = vselect(b, is_zero, ninf, r);
+    let inf = fsplat(b, f32::INFINITY);
+    let is_inf = b.ins().fcmp(FloatCC::Equal, x, inf);
+    let r = vselect(b, is_inf, inf, r);
+    let bad = b.ins().fcmp(FloatCC::UnorderedOrLessThan, x, zero);
+    let nan = fsplat(b, f32::NAN);
+    vselect(b, bad, nan, r)
+}
+
+pub fn tanh(b: &mut FunctionBuilder, x: Value) -> Value {
+    let a = b.ins().fabs(x);
+    // |x| < 0.625: odd polynomial.
+    let z = b.ins().fmul(x, x);
+    let p = poly(b, z, &[-5.704_988_7e-3, 2.063_908_9e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328_2e-1]);
+    let p = b.ins().fmul(p, z);
+    let p = b.ins().fmul(p, x);
+    let small = b.ins().fadd(p, x);
+    // Otherwise 1 - 2 / (exp(2|x|) + 1), with x's sign.
+    let two = fsplat(b, 2.0);
+    let a2 = b.ins().fmul(a, two);
+    let s = exp(b, a2);
+    let one = fsplat(b, 1.0);
+    let s1 = b.ins().fadd(s, one);
+    let q = b.ins().fdiv(two, s1);
+    let large = b.ins().fsub(one, q);
+    let large = copysign(b, large, x);
+    let lim = fsplat(b, 0.625);
+    let is_small = b.ins().fcmp(FloatCC::LessThan, a, lim);
+    let r = vselect(b, is_small, small, large);
+    // Keep the sign of zero.
+    let zero = fsplat(b, 0.0);
+    let is_zero = b.ins().fcmp(FloatCC::Equal, x, zero);
+    vselect(b, is_zero, x, r)
+}
+
+pub fn erf(b: &mut FunctionBuilder, x: Value) -> Value {
+    let a = b.ins().fabs(x);
+    let z = b.ins().fmul(x, x);
+    let p = poly(b, z, &[7.853_861_4e-5, -8.010_193_6e-4, 5.188_327_7e-3, -2.685_381_2e-2, 1.128_358_5e-1, -3.761_262_6e-1, 1.128_379_2]);
+    let small = b.ins().fmul(x, p);
+    let one = fsplat(b, 1.0);
+    let t = b.ins().fdiv(one, a);
+    let q = poly(b, t, &[0.054_865_383, -0.314_059_26, 0.762_702_05, -0.982_770_56, 0.621_802_4, 0.016_594_797, -0.298_699_23, 0.003_170_531_2, 0.563_977_54]);
+    let nz = b.ins().fneg(z);
+    let e = exp(b, nz);
+    let eq = b.ins().fmul(e, q);
+    let eqt = b.ins().fmul(eq, t);
+    let large = b.ins().fsub(one, eqt);
+    let four = fsplat(b, 4.0);
+    let huge = b.ins().fcmp(FloatCC::GreaterThanOrEqual, a, four);
+    let large = vselect(b, huge, one, large);
+    let large = copysign(b, large, x);
+    let lim = fsplat(b, 1.0);
+    let is_small = b.ins().fcmp(FloatCC::LessThan, a, lim);
+    let r = vselect(b, is_small, small, large);
+    let nan = b.ins().fcmp(FloatCC::Unordered, x, x);
+    vselect(b, nan, x, r)
+}
+
+/// Applies a scalar helper `f(lanes of the args) -> lane` to each of the 4 lanes.
+pub fn per_lane(b: &mut FunctionBuilder, f: FuncRef, args: &[Value], out_ty: cranelift_codegen::ir::Type) -> Value {
+    let zero = match out_ty {
+        F32X4 => fsplat(b, 0.0),
+        _ => isplat(b, 0),
+    };
+    let mut out = zero;
+    for lane in 0..4u8 {
+        let xs: Vec<Value> = args.iter().map(|&a| b.ins().extractlane(a, lane)).collect();
+        let call = b.ins().call(f, &xs);
+        let r = b.inst_results(call)[0];
+        out = b.ins().insertlane(out, r, lane);
+    }
+    out
+}
+
+/// `1 / sqrt(x)` per lane in f64, rounded once to f32 (as the interpreter).
+pub fn rsqrt(b: &mut FunctionBuilder, x: Value) -> Value {
+    let mut out = fsplat(b, 0.0);
+    for lane in 0..4u8 {
+        let v = b.ins().extractlane(x, lane);
+        let d = b.ins().fpromote(F64, v);
+        let s = b.ins().sqrt(d);
+        let one = b.ins().f64const(1.0);
+        let q = b.ins().fdiv(one, s);
+        let r = b.ins().fdemote(F32, q);
+        out = b.ins().insertlane(out, r, lane);
+    }
+    out
+}
+
+/// Integer division / remainder per lane with the interpreter's rules: `x / 0 = 0`,
+/// `x rem 0 = x`, `MIN / -1 = MIN` (wrapping), `x rem -1 = 0`.
+pub fn idiv_lanes(b: &mut FunctionBuilder, x: Value, y: Value, rem: bool) -> Value {
+    let mut out = isplat(b, 0);
+    for lane in 0..4u8 {
+        let xl = b.ins().extractlane(x, lane);
+        let yl = b.ins().extractlane(y, lane);
+        let r = idiv_scalar(b, xl, yl, rem);
+        out = b.ins().insertlane(out, r, lane);
+    }
+    out
+}
+
+pub fn idiv_scalar(b: &mut FunctionBuilder, x: Value, y: Value, rem: bool) -> Value {
+    let zero = b.ins().iconst(I32, 0);
+    let one = b.ins().iconst(I32, 1);
+    let is0 = b.ins().icmp_imm_s(IntCC::Equal, y, 0);
+    let ism1 = b.ins().icmp_imm_s(IntCC::Equal, y, -1);
+    let special = b.ins().bor(is0, ism1);
+    let ys = b.ins().select(special, one, y);
+    if rem {
+        let r = b.ins().srem(x, ys);
+        let r = b.ins().select(ism1, zero, r);
+        b.ins().select(is0, x, r)
+    } else {
+        let q = b.ins().sdiv(x, ys);
+        let neg = b.ins().ineg(x);
+        let q = b.ins().select(ism1, neg, q);
+        b.ins().select(is0, zero, q)
+    }
+}
+
+/// Lane 0 of a vector op applied to a splat: scalar math with exactly the vector's numerics.
+pub fn via_vector(b: &mut FunctionBuilder, x: Value, f: impl FnOnce(&mut FunctionBuilder, Value) -> Value) -> Value {
+    let ty = b.func.dfg.value_type(x);
+    let vty = if ty == F32 { F32X4 } else { I32X4 };
+    let v = b.ins().splat(vty, x);
+    let r = f(b, v);
+    b.ins().extractlane(r, 0)
+}
