@@ -53,10 +53,10 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::Array;
-use tessera_dsl::{verify, DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
-use crate::blocks::fit_blocks;
+use crate::blocks::{fit_blocks, fit_vmem_limit};
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
 use crate::plan::{host, result, single, Launch, Operand, Plan};
@@ -388,9 +388,6 @@ pub struct AttentionBlocks {
 const FWD_TEMPS: usize = 4;
 const BWD_TEMPS: usize = 6;
 
-/// Headroom over our own count for Mosaic's internal scratch (as gmm).
-const MOSAIC_HEADROOM: usize = 2 << 20;
-
 /// VMEM of one step at blocks `(bq, bk)`: windows double-buffered, scratch, temporaries.
 fn vmem_estimate(bq: usize, bk: usize, d: usize, dtype: DType, segmented: bool, backward: bool, target: &Target) -> usize {
     let t = target;
@@ -461,16 +458,6 @@ fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Res
     Ok(())
 }
 
-/// Raises the scoped VMEM limit when explicit blocks need more than the default (up to
-/// the core's VMEM; past that the verifier reports the overflow).
-fn fit_vmem_limit(mut kernel: Kernel, temps: usize, target: &Target) -> Kernel {
-    let need = verify::vmem_bytes(&kernel, target) + temps + MOSAIC_HEADROOM;
-    if need > verify::vmem_limit(&kernel, target) {
-        kernel.vmem_limit_bytes = Some(need.next_multiple_of(1 << 20).min(target.vmem_bytes));
-    }
-    kernel
-}
-
 /// The kernels' segment-id operand types: `[B, Sq, 1]`, `[B, 1, Skv]`, or 1-element dummies.
 fn segment_types(segmented: bool, b: usize, sq: usize, skv: usize) -> (Type, Type) {
     if segmented {
@@ -532,7 +519,7 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
         params.sm_scale,
         cap_of(params),
     )?;
-    Ok(fit_vmem_limit(kernel, FWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]), target))
+    Ok(fit_vmem_limit(kernel, target))
 }
 
 /// The three backward kernels (di, dkv, dq) for these types and blocks.
@@ -540,11 +527,10 @@ pub fn build_flash_attention_bwd(q: &Type, k: &Type, v: &Type, segmented: bool, 
     let Checked { b, h, sq, qs, ks, bq, bk } = checked("flash_attention_bwd", q, k, v, segmented, params, blocks)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
     let (causal, scale, cap) = (params.causal, params.sm_scale, cap_of(params));
-    let temps = BWD_TEMPS * target.padded_bytes(DType::F32, &[bq, bk]);
     let di = flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), bq)?;
     let dkv = flash_attention_dkv_kernel(q.clone(), k.clone(), v.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), bq, bk, causal, segmented, scale, cap)?;
     let dq = flash_attention_dq_kernel(q.clone(), k.clone(), v.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), bq, bk, causal, segmented, scale, cap)?;
-    Ok(vec![fit_vmem_limit(di, 0, target), fit_vmem_limit(dkv, temps, target), fit_vmem_limit(dq, temps, target)])
+    Ok(vec![fit_vmem_limit(di, target), fit_vmem_limit(dkv, target), fit_vmem_limit(dq, target)])
 }
 
 /// The default forward blocks for these types.

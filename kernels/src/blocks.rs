@@ -37,6 +37,18 @@ pub fn fit_blocks(blocks: &mut [(&mut usize, usize)], budget: usize, vmem: impl 
     }
 }
 
+/// Raises `kernel`'s scoped VMEM limit when its blocks need more than the default: to
+/// the verifier's estimate of what libtpu needs (`verify::vmem_need`: padded buffers,
+/// Mosaic's internal scratch, the calibrated margin) rounded up to a MiB, at most the
+/// core's VMEM (past that the verifier reports the overflow).
+pub fn fit_vmem_limit(mut kernel: tessera_dsl::Kernel, target: &tessera_dsl::Target) -> tessera_dsl::Kernel {
+    let need = tessera_dsl::verify::vmem_need(&kernel, target);
+    if need > tessera_dsl::verify::vmem_limit(&kernel, target) {
+        kernel.vmem_limit_bytes = Some(need.next_multiple_of(1 << 20).min(target.vmem_bytes));
+    }
+    kernel
+}
+
 /// Lanes of a vreg: a block's last dim is padded to a multiple of this in VMEM.
 pub const LANES: usize = 128;
 

@@ -45,10 +45,10 @@
 use rand::{rngs::StdRng, Rng};
 use tessera_dsl::interp::Array;
 use tessera_dsl::target::Generation;
-use tessera_dsl::{verify, DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::blocks::{fit_blocks, pick_block};
+use crate::blocks::{fit_blocks, fit_vmem_limit, pick_block};
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
 use crate::plan::{host, result, Launch, Operand, Plan};
@@ -333,21 +333,6 @@ fn check_blocks(op: &str, blocks: GmmBlocks, contraction: Option<(&str, usize, u
     }
     Ok(())
 }
-
-/// Headroom over the windows and scratch for Mosaic's own internal scratch: libtpu
-/// rejected a kernel whose limit was its windows' size rounded up to a MiB by 64 KiB.
-const MOSAIC_HEADROOM: usize = 2 << 20;
-
-/// Raises the kernel's scoped VMEM limit when explicit blocks need more than the default
-/// (up to the core's physical VMEM; past that the verifier reports the overflow).
-fn fit_vmem_limit(mut kernel: Kernel, target: &Target) -> Kernel {
-    let need = verify::vmem_bytes(&kernel, target) + MOSAIC_HEADROOM;
-    if need > verify::vmem_limit(&kernel, target) {
-        kernel.vmem_limit_bytes = Some(need.next_multiple_of(1 << 20).min(target.vmem_bytes));
-    }
-    kernel
-}
-
 
 fn meta_types(cap: usize, n: usize) -> Vec<Type> {
     vec![Type::vector(DType::I32, &[cap]); n]

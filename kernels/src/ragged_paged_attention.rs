@@ -353,7 +353,7 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
 }
 
 /// The contract of the metadata (see the module docs), checked on the host: `num_seqs`
-/// in `[0, S]`; `cu_q_lens` non-decreasing from a non-negative start up to
+/// in `[0, S]`; `cu_q_lens` non-decreasing from 0 up to
 /// `cu_q_lens[num_seqs] <= T`; each sequence's `q_len <= kv_len <= pages_per_seq *
 /// page_size`; the pages holding its first `kv_len` keys valid. Sequences past `num_seqs`
 /// are ignored.
@@ -367,9 +367,10 @@ fn check_metadata(v: &[&Array], t: usize, ps: usize, np: usize) -> Result<(), Ke
         return bad("num_seqs", "num-seqs-range", format!("num_seqs is {num_seqs}, the metadata describes {ms} sequences"), &format!("pass num_seqs in [0, {ms}]"));
     }
     let ns = num_seqs as usize;
-    if cu[0] < 0 {
-        return bad("cu_q_lens", "cu-q-lens", format!("cu_q_lens starts at {}", cu[0]), "start cu_q_lens at 0");
+    if cu[0] != 0 {
+        return bad("cu_q_lens", "cu-q-lens", format!("cu_q_lens starts at {}, not 0 (the query tokens before it would belong to no sequence)", cu[0]), "start cu_q_lens at 0");
     }
+    // The offsets first, whole: a bad one makes every length derived from it meaningless.
     for s in 0..ns {
         let (start, end) = (cu[s], cu[s + 1]);
         if end < start {
@@ -378,7 +379,9 @@ fn check_metadata(v: &[&Array], t: usize, ps: usize, np: usize) -> Result<(), Ke
         if end as usize > t {
             return bad("cu_q_lens", "cu-q-lens", format!("sequence {s} ends at query token {end}, but q has {t} tokens"), &format!("keep cu_q_lens[num_seqs] <= {t}"));
         }
-        let (q_len, kv_len) = (end - start, kv_lens[s]);
+    }
+    for s in 0..ns {
+        let (q_len, kv_len) = (cu[s + 1] - cu[s], kv_lens[s]);
         check_length("ragged_paged_attention", "kv_lens", s, kv_len, pps * ps)?;
         if q_len > kv_len {
             return bad("kv_lens", "q-len-exceeds-kv-len", format!("sequence {s} has {q_len} queries but {kv_len} keys"), "a sequence's keys include its new queries' own: kv_len >= q_len");

@@ -814,7 +814,9 @@ impl<'a> Lowerer<'a> {
             for c in carries {
                 l.declare(c, Var::Ir { mutable: true });
             }
-            let copies = carries.iter().map(|c| quote!(#[allow(unused_mut)] let mut #c = #c;));
+            // Each branch starts from the carried values; one that overwrites a carry before
+            // reading it leaves its copy unread (rustc's `unused_assignments`), harmlessly.
+            let copies = carries.iter().map(|c| quote!(#[allow(unused_mut, unused_assignments)] let mut #c = #c;));
             let inner = l.scoped(|l| -> syn::Result<TokenStream> {
                 Ok(match (body, want_value) {
                     (Branch::Block(b), true) => l.value_block(b)?,

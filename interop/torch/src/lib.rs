@@ -8,17 +8,16 @@
 //!
 //! Tensors cross as their `data_ptr()`; see [`TensorRef`] for the contract.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 mod tensor;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
-use tensor::{check_disjoint, Refused, TensorRef};
+use pyo3::types::{PyDict, PyList, PyTuple};
+use tensor::{check_disjoint, Described, Refused, TensorRef};
 use tessera_dsl::interp::{Array, HostMut, HostRef};
-use tessera_dsl::{Executor, Interpreter, KernelError, Target, Type};
+use tessera_dsl::{Executor, KernelError, Target, Type};
 
 pub use tessera_kernels::op::{Backward, Call, Case, Input, Kind, Op, Output, Static, Statics};
 pub use tessera_kernels::plan::{self, Launch, Operand, Plan};
@@ -68,24 +67,92 @@ fn statics_of(op: &Op, t: &Bound<'_, PyTuple>) -> PyResult<Statics> {
 
 type PlanKey = (&'static str, String, Vec<Option<Type>>, &'static str);
 
-/// Plans by op, statics, input types and target: built once, shared.
+/// Plans by op, statics, input types and target, built once and shared, in an LRU of
+/// `TESSERA_PLAN_CACHE` entries (default [`PLAN_CACHE_DEFAULT`]): a long run with many
+/// distinct shapes keeps the most recent plans, not all of them.
+struct PlanCache {
+    plans: lru::LruCache<PlanKey, Arc<Plan>>,
+    hits: u64,
+    misses: u64,
+}
+
+/// Plans kept by default: a plan holds its kernels' IR and, once built, their lowered
+/// modules (tens of KiB for the attention kernels).
+const PLAN_CACHE_DEFAULT: usize = 256;
+
+static PLANS: Mutex<Option<PlanCache>> = Mutex::new(None);
+
+/// A cache capacity from environment variable `var` (a positive integer), or `default`.
+fn capacity_from_env(var: &str, default: usize) -> PyResult<std::num::NonZeroUsize> {
+    let text = match std::env::var(var) {
+        Ok(t) => t,
+        Err(_) => return Ok(std::num::NonZeroUsize::new(default).expect("defaults are positive")),
+    };
+    text.trim().parse::<std::num::NonZeroUsize>().map_err(|_| PyValueError::new_err(format!("tessera: {var}={text:?} is not a positive integer (the number of entries the cache keeps)")))
+}
+
+fn with_plans<R>(f: impl FnOnce(&mut PlanCache) -> R) -> PyResult<R> {
+    // A panic while the lock was held cannot leave the LRU half-updated in a way that
+    // matters (entries are immutable Arcs): keep using it.
+    let mut guard = PLANS.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        let capacity = capacity_from_env("TESSERA_PLAN_CACHE", PLAN_CACHE_DEFAULT)?;
+        *guard = Some(PlanCache { plans: lru::LruCache::new(capacity), hits: 0, misses: 0 });
+    }
+    Ok(f(guard.as_mut().expect("initialised above")))
+}
+
 fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
-    static PLANS: Mutex<Option<HashMap<PlanKey, Arc<Plan>>>> = Mutex::new(None);
     let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
-    if let Some(p) = PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).get(&key) {
-        return Ok(p.clone());
+    if let Some(p) = with_plans(|c| {
+        let found = c.plans.get(&key).cloned();
+        if found.is_some() {
+            c.hits += 1;
+        }
+        found
+    })? {
+        return Ok(p);
     }
     let plan = Arc::new(op.plan_for(inputs, statics, target).map_err(py_err)?);
     for launch in &plan.launches {
         tessera_dsl::verify::verify(&launch.kernel, target).map_err(py_err)?;
     }
-    PLANS.lock().expect("plan cache").get_or_insert_with(HashMap::new).insert(key, plan.clone());
+    with_plans(|c| {
+        c.misses += 1;
+        c.plans.put(key, plan.clone());
+    })?;
     Ok(plan)
 }
 
-/// The tensors of a call of op `op` (`None` for an absent optional one), each checked
-/// (`tensor.rs`); `host_device`: a device besides `cpu` whose memory is host memory.
-fn tensor_refs<'py>(op: &str, inputs: &Bound<'py, PyList>, host_device: Option<&str>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+/// `{"plans": {...}, "cpu_code": {...}}`: each cache's entries, capacity, hits and misses
+/// (the compiled CPU backend's also its compile time and interpreter fallbacks).
+#[pyfunction]
+fn cache_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    let plans = PyDict::new(py);
+    with_plans(|c| -> PyResult<()> {
+        plans.set_item("entries", c.plans.len())?;
+        plans.set_item("capacity", c.plans.cap().get())?;
+        plans.set_item("hits", c.hits)?;
+        plans.set_item("misses", c.misses)?;
+        Ok(())
+    })??;
+    d.set_item("plans", plans)?;
+    let s = tessera_codegen::cpu::cache_stats();
+    let code = PyDict::new(py);
+    code.set_item("entries", s.entries)?;
+    code.set_item("capacity", s.capacity)?;
+    code.set_item("hits", s.hits)?;
+    code.set_item("misses", s.misses)?;
+    code.set_item("compile_seconds", s.compile_time.as_secs_f64())?;
+    code.set_item("fallbacks", s.fallbacks)?;
+    d.set_item("cpu_code", code)?;
+    Ok(d.unbind())
+}
+
+/// The tensors of a call of op `op` (`None` for an absent optional one), their metadata
+/// checked (`tensor.rs`); `host_device`: a device besides `cpu` whose memory is host memory.
+fn describe<'py>(op: &str, inputs: &Bound<'py, PyList>, host_device: Option<&str>) -> PyResult<Vec<Option<Described<'py>>>> {
     let names = op_named(op).map(tensor_names).unwrap_or_default();
     inputs
         .iter()
@@ -94,9 +161,21 @@ fn tensor_refs<'py>(op: &str, inputs: &Bound<'py, PyList>, host_device: Option<&
             if t.is_none() {
                 return Ok(None);
             }
-            TensorRef::extract(&t, host_device).map(Some).map_err(|r| refusal(op, names.get(i).copied(), i, r))
+            TensorRef::describe(&t, host_device).map(Some).map_err(|r| refusal(op, names.get(i).copied(), i, r))
         })
         .collect()
+}
+
+/// Borrows described tensors (contiguous copies, int64 narrowing): after the call's plan
+/// verified, so that a call the verifier refuses copies nothing.
+fn borrow<'py>(op: &str, described: Vec<Option<Described<'py>>>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+    let names = op_named(op).map(tensor_names).unwrap_or_default();
+    described.into_iter().enumerate().map(|(i, d)| d.map(|d| d.borrow().map_err(|r| refusal(op, names.get(i).copied(), i, r))).transpose()).collect()
+}
+
+/// [`borrow`] of [`describe`].
+fn tensor_refs<'py>(op: &str, inputs: &Bound<'py, PyList>, host_device: Option<&str>) -> PyResult<Vec<Option<TensorRef<'py>>>> {
+    borrow(op, describe(op, inputs, host_device)?)
 }
 
 /// A refused tensor as the op's error, naming the operand.
@@ -165,13 +244,10 @@ fn call<'py>(
 ) -> PyResult<(Vec<Option<TensorRef<'py>>>, Arc<Plan>)> {
     let target = target_named(target)?;
     let op = op_named(name)?;
-    let refs = tensor_refs(name, inputs, None)?;
-    let types: Vec<Option<Type>> = refs
-        .iter()
-        .map(|r| r.as_ref().map(|r| r.ty.clone()))
-        .collect();
+    let described = describe(name, inputs, None)?;
+    let types: Vec<Option<Type>> = described.iter().map(|d| d.as_ref().map(|d| d.ty.clone())).collect();
     let plan = plan_for(op, &statics_of(op, statics)?, &types, &target)?;
-    Ok((refs, plan))
+    Ok((borrow(name, described)?, plan))
 }
 
 /// Runs op `name` on the interpreter over host-memory tensors (`None` for an absent
@@ -198,7 +274,7 @@ fn run<'py>(
         .map(|r| r.as_ref().map(TensorRef::host))
         .collect();
     let mut views = outputs_of(name, &mut outs)?;
-    plan::execute_into(&plan, backend(), &ins, &mut views).map_err(py_err)?;
+    plan::execute_into(&plan, backend()?, &ins, &mut views).map_err(py_err)?;
     Ok(tensors)
 }
 
@@ -227,7 +303,7 @@ fn time_plan(
         .map(|_| {
             let start = std::time::Instant::now();
             let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(Array::as_host_mut).collect();
-            plan::execute_into(&plan, backend(), &ins, &mut views).map_err(py_err)?;
+            plan::execute_into(&plan, backend()?, &ins, &mut views).map_err(py_err)?;
             Ok(start.elapsed().as_secs_f64())
         })
         .collect::<PyResult<Vec<f64>>>()?;
@@ -470,7 +546,7 @@ impl PyPlan {
         let ins: Vec<HostRef<'_>> = ins.iter().flatten().map(TensorRef::host).collect();
         let mut outs: Vec<TensorRef<'_>> = outs.into_iter().flatten().collect();
         let mut outs = outputs_of(self.0.op, &mut outs)?;
-        backend().run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
+        backend()?.run_into(&launch.kernel, &ins, &mut outs).map_err(py_err)?;
         Ok(())
     }
 }
@@ -521,6 +597,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     let _ = TABLE.set(ops);
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_function(wrap_pyfunction!(time_plan, m)?)?;
@@ -537,7 +614,16 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_module(m, tessera_kernels::library())
 }
 
-/// The CPU backend plans run on.
-fn backend() -> &'static dyn Executor {
-    &Interpreter
+/// The CPU backend plans run on: `TESSERA_BACKEND` (`jit`, the default; `interp`; `llvm`
+/// in builds with that feature).
+fn backend() -> PyResult<&'static dyn Executor> {
+    use tessera_codegen::cpu::Backend;
+    let backend = match std::env::var("TESSERA_BACKEND") {
+        Err(_) => Backend::Jit,
+        Ok(name) => Backend::parse(&name).ok_or_else(|| PyValueError::new_err(format!("tessera: TESSERA_BACKEND={name:?} is not a CPU backend; use jit, interp or llvm")))?,
+    };
+    if !backend.available() {
+        return Err(PyValueError::new_err(format!("tessera: TESSERA_BACKEND={backend}: this build has no {backend} backend (build with the `llvm` feature), use jit or interp")));
+    }
+    Ok(backend.executor())
 }

@@ -83,9 +83,11 @@ pub struct TensorRef<'py> {
 }
 
 impl<'py> TensorRef<'py> {
-    /// Checks `t` and borrows it. `host_device`: besides `cpu`, the one device type whose
-    /// tensors are host memory for this call (the emulated `tpu`), if any.
-    pub fn extract(t: &Bound<'py, PyAny>, host_device: Option<&str>) -> Result<TensorRef<'py>, Refused> {
+    /// Checks what `t` is, from its metadata only (layout, device, dtype, shape): nothing is
+    /// copied, so a caller can plan and verify a call (and refuse a 4 TiB stride-0 view by
+    /// the target's HBM) before any contiguous copy is made. `host_device`: besides `cpu`,
+    /// the one device type whose tensors are host memory for this call (the emulated `tpu`).
+    pub fn describe(t: &Bound<'py, PyAny>, host_device: Option<&str>) -> Result<Described<'py>, Refused> {
         let py = t.py();
         let objects = torch_objects(py).map_err(|e| refused("torch", e.to_string(), "import torch first"))?;
         let attr = |t: &Bound<'py, PyAny>, name: &str| t.getattr(name).map_err(|_| refused("operand-type", format!("a {} is not a tensor", type_name(t)), "pass a torch.Tensor"));
@@ -101,11 +103,7 @@ impl<'py> TensorRef<'py> {
                 return Err(refused("operand-device", format!("a tensor on device `{device}`, whose memory the CPU kernels cannot read"), help));
             }
         }
-        let mut t = t.clone();
-        // A lazily negated / conjugated view's memory does not hold its values.
-        if t.call_method0("is_neg").and_then(|v| v.is_truthy()).unwrap_or(false) {
-            t = t.call_method0("resolve_neg").map_err(|e| refused("operand-layout", e.to_string(), "pass a plain tensor"))?;
-        }
+        let t = t.clone();
         let dtype_obj = attr(&t, "dtype")?;
         let int64 = dtype_obj.is(objects[INT64].bind(py));
         let dtype = match objects[..TORCH_DTYPES.len()].iter().position(|d| d.bind(py).is(&dtype_obj)) {
@@ -118,9 +116,34 @@ impl<'py> TensorRef<'py> {
         };
         let shape: Vec<usize> = attr(&t, "shape")?.extract().map_err(|e: PyErr| refused("operand-shape", e.to_string(), "pass a tensor with a concrete shape"))?;
         let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| refused("shape-overflow", format!("shape {shape:?} has more elements than fit in memory"), "pass a smaller tensor"))?;
+        Ok(Described { tensor: t, ty: Type::vector(dtype, &shape), int64, n })
+    }
+}
+
+/// A tensor whose metadata [`TensorRef::describe`] checked, not yet borrowed.
+pub struct Described<'py> {
+    tensor: Bound<'py, PyAny>,
+    pub ty: Type,
+    int64: bool,
+    n: usize,
+}
+
+impl<'py> Described<'py> {
+    /// Borrows the tensor's memory: through a contiguous (and aligned) copy when needed,
+    /// int64 narrowed and bool bytes checked (see the module docs).
+    pub fn borrow(self) -> Result<TensorRef<'py>, Refused> {
+        let Described { tensor: mut t, ty, int64, n } = self;
+        let dtype = ty.dtype;
         let call = |t: &Bound<'py, PyAny>, m: &str| t.call_method0(m).map_err(|e| refused("operand-memory", e.to_string(), "pass a tensor with storage (not a fake or functional tensor)"));
+        // A lazily negated / conjugated view's memory does not hold its values.
+        if call(&t, "is_neg")?.is_truthy().unwrap_or(false) {
+            t = t.call_method0("resolve_neg").map_err(|e| refused("operand-layout", e.to_string(), "pass a plain tensor"))?;
+        }
         if !call(&t, "is_contiguous")?.is_truthy().unwrap_or(false) {
-            t = call(&t, "contiguous")?;
+            let bytes = n as f64 * if int64 { 8.0 } else { dtype.bytes() as f64 };
+            t = t.call_method0("contiguous").map_err(|_| {
+                refused("host-memory", format!("the kernels read a contiguous copy of this non-contiguous tensor, {:.2} GiB, which could not be allocated", bytes / (1u64 << 30) as f64), "pass a contiguous tensor, or a smaller one")
+            })?;
         }
         let elem = if int64 { 8 } else { dtype.bytes() };
         let mut ptr: usize = call(&t, "data_ptr")?.extract().unwrap_or(0);
@@ -151,16 +174,18 @@ impl<'py> TensorRef<'py> {
         } else {
             Mem::Ptr(ptr)
         };
-        Ok(TensorRef { ty: Type::vector(dtype, &shape), mem, _owner: t })
+        Ok(TensorRef { ty, mem, _owner: t })
     }
+}
 
+impl<'py> TensorRef<'py> {
     /// The tensor's elements, borrowed.
     pub fn host(&self) -> HostRef<'_> {
         let n = self.ty.num_elements();
         let data = match &self.mem {
             Mem::I32(v) => HostData::I32(v),
             Mem::Bool(v) => HostData::Bool(v),
-            // SAFETY: `extract` checked the facts `slice_of` relies on (contiguous,
+            // SAFETY: `borrow` checked the facts `slice_of` relies on (contiguous,
             // aligned, non-null host memory of `n` elements of `ty.dtype`; bool and int64
             // never take this path), and `_owner` keeps the memory alive for `'_`.
             Mem::Ptr(p) => unsafe {

@@ -18,4 +18,16 @@ def ops():
     return {name: f"tpu::{name}{spec.schema}" for name, spec in SPECS.items()}
 
 
-__all__ = ["ops", "register_ops", "set_target", "get_target", "__version__"]
+def cache_info():
+    """Every cache's entries, capacity, hits and misses: `plans` (native, by op, statics,
+    input types and target; `TESSERA_PLAN_CACHE`), `cpu_code` (the compiled CPU backend's
+    kernels; `TESSERA_JIT_CACHE`) and `modules` (lowered TPU modules; `TESSERA_MODULE_CACHE`).
+    All are LRU, 256 entries by default."""
+    from tessera import _tpu
+
+    info = _native.cache_info()
+    info["modules"] = _tpu._modules.info()
+    return info
+
+
+__all__ = ["ops", "cache_info", "register_ops", "set_target", "get_target", "__version__"]

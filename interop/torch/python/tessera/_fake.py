@@ -83,9 +83,18 @@ def make_fake(spec):
     def fake(*args):
         args = args + defaults[len(args):]
         env = dict(zip(names, args))
+        tensors = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
+        # The Meta kernel also runs when only *some* inputs are meta: results on the first
+        # tensor's device would be uninitialised CPU memory. One device per call.
+        first_name, like = tensors[0]
+        for n, t in tensors[1:]:
+            if t.device != like.device:
+                raise ValueError(
+                    f"error[operand-device]: kernel `{spec.name}`, input `{n}`: a tensor on {t.device}, "
+                    f"`{first_name}` is on {like.device}\n  help: pass every tensor on one device"
+                )
         results = []
         for _, shape, dtype in outputs:
-            like = next((t for t in args if isinstance(t, torch.Tensor)), None)
             results.append(like.new_empty(shape_of(shape, env), dtype=dtype_of(dtype, env)))
         return results[0] if spec.single else tuple(results)
 

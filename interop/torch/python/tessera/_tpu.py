@@ -14,7 +14,9 @@ Host-prepared arrays (gmm group metadata, MoE routing positions, RoPE tables) ne
 values of a few integer inputs; those are read back to the host (a device sync).
 """
 
+import collections
 import hashlib
+import os
 
 import torch
 
@@ -30,17 +32,55 @@ class Module:
         self.key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-_modules = {}
+def _capacity(var, default):
+    text = os.environ.get(var)
+    if text is None:
+        return default
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"tessera: {var}={text!r} is not a positive integer (the number of entries the cache keeps)")
+    return n
+
+
+class ModuleCache:
+    """Lowered modules by (plan id, launch), least recently used evicted beyond
+    `TESSERA_MODULE_CACHE` entries (default 256): a run over many distinct shapes keeps
+    the recent modules, not every one (`make_plan` returns a new wrapper per call, so the
+    key is the native plan's `id`)."""
+
+    def __init__(self):
+        self.entries = collections.OrderedDict()
+        self.capacity = None
+        self.hits = self.misses = 0
+
+    def get(self, plan, i):
+        if self.capacity is None:
+            self.capacity = _capacity("TESSERA_MODULE_CACHE", 256)
+        key = (plan.id, i)
+        module = self.entries.get(key)
+        if module is not None:
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return module
+        self.misses += 1
+        module = self.entries[key] = Module(plan.kernel_name(i), plan.module(i))
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+        return module
+
+    def info(self):
+        return {"entries": len(self.entries), "capacity": self.capacity or _capacity("TESSERA_MODULE_CACHE", 256), "hits": self.hits, "misses": self.misses}
+
+
+_modules = ModuleCache()
 
 
 def module_of(plan, i):
-    """Launch `i`'s module, lowered and keyed once per plan (plans live for the process;
-    `make_plan` returns a new wrapper per call, so the cache is keyed by `plan.id`)."""
-    key = (plan.id, i)
-    module = _modules.get(key)
-    if module is None:
-        module = _modules[key] = Module(plan.kernel_name(i), plan.module(i))
-    return module
+    """Launch `i`'s module, lowered and keyed once per plan."""
+    return _modules.get(plan, i)
 
 
 class TorchTpuRunner:
