@@ -1115,7 +1115,7 @@ impl<'k, 'h> Machine<'k, 'h> {
 
     /// An IR inconsistency the builder would not produce (wrong types, missing values).
     fn malformed(&self, d: &InstData, message: impl Into<String>) -> KernelError {
-        self.err(format!("instruction `{}`", inst_name(&d.inst)), "malformed-ir", message, "build kernels with KernelBuilder, which type-checks every op").at(d.loc.clone())
+        self.err(format!("instruction `{}`", d.inst.name()), "malformed-ir", message, "build kernels with KernelBuilder, which type-checks every op").at(d.loc.clone())
     }
 
     /// Checks the operands against the kernel, poisons the outputs and sets up the memory
@@ -1636,7 +1636,7 @@ impl<'k, 'h> Machine<'k, 'h> {
         let decl = &self.k.refs[r.index()];
         match e {
             WriteError::ReadOnly => self
-                .err(format!("{} to {} `{}`", inst_name(&d.inst), decl.kind.name(), decl.name), read_only_rule, "inputs are read-only", "write to an output or a scratch buffer")
+                .err(format!("{} to {} `{}`", d.inst.name(), decl.kind.name(), decl.name), read_only_rule, "inputs are read-only", "write to an output or a scratch buffer")
                 .at(d.loc.clone()),
             WriteError::Class => {
                 let kind = Buf::poison(decl.dtype, 0).kind();
@@ -1848,11 +1848,16 @@ impl<'k, 'h> Machine<'k, 'h> {
         let (rsb, csb) = if tb { (1, bc) } else { (bc, 1) };
         Ok(match (&a.buf, &b.buf) {
             (Buf::F(av), Buf::F(bv)) => {
+                // What the unsafe call below relies on, checked here rather than trusted from
+                // the IR's types (hand-edited IR may lie about them).
+                if av.len() != ar * ac || bv.len() != br * bc {
+                    return Err(self.malformed(d, format!("dot operands hold {} and {} elements, their types say {:?} and {:?}", av.len(), bv.len(), a.shape, b.shape)));
+                }
                 let mut c = vec![0.0f32; m * n];
                 if m * n > 0 && k > 0 {
-                    // SAFETY: `av` holds ar*ac = m*k elements and `bv` br*bc = k*n (checked by
-                    // `bind` when the operands were defined); with the strides above every
-                    // (i, p) / (p, j) index stays inside them, and `c` is m*n row-major.
+                    // SAFETY: `av` holds ar*ac = m*k elements and `bv` br*bc = k*n (checked just
+                    // above); with the strides above every (i, p) / (p, j) index stays inside
+                    // them, and `c` is m*n row-major.
                     unsafe {
                         matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa as isize, csa as isize, bv.as_ptr(), rsb as isize, csb as isize, 0.0, c.as_mut_ptr(), n as isize, 1);
                     }
@@ -1919,28 +1924,3 @@ fn cast(x: &Buf, to: DType) -> Buf {
     }
 }
 
-fn inst_name(i: &Inst) -> &'static str {
-    match i {
-        Inst::Const(_) => "const",
-        Inst::ProgramId(_) => "program_id",
-        Inst::NumPrograms(_) => "num_programs",
-        Inst::Load { .. } => "load",
-        Inst::Store { .. } => "store",
-        Inst::Unary(op, _) => op.name(),
-        Inst::Binary(op, ..) => op.name(),
-        Inst::Cmp(op, ..) => op.name(),
-        Inst::Select { .. } => "select",
-        Inst::Cast(_) => "cast",
-        Inst::Broadcast(_) => "broadcast",
-        Inst::Iota { .. } => "iota",
-        Inst::Reduce { op, .. } => op.name(),
-        Inst::Dot { .. } => "dot",
-        Inst::Transpose(_) => "transpose",
-        Inst::Reshape(_) => "reshape",
-        Inst::If { .. } => "if",
-        Inst::For { .. } => "for",
-        Inst::DmaStart { .. } => "dma_start",
-        Inst::DmaWait { .. } => "dma_wait",
-        Inst::Yield(_) => "yield",
-    }
-}

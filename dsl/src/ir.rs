@@ -402,6 +402,33 @@ pub enum Inst {
 }
 
 impl Inst {
+    /// The instruction's name in errors and printed IR (`load`, `add`, `dot`...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Inst::Const(_) => "const",
+            Inst::ProgramId(_) => "program_id",
+            Inst::NumPrograms(_) => "num_programs",
+            Inst::Load { .. } => "load",
+            Inst::Store { .. } => "store",
+            Inst::Unary(op, _) => op.name(),
+            Inst::Binary(op, ..) => op.name(),
+            Inst::Cmp(op, ..) => op.name(),
+            Inst::Select { .. } => "select",
+            Inst::Cast(_) => "cast",
+            Inst::Broadcast(_) => "broadcast",
+            Inst::Iota { .. } => "iota",
+            Inst::Reduce { op, .. } => op.name(),
+            Inst::Dot { .. } => "dot",
+            Inst::Transpose(_) => "transpose",
+            Inst::Reshape(_) => "reshape",
+            Inst::If { .. } => "if",
+            Inst::For { .. } => "for",
+            Inst::DmaStart { .. } => "dma_start",
+            Inst::DmaWait { .. } => "dma_wait",
+            Inst::Yield(_) => "yield",
+        }
+    }
+
     /// Every value the instruction reads (not those read inside its nested blocks).
     pub fn operands(&self) -> Vec<Value> {
         match self {

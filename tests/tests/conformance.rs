@@ -196,6 +196,33 @@ macro_rules! conformance {
                 }
             }
 
+            /// The backends' unsafe code (block copies, the GEMMs, compiled loads and stores)
+            /// indexes by the IR's shapes: IR edited after `finish()` so that it lies about
+            /// them is an error on every backend, never an out-of-bounds access.
+            #[test]
+            fn edited_ir_is_an_error_not_ub() {
+                let x = Array::from_f32(&[8, 128], vec![1.0; 1024]);
+                let y = Array::from_f32(&[128, 128], vec![0.5; 128 * 128]);
+                for edit in 0..5 {
+                    let mut k = super::cases::matmul_block();
+                    let load = k.insts.iter().position(|d| matches!(d.inst, tessera_dsl::Inst::Load { .. })).unwrap();
+                    let loaded = k.insts[load].results[0];
+                    match edit {
+                        0 => k.values[loaded.index()].ty.shape = vec![16, 128], // the load's result claims more rows
+                        1 => k.refs[0].dtype = DType::BF16,                     // the input's dtype changed under its loads
+                        2 => k.refs[0].shape = vec![8, 64],                     // the array narrower than its block
+                        3 => {
+                            k.refs.remove(1);                                    // a ref the body uses is gone
+                        }
+                        _ => k.grid[0].extent = usize::MAX,                      // a grid no program_id can count
+                    }
+                    let args: Vec<&Array> = if edit == 3 { vec![&x] } else { vec![&x, &y] };
+                    let e = exec::run(exec(), &k, &args).expect_err("edited IR must be rejected");
+                    assert!(!e.rule.is_empty() && e.to_string().contains(&k.name), "edit {edit}: {e}");
+                    eprintln!("edit {edit}: {}", e.to_string().lines().next().unwrap_or(""));
+                }
+            }
+
             #[test]
             fn sums_do_not_lose_precision_with_width() {
                 use tessera_dsl::{BlockSpec, IndexExpr, KernelBuilder, ReduceOp, Semantics};
@@ -377,6 +404,19 @@ mod cases {
         b.store(o, &[], v);
         out.push((b.finish().unwrap(), vec![x(64)]));
         out
+    }
+
+    /// `o = x @ y` for one [8, 128] x [128, 128] block.
+    pub fn matmul_block() -> Kernel {
+        let mut b = KernelBuilder::new("matmul_block");
+        b.grid(&[(1, Semantics::Parallel)]);
+        let xi = b.input("x", DType::F32, &[8, 128], blocked(8, 128));
+        let yi = b.input("y", DType::F32, &[128, 128], blocked(128, 128));
+        let o = b.output("o", DType::F32, &[8, 128], blocked(8, 128));
+        let (xv, yv) = (b.load(xi, &[]), b.load(yi, &[]));
+        let r = b.dot(xv, yv, false, false);
+        b.store(o, &[], r);
+        b.finish().unwrap()
     }
 
     /// `o = x` over two [8, 128] blocks.

@@ -15,7 +15,7 @@ impl Verifier<'_> {
             return bad(format!("the body is block {} of {}", k.body.index(), k.blocks.len()));
         }
         for (i, d) in k.insts.iter().enumerate() {
-            let name = || format!("instruction {i} ({:?})", std::mem::discriminant(&d.inst));
+            let name = || format!("instruction {i} (`{}`)", d.inst.name());
             for v in d.inst.operands().into_iter().chain(d.results.iter().copied()) {
                 if v.index() >= k.values.len() {
                     return bad(format!("{} names value {} of {}", name(), v.index(), k.values.len()));
