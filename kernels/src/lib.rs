@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod blocks;
 pub mod elementwise;
+pub mod fusion;
 pub mod gmm;
 pub mod harness;
 pub mod matmul;

@@ -1,0 +1,482 @@
+//! The fusion graph: tensor ops in recording order, each node with torch's result shape
+//! and dtype (broadcasting and type promotion done here, for f32, bf16 and bool).
+//!
+//! Building a node checks everything the planner and the generator rely on, so an op the
+//! engine cannot take is refused here, when it is recorded (the front-end then runs it
+//! eagerly), never later as a wrong result. Refusals are [`KernelError`]s of kernel
+//! `fusion`, naming the op and operand and one of the rule ids listed in the module docs
+//! of [`crate::fusion`].
+
+use std::fmt;
+
+use tessera_dsl::{DType, KernelError};
+
+/// A node of a [`Graph`]: its index in recording order.
+pub type NodeId = usize;
+
+/// Rows of more than this many elements are not fused (a block of whole rows must fit
+/// VMEM with its temporaries: 16 sublanes x 32768 f32 lanes is 2 MiB).
+pub const MAX_ROW: usize = 32768;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unary {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Tanh,
+    Sqrt,
+    Rsqrt,
+    Erf,
+    Sigmoid,
+    Relu,
+    Silu,
+    /// The exact (erf) GELU, torch's default.
+    Gelu,
+    Reciprocal,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+    Pow,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Compare {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// An op over the last dim, one row at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowOp {
+    Sum,
+    Mean,
+    Amax,
+    Amin,
+    Softmax,
+    LogSoftmax,
+}
+
+impl RowOp {
+    /// Whether the result keeps the row (softmax) rather than reducing it to one column.
+    pub fn keeps_row(self) -> bool {
+        matches!(self, RowOp::Softmax | RowOp::LogSoftmax)
+    }
+}
+
+/// An operand: a node, or a Python number (weak: it takes the other operand's dtype).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Operand {
+    Node(NodeId),
+    Scalar(f64),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum NodeOp {
+    /// Graph input `i` (a tensor the caller passes at run time).
+    Input(usize),
+    Unary(Unary),
+    Binary(Binary),
+    Compare(Compare),
+    /// `where(cond, a, b)`: args `[cond, a, b]`.
+    Where,
+    /// `clamp(x, min, max)`.
+    Clamp(Option<f64>, Option<f64>),
+    Cast(DType),
+    /// Over the last dim, keepdim (a non-keepdim reduction is this and a [`NodeOp::View`]).
+    Row(RowOp),
+    /// A reshape of a contiguous tensor: the same elements, another shape.
+    View,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: NodeOp,
+    pub args: Vec<Operand>,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl Node {
+    /// The node as rows: `(elements before the last dim, the last dim)`; `(1, 1)` for a
+    /// 0-dim tensor. A contiguous tensor is exactly this row-major matrix.
+    pub fn layout(&self) -> (usize, usize) {
+        layout(&self.shape)
+    }
+}
+
+pub fn layout(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        None => (1, 1),
+        Some((&c, lead)) => (lead.iter().product(), c),
+    }
+}
+
+/// A graph of tensor ops in recording order (a node's operands come before it).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    inputs: usize,
+}
+
+fn err(op: &str, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+    KernelError::new("fusion", format!("op `{op}`, {}", subject.into()), rule, message, help)
+}
+
+/// A Python number the kernels can hold: f32 math, so a finite number past f32's range
+/// (which torch would keep in double for a moment) is refused, not rounded to infinity.
+fn scalar_ok(op: &str, name: &str, x: f64) -> Result<(), KernelError> {
+    if x.is_finite() && (x as f32).is_infinite() {
+        return Err(err(op, format!("operand `{name}`"), "fusion-scalar", format!("the number {x:e} is beyond f32's range"), "numbers within f32's range fuse; this op runs eagerly"));
+    }
+    Ok(())
+}
+
+fn shape_str(s: &[usize]) -> String {
+    format!("{s:?}")
+}
+
+/// Torch's broadcast of two shapes (right-aligned), or `None`.
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let r = a.len().max(b.len());
+    let at = |s: &[usize], i: usize| if i + s.len() >= r { s[i + s.len() - r] } else { 1 };
+    (0..r)
+        .map(|i| match (at(a, i), at(b, i)) {
+            (x, y) if x == y => Some(x),
+            (1, y) => Some(y),
+            (x, 1) => Some(x),
+            _ => None,
+        })
+        .collect()
+}
+
+/// How an operand of `shape` reaches a result of `out` (already a valid broadcast): its
+/// leading dims must be all the result's or all 1, so that as rows it is the result's rows
+/// or one row repeated.
+fn row_broadcast_ok(shape: &[usize], out: &[usize]) -> bool {
+    if out.is_empty() {
+        return true;
+    }
+    let pad = out.len() - shape.len();
+    let padded: Vec<usize> = std::iter::repeat_n(1, pad).chain(shape.iter().copied()).collect();
+    let (lead, olead) = (&padded[..out.len() - 1], &out[..out.len() - 1]);
+    lead == olead || lead.iter().all(|&d| d == 1)
+}
+
+/// Promotion class: dimensioned tensors beat 0-dim tensors beat Python numbers, within a
+/// category (bool < float); a higher category always wins (torch's `result_type`).
+#[derive(Clone, Copy)]
+struct Part {
+    dtype: Option<DType>, // None: a Python float
+    rank0: bool,
+}
+
+fn category(d: Option<DType>) -> u8 {
+    match d {
+        Some(DType::Bool) => 0,
+        _ => 1,
+    }
+}
+
+fn promote(parts: &[Part]) -> DType {
+    let top = parts.iter().map(|p| category(p.dtype)).max().unwrap_or(1);
+    let in_top = |p: &&Part| category(p.dtype) == top;
+    let pick = |sel: &dyn Fn(&Part) -> bool| -> Option<DType> {
+        let ds: Vec<DType> = parts.iter().filter(in_top).filter(|p| sel(p)).filter_map(|p| p.dtype).collect();
+        if ds.is_empty() {
+            None
+        } else if ds.contains(&DType::F32) {
+            Some(DType::F32)
+        } else {
+            Some(ds[0])
+        }
+    };
+    pick(&|p| !p.rank0 && p.dtype.is_some())
+        .or_else(|| pick(&|p| p.rank0 && p.dtype.is_some()))
+        // Only Python floats in the top category, or a float number over bool tensors:
+        // torch's default dtype.
+        .unwrap_or(if top == 0 { DType::Bool } else { DType::F32 })
+}
+
+impl Graph {
+    pub fn new() -> Graph {
+        Graph::default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// How many graph inputs [`Graph::input`] declared.
+    pub fn num_inputs(&self) -> usize {
+        self.inputs
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id]
+    }
+
+    fn push(&mut self, op: NodeOp, args: Vec<Operand>, dtype: DType, shape: Vec<usize>) -> NodeId {
+        self.nodes.push(Node { op, args, dtype, shape });
+        self.nodes.len() - 1
+    }
+
+    fn operand(&self, op: &str, which: &str, a: Operand) -> Result<Option<&Node>, KernelError> {
+        match a {
+            Operand::Scalar(_) => Ok(None),
+            Operand::Node(id) => self
+                .nodes
+                .get(id)
+                .map(Some)
+                .ok_or_else(|| err(op, format!("operand `{which}`"), "fusion-operand", format!("node {id} does not exist (the graph has {})", self.nodes.len()), "pass nodes returned by this graph")),
+        }
+    }
+
+    fn check_row(op: &str, shape: &[usize]) -> Result<(), KernelError> {
+        let (r, c) = layout(shape);
+        if c > MAX_ROW {
+            return Err(err(op, "result", "fusion-row-width", format!("rows of {c} elements (shape {})", shape_str(shape)), format!("rows of at most {MAX_ROW} elements fuse; wider ones run eagerly")));
+        }
+        if r.checked_mul(c).is_none_or(|n| n > i32::MAX as usize) {
+            return Err(err(op, "result", "fusion-size", format!("shape {} has too many elements", shape_str(shape)), "tensors of at most 2^31 - 1 elements fuse"));
+        }
+        if shape.contains(&0) {
+            return Err(err(op, "result", "fusion-empty", format!("shape {} has no elements", shape_str(shape)), "empty tensors run eagerly"));
+        }
+        Ok(())
+    }
+
+    /// A graph input of `dtype` (f32, bf16 or bool) and `shape` (contiguous).
+    pub fn input(&mut self, dtype: DType, shape: &[usize]) -> Result<NodeId, KernelError> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::Bool) {
+            return Err(err("input", "the tensor", "fusion-dtype", format!("a {dtype} tensor"), "float32, bfloat16 and bool tensors fuse; others run eagerly"));
+        }
+        Self::check_row("input", shape)?;
+        self.inputs += 1;
+        Ok(self.push(NodeOp::Input(self.inputs - 1), vec![], dtype, shape.to_vec()))
+    }
+
+    /// The result shape of `args` broadcast together, each checked for the row rule.
+    fn broadcast(&self, op: &str, names: &[&str], args: &[Operand]) -> Result<Vec<usize>, KernelError> {
+        let mut out: Vec<usize> = Vec::new();
+        for (&a, name) in args.iter().zip(names) {
+            if let Some(n) = self.operand(op, name, a)? {
+                out = broadcast_shapes(&out, &n.shape).ok_or_else(|| {
+                    err(op, format!("operand `{name}`"), "fusion-broadcast", format!("shape {} does not broadcast with {}", shape_str(&n.shape), shape_str(&out)), "torch raises for these shapes too")
+                })?;
+            }
+        }
+        for (&a, name) in args.iter().zip(names) {
+            if let Some(n) = self.operand(op, name, a)? {
+                if !row_broadcast_ok(&n.shape, &out) {
+                    return Err(err(
+                        op,
+                        format!("operand `{name}`"),
+                        "fusion-broadcast-rows",
+                        format!("shape {} broadcasts into {} over some leading dims but not all", shape_str(&n.shape), shape_str(&out)),
+                        "an operand's leading dims must be all the result's or all 1 (as rows: every row or one row); expand it first or let it run eagerly",
+                    ));
+                }
+            }
+        }
+        Self::check_row(op, &out)?;
+        Ok(out)
+    }
+
+    fn parts(&self, args: &[Operand]) -> Vec<Part> {
+        args.iter()
+            .map(|&a| match a {
+                Operand::Scalar(_) => Part { dtype: None, rank0: true },
+                Operand::Node(id) => Part { dtype: Some(self.nodes[id].dtype), rank0: self.nodes[id].shape.is_empty() },
+            })
+            .collect()
+    }
+
+    fn float_operand(&self, op: &str, name: &str, a: Operand) -> Result<(), KernelError> {
+        if let Operand::Scalar(x) = a {
+            return scalar_ok(op, name, x);
+        }
+        if let Some(n) = self.operand(op, name, a)? {
+            if n.dtype == DType::Bool {
+                return Err(err(op, format!("operand `{name}`"), "fusion-dtype", "a bool tensor", "cast it to a float dtype first; bool arithmetic runs eagerly"));
+            }
+        }
+        Ok(())
+    }
+
+    fn node_arg(&self, op: &str, name: &str, x: Operand) -> Result<NodeId, KernelError> {
+        match x {
+            Operand::Node(id) => self.operand(op, name, x).map(|_| id),
+            Operand::Scalar(_) => Err(err(op, format!("operand `{name}`"), "fusion-operand", "a number where a tensor is required", "pass a tensor")),
+        }
+    }
+
+    pub fn unary(&mut self, op: Unary, x: NodeId) -> Result<NodeId, KernelError> {
+        let name = format!("{op:?}").to_lowercase();
+        self.float_operand(&name, "x", Operand::Node(x))?;
+        let n = self.operand(&name, "x", Operand::Node(x))?.expect("a node");
+        let (dtype, shape) = (n.dtype, n.shape.clone());
+        Ok(self.push(NodeOp::Unary(op), vec![Operand::Node(x)], dtype, shape))
+    }
+
+    pub fn binary(&mut self, op: Binary, a: Operand, b: Operand) -> Result<NodeId, KernelError> {
+        let name = format!("{op:?}").to_lowercase();
+        if a == b && matches!(a, Operand::Scalar(_)) || matches!((a, b), (Operand::Scalar(_), Operand::Scalar(_))) {
+            return Err(err(&name, "operands", "fusion-operand", "two numbers", "at least one operand must be a tensor"));
+        }
+        self.float_operand(&name, "self", a)?;
+        self.float_operand(&name, "other", b)?;
+        let shape = self.broadcast(&name, &["self", "other"], &[a, b])?;
+        let dtype = promote(&self.parts(&[a, b]));
+        Ok(self.push(NodeOp::Binary(op), vec![a, b], dtype, shape))
+    }
+
+    pub fn compare(&mut self, op: Compare, a: Operand, b: Operand) -> Result<NodeId, KernelError> {
+        let name = format!("{op:?}").to_lowercase();
+        if matches!((a, b), (Operand::Scalar(_), Operand::Scalar(_))) {
+            return Err(err(&name, "operands", "fusion-operand", "two numbers", "at least one operand must be a tensor"));
+        }
+        self.float_operand(&name, "self", a)?;
+        self.float_operand(&name, "other", b)?;
+        let shape = self.broadcast(&name, &["self", "other"], &[a, b])?;
+        Ok(self.push(NodeOp::Compare(op), vec![a, b], DType::Bool, shape))
+    }
+
+    /// `where(cond, a, b)`; `a` and `b` promote as a binary op's operands.
+    pub fn where_(&mut self, cond: NodeId, a: Operand, b: Operand) -> Result<NodeId, KernelError> {
+        let c = self.node_arg("where", "condition", Operand::Node(cond))?;
+        if self.nodes[c].dtype != DType::Bool {
+            return Err(err("where", "operand `condition`", "fusion-dtype", format!("a {} condition", self.nodes[c].dtype), "torch.where takes a bool condition"));
+        }
+        if matches!((a, b), (Operand::Scalar(_), Operand::Scalar(_))) {
+            return Err(err("where", "operands", "fusion-operand", "two numbers", "at least one of self and other must be a tensor"));
+        }
+        self.float_operand("where", "self", a)?;
+        self.float_operand("where", "other", b)?;
+        let shape = self.broadcast("where", &["condition", "self", "other"], &[Operand::Node(cond), a, b])?;
+        let dtype = promote(&self.parts(&[a, b]));
+        Ok(self.push(NodeOp::Where, vec![Operand::Node(cond), a, b], dtype, shape))
+    }
+
+    pub fn clamp(&mut self, x: NodeId, lo: Option<f64>, hi: Option<f64>) -> Result<NodeId, KernelError> {
+        self.float_operand("clamp", "self", Operand::Node(x))?;
+        if lo.is_none() && hi.is_none() {
+            return Err(err("clamp", "min and max", "fusion-operand", "neither bound is given", "torch raises for this too"));
+        }
+        for (name, b) in [("min", lo), ("max", hi)] {
+            if let Some(b) = b {
+                scalar_ok("clamp", name, b)?;
+            }
+        }
+        let n = &self.nodes[self.node_arg("clamp", "self", Operand::Node(x))?];
+        let (dtype, shape) = (n.dtype, n.shape.clone());
+        Ok(self.push(NodeOp::Clamp(lo, hi), vec![Operand::Node(x)], dtype, shape))
+    }
+
+    pub fn cast(&mut self, x: NodeId, to: DType) -> Result<NodeId, KernelError> {
+        let n = &self.nodes[self.node_arg("to", "self", Operand::Node(x))?];
+        if !matches!(to, DType::F32 | DType::BF16 | DType::Bool) {
+            return Err(err("to", "dtype", "fusion-dtype", format!("a cast to {to}"), "casts to float32, bfloat16 and bool fuse; others run eagerly"));
+        }
+        let shape = n.shape.clone();
+        Ok(self.push(NodeOp::Cast(to), vec![Operand::Node(x)], to, shape))
+    }
+
+    /// A row op over the last dim. With `keepdim == false` a reduction's result drops the
+    /// last dim (a [`NodeOp::View`] of the keepdim result).
+    pub fn row(&mut self, op: RowOp, x: NodeId, keepdim: bool) -> Result<NodeId, KernelError> {
+        let name = format!("{op:?}").to_lowercase();
+        self.float_operand(&name, "self", Operand::Node(x))?;
+        let n = &self.nodes[self.node_arg(&name, "self", Operand::Node(x))?];
+        if n.shape.is_empty() {
+            return Err(err(&name, "operand `self`", "fusion-shape", "a 0-dim tensor", "row ops take tensors of at least one dim"));
+        }
+        let (dtype, shape) = (n.dtype, n.shape.clone());
+        if op.keeps_row() {
+            return Ok(self.push(NodeOp::Row(op), vec![Operand::Node(x)], dtype, shape));
+        }
+        let mut kept = shape.clone();
+        *kept.last_mut().expect("rank >= 1") = 1;
+        let r = self.push(NodeOp::Row(op), vec![Operand::Node(x)], dtype, kept);
+        if keepdim {
+            Ok(r)
+        } else {
+            self.view(r, &shape[..shape.len() - 1])
+        }
+    }
+
+    /// `x.view(shape)` / `reshape` of a contiguous tensor.
+    pub fn view(&mut self, x: NodeId, shape: &[usize]) -> Result<NodeId, KernelError> {
+        let n = &self.nodes[self.node_arg("view", "self", Operand::Node(x))?];
+        let (have, want) = (n.shape.iter().product::<usize>(), shape.iter().product::<usize>());
+        if have != want {
+            return Err(err("view", "shape", "fusion-shape", format!("{} has {have} elements, {} has {want}", shape_str(&n.shape), shape_str(shape)), "keep the element count"));
+        }
+        let dtype = n.dtype;
+        Self::check_row("view", shape)?;
+        Ok(self.push(NodeOp::View, vec![Operand::Node(x)], dtype, shape.to_vec()))
+    }
+
+    /// Follows views whose rows are the source's rows: the node whose value this is, in
+    /// the same layout (a view that changes the layout stops here).
+    pub fn same_rows_source(&self, mut id: NodeId) -> NodeId {
+        while let NodeOp::View = self.nodes[id].op {
+            let Operand::Node(src) = self.nodes[id].args[0] else { break };
+            if self.nodes[src].layout() != self.nodes[id].layout() {
+                break;
+            }
+            id = src;
+        }
+        id
+    }
+
+    /// Follows every view: the node whose memory this is.
+    pub fn storage(&self, mut id: NodeId) -> NodeId {
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[id].op, self.nodes[id].args.first()) {
+            id = src;
+        }
+        id
+    }
+
+    /// A structural key: every node's op, operands (numbers by their bits), dtype and shape.
+    pub fn key(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, n) in self.nodes.iter().enumerate() {
+            let args: Vec<String> = n
+                .args
+                .iter()
+                .map(|a| match a {
+                    Operand::Node(id) => format!("%{id}"),
+                    // Bits, so that the key tells -0.0 from 0.0 and NaN payloads apart.
+                    Operand::Scalar(x) => format!("{x:e}#{:x}", x.to_bits()),
+                })
+                .collect();
+            let op = match &n.op {
+                NodeOp::Clamp(lo, hi) => format!("Clamp({:?},{:?})", lo.map(f64::to_bits), hi.map(f64::to_bits)),
+                o => format!("{o:?}"),
+            };
+            writeln!(f, "%{i} = {op}({}) : {}{:?}", args.join(", "), n.dtype, n.shape)?;
+        }
+        Ok(())
+    }
+}

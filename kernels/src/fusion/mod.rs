@@ -1,0 +1,407 @@
+//! DeferAndFuse's engine, independent of torch: a graph of tensor ops ([`graph`]), a
+//! planner that cuts it into row kernels ([`planner`]), a generator that builds each
+//! kernel with the dsl builder ([`generate`]), and a [`Program`] that picks blocks,
+//! verifies every kernel, runs them on a CPU backend, and is cached by structure.
+//!
+//! # What a graph holds
+//!
+//! Pointwise ops (unary, binary with torch broadcasting, comparisons, `where`, `clamp`,
+//! casts) over f32, bf16 and bool tensors with torch's type promotion (dimensioned
+//! tensors beat 0-dim tensors beat Python numbers within a category, float beats bool);
+//! row ops over the last dim (`sum`, `mean`, `amax`, `amin` with or without keepdim,
+//! `softmax`, `log_softmax`); views (reshapes of contiguous tensors). Every tensor is
+//! seen as rows: `shape[..-1]` flattened by the last dim (a contiguous tensor is exactly
+//! that row-major matrix).
+//!
+//! # The rules (Inductor / XLA style)
+//!
+//! 1. **Pointwise chains fuse**: a pointwise node joins the open kernel when its values
+//!    broadcast with the kernel's row space (every value is `rows or 1` by `cols or 1`).
+//!    The space may grow from 1 (a `[m, 1]` chain meeting `[m, n]` values becomes `[m, n]`).
+//! 2. **A row op fuses with its producers and its same-row-space consumers**: a kernel
+//!    walks blocks of whole rows, so a row op over the kernel's `cols` sees every element
+//!    of its rows. RMSNorm `x * rsqrt(mean(x^2) + eps) * w` is one kernel; so is softmax
+//!    written as `exp(x - amax) / sum(exp(x - amax))`, and any number of row ops over the
+//!    same rows (there is no "one reduction per kernel" limit: the rows are in VMEM).
+//! 3. **Nothing is computed twice**: each node is in exactly one kernel; a value a later
+//!    kernel reads is stored once and read from memory.
+//! 4. **A view that keeps the rows is free** (`[4, 3, 8] -> [12, 8]`): inside a kernel it
+//!    is the same value. A view that changes the rows (a non-keepdim reduction's `[m]`,
+//!    `[m, n] -> [m * n]`) is a reinterpretation of stored memory: its source is stored,
+//!    and a node reading the view starts a new kernel when the source is computed by the
+//!    open one.
+//! 5. **Caps**: at most [`planner::MAX_READS`] buffers read and [`planner::MAX_NODES`]
+//!    nodes per kernel; a full kernel ends and the next node starts a new one.
+//! 6. **Only stored values cost memory**: a node is stored when a later kernel reads it or
+//!    the caller takes it (`live`); every other value lives only in the kernel's vregs.
+//!
+//! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
+//! a row op over a different row length than the kernel's (`x.sum(-1)` then a row op over
+//! a `[m, 1]` column); a node whose values do not broadcast with the kernel's row space
+//! (`[m, n]` values after `[k, n]` ones); reading a row-changing view of a value the open
+//! kernel computes. Refused when recorded (the front-end runs the op eagerly, the reason
+//! is the error's rule): dtypes other than f32/bf16/bool (`fusion-dtype`), broadcasts
+//! over some leading dims but not all (`[1, 3, 8]` into `[4, 3, 8]`:
+//! `fusion-broadcast-rows`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
+//! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
+//! (`fusion-scalar`), reductions over other dims than the last, and everything else
+//! (matmul, indexing, strided views) which the front-end does not record.
+//!
+//! # Numerics
+//!
+//! f32 math for every float (bf16 is upcast on load; sums accumulate in f32); a bf16 node
+//! rounds to bf16 after its op as torch's CPU kernels do; NaN propagates as in torch
+//! (`max`/`min`/`amax`/`clamp`/`relu` are NaN-propagating). Sums are pairwise per row,
+//! torch's are cascaded: they differ by rounding only.
+//!
+//! # Blocks, verification, cache
+//!
+//! A kernel's block is `bm` whole rows: [`RowTiles`] (about 1 MiB f32 blocks, sublanes
+//! of the widest-tiled dtype it touches) for `reads + stored + 2` streams; the scoped VMEM
+//! limit is raised to what the verifier counts (`fit_vmem_limit`); a kernel the verifier
+//! still refuses for VMEM is retried with half the rows, any other refusal is the
+//! program's error (the front-end falls back to eager and reports it). Programs are
+//! cached by their structural key (every node's op, operands, dtype and shape; the live
+//! nodes; the target) in an LRU of [`cache_capacity`] entries (`TESSERA_FUSION_CACHE`,
+//! default 256); failures are cached too.
+
+pub mod generate;
+pub mod graph;
+pub mod planner;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+
+use tessera_dsl::interp::{Array, Fill, HostData, HostMut, HostRef};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
+
+pub use graph::{Binary, Compare, Graph, Node, NodeId, NodeOp, Operand, RowOp, Unary};
+pub use planner::{Partition, Partitioning, Read};
+
+use crate::blocks::{fit_vmem_limit, RowTiles, ROW_BLOCK_BYTES};
+use generate::memory_dtype;
+
+/// Where a kernel operand's memory is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buf {
+    /// Graph input `i`.
+    Input(usize),
+    /// The caller's output `k` (`live[k]`).
+    Output(usize),
+    /// A buffer the program allocates for the run (read by a later kernel only).
+    Temp(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub kernel: Kernel,
+    pub inputs: Vec<(Buf, Vec<usize>)>,
+    pub outputs: Vec<(Buf, Vec<usize>)>,
+}
+
+/// A planned, generated and verified graph, ready to run.
+#[derive(Clone, Debug)]
+pub struct Program {
+    pub graph: Graph,
+    pub live: Vec<NodeId>,
+    pub target: Target,
+    pub partitioning: Partitioning,
+    pub launches: Vec<Launch>,
+    /// Dtype (in memory) and element count of each temporary.
+    pub temps: Vec<(DType, usize)>,
+}
+
+fn sublanes(dtypes: impl Iterator<Item = DType>, target: &Target) -> usize {
+    dtypes.map(|d| target.tiling(d).0).max().unwrap_or(8)
+}
+
+impl Program {
+    /// Plans `graph` for the results `live` (each a distinct memory: no two live nodes
+    /// may be views of one another), generates and verifies every kernel for `target`.
+    pub fn build(graph: &Graph, live: &[NodeId], target: &Target) -> Result<Program, KernelError> {
+        let mut roots = Vec::new();
+        for &l in live {
+            let r = graph.storage(l.min(graph.len().saturating_sub(1)));
+            if roots.contains(&r) {
+                return Err(KernelError::new("fusion", format!("live node %{l}"), "fusion-output-alias", format!("its memory is that of another live node (node %{r})"), "take one tensor per memory; its views share it"));
+            }
+            roots.push(r);
+        }
+        let partitioning = planner::partition(graph, live)?;
+        let mut bufs: HashMap<NodeId, Buf> = HashMap::new();
+        for (i, n) in graph.nodes.iter().enumerate() {
+            if let NodeOp::Input(k) = n.op {
+                bufs.insert(i, Buf::Input(k));
+            }
+        }
+        for (k, &r) in roots.iter().enumerate() {
+            bufs.insert(r, Buf::Output(k));
+        }
+        let mut temps = Vec::new();
+        for p in &partitioning.parts {
+            for &o in &p.outputs {
+                bufs.entry(o).or_insert_with(|| {
+                    let n = graph.node(o);
+                    temps.push((memory_dtype(n.dtype), n.shape.iter().product()));
+                    Buf::Temp(temps.len() - 1)
+                });
+            }
+        }
+        let mut launches = Vec::new();
+        for (i, p) in partitioning.parts.iter().enumerate() {
+            let kernel = Self::kernel(graph, p, i, target)?;
+            let inputs = p.reads.iter().map(|r| (bufs[&r.storage], vec![r.rows, r.cols])).collect();
+            let outputs = p
+                .outputs
+                .iter()
+                .map(|&o| {
+                    let (r, c) = graph.node(o).layout();
+                    (bufs[&o], vec![r, c])
+                })
+                .collect();
+            launches.push(Launch { kernel, inputs, outputs });
+        }
+        Ok(Program { graph: graph.clone(), live: live.to_vec(), target: target.clone(), partitioning, launches, temps })
+    }
+
+    /// Generates partition `p`'s kernel with the largest block of whole rows that the
+    /// verifier accepts.
+    fn kernel(g: &Graph, p: &Partition, index: usize, target: &Target) -> Result<Kernel, KernelError> {
+        let dtypes = p.reads.iter().map(|r| g.node(r.storage).dtype).chain(p.outputs.iter().map(|&o| g.node(o).dtype)).map(memory_dtype);
+        let sub = sublanes(dtypes, target);
+        let streams = p.reads.len() + p.outputs.len() + 2;
+        let limit = target.default_scoped_vmem_bytes / (4 * streams);
+        let tiles = RowTiles::new(p.rows, p.cols, sub, ROW_BLOCK_BYTES.min(limit), limit);
+        let mut bm = tiles.bm;
+        loop {
+            let k = generate::kernel(g, p, index, bm)?;
+            let k = fit_vmem_limit(k, target);
+            match tessera_dsl::verify::verify(&k, target) {
+                Ok(()) => return Ok(k),
+                Err(e) if e.rule.contains("vmem") && bm > sub && (bm / 2).is_multiple_of(sub) => bm /= 2,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The memory dtype and shape the caller passes for each graph input (bool as i8).
+    pub fn input_types(&self) -> Vec<Type> {
+        self.graph.nodes.iter().filter(|n| matches!(n.op, NodeOp::Input(_))).map(|n| Type::vector(memory_dtype(n.dtype), &n.shape)).collect()
+    }
+
+    /// The memory dtype and shape of each output (`live[k]`'s; bool as i8).
+    pub fn output_types(&self) -> Vec<Type> {
+        self.live
+            .iter()
+            .map(|&l| {
+                let n = self.graph.node(l);
+                Type::vector(memory_dtype(n.dtype), &n.shape)
+            })
+            .collect()
+    }
+
+    fn check(what: &str, i: usize, want: &Type, dtype: DType, len: usize) -> Result<(), KernelError> {
+        let rule = if what == "input" { ("argument-dtype", "argument-shape") } else { ("output-dtype", "output-shape") };
+        if dtype != want.dtype {
+            return Err(KernelError::new("fusion", format!("{what} {i}"), rule.0, format!("a {dtype} buffer for {want}"), format!("pass {} memory (bool as i8)", want.dtype)));
+        }
+        if len != want.num_elements() {
+            return Err(KernelError::new("fusion", format!("{what} {i}"), rule.1, format!("{len} elements for {want}"), "pass a contiguous tensor of the recorded shape"));
+        }
+        Ok(())
+    }
+
+    /// Runs every kernel with `exec`: `inputs` are the graph inputs, `outputs` the live
+    /// nodes' memory (both as [`Program::input_types`] / [`Program::output_types`]; any
+    /// shape of the right element count). Outputs must not overlap inputs.
+    pub fn run_into(&self, exec: &dyn Executor, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>]) -> Result<(), KernelError> {
+        let (it, ot) = (self.input_types(), self.output_types());
+        if inputs.len() != it.len() || outputs.len() != ot.len() {
+            return Err(KernelError::new(
+                "fusion",
+                "arguments",
+                "argument-count",
+                format!("{} inputs and {} outputs for a program of {} and {}", inputs.len(), outputs.len(), it.len(), ot.len()),
+                "pass one buffer per graph input and per live node",
+            ));
+        }
+        for (i, (a, t)) in inputs.iter().zip(&it).enumerate() {
+            Self::check("input", i, t, a.data.dtype(), a.data.len())?;
+        }
+        for (i, (a, t)) in outputs.iter().zip(&ot).enumerate() {
+            Self::check("output", i, t, a.data.dtype(), a.data.len())?;
+        }
+        let mut temps: Vec<Option<Array>> = Vec::new();
+        for &(d, n) in &self.temps {
+            let a = Array::try_filled(d, &[n], Fill::Poison).map_err(|e| KernelError::new("fusion", "a temporary", "host-memory", e.to_string(), "use smaller tensors"))?;
+            temps.push(Some(a));
+        }
+        let mut outs: Vec<Option<&mut HostMut<'_>>> = outputs.iter_mut().map(Some).collect();
+        for l in &self.launches {
+            // Take this launch's destinations out, then borrow the rest to read.
+            let mut dst_out: Vec<(usize, &mut HostMut<'_>)> = Vec::new();
+            let mut dst_tmp: Vec<(usize, Array)> = Vec::new();
+            for (b, _) in &l.outputs {
+                match *b {
+                    Buf::Output(k) => dst_out.push((k, outs[k].take().expect("each output is written by one kernel"))),
+                    Buf::Temp(t) => dst_tmp.push((t, temps[t].take().expect("each temporary is written by one kernel"))),
+                    Buf::Input(_) => unreachable!("inputs are never written"),
+                }
+            }
+            let result = {
+                let ins: Vec<HostRef<'_>> = l
+                    .inputs
+                    .iter()
+                    .map(|(b, shape)| {
+                        let data: HostData<'_> = match *b {
+                            Buf::Input(i) => inputs[i].data,
+                            Buf::Output(k) => outs[k].as_deref().expect("read after written").data.reborrow(),
+                            Buf::Temp(t) => temps[t].as_ref().expect("read after written").as_host().data,
+                        };
+                        HostRef { shape, data }
+                    })
+                    .collect();
+                let (mut oi, mut ti) = (dst_out.iter_mut(), dst_tmp.iter_mut());
+                let mut views: Vec<HostMut<'_>> = l
+                    .outputs
+                    .iter()
+                    .map(|(b, shape)| match b {
+                        Buf::Output(_) => HostMut { shape, data: oi.next().expect("one per output").1.data.reborrow_mut() },
+                        _ => HostMut { shape, data: ti.next().expect("one per temporary").1.as_host_mut().data },
+                    })
+                    .collect();
+                exec.run_into(&l.kernel, &ins, &mut views)
+            };
+            for (k, o) in dst_out {
+                outs[k] = Some(o);
+            }
+            for (t, a) in dst_tmp {
+                temps[t] = Some(a);
+            }
+            result?;
+        }
+        Ok(())
+    }
+
+    /// [`Program::run_into`] allocating the outputs.
+    pub fn run(&self, exec: &dyn Executor, inputs: &[&Array]) -> Result<Vec<Array>, KernelError> {
+        let mut outs = Vec::new();
+        for t in self.output_types() {
+            outs.push(Array::try_filled(t.dtype, &t.shape, Fill::Poison).map_err(|e| KernelError::new("fusion", "an output", "host-memory", e.to_string(), "use smaller tensors"))?);
+        }
+        let ins: Vec<HostRef<'_>> = inputs.iter().map(|a| a.as_host()).collect();
+        let mut views: Vec<HostMut<'_>> = outs.iter_mut().map(Array::as_host_mut).collect();
+        self.run_into(exec, &ins, &mut views)?;
+        drop(views);
+        Ok(outs)
+    }
+
+    /// The graph, its partition (with why each kernel starts) and each kernel's IR.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "# graph (live: {:?}, target {})\n{}", self.live.iter().map(|l| format!("%{l}")).collect::<Vec<_>>(), self.target.name, self.graph);
+        for (i, (p, l)) in self.partitioning.parts.iter().zip(&self.launches).enumerate() {
+            let _ = writeln!(
+                s,
+                "# kernel {i}: nodes {:?} over {}x{} rows (started: {}); reads {:?}; stores {:?}",
+                p.nodes,
+                p.rows,
+                p.cols,
+                p.cut,
+                p.reads.iter().map(|r| format!("%{}[{}x{}]", r.storage, r.rows, r.cols)).collect::<Vec<_>>(),
+                p.outputs.iter().map(|o| format!("%{o}")).collect::<Vec<_>>()
+            );
+            let _ = writeln!(s, "{}", l.kernel);
+        }
+        s
+    }
+}
+
+// ---- the program cache -----------------------------------------------------------------------
+
+type Entry = (Result<Arc<Program>, KernelError>, u64);
+
+struct Cache {
+    map: HashMap<String, Entry>,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+    capacity: usize,
+}
+
+static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+
+/// Hits, misses, entries and capacity of the program cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub entries: usize,
+    pub capacity: usize,
+}
+
+fn default_capacity() -> usize {
+    std::env::var("TESSERA_FUSION_CACHE").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(256)
+}
+
+fn with_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
+    let mut g = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let c = g.get_or_insert_with(|| Cache { map: HashMap::new(), tick: 0, hits: 0, misses: 0, capacity: default_capacity() });
+    f(c)
+}
+
+pub fn cache_capacity() -> usize {
+    with_cache(|c| c.capacity)
+}
+
+pub fn cache_stats() -> CacheStats {
+    with_cache(|c| CacheStats { hits: c.hits, misses: c.misses, entries: c.map.len(), capacity: c.capacity })
+}
+
+pub fn clear_cache() {
+    with_cache(|c| {
+        c.map.clear();
+        c.hits = 0;
+        c.misses = 0;
+    })
+}
+
+/// The structural key of a program: the graph, the live nodes and the target.
+pub fn key(graph: &Graph, live: &[NodeId], target: &Target) -> String {
+    format!("{}live {live:?}\ntarget {}", graph.key(), target.name)
+}
+
+/// The cached program for (`graph`, `live`, `target`), built on a miss; and whether it
+/// was a hit.
+pub fn program(graph: &Graph, live: &[NodeId], target: &Target) -> (Result<Arc<Program>, KernelError>, bool) {
+    let k = key(graph, live, target);
+    let found = with_cache(|c| {
+        c.tick += 1;
+        let t = c.tick;
+        match c.map.get_mut(&k) {
+            Some(e) => {
+                e.1 = t;
+                c.hits += 1;
+                Some(e.0.clone())
+            }
+            None => {
+                c.misses += 1;
+                None
+            }
+        }
+    });
+    if let Some(r) = found {
+        return (r, true);
+    }
+    let built = Program::build(graph, live, target).map(Arc::new);
+    with_cache(|c| {
+        while c.map.len() >= c.capacity {
+            let Some(oldest) = c.map.iter().min_by_key(|(_, e)| e.1).map(|(k, _)| k.clone()) else { break };
+            c.map.remove(&oldest);
+        }
+        c.tick += 1;
+        c.map.insert(k, (built.clone(), c.tick));
+    });
+    (built, false)
+}

@@ -1,0 +1,172 @@
+//! The planner: partitions a [`Graph`] into row kernels by the rules in
+//! [`crate::fusion`]'s module docs (one greedy pass in recording order).
+
+use std::collections::BTreeSet;
+
+use tessera_dsl::KernelError;
+
+use super::graph::{Graph, NodeId, NodeOp, Operand};
+
+/// At most this many distinct memory reads per kernel (a cap on operands, as Inductor's).
+pub const MAX_READS: usize = 16;
+/// At most this many compute nodes per kernel.
+pub const MAX_NODES: usize = 96;
+
+/// A memory read of a kernel: the buffer of node `storage` seen as `rows x cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Read {
+    pub storage: NodeId,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One kernel: compute nodes over the row space `rows x cols`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partition {
+    pub nodes: Vec<NodeId>,
+    pub rows: usize,
+    pub cols: usize,
+    /// Memory it reads, in first-use order.
+    pub reads: Vec<Read>,
+    /// Nodes it computes that are stored (read by a later kernel, or a live result).
+    pub outputs: Vec<NodeId>,
+    /// Whether it holds a row op (then `cols` is fixed: the rows it reduces).
+    pub has_row_op: bool,
+    /// Why the previous partition ended here (for dumps and stats).
+    pub cut: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partitioning {
+    pub parts: Vec<Partition>,
+    /// Partition of each compute node (`None`: inputs and views).
+    pub assigned: Vec<Option<usize>>,
+}
+
+fn fits(layout: (usize, usize), space: (usize, usize)) -> bool {
+    (layout.0 == space.0 || layout.0 == 1) && (layout.1 == space.1 || layout.1 == 1)
+}
+
+/// The iteration space of a compute node: a row op runs over its input's rows.
+fn space_of(g: &Graph, id: NodeId) -> (usize, usize) {
+    let n = g.node(id);
+    match (&n.op, n.args.first()) {
+        (NodeOp::Row(_), Some(&Operand::Node(x))) => g.node(x).layout(),
+        _ => n.layout(),
+    }
+}
+
+/// Partitions `g`; `live` are the nodes whose values the caller takes.
+pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError> {
+    let mut parts: Vec<Partition> = Vec::new();
+    let mut assigned: Vec<Option<usize>> = vec![None; g.len()];
+    // Layouts of the values each open partition computes or reads (for the space check).
+    let mut layouts: Vec<(usize, usize)> = Vec::new();
+    let mut row_op_cols: Option<usize> = None;
+    for id in 0..g.len() {
+        let node = g.node(id);
+        if matches!(node.op, NodeOp::Input(_) | NodeOp::View) {
+            continue;
+        }
+        let space = space_of(g, id);
+        let cur = parts.len().checked_sub(1);
+        // The memory this node reads if it joins `cur`, and whether it needs a value `cur`
+        // computes in another layout (then it must wait for `cur` to be stored).
+        let mut reads = Vec::new();
+        let mut needs_stored = None;
+        for a in &node.args {
+            let Operand::Node(o) = *a else { continue };
+            let s = g.same_rows_source(o);
+            let in_cur = cur.is_some() && assigned[s] == cur;
+            if in_cur {
+                continue;
+            }
+            let storage = g.storage(o);
+            if cur.is_some() && assigned[storage] == cur {
+                needs_stored = Some(o);
+            }
+            let (rows, cols) = g.node(o).layout();
+            reads.push(Read { storage, rows, cols });
+        }
+        let mut cut = None;
+        if let Some(p) = cur {
+            let part = &parts[p];
+            let m = part.rows.max(space.0);
+            let n = part.cols.max(space.1);
+            let mut new_reads: BTreeSet<Read> = part.reads.iter().copied().collect();
+            new_reads.extend(reads.iter().copied());
+            let is_row = matches!(node.op, NodeOp::Row(_));
+            cut = if let Some(o) = needs_stored {
+                Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
+            } else if !layouts.iter().chain(&[space, node.layout()]).chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).all(|&l| fits(l, (m, n))) {
+                Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
+            } else if row_op_cols.is_some_and(|c| c != n) || (is_row && space.1 != n) {
+                Some(format!("node %{id} changes the row length ({} vs {}) of a kernel with a row op", space.1, n))
+            } else if new_reads.len() > MAX_READS {
+                Some(format!("node %{id} would make the kernel read more than {MAX_READS} buffers"))
+            } else if part.nodes.len() >= MAX_NODES {
+                Some(format!("the previous kernel has {MAX_NODES} nodes"))
+            } else {
+                None
+            };
+            if cut.is_none() {
+                let part = &mut parts[p];
+                part.rows = m;
+                part.cols = n;
+                part.nodes.push(id);
+                for r in reads {
+                    if !part.reads.contains(&r) {
+                        part.reads.push(r);
+                    }
+                }
+                part.has_row_op |= is_row;
+                if is_row {
+                    row_op_cols = Some(n);
+                }
+                layouts.push(space);
+                layouts.push(node.layout());
+                assigned[id] = Some(p);
+                continue;
+            }
+        }
+        // A new partition. Reads of the previous one's values are now reads of memory.
+        let mut reads = Vec::new();
+        for a in &node.args {
+            let Operand::Node(o) = *a else { continue };
+            let (rows, cols) = g.node(o).layout();
+            let r = Read { storage: g.storage(o), rows, cols };
+            if !reads.contains(&r) {
+                reads.push(r);
+            }
+        }
+        let is_row = matches!(node.op, NodeOp::Row(_));
+        layouts = vec![space, node.layout()];
+        layouts.extend(reads.iter().map(|r| (r.rows, r.cols)));
+        row_op_cols = is_row.then_some(space.1);
+        // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
+        let (m, n) = layouts.iter().fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
+        if !layouts.iter().all(|&l| fits(l, (m, n))) {
+            return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
+        }
+        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, cut: cut.unwrap_or_else(|| "start".into()) });
+        assigned[id] = Some(parts.len() - 1);
+    }
+    // What is stored: every compute node read from memory, and the live results.
+    let mut stored: BTreeSet<NodeId> = parts.iter().flat_map(|p| p.reads.iter().map(|r| r.storage)).filter(|&s| assigned[s].is_some()).collect();
+    for &l in live {
+        if l >= g.len() {
+            return Err(KernelError::new("fusion", format!("live node %{l}"), "fusion-operand", format!("the graph has {} nodes", g.len()), "name nodes of this graph"));
+        }
+        let s = g.storage(l);
+        if assigned[s].is_none() {
+            return Err(KernelError::new("fusion", format!("live node %{l}"), "fusion-output-alias", "its memory is a graph input's", "take graph inputs as they are; only computed nodes are results"));
+        }
+        stored.insert(s);
+    }
+    for s in stored {
+        if let Some(p) = assigned[s] {
+            parts[p].outputs.push(s);
+        }
+    }
+    Ok(Partitioning { parts, assigned })
+}
