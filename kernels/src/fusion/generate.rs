@@ -34,6 +34,7 @@ struct Gen<'a> {
     b: KernelBuilder,
     vals: HashMap<NodeId, Value>,
     loaded: HashMap<Read, Value>,
+    bm: usize,
 }
 
 impl Gen<'_> {
@@ -148,9 +149,17 @@ impl Gen<'_> {
                 self.b.cmp(op, x, y)
             }
             NodeOp::Where => {
-                let c = self.val(n.args[0]);
-                let (x, y) = (self.arg(n.args[1]), self.arg(n.args[2]));
-                self.b.select(c, x, y)
+                // `select` takes its shape from the values: broadcast all three first.
+                let (r, c) = n.layout();
+                let shape = [if r == self.p.rows { self.bm } else { 1 }, c];
+                let cond = self.val(n.args[0]);
+                let cond = self.b.broadcast(cond, &shape);
+                let side = |a: Operand, g: &mut Self| match g.arg(a) {
+                    Arg::Val(v) => Arg::Val(g.b.broadcast(v, &shape)),
+                    lit => lit,
+                };
+                let (x, y) = (side(n.args[1], self), side(n.args[2], self));
+                self.b.select(cond, x, y)
             }
             NodeOp::Clamp(lo, hi) => {
                 let mut v = self.val(n.args[0]);
@@ -229,7 +238,7 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, bm: usize) -> Result<tesse
         let id = b.output(&format!("out_n{o}"), memory_dtype(n.dtype), &[rows, cols], spec(rows, cols, p.rows, bm));
         out_refs.push((o, id));
     }
-    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new() };
+    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm };
     for (r, id) in &in_refs {
         let v = gen.b.load(*id, &[Index::Full, Index::Full]);
         let v = match g.node(r.storage).dtype {
