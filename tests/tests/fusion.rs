@@ -169,6 +169,7 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                     &vals,
                 )
             }
+            NodeOp::Expand => map(&|x| x[0], &vals),
             NodeOp::Where => map(&|x| if x[0] != 0.0 { x[1] } else { x[2] }, &vals),
             NodeOp::Clamp(lo, hi) => {
                 let (lo, hi) = (*lo, *hi);
@@ -289,6 +290,7 @@ fn random_graph(seed: u64) -> Random {
                 *kept.last_mut().unwrap() = 1;
                 g.row(op, x, false).and_then(|r| g.view(r, &kept))
             }
+            13 if rng.gen_bool(0.3) => g.expand(x, &full),
             13 => g.row(if rng.gen_bool(0.5) { RowOp::Softmax } else { RowOp::LogSoftmax }, x, true),
             _ => {
                 // A rows-keeping view and back.

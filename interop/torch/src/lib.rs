@@ -10,6 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
+mod fusion;
 mod tensor;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -605,6 +606,8 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(reference, m)?)?;
     m.add_class::<PyPlan>()?;
+    m.add_class::<fusion::FusionGraph>()?;
+    m.add_function(wrap_pyfunction!(fusion::fusion_cache_info, m)?)?;
     Ok(())
 }
 

@@ -161,6 +161,12 @@ impl Gen<'_> {
                 let (x, y) = (side(n.args[1], self), side(n.args[2], self));
                 self.b.select(cond, x, y)
             }
+            NodeOp::Expand => {
+                let (r, c) = n.layout();
+                let shape = [if r == self.p.rows { self.bm } else { 1 }, c];
+                let v = self.val(n.args[0]);
+                self.b.broadcast(v, &shape)
+            }
             NodeOp::Clamp(lo, hi) => {
                 let mut v = self.val(n.args[0]);
                 if let Some(lo) = lo {

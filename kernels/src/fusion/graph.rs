@@ -98,6 +98,10 @@ pub enum NodeOp {
     Row(RowOp),
     /// A reshape of a contiguous tensor: the same elements, another shape.
     View,
+    /// `x.expand(shape)` as a value (torch's is a stride-0 view; here the broadcast copy,
+    /// which reads the same as long as the source is not written, and the front-end
+    /// never defers a write to a tensor that has views).
+    Expand,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -418,6 +422,20 @@ impl Graph {
         } else {
             self.view(r, &shape[..shape.len() - 1])
         }
+    }
+
+    /// `x.expand(shape)`: `x` broadcast to `shape` (torch's broadcasting rules).
+    pub fn expand(&mut self, x: NodeId, shape: &[usize]) -> Result<NodeId, KernelError> {
+        let n = &self.nodes[self.node_arg("expand", "self", Operand::Node(x))?];
+        if broadcast_shapes(&n.shape, shape).as_deref() != Some(shape) {
+            return Err(err("expand", "shape", "fusion-broadcast", format!("{} does not expand to {}", shape_str(&n.shape), shape_str(shape)), "torch raises for these shapes too"));
+        }
+        if !row_broadcast_ok(&n.shape, shape) {
+            return Err(err("expand", "operand `self`", "fusion-broadcast-rows", format!("shape {} expands into {} over some leading dims but not all", shape_str(&n.shape), shape_str(shape)), "an operand's leading dims must be all the result's or all 1"));
+        }
+        Self::check_row("expand", shape)?;
+        let dtype = n.dtype;
+        Ok(self.push(NodeOp::Expand, vec![Operand::Node(x)], dtype, shape.to_vec()))
     }
 
     /// `x.view(shape)` / `reshape` of a contiguous tensor.

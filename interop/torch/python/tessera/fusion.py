@@ -1,0 +1,670 @@
+"""DeferAndFuse: plain PyTorch ops on CPU tensors, recorded and run as generated Tessera kernels.
+
+    with tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w   # recorded
+        print(y)                                                          # flush: one kernel
+
+Under the mode a `TorchDispatchMode` sees every aten op. An op the engine takes (pointwise,
+casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; see
+`tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
+real tensor of the result's shape and dtype whose memory is not written yet. A flush plans
+the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
+CPU backend (`TESSERA_BACKEND`), and writes only the placeholders somebody still references
+(intermediates nobody holds are never written, so their pages are never touched).
+
+Flushes happen on: reading values (`.item()`, `bool/int/float()`, `.tolist()`, `.numpy()`,
+`repr`/`print`/format), an op the engine does not take whose inputs are pending (it runs
+eagerly after the flush), a write to a tensor the pending graph reads, an in-place op on a
+pending tensor that has views, `backward()` / `torch.autograd.grad` (before and after), more
+than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, leaving the mode, and `flush()`. Flush
+points depend only on the op sequence.
+
+Aliasing is eager's: views of pending tensors are real views of the placeholder's memory;
+in-place ops are deferred only on a pending tensor with no other live alias (its memory is
+then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
+mode, so backward ops are recorded and fused too.
+
+If a graph cannot be built or a kernel fails verification the recorded ops are replayed
+eagerly and `stats()["fallbacks"]` says why. `TESSERA_DUMP_FUSION=DIR` writes each flushed
+graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+import weakref
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from tessera import _native
+
+aten = torch.ops.aten
+
+__all__ = ["EagerMode", "set_eager_mode", "get_eager_mode", "flush", "stats", "reset_stats"]
+
+
+class EagerMode(enum.Enum):
+    STRICT = "strict"
+    DEFER_AND_FUSE = "defer_and_fuse"
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bool"}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+def _max_ops() -> int:
+    try:
+        return max(1, int(os.environ.get("TESSERA_FUSION_MAX_OPS", "512")))
+    except ValueError:
+        return 512
+
+
+# ---- stats ------------------------------------------------------------------------------------
+
+_stats = {}
+
+
+def reset_stats() -> None:
+    """Zeroes the counters of `stats()`."""
+    _stats.clear()
+    _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
+                  kernels_launched=0, cache_hits=0, cache_misses=0, fallbacks=[])
+
+
+reset_stats()
+
+
+def stats() -> dict:
+    """Ops deferred, ops run eagerly and why (`eager_reasons`: rule or op name -> count),
+    flushes and their causes, kernels launched, program-cache hits and misses (this
+    process's flushes), and `fallbacks` (why a flushed graph ran eagerly instead)."""
+    out = dict(_stats)
+    out["eager_reasons"] = dict(_stats["eager_reasons"])
+    out["flush_causes"] = dict(_stats["flush_causes"])
+    out["fallbacks"] = list(_stats["fallbacks"])
+    out["native_cache"] = dict(_native.fusion_cache_info())
+    return out
+
+
+def _rule_of(err: Exception) -> str:
+    m = re.search(r"error\[([^\]]+)\]", str(err))
+    return m.group(1) if m else type(err).__name__
+
+
+# ---- the pending graph -----------------------------------------------------------------------
+
+
+class _Unsupported(Exception):
+    """The engine does not take this op (the message is the reason)."""
+
+
+class _Group:
+    """Tensors sharing one placeholder's memory: its current value is node `root`."""
+
+    __slots__ = ("root", "shape", "dtype", "members")
+
+    def __init__(self, root, shape, dtype):
+        self.root = root
+        self.shape = shape
+        self.dtype = dtype
+        self.members = []  # weakrefs; [0] is the placeholder that owns the memory
+
+    def alive(self):
+        return [t for t in (r() for r in self.members) if t is not None]
+
+
+class _State:
+    def __init__(self):
+        self.graph = _native.FusionGraph()
+        self.pending = {}  # id(tensor) -> (weakref, node, group)
+        self.inputs = []  # real tensors, in graph-input order
+        self.input_nodes = {}  # id(real tensor) -> node
+        self.input_storages = set()  # data_ptr of the inputs' storages
+        self.groups = []
+        self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
+        self.ops = 0
+
+    def entry(self, t):
+        e = self.pending.get(id(t))
+        if e is not None and e[0]() is t:
+            return e
+        return None
+
+
+_state = _State()
+_flush_count = 0
+
+
+def _storage_ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:
+        return None
+
+
+def _is_plain_cpu(t):
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
+def _node_of(t, st):
+    """The node of tensor `t`: pending, or a graph input (recorded on first use)."""
+    e = st.entry(t)
+    if e is not None:
+        return e[1]
+    if not _is_plain_cpu(t) or t.device.type != "cpu" or t.layout != torch.strided:
+        raise _Unsupported("device")
+    if t.dtype not in _DTYPES:
+        raise _Unsupported("fusion-dtype")
+    n = st.input_nodes.get(id(t))
+    if n is not None and st.inputs[n[1]] is t:
+        return n[0]
+    try:
+        node = st.graph.input(_DTYPES[t.dtype], list(t.shape))
+    except ValueError as err:
+        raise _Unsupported(_rule_of(err)) from None
+    st.input_nodes[id(t)] = (node, len(st.inputs))
+    st.inputs.append(t)
+    st.input_storages.add(_storage_ptr(t))
+    return node
+
+
+def _operand(a, st):
+    if isinstance(a, torch.Tensor):
+        return _node_of(a, st)
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+        raise _Unsupported("operand")
+    return float(a)
+
+
+def _has_bool_tensor(args, st):
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
+
+
+# ---- op table: aten overload -> how to record it ------------------------------------------------
+
+_UNARY = {"neg", "abs", "exp", "log", "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "silu", "reciprocal"}
+_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "maximum", "minimum": "minimum", "pow": "pow"}
+_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
+_ROW = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "_softmax": "softmax", "_log_softmax": "log_softmax"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "detach", "alias", "expand"}
+# Ops that read only their arguments' metadata: they run eagerly on placeholders.
+_META_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "randn_like", "rand_like"}
+
+
+def _last_dim(dims, rank):
+    if dims is None:
+        return False
+    if isinstance(dims, int):
+        dims = [dims]
+    dims = list(dims)
+    return len(dims) == 1 and rank >= 1 and dims[0] % rank == rank - 1
+
+
+def _record(func, name, args, kwargs, st):
+    """Records one out-of-place op; returns its node. Raises _Unsupported."""
+    g = st.graph
+    kw = dict(kwargs)
+
+    def op(kind, nm, xs):
+        try:
+            return g.op(kind, nm, xs)
+        except ValueError as err:
+            raise _Unsupported(_rule_of(err)) from None
+
+    if name in _UNARY:
+        if len(args) != 1 or kw:
+            raise _Unsupported(f"{name}-args")
+        return op("unary", name, [_node_of(args[0], st)])
+    if name == "gelu":
+        if kw.get("approximate", "none") != "none":
+            raise _Unsupported("gelu-tanh")
+        return op("unary", "gelu", [_node_of(args[0], st)])
+    if name in ("add", "sub", "rsub"):
+        alpha = kw.pop("alpha", 1)
+        if kw or len(args) != 2 or alpha != 1:
+            raise _Unsupported(f"{name}-alpha")
+        if _has_bool_tensor(args, st):
+            raise _Unsupported("fusion-dtype")
+        a, b = _operand(args[0], st), _operand(args[1], st)
+        if name == "rsub":
+            return op("binary", "sub", [b, a])
+        return op("binary", name, [a, b])
+    if name in _BINARY:
+        if kw or len(args) != 2:
+            raise _Unsupported(f"{name}-args")
+        if _has_bool_tensor(args, st):
+            raise _Unsupported("fusion-dtype")
+        return op("binary", _BINARY[name], [_operand(args[0], st), _operand(args[1], st)])
+    if name in _COMPARE:
+        if kw or len(args) != 2:
+            raise _Unsupported(f"{name}-args")
+        if _has_bool_tensor(args, st):
+            raise _Unsupported("fusion-dtype")
+        return op("compare", name, [_operand(args[0], st), _operand(args[1], st)])
+    if name == "where":
+        if kw or len(args) != 3 or not isinstance(args[0], torch.Tensor):
+            raise _Unsupported("where-args")
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:]):
+            raise _Unsupported("fusion-dtype")
+        return op("where", "where", [_node_of(args[0], st), _operand(args[1], st), _operand(args[2], st)])
+    if name in ("clamp", "clamp_min", "clamp_max"):
+        if name == "clamp":
+            lo = args[1] if len(args) > 1 else kw.pop("min", None)
+            hi = args[2] if len(args) > 2 else kw.pop("max", None)
+        elif name == "clamp_min":
+            lo, hi = args[1], None
+        else:
+            lo, hi = None, args[1]
+        if kw or isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor) or isinstance(lo, bool) or isinstance(hi, bool):
+            raise _Unsupported("clamp-args")
+        return op("clamp", "clamp", [_node_of(args[0], st), None if lo is None else float(lo), None if hi is None else float(hi)])
+    if name == "_to_copy":
+        dtype = kw.pop("dtype", None)
+        dev = kw.pop("device", None)
+        kw.pop("non_blocking", None)
+        layout = kw.pop("layout", None)
+        pin = kw.pop("pin_memory", None)
+        mf = kw.pop("memory_format", None)
+        if kw or len(args) != 1 or (dev is not None and torch.device(dev).type != "cpu") or layout not in (None, torch.strided) or pin or mf not in (None, torch.preserve_format, torch.contiguous_format):
+            raise _Unsupported("to-args")
+        dtype = args[0].dtype if dtype is None else dtype
+        if dtype not in _DTYPES:
+            raise _Unsupported("fusion-dtype")
+        return op("cast", "to", [_node_of(args[0], st), _DTYPES[dtype]])
+    if name == "clone":
+        mf = kw.pop("memory_format", None)
+        if kw or mf not in (None, torch.preserve_format, torch.contiguous_format):
+            raise _Unsupported("clone-args")
+        return op("cast", "to", [_node_of(args[0], st), _DTYPES.get(args[0].dtype, "?")])
+    if name in _ROW:
+        x = args[0]
+        rank = x.dim()
+        if name in ("_softmax", "_log_softmax"):
+            if len(args) != 3 or args[2] or kw or not _last_dim(args[1], rank):
+                raise _Unsupported(f"{name}-dim")
+            return op("row", _ROW[name], [_node_of(x, st), True])
+        dims = args[1] if len(args) > 1 else kw.pop("dim", None)
+        keepdim = bool(args[2] if len(args) > 2 else kw.pop("keepdim", False))
+        if kw.pop("dtype", None) is not None or kw:
+            raise _Unsupported(f"{name}-dtype")
+        if x.dtype == torch.bool:
+            raise _Unsupported("fusion-dtype")
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            # Over every element: the row op of the flattened tensor.
+            if keepdim and rank > 1:
+                raise _Unsupported(f"{name}-keepdim-all")
+            n = _node_of(x, st)
+            if rank != 1:
+                n = op("view", "view", [n, [x.numel()]])[0]
+            return op("row", _ROW[name], [n, keepdim])
+        if not _last_dim(dims, rank):
+            raise _Unsupported(f"{name}-dim")
+        return op("row", _ROW[name], [_node_of(x, st), keepdim])
+    raise _Unsupported(name)
+
+
+class _DeferMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = _state
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else name
+        inplace = name.endswith("_") and not name.startswith("_") and func._schema.arguments and func._schema.arguments[0].alias_info is not None and func._schema.arguments[0].alias_info.is_write
+        base = name[:-1] if inplace else name
+        tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        pending = [t for t in tensors if st.entry(t) is not None]
+
+        if func is aten._local_scalar_dense.default:
+            if pending:
+                _flush("item")
+            return func(*args, **kwargs)
+        if base in _META_ONLY and not inplace:
+            return func(*args, **kwargs)
+        if base in _VIEWS and not inplace and args and isinstance(args[0], torch.Tensor) and st.entry(args[0]) is not None:
+            try:
+                return self._view(func, base, args, kwargs, st)
+            except _Unsupported as why:
+                return self._eager(func, args, kwargs, f"{base}:{why}", pending)
+        if inplace or (base == "copy" and name == "copy_"):
+            return self._inplace(func, name, base, args, kwargs, st, pending)
+        if func._schema.is_mutable or "out" in kwargs:
+            return self._eager(func, args, kwargs, f"mutating:{name}", pending, writes=tensors)
+        if not tensors:
+            return func(*args, **kwargs)
+        try:
+            # A fresh start on an unsupported op of real tensors: no need to record.
+            if not pending and not _recordable(base):
+                raise _Unsupported(base)
+            node, shape, dtype = _record(func, base, args, kwargs, st)
+        except _Unsupported as why:
+            return self._eager(func, args, kwargs, f"{why}" if str(why) != base else f"op:{base}", pending)
+        return self._result(func, args, kwargs, node, shape, dtype, st)
+
+    # -- helpers --
+
+    def _result(self, func, args, kwargs, node, shape, dtype, st):
+        with _no_dispatch():
+            out = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+        grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype])
+        grp.members.append(weakref.ref(out))
+        st.groups.append(grp)
+        st.pending[id(out)] = (weakref.ref(out), node, grp)
+        st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
+        _count_op(st)
+        return out
+
+    def _view(self, func, base, args, kwargs, st):
+        x = args[0]
+        e = st.entry(x)
+        with _no_dispatch():
+            out = func(*args, **kwargs)  # the real view of the placeholder
+        if base == "expand":
+            try:
+                node = st.graph.op("expand", "expand", [e[1], list(out.shape)])[0]
+            except ValueError as err:
+                raise _Unsupported(_rule_of(err)) from None
+        else:
+            if not out.is_contiguous() or out.numel() != x.numel():
+                raise _Unsupported("strided-view")
+            try:
+                node = st.graph.op("view", "view", [e[1], list(out.shape)])[0]
+            except ValueError as err:
+                raise _Unsupported(_rule_of(err)) from None
+        grp = e[2]
+        grp.members.append(weakref.ref(out))
+        st.pending[id(out)] = (weakref.ref(out), node, grp)
+        st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
+        _count_op(st)
+        return out
+
+    def _inplace(self, func, name, base, args, kwargs, st, pending):
+        target = args[0]
+        e = st.entry(target)
+        if e is None:
+            # A write to real memory: flush first if the pending graph reads it.
+            return self._eager(func, args, kwargs, f"inplace-on-real:{name}", pending, writes=[target])
+        grp = e[2]
+        if len(grp.alive()) != 1 or grp.members[0]() is not target:
+            return self._eager(func, args, kwargs, f"inplace-alias:{name}", pending, cause=f"inplace-alias:{name}")
+        try:
+            if name == "copy_":
+                src = args[1]
+                if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(target.shape) or len(args) > 2 and args[2]:
+                    raise _Unsupported("copy-broadcast")
+                node, shape, dtype = st.graph.op("cast", "to", [_node_of(src, st), _DTYPES.get(target.dtype, "?")])
+            else:
+                node, shape, dtype = _record(func, base, args, kwargs, st)
+                if _TORCH_DTYPES[dtype] != target.dtype:
+                    node, shape, dtype = st.graph.op("cast", "to", [node, _DTYPES[target.dtype]])
+            if tuple(shape) != tuple(target.shape):
+                raise _Unsupported("inplace-broadcast")
+        except ValueError as err:
+            return self._eager(func, args, kwargs, _rule_of(err), pending, cause=f"eager-op:{name}")
+        except _Unsupported as why:
+            return self._eager(func, args, kwargs, str(why), pending, cause=f"eager-op:{name}")
+        grp.root = node
+        st.pending[id(target)] = (e[0], node, grp)
+        st.records.append((func, _template(args, st, before=e[1]), _template(kwargs, st), node, e[1]))
+        _count_op(st)
+        return target
+
+    def _eager(self, func, args, kwargs, reason, pending, writes=(), cause=None):
+        st = _state
+        _stats["ops_eager"] += 1
+        _stats["eager_reasons"][reason] += 1
+        if pending:
+            _flush(cause or f"eager-op:{func._schema.name.split('::')[-1]}")
+        elif writes and st.records:
+            ptrs = {_storage_ptr(w) for w in writes}
+            if ptrs & st.input_storages:
+                _flush(cause or f"input-written:{func._schema.name.split('::')[-1]}")
+        return func(*args, **kwargs)
+
+
+def _recordable(base):
+    return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone")
+
+
+def _count_op(st):
+    _stats["ops_deferred"] += 1
+    st.ops += 1
+    if st.ops >= _max_ops():
+        _flush("size-cap")
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+class _NodeRef:
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+def _template(obj, st, before=None):
+    """`obj` with pending tensors and graph inputs replaced by their nodes (for the replay);
+    `before`: the node of args[0] before an in-place op."""
+    first = [True]
+
+    def sub(a):
+        if isinstance(a, torch.Tensor):
+            e = st.entry(a)
+            if e is not None:
+                if before is not None and first[0]:
+                    first[0] = False
+                    return _NodeRef(before)
+                return _NodeRef(e[1])
+            n = st.input_nodes.get(id(a))
+            if n is not None and st.inputs[n[1]] is a:
+                return _NodeRef(n[0])
+            return a
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    if isinstance(obj, dict):
+        return {k: sub(v) for k, v in obj.items()}
+    return tuple(sub(a) for a in obj)
+
+
+@contextlib.contextmanager
+def _no_dispatch():
+    with _disable_current_modes():
+        yield
+
+
+# ---- flush ----------------------------------------------------------------------------------------
+
+
+def _storage_tensor(grp):
+    """A contiguous tensor over the group's memory, of the root's shape."""
+    owner = grp.members[0]()
+    if owner is not None:
+        return owner
+    alive = grp.alive()
+    if not alive:
+        return None
+    t = torch.empty(0, dtype=grp.dtype)
+    t.set_(alive[0].untyped_storage(), 0, grp.shape)
+    return t
+
+
+def _flush(cause):
+    """Runs the pending graph; `cause` is counted in `stats()["flush_causes"]`."""
+    global _state, _flush_count
+    st = _state
+    if not st.records:
+        return
+    _state = _State()
+    _stats["flushes"] += 1
+    _stats["flush_causes"][cause] += 1
+    with _no_dispatch(), torch.no_grad():
+        live, outs, dsts = [], [], []
+        for grp in st.groups:
+            dst = _storage_tensor(grp)
+            if dst is None:
+                continue
+            live.append(grp.root)
+            dsts.append(dst)
+            outs.append(dst.view(torch.int8) if dst.dtype == torch.bool else dst)
+        ins = [t.view(torch.int8) if t.dtype == torch.bool and t.is_contiguous() else (t.contiguous().view(torch.int8) if t.dtype == torch.bool else t) for t in st.inputs]
+        dump = None
+        d = os.environ.get("TESSERA_DUMP_FUSION")
+        if d:
+            os.makedirs(d, exist_ok=True)
+            _flush_count += 1
+            dump = os.path.join(d, f"flush_{_flush_count:05d}.txt")
+        if not live:
+            return
+        try:
+            from tessera._ops import get_target
+
+            r = st.graph.run(live, ins, outs, get_target(), dump)
+            _stats["kernels_launched"] += r["kernels"]
+            _stats["cache_hits" if r["hit"] else "cache_misses"] += 1
+        except ValueError as err:
+            _stats["fallbacks"].append(f"{cause}: {err}")
+            _replay(st, live, dsts)
+
+
+def _replay(st, live, dsts):
+    """Runs the recorded ops eagerly (a program that could not be built) into the live memory."""
+    env = {}
+    for n, k in st.input_nodes.values():
+        env[n] = st.inputs[k]
+
+    def sub(a):
+        if isinstance(a, _NodeRef):
+            return env[a.node]
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    for func, args, kwargs, node, before in st.records:
+        a = tuple(sub(x) for x in args)
+        kw = {k: sub(v) for k, v in kwargs.items()}
+        if before is not None:
+            # An in-place op: on a copy, so that the value of `before` stays what it was.
+            a = (a[0].clone(),) + a[1:]
+            func(*a, **kw)
+            env[node] = a[0]
+        else:
+            env[node] = func(*a, **kw)
+    for n, dst in zip(live, dsts):
+        dst.data.copy_(env[n].reshape(dst.shape))
+
+
+def flush() -> None:
+    """Runs everything recorded so far (cause `explicit`)."""
+    _flush("explicit")
+
+
+# ---- the mode -------------------------------------------------------------------------------------
+
+_current = EagerMode.STRICT
+_mode_obj = None
+_saved = {}
+
+
+def _wrap_reader(name, cause):
+    orig = getattr(torch.Tensor, name)
+
+    def reader(self, *a, **k):
+        if _state.entry(self) is not None or (_state.records and self._base is not None and _state.entry(self._base) is not None):
+            _flush(cause)
+        elif _state.records:
+            # A view of a pending tensor made eagerly, or any alias: be safe.
+            p = _storage_ptr(self)
+            if any(_storage_ptr(t) == p for g in _state.groups for t in g.alive()):
+                _flush(cause)
+        return orig(self, *a, **k)
+
+    reader.__name__ = name
+    return orig, reader
+
+
+def _wrap_backward(orig, cause):
+    def backward(*a, **k):
+        _flush(cause)
+        try:
+            return orig(*a, **k)
+        finally:
+            _flush("post-" + cause)
+
+    return backward
+
+
+def _install():
+    for name, cause in (("tolist", "tolist"), ("numpy", "numpy"), ("__repr__", "repr"), ("__format__", "format"),
+                        ("__array__", "numpy"), ("item", "item"), ("__bool__", "bool"), ("__int__", "int"),
+                        ("__float__", "float"), ("__index__", "int")):
+        orig, new = _wrap_reader(name, cause)
+        _saved[("t", name)] = orig if name in torch.Tensor.__dict__ else None
+        setattr(torch.Tensor, name, new)
+    _saved[("a", "backward")] = torch.autograd.backward
+    torch.autograd.backward = _wrap_backward(torch.autograd.backward, "backward")
+    _saved[("a", "grad")] = torch.autograd.grad
+    torch.autograd.grad = _wrap_backward(torch.autograd.grad, "grad")
+
+
+def _uninstall():
+    for (kind, name), orig in _saved.items():
+        if kind == "t":
+            if orig is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, orig)
+        else:
+            setattr(torch.autograd, name, orig)
+    _saved.clear()
+
+
+class _ModeGuard:
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        set_eager_mode(self.previous)
+        return False
+
+
+def set_eager_mode(mode: EagerMode) -> _ModeGuard:
+    """Switches the eager mode now; as a context manager, restores the previous one on exit
+    (leaving DEFER_AND_FUSE flushes)."""
+    global _current, _mode_obj
+    if not isinstance(mode, EagerMode):
+        raise ValueError(f"tessera: set_eager_mode takes a tessera.EagerMode, not {mode!r}")
+    previous = _current
+    if mode is _current:
+        return _ModeGuard(previous)
+    if mode is EagerMode.DEFER_AND_FUSE:
+        _mode_obj = _DeferMode()
+        _mode_obj.__enter__()
+        _install()
+    else:
+        _flush("exit")
+        _uninstall()
+        m, _mode_obj = _mode_obj, None
+        if m is not None:
+            m.__exit__(None, None, None)
+    _current = mode
+    return _ModeGuard(previous)
+
+
+def get_eager_mode() -> EagerMode:
+    return _current

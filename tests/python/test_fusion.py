@@ -1,0 +1,307 @@
+"""DeferAndFuse (`tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE)`): flush triggers,
+aliasing and in-place cases, fallbacks and stats, autograd, dumps.
+
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest -q tests/python/test_fusion*.py
+"""
+import os
+
+import pytest
+import torch
+
+import tessera
+from tessera import fusion
+
+DEFER = tessera.EagerMode.DEFER_AND_FUSE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+    fusion.reset_stats()
+    yield
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+
+
+def rmsnorm(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def chain(x):
+    y = x * 1.5 + 0.25
+    y = torch.tanh(y)
+    y = y * y
+    y = torch.exp(-y)
+    y = torch.maximum(y, x)
+    y = torch.sigmoid(y) - 0.5
+    return y.clamp(min=-0.2, max=0.4)
+
+
+def test_rmsnorm_is_one_kernel_and_matches_eager():
+    x, w = torch.randn(64, 256), torch.rand(256) + 0.5
+    want = rmsnorm(x, w)
+    with tessera.set_eager_mode(DEFER):
+        got = rmsnorm(x, w)
+    s = fusion.stats()
+    assert s["kernels_launched"] == 1, s
+    assert s["ops_deferred"] >= 6 and s["flush_causes"] == {"exit": 1}, s
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eight_op_chain_and_bf16():
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(33, 130).to(dtype)
+        want = chain(x)
+        with tessera.set_eager_mode(DEFER):
+            got = chain(x)
+            fusion.flush()
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_cache_hits_on_the_second_call():
+    x = torch.randn(16, 128)
+    with tessera.set_eager_mode(DEFER):
+        a = chain(x)
+        fusion.flush()
+        b = chain(x)
+        fusion.flush()
+        chain(x)  # nobody holds the result: nothing runs
+        fusion.flush()
+    s = fusion.stats()
+    assert s["cache_hits"] >= 1 and s["kernels_launched"] == 2, s
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("read,cause", [
+    (lambda y: y.sum().item(), "item"),
+    (lambda y: y.tolist(), "tolist"),
+    (lambda y: y.numpy(), "numpy"),
+    (lambda y: repr(y), "repr"),
+    (lambda y: bool(y[0, 0] > 0), None),
+    (lambda y: float(y[0, 0]), None),
+    (lambda y: print(y), "repr"),
+])
+def test_value_reads_flush(read, cause, capsys):
+    x = torch.randn(4, 8)
+    want = chain(x)
+    with tessera.set_eager_mode(DEFER):
+        y = chain(x)
+        read(y)
+        assert fusion.stats()["flushes"] >= 1, fusion.stats()
+        if cause:
+            assert cause in fusion.stats()["flush_causes"], fusion.stats()
+    torch.testing.assert_close(y, want)
+
+
+def test_value_reads_give_the_flushed_values():
+    x = torch.randn(4, 8)
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2
+        assert y.tolist() == (x * 2).tolist()
+        z = x + 1
+        assert (z.numpy() == (x + 1).numpy()).all()
+        assert float(x.sum() * 0 + 3.0) == 3.0
+
+
+def test_unsupported_op_flushes_its_inputs_and_runs_eagerly():
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    with tessera.set_eager_mode(DEFER):
+        h = torch.relu(x * 2)
+        y = h @ w  # matmul: not the engine's
+        z = y + 1
+    torch.testing.assert_close(z, torch.relu(x * 2) @ w + 1)
+    s = fusion.stats()
+    assert any(c.startswith("eager-op:mm") for c in s["flush_causes"]), s
+    assert s["ops_eager"] >= 1
+
+
+def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
+    xi = torch.arange(12).reshape(3, 4)
+    x = torch.randn(4, 3, 8)
+    y = torch.randn(1, 3, 8)
+    with tessera.set_eager_mode(DEFER):
+        a = xi * 2  # int64
+        b = x + y  # a broadcast over some leading dims only
+        c = x.sum(0)  # not the last dim
+    torch.testing.assert_close(a, xi * 2)
+    torch.testing.assert_close(b, x + y)
+    torch.testing.assert_close(c, x.sum(0))
+    r = fusion.stats()["eager_reasons"]
+    assert r.get("fusion-dtype", 0) >= 1, r
+    assert r.get("fusion-broadcast-rows", 0) == 1, r
+    assert r.get("sum-dim", 0) == 1, r
+
+
+def test_a_program_that_cannot_be_built_replays_eagerly_and_says_why(monkeypatch):
+    x = torch.randn(8, 32)
+    want = chain(x)
+
+    def refuse(self, *a, **k):
+        raise ValueError("error[vmem-budget]: kernel `fused0`: refused for this test")
+
+    monkeypatch.setattr(tessera._native.FusionGraph, "run", refuse, raising=False)
+    with tessera.set_eager_mode(DEFER):
+        got = chain(x)
+    torch.testing.assert_close(got, want)
+    fb = fusion.stats()["fallbacks"]
+    assert len(fb) == 1 and "vmem-budget" in fb[0], fb
+
+
+def test_size_cap_flushes(monkeypatch):
+    monkeypatch.setenv("TESSERA_FUSION_MAX_OPS", "5")
+    x = torch.randn(4, 8)
+    y = x
+    with tessera.set_eager_mode(DEFER):
+        for _ in range(12):
+            y = y * 1.01
+    torch.testing.assert_close(y, x * 1.01 ** 12, rtol=1e-5, atol=1e-6)
+    assert fusion.stats()["flush_causes"].get("size-cap") == 2, fusion.stats()
+
+
+def test_only_referenced_results_are_written():
+    x = torch.randn(16, 128)
+    with tessera.set_eager_mode(DEFER):
+        y = chain(x)
+        fusion.flush()
+    s = fusion.stats()
+    assert s["kernels_launched"] == 1
+    # One stored result: the chain's intermediates were never outputs.
+    torch.testing.assert_close(y, chain(x))
+
+
+# ---- aliasing and in-place ---------------------------------------------------------------------
+
+
+def test_inplace_on_a_pending_tensor_is_deferred():
+    x = torch.randn(8, 16)
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2
+        y.add_(1)
+        y.mul_(x)
+        y.clamp_(min=0)
+    torch.testing.assert_close(y, ((x * 2 + 1) * x).clamp(min=0))
+    assert fusion.stats()["ops_eager"] == 0, fusion.stats()
+
+
+def test_inplace_on_an_input_flushes_readers_first():
+    x = torch.randn(8, 16)
+    x0 = x.clone()
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2  # reads x
+        x.add_(1)  # eager, after y is computed from the old x
+        z = x * 3
+    torch.testing.assert_close(y, x0 * 2)
+    torch.testing.assert_close(z, (x0 + 1) * 3)
+    assert any(c.startswith("input-written") for c in fusion.stats()["flush_causes"]), fusion.stats()
+
+
+def test_views_of_pending_tensors_alias():
+    x = torch.randn(4, 6)
+    with tessera.set_eager_mode(DEFER):
+        y = x + 1
+        v = y.view(24)
+        u = y.unsqueeze(0)
+        d = y.detach()
+        y.mul_(2)  # y has live views: flush, then eager in place
+        assert v.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(v, ((x + 1) * 2).view(24))
+    torch.testing.assert_close(u[0], (x + 1) * 2)
+    torch.testing.assert_close(d, (x + 1) * 2)
+    assert any(c.startswith("inplace-alias") for c in fusion.stats()["flush_causes"]), fusion.stats()
+
+
+def test_view_alone_survives_its_base():
+    x = torch.randn(4, 6)
+    with tessera.set_eager_mode(DEFER):
+        v = (x * 3).view(2, 12)  # the base placeholder dies here
+        w = v.sum(-1)
+    torch.testing.assert_close(v, (x * 3).view(2, 12))
+    torch.testing.assert_close(w, (x * 3).view(2, 12).sum(-1))
+
+
+def test_real_views_of_inputs_see_eager_writes():
+    x = torch.randn(4, 6)
+    with tessera.set_eager_mode(DEFER):
+        col = x[:, 0]  # a strided view of a real tensor: eager
+        y = torch.exp(x)
+        x.mul_(0)
+        s = col.sum()
+    assert s.item() == 0.0
+    torch.testing.assert_close(y, torch.exp(x + 0) * 0 + y)  # y was computed before the write
+
+
+def test_expand_and_broadcasts():
+    a, b = torch.randn(5, 1), torch.randn(7)
+    with tessera.set_eager_mode(DEFER):
+        e = (a * 2).expand(5, 7)
+        y = e + b
+        z = torch.where(y > 0, y, 0.0)
+    torch.testing.assert_close(y, (a * 2).expand(5, 7) + b)
+    torch.testing.assert_close(z, torch.where(y > 0, y, 0.0))
+    assert e.stride() == (1, 0)
+
+
+def test_copy_into_a_pending_tensor():
+    x = torch.randn(3, 4)
+    with tessera.set_eager_mode(DEFER):
+        y = torch.exp(x)
+        y.copy_(x.to(torch.bfloat16))
+    torch.testing.assert_close(y, x.to(torch.bfloat16).float())
+
+
+# ---- autograd ---------------------------------------------------------------------------------
+
+
+def test_backward_matches_eager_and_flushes():
+    x = torch.randn(8, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    y = rmsnorm(x, w).softmax(-1).sum()
+    y.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = None
+    w.grad = None
+    with tessera.set_eager_mode(DEFER):
+        y2 = rmsnorm(x, w).softmax(-1).sum()
+        y2.backward()
+    torch.testing.assert_close(x.grad, gx, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-4, atol=1e-5)
+    c = fusion.stats()["flush_causes"]
+    assert c.get("backward") == 1 and c.get("post-backward") == 1, c
+    assert fusion.stats()["ops_deferred"] > 10
+
+
+def test_torch_autograd_grad():
+    x = torch.randn(4, 16, requires_grad=True)
+    (g_want,) = torch.autograd.grad(torch.tanh(x * 2).sum(), x)
+    with tessera.set_eager_mode(DEFER):
+        (g,) = torch.autograd.grad(torch.tanh(x * 2).sum(), x)
+    torch.testing.assert_close(g, g_want, rtol=1e-5, atol=1e-6)
+
+
+# ---- dumps and the mode ---------------------------------------------------------------------
+
+
+def test_dump_writes_graph_partition_ir_and_mosaic(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_DUMP_FUSION", str(tmp_path))
+    x, w = torch.randn(16, 128), torch.randn(128)
+    with tessera.set_eager_mode(DEFER):
+        y = rmsnorm(x, w)
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 1, files
+    text = (tmp_path / files[0]).read_text()
+    assert "# graph" in text and "# kernel 0" in text and "kernel fused0" in text and "# mosaic of fused0" in text
+    assert "func.func" in text
+
+
+def test_mode_switching():
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+    g = tessera.set_eager_mode(DEFER)
+    assert tessera.get_eager_mode() is DEFER
+    y = torch.ones(3) * 2
+    tessera.set_eager_mode(tessera.EagerMode.STRICT)
+    assert y.tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(ValueError):
+        tessera.set_eager_mode("defer")
+    del g
+    # Tensor methods are restored.
+    assert "tolist" not in torch.Tensor.__dict__ or torch.Tensor.tolist.__name__ != "reader"
