@@ -100,8 +100,26 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
             }
         };
         let count: usize = n.shape.iter().product();
+        // Binary ops, comparisons and `where` cast tensor operands to the common dtype.
+        let common = match n.op {
+            NodeOp::Binary(_) | NodeOp::Compare(_) => Some(g.common_dtype(&n.args)),
+            NodeOp::Where => Some(g.common_dtype(&n.args[1..])),
+            _ => None,
+        };
         let map = |f: &dyn Fn(&[f64]) -> f64, vals: &Vec<T>| -> T {
-            let args: Vec<T> = n.args.iter().map(|a| get(a, vals)).collect();
+            let args: Vec<T> = n
+                .args
+                .iter()
+                .enumerate()
+                .map(|(k, a)| {
+                    let mut t = get(a, vals);
+                    let is_cond = matches!(n.op, NodeOp::Where) && k == 0;
+                    if let (Some(c), Operand::Node(_), false) = (common, a, is_cond) {
+                        t.v.iter_mut().for_each(|x| *x = round(*x, c));
+                    }
+                    t
+                })
+                .collect();
             let v = (0..count)
                 .map(|i| {
                     let xs: Vec<f64> = args.iter().map(|t| at(t, &n.shape, i)).collect();

@@ -61,6 +61,20 @@ impl Gen<'_> {
         }
     }
 
+    /// The operands of a binary op, comparison or `where`'s values, each cast to the op's common dtype as torch does.
+    fn common_args(&mut self, args: &[Operand]) -> Vec<Arg> {
+        let common = self.g.common_dtype(args);
+        args.iter()
+            .map(|&a| {
+                let v = self.arg(a);
+                match (v, a) {
+                    (Arg::Val(v), Operand::Node(o)) if common == DType::BF16 && self.g.node(o).dtype == DType::F32 => Arg::Val(self.round(v, DType::BF16)),
+                    _ => v,
+                }
+            })
+            .collect()
+    }
+
     fn val(&self, a: Operand) -> Value {
         match self.arg(a) {
             Arg::Val(v) => v,
@@ -108,7 +122,8 @@ impl Gen<'_> {
                 }
             }
             NodeOp::Binary(op) => {
-                let (x, y) = (self.arg(n.args[0]), self.arg(n.args[1]));
+                let xy = self.common_args(&n.args);
+                let (x, y) = (xy[0], xy[1]);
                 let b = &mut self.b;
                 match op {
                     Binary::Add => b.add(x, y),
@@ -137,7 +152,8 @@ impl Gen<'_> {
                 }
             }
             NodeOp::Compare(op) => {
-                let (x, y) = (self.arg(n.args[0]), self.arg(n.args[1]));
+                let xy = self.common_args(&n.args);
+                let (x, y) = (xy[0], xy[1]);
                 let op = match op {
                     Compare::Eq => CmpOp::Eq,
                     Compare::Ne => CmpOp::Ne,
@@ -154,11 +170,12 @@ impl Gen<'_> {
                 let shape = [if r == self.p.rows { self.bm } else { 1 }, c];
                 let cond = self.val(n.args[0]);
                 let cond = self.b.broadcast(cond, &shape);
-                let side = |a: Operand, g: &mut Self| match g.arg(a) {
+                let xy = self.common_args(&n.args[1..]);
+                let side = |a: Arg, g: &mut Self| match a {
                     Arg::Val(v) => Arg::Val(g.b.broadcast(v, &shape)),
                     lit => lit,
                 };
-                let (x, y) = (side(n.args[1], self), side(n.args[2], self));
+                let (x, y) = (side(xy[0], self), side(xy[1], self));
                 self.b.select(cond, x, y)
             }
             NodeOp::Expand => {

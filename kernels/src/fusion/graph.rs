@@ -311,6 +311,13 @@ impl Graph {
             .collect()
     }
 
+    /// The dtype torch computes a binary op, comparison or `where` of `args` in (its
+    /// "common dtype"): every tensor operand is cast to it first, so an f32 0-dim tensor
+    /// meeting a bf16 tensor is rounded to bf16.
+    pub fn common_dtype(&self, args: &[Operand]) -> DType {
+        promote(&self.parts(args))
+    }
+
     fn float_operand(&self, op: &str, name: &str, a: Operand) -> Result<(), KernelError> {
         if let Operand::Scalar(x) = a {
             return scalar_ok(op, name, x);

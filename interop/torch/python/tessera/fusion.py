@@ -196,6 +196,17 @@ _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", 
 _META_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "randn_like", "rand_like"}
 
 
+def _bf16_scalars(args, a, b):
+    """Torch's CPU add, sub, rsub and pow round a Python number to the tensor's dtype when
+    that is bf16 (mul and div do not): so do we."""
+    t = [x for x in args if isinstance(x, torch.Tensor)]
+    if len(t) == 1 and t[0].dtype == torch.bfloat16:
+        with _no_dispatch():
+            a = float(torch.tensor(a, dtype=torch.bfloat16)) if isinstance(a, float) else a
+            b = float(torch.tensor(b, dtype=torch.bfloat16)) if isinstance(b, float) else b
+    return a, b
+
+
 def _last_dim(dims, rank):
     if dims is None:
         return False
@@ -230,7 +241,7 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-alpha")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
-        a, b = _operand(args[0], st), _operand(args[1], st)
+        a, b = _bf16_scalars(args, _operand(args[0], st), _operand(args[1], st))
         if name == "rsub":
             return op("binary", "sub", [b, a])
         return op("binary", name, [a, b])
@@ -239,7 +250,10 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-args")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
-        return op("binary", _BINARY[name], [_operand(args[0], st), _operand(args[1], st)])
+        a, b = _operand(args[0], st), _operand(args[1], st)
+        if name == "pow":
+            a, b = _bf16_scalars(args, a, b)
+        return op("binary", _BINARY[name], [a, b])
     if name in _COMPARE:
         if kw or len(args) != 2:
             raise _Unsupported(f"{name}-args")
