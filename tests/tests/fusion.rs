@@ -114,7 +114,9 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                 .map(|(k, a)| {
                     let mut t = get(a, vals);
                     let is_cond = matches!(n.op, NodeOp::Where) && k == 0;
-                    if let (Some(c), Operand::Node(_), false) = (common, a, is_cond) {
+                    // torch's CPU mul/div read a 0-dim operand unrounded.
+                    let exact = matches!(n.op, NodeOp::Binary(Binary::Mul | Binary::Div)) && t.shape.is_empty();
+                    if let (Some(c), Operand::Node(_), false, false) = (common, a, is_cond, exact) {
                         t.v.iter_mut().for_each(|x| *x = round(*x, c));
                     }
                     t

@@ -62,13 +62,17 @@ impl Gen<'_> {
     }
 
     /// The operands of a binary op, comparison or `where`'s values, each cast to the op's common dtype as torch does.
-    fn common_args(&mut self, args: &[Operand]) -> Vec<Arg> {
+    /// Torch's CPU `mul` and `div` read a 0-dim operand as an unrounded f32 scalar (the
+    /// others cast it to the common dtype): `exact_scalars` says so.
+    fn common_args(&mut self, args: &[Operand], exact_scalars: bool) -> Vec<Arg> {
         let common = self.g.common_dtype(args);
         args.iter()
             .map(|&a| {
                 let v = self.arg(a);
                 match (v, a) {
-                    (Arg::Val(v), Operand::Node(o)) if common == DType::BF16 && self.g.node(o).dtype == DType::F32 => Arg::Val(self.round(v, DType::BF16)),
+                    (Arg::Val(v), Operand::Node(o)) if common == DType::BF16 && self.g.node(o).dtype == DType::F32 && !(exact_scalars && self.g.node(o).shape.is_empty()) => {
+                        Arg::Val(self.round(v, DType::BF16))
+                    }
                     _ => v,
                 }
             })
@@ -122,7 +126,7 @@ impl Gen<'_> {
                 }
             }
             NodeOp::Binary(op) => {
-                let xy = self.common_args(&n.args);
+                let xy = self.common_args(&n.args, matches!(op, Binary::Mul | Binary::Div));
                 let (x, y) = (xy[0], xy[1]);
                 let b = &mut self.b;
                 match op {
@@ -152,7 +156,7 @@ impl Gen<'_> {
                 }
             }
             NodeOp::Compare(op) => {
-                let xy = self.common_args(&n.args);
+                let xy = self.common_args(&n.args, false);
                 let (x, y) = (xy[0], xy[1]);
                 let op = match op {
                     Compare::Eq => CmpOp::Eq,
@@ -170,7 +174,7 @@ impl Gen<'_> {
                 let shape = [if r == self.p.rows { self.bm } else { 1 }, c];
                 let cond = self.val(n.args[0]);
                 let cond = self.b.broadcast(cond, &shape);
-                let xy = self.common_args(&n.args[1..]);
+                let xy = self.common_args(&n.args[1..], false);
                 let side = |a: Arg, g: &mut Self| match a {
                     Arg::Val(v) => Arg::Val(g.b.broadcast(v, &shape)),
                     lit => lit,
