@@ -503,6 +503,8 @@ fn refusals_name_the_op_operand_and_rule() {
     let a = g.unary(Unary::Neg, x).unwrap();
     let av = g.view(a, &[96]).unwrap();
     assert_eq!(Program::build(&g, &[a, av], &Target::V5E).unwrap_err().rule, "fusion-output-alias");
+    assert_eq!(Program::build(&g, &[1000], &Target::V5E).unwrap_err().rule, "fusion-operand");
+    assert_eq!(Program::build(&Graph::new(), &[0], &Target::V5E).unwrap_err().rule, "fusion-operand");
     // Wrong buffers at run time are errors, not wrong results.
     let p = Program::build(&g, &[a], &Target::V5E).unwrap();
     let bad = Array::from_f32(&[5], vec![0.0; 5]);

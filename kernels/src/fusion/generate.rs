@@ -136,21 +136,8 @@ impl Gen<'_> {
                     Binary::Div => b.div(x, y),
                     Binary::Maximum => b.max(x, y),
                     Binary::Minimum => b.min(x, y),
-                    // Torch computes small integral and half exponents exactly.
                     Binary::Pow => match (x, y) {
-                        (Arg::Val(v), Arg::Float(e)) if e == 1.0 => b.add(v, 0.0),
-                        (Arg::Val(v), Arg::Float(e)) if e == 2.0 => b.mul(v, v),
-                        (Arg::Val(v), Arg::Float(e)) if e == 3.0 => {
-                            let sq = b.mul(v, v);
-                            b.mul(sq, v)
-                        }
-                        (Arg::Val(v), Arg::Float(e)) if e == 0.5 => b.unary(UnaryOp::Sqrt, v),
-                        (Arg::Val(v), Arg::Float(e)) if e == -0.5 => b.unary(UnaryOp::Rsqrt, v),
-                        (Arg::Val(v), Arg::Float(e)) if e == -1.0 => b.div(1.0, v),
-                        (Arg::Val(v), Arg::Float(e)) if e == -2.0 => {
-                            let sq = b.mul(v, v);
-                            b.div(1.0, sq)
-                        }
+                        (Arg::Val(v), Arg::Float(e)) => pow_scalar(b, v, e),
                         (x, y) => b.binary(BinaryOp::Pow, x, y),
                     },
                 }
@@ -242,6 +229,30 @@ impl Gen<'_> {
         };
         let v = if n.dtype == DType::Bool { v } else { self.round(v, n.dtype) };
         self.vals.insert(id, v);
+    }
+}
+
+/// `v ** e` for a number `e`: torch computes the exponents 1, 2, 3, 0.5, -0.5, -1, -2 by
+/// multiplications, sqrt and rsqrt, not `pow`; so do we.
+fn pow_scalar(b: &mut KernelBuilder, v: Value, e: f64) -> Value {
+    if e == 1.0 {
+        b.add(v, 0.0)
+    } else if e == 2.0 {
+        b.mul(v, v)
+    } else if e == 3.0 {
+        let sq = b.mul(v, v);
+        b.mul(sq, v)
+    } else if e == 0.5 {
+        b.unary(UnaryOp::Sqrt, v)
+    } else if e == -0.5 {
+        b.unary(UnaryOp::Rsqrt, v)
+    } else if e == -1.0 {
+        b.div(1.0, v)
+    } else if e == -2.0 {
+        let sq = b.mul(v, v);
+        b.div(1.0, sq)
+    } else {
+        b.binary(BinaryOp::Pow, v, e)
     }
 }
 

@@ -122,7 +122,10 @@ impl Program {
     pub fn build(graph: &Graph, live: &[NodeId], target: &Target) -> Result<Program, KernelError> {
         let mut roots = Vec::new();
         for &l in live {
-            let r = graph.storage(l.min(graph.len().saturating_sub(1)));
+            if l >= graph.len() {
+                return Err(KernelError::new("fusion", format!("live node %{l}"), "fusion-operand", format!("the graph has {} nodes", graph.len()), "name nodes of this graph"));
+            }
+            let r = graph.storage(l);
             if roots.contains(&r) {
                 return Err(KernelError::new("fusion", format!("live node %{l}"), "fusion-output-alias", format!("its memory is that of another live node (node %{r})"), "take one tensor per memory; its views share it"));
             }
@@ -162,7 +165,7 @@ impl Program {
                 .collect();
             launches.push(Launch { kernel, inputs, outputs });
         }
-        Ok(Program { graph: graph.clone(), live: live.to_vec(), target: target.clone(), partitioning, launches, temps })
+        Ok(Program { graph: graph.clone(), live: live.to_vec(), target: *target, partitioning, launches, temps })
     }
 
     /// Generates partition `p`'s kernel with the largest block of whole rows that the
