@@ -319,6 +319,72 @@ def _record(func, name, args, kwargs, st):
         if not _last_dim(dims, rank):
             raise _Unsupported(f"{name}-dim")
         return op("row", _ROW[name], [_node_of(x, st), keepdim])
+    if name in _BACKWARD:
+        return _record_backward(name, args, kw, st, op)
+    raise _Unsupported(name)
+
+
+_BACKWARD = {"tanh_backward", "sigmoid_backward", "threshold_backward", "silu_backward", "gelu_backward",
+             "_softmax_backward_data", "_log_softmax_backward_data"}
+
+
+def _record_backward(name, args, kw, st, op):
+    """Autograd's pointwise and row backward ops, as graph nodes (the formulas of
+    torch's derivatives.yaml), computed in f32 and rounded once to the result's dtype as
+    torch's kernels do."""
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+    if dtypes - {torch.float32, torch.bfloat16}:
+        raise _Unsupported("fusion-dtype")
+    out_dtype = args[0].dtype
+    node = _record_backward_f32(name, args, kw, st, op)
+    if out_dtype != torch.float32:
+        node = op("cast", "to", [node[0], _DTYPES[out_dtype]])
+    return node
+
+
+def _record_backward_f32(name, args, kw, st, op):
+    def f32(t):
+        n = _node_of(t, st)
+        return op("cast", "to", [n, "float32"])[0] if t.dtype != torch.float32 else n
+
+    def b(nm, x, y):
+        return op("binary", nm, [x, y])[0]
+
+    def u(nm, x):
+        return op("unary", nm, [x])[0]
+
+    g = f32(args[0])
+    if name == "tanh_backward":  # grad * (1 - out^2)
+        o = f32(args[1])
+        return op("binary", "mul", [g, b("sub", 1.0, b("mul", o, o))])
+    if name == "sigmoid_backward":  # grad * out * (1 - out)
+        o = f32(args[1])
+        return op("binary", "mul", [b("mul", g, o), b("sub", 1.0, o)])
+    if name == "threshold_backward":  # where(self <= threshold, 0, grad)
+        x = f32(args[1])
+        c = op("compare", "le", [x, float(args[2])])[0]
+        return op("where", "where", [c, 0.0, g])
+    if name == "silu_backward":  # grad * s * (1 + x * (1 - s)), s = sigmoid(x)
+        x = f32(args[1])
+        sg = u("sigmoid", x)
+        return op("binary", "mul", [b("mul", g, sg), b("add", 1.0, b("mul", x, b("sub", 1.0, sg)))])
+    if name == "gelu_backward":  # grad * (cdf(x) + x * pdf(x))
+        if kw.pop("approximate", args[2] if len(args) > 2 else "none") != "none" or kw:
+            raise _Unsupported("gelu-tanh")
+        x = f32(args[1])
+        cdf = b("mul", b("add", u("erf", b("mul", x, 0.7071067811865476)), 1.0), 0.5)
+        pdf = b("mul", u("exp", b("mul", b("mul", x, x), -0.5)), 0.3989422804014327)
+        return op("binary", "mul", [g, b("add", cdf, b("mul", x, pdf))])
+    if name in ("_softmax_backward_data", "_log_softmax_backward_data"):
+        out, dim, in_dtype = args[1], args[2], args[3]
+        if not _last_dim(dim, out.dim()) or in_dtype != out.dtype:
+            raise _Unsupported(f"{name}-dim")
+        o = f32(out)
+        if name == "_softmax_backward_data":  # out * (grad - sum(grad * out))
+            s_ = op("row", "sum", [b("mul", g, o), True])[0]
+            return op("binary", "mul", [o, b("sub", g, s_)])
+        s_ = op("row", "sum", [g, True])[0]  # grad - exp(out) * sum(grad)
+        return op("binary", "sub", [g, b("mul", u("exp", o), s_)])
     raise _Unsupported(name)
 
 
@@ -442,7 +508,7 @@ class _DeferMode(TorchDispatchMode):
 
 def _recordable(base):
     return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
-        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone")
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone") or base in _BACKWARD
 
 
 def _count_op(st):
