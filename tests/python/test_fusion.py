@@ -165,8 +165,28 @@ def test_only_referenced_results_are_written():
         fusion.flush()
     s = fusion.stats()
     assert s["kernels_launched"] == 1
-    # One stored result: the chain's intermediates were never outputs.
+    # One stored result: the chain's 8 intermediates were never written anywhere.
+    assert s["results_written"] == 1 and s["temporaries"] == 0, s
     torch.testing.assert_close(y, chain(x))
+    # Held intermediates are written, nothing else.
+    with tessera.set_eager_mode(DEFER):
+        a = x * 2
+        b = torch.tanh(a) + 1  # noqa: F841
+        c = b.sum(-1)
+    assert fusion.stats()["results_written"] == 1 + 3, fusion.stats()
+    torch.testing.assert_close(c, (torch.tanh(x * 2) + 1).sum(-1))
+
+
+def test_pickling_and_data_ptr_flush(tmp_path):
+    x = torch.randn(4, 8)
+    with tessera.set_eager_mode(DEFER):
+        y = torch.exp(x)
+        torch.save(y, tmp_path / "y.pt")
+        assert "pickle" in fusion.stats()["flush_causes"], fusion.stats()
+        z = x + 1
+        z.data_ptr()
+        assert "data_ptr" in fusion.stats()["flush_causes"], fusion.stats()
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), torch.exp(x))
 
 
 # ---- aliasing and in-place ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ CPU backend (`TESSERA_BACKEND`), and writes only the placeholders somebody still
 (intermediates nobody holds are never written, so their pages are never touched).
 
 Flushes happen on: reading values (`.item()`, `bool/int/float()`, `.tolist()`, `.numpy()`,
-`repr`/`print`/format), an op the engine does not take whose inputs are pending (it runs
+`repr`/`print`/format, `data_ptr()`, pickling), an op the engine does not take whose inputs are pending (it runs
 eagerly after the flush), a write to a tensor the pending graph reads, an in-place op on a
 pending tensor that has views, `backward()` / `torch.autograd.grad` (before and after), more
 than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, leaving the mode, and `flush()`. Flush
@@ -73,7 +73,7 @@ def reset_stats() -> None:
     """Zeroes the counters of `stats()`."""
     _stats.clear()
     _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
-                  kernels_launched=0, cache_hits=0, cache_misses=0, fallbacks=[])
+                  kernels_launched=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, fallbacks=[])
 
 
 reset_stats()
@@ -81,8 +81,10 @@ reset_stats()
 
 def stats() -> dict:
     """Ops deferred, ops run eagerly and why (`eager_reasons`: rule or op name -> count),
-    flushes and their causes, kernels launched, program-cache hits and misses (this
-    process's flushes), and `fallbacks` (why a flushed graph ran eagerly instead)."""
+    flushes and their causes, kernels launched, results written to tensors
+    (`results_written`) and buffers allocated between kernels (`temporaries`), program-cache
+    hits and misses (this process's flushes), and `fallbacks` (why a flushed graph ran
+    eagerly instead)."""
     out = dict(_stats)
     out["eager_reasons"] = dict(_stats["eager_reasons"])
     out["flush_causes"] = dict(_stats["flush_causes"])
@@ -613,6 +615,8 @@ def _flush(cause):
 
             r = st.graph.run(live, ins, outs, get_target(), dump)
             _stats["kernels_launched"] += r["kernels"]
+            _stats["results_written"] += len(live)
+            _stats["temporaries"] += r["temps"]
             _stats["cache_hits" if r["hit"] else "cache_misses"] += 1
         except ValueError as err:
             _stats["fallbacks"].append(f"{cause}: {err}")
@@ -689,7 +693,8 @@ def _wrap_backward(orig, cause):
 def _install():
     for name, cause in (("tolist", "tolist"), ("numpy", "numpy"), ("__repr__", "repr"), ("__format__", "format"),
                         ("__array__", "numpy"), ("item", "item"), ("__bool__", "bool"), ("__int__", "int"),
-                        ("__float__", "float"), ("__index__", "int")):
+                        ("__float__", "float"), ("__index__", "int"), ("data_ptr", "data_ptr"),
+                        ("__reduce_ex__", "pickle")):
         orig, new = _wrap_reader(name, cause)
         _saved[("t", name)] = orig if name in torch.Tensor.__dict__ else None
         setattr(torch.Tensor, name, new)
