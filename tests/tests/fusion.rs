@@ -354,6 +354,7 @@ fn check_graph(seed: u64, backend: Backend) -> Result<(), TestCaseError> {
         return Ok(());
     }
     let program = Program::build(&r.graph, &r.live, &Target::V5E).map_err(|e| TestCaseError::fail(format!("seed {seed}: {e}\n{}", r.graph)))?;
+    prop_assert!(program.launches.iter().all(|l| !l.outputs.is_empty()), "seed {}: a kernel without outputs\n{}", seed, program.describe());
     let ins: Vec<&Array> = r.inputs.iter().collect();
     let outs = program.run(backend.executor(), &ins).map_err(|e| TestCaseError::fail(format!("seed {seed} on {backend}: {e}")))?;
     for (&l, got) in r.live.iter().zip(&outs) {
@@ -476,6 +477,22 @@ fn boundaries_are_where_the_rules_say() {
     let t = g.row(RowOp::Amax, s, true).unwrap();
     let p = Program::build(&g, &[t], &Target::V5E).unwrap();
     assert_eq!(p.launches.len(), 2, "{}", p.describe());
+}
+
+#[test]
+fn dead_nodes_are_not_computed() {
+    let mut g = Graph::new();
+    let x = g.input(DType::F32, &[16, 128]).unwrap();
+    let a = g.unary(Unary::Exp, x).unwrap();
+    let s = g.row(RowOp::Sum, a, false).unwrap(); // [16]: would start a second kernel
+    let v = g.view(s, &[16, 1]).unwrap();
+    let _dead = g.binary(Binary::Mul, Operand::Node(a), Operand::Node(v)).unwrap();
+    let p = Program::build(&g, &[a], &Target::V5E).unwrap();
+    assert_eq!(p.launches.len(), 1, "{}", p.describe());
+    assert_eq!(p.partitioning.parts[0].nodes, vec![a]);
+    for l in &p.launches {
+        assert!(!l.outputs.is_empty());
+    }
 }
 
 #[test]
@@ -611,5 +628,40 @@ fn regressions() {
         for b in backends() {
             check_graph(seed, b).unwrap_or_else(|e| panic!("{e}"));
         }
+    }
+}
+
+/// The libtpu tier (`TESSERA_TPU_ORACLE=1`): generated kernels of random graphs and of
+/// RMSNorm / softmax written in plain ops compile with the real TPU compiler for v5e, v6e
+/// and tpu7x.
+#[test]
+fn generated_kernels_compile_with_libtpu() {
+    if !tessera_tests::oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mut modules: Vec<(String, String)> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut add = |name: String, p: &Program| {
+            for l in &p.launches {
+                let lowered = tessera_codegen::lower(&l.kernel, &target).unwrap_or_else(|e| panic!("{name}: {e}"));
+                if seen.insert(lowered.stablehlo.clone()) {
+                    modules.push((format!("{name}-{}", l.kernel.name), lowered.stablehlo));
+                }
+            }
+        };
+        for seed in 0..80u64 {
+            let r = random_graph(seed);
+            if !r.live.is_empty() {
+                add(format!("random{seed}"), &Program::build(&r.graph, &r.live, &target).unwrap());
+            }
+        }
+        for dtype in [DType::F32, DType::BF16] {
+            let (g, out) = rmsnorm(dtype, 4096, 4096);
+            add(format!("rmsnorm-{dtype}"), &Program::build(&g, &[out], &target).unwrap());
+        }
+        tessera_tests::oracle::assert_accepted(&modules, target.name);
+        eprintln!("{}: {} generated kernels accepted by libtpu", target.name, modules.len());
     }
 }

@@ -34,6 +34,7 @@
 //!    nodes per kernel; a full kernel ends and the next node starts a new one.
 //! 6. **Only stored values cost memory**: a node is stored when a later kernel reads it or
 //!    the caller takes it (`live`); every other value lives only in the kernel's vregs.
+//!    Nodes no live result needs are not computed at all (so no kernel is without outputs).
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
 //! a row op over a different row length than the kernel's (`x.sum(-1)` then a row op over

@@ -63,9 +63,27 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     // Layouts of the values each open partition computes or reads (for the space check).
     let mut layouts: Vec<(usize, usize)> = Vec::new();
     let mut row_op_cols: Option<usize> = None;
+    // Only what the live results need is computed (dead nodes make no kernel).
+    let mut needed = vec![false; g.len()];
+    for &l in live {
+        if let Some(n) = needed.get_mut(l) {
+            *n = true;
+        }
+    }
+    for id in (0..g.len()).rev() {
+        if needed[id] {
+            for a in &g.node(id).args {
+                if let Operand::Node(o) = *a {
+                    if let Some(n) = needed.get_mut(o) {
+                        *n = true;
+                    }
+                }
+            }
+        }
+    }
     for id in 0..g.len() {
         let node = g.node(id);
-        if matches!(node.op, NodeOp::Input(_) | NodeOp::View) {
+        if !needed[id] || matches!(node.op, NodeOp::Input(_) | NodeOp::View) {
             continue;
         }
         let space = space_of(g, id);
