@@ -435,3 +435,16 @@ def test_llama_style_block_in_plain_ops():
     assert s["kernels_launched"] > 0 and s["ops_deferred"] > s["kernels_launched"], s
     print(f"\nllama-style block fwd+bwd: {s['ops_deferred']} ops deferred into {s['kernels_launched']} kernels, "
           f"{s['ops_eager']} ops eager, {s['flushes']} flushes")
+
+
+def test_bf16_numbers_round_as_torch_rounds_them():
+    x = torch.tensor([0.10009765625, 0.099609375, 1.5390625, -2.0]).bfloat16()
+    c = -1.21484375  # not a bf16 value
+    cases = [lambda x: x > 0.1, lambda x: x >= 0.1, lambda x: x + c, lambda x: x - c, lambda x: c - x,
+             lambda x: x * c, lambda x: x / c, lambda x: x.abs() ** 1.3, lambda x: x * torch.tensor(c),
+             lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1)]
+    for f in cases:
+        want = f(x)
+        with tessera.set_eager_mode(DEFER):
+            got = f(x)
+        assert torch.equal(got, want), (got, want)

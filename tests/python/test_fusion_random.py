@@ -101,7 +101,7 @@ def run(program, tensors, requires_grad=False):
             elif k == "clamp" and floats:
                 push(x.clamp(min=-1.0, max=1.5 if flag else None), ex)
             elif k == "where" and floats and y.dtype != torch.bool and ex and ey:
-                cond = (x > y) if flag else (x >= 0)
+                cond = (x > y) if flag else (x >= c)
                 push(torch.where(cond, x, y if flag else 0.0), True, True)
             elif k == "cast" and floats:
                 push(x.float() if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), ex)

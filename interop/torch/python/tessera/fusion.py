@@ -199,8 +199,8 @@ _META_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
 
 
 def _bf16_scalars(args, a, b):
-    """Torch's CPU add, sub, rsub and pow round a Python number to the tensor's dtype when
-    that is bf16 (mul and div do not): so do we."""
+    """Torch's CPU add, sub, rsub, pow and comparisons round a Python number to the
+    tensor's dtype when that is bf16 (mul and div do not): so do we."""
     t = [x for x in args if isinstance(x, torch.Tensor)]
     if len(t) == 1 and t[0].dtype == torch.bfloat16:
         with _no_dispatch():
@@ -261,7 +261,8 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-args")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
-        return op("compare", name, [_operand(args[0], st), _operand(args[1], st)])
+        a, b = _bf16_scalars(args, _operand(args[0], st), _operand(args[1], st))
+        return op("compare", name, [a, b])
     if name == "where":
         if kw or len(args) != 3 or not isinstance(args[0], torch.Tensor):
             raise _Unsupported("where-args")
