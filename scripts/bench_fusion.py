@@ -9,10 +9,14 @@ Each figure is the median of --iters timed calls after one warm-up call (which c
 the deferred path's kernels are cached by structure, inductor's by its own cache). The
 deferred call includes recording the ops and the flush (planning is a cache hit). Prints one
 line per workload with the medians in ms and the ratios strict/deferred and
-deferred/inductor, and the kernels launched per call.
+deferred/inductor, and the kernels launched per call; then (unless --no-memory) the peak
+resident memory of one call of each way in a fresh process, above the inputs (VmHWM after
+resetting it through /proc/self/clear_refs; Linux).
 """
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -50,7 +54,11 @@ def main():
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--peak", nargs=2, metavar=("WORKLOAD", "WAY"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.peak:
+        return peak(a.peak[0], a.peak[1], a.size)
     n = a.size
     x = torch.randn(n, n)
     w = torch.rand(n) + 0.5
@@ -75,7 +83,48 @@ def main():
             torch.testing.assert_close(c(*args), want, rtol=1e-5, atol=1e-5)
             ind = median_ms(lambda: c(*args), a.iters)
             line += f"   inductor {ind:8.1f} ms   deferred/inductor {defer / ind:5.2f}x"
+        t = torch.compile(f, backend="tessera")
+        torch.testing.assert_close(t(*args), want, rtol=1e-5, atol=1e-5)
+        comp = median_ms(lambda: t(*args), a.iters)
+        line += f"   compile(tessera) {comp:8.1f} ms"
         print(line, flush=True)
+    if not a.no_memory:
+        for name in ("chain8", "rmsnorm"):
+            figures = []
+            for way in ("strict", "deferred"):
+                out = subprocess.run([sys.executable, __file__, "--size", str(n), "--peak", name, way], capture_output=True, text=True, check=True)
+                figures.append(f"{way} {float(out.stdout.split()[-1]):7.1f} MiB")
+            print(f"{name:8s} peak RSS above the inputs (the result included), one call in a fresh process: " + ", ".join(figures) + f" (one [{n}, {n}] f32 tensor is {n * n * 4 / 2**20:.0f} MiB)")
+
+
+def peak(name, way, n):
+    x = torch.randn(n, n)
+    w = torch.rand(n) + 0.5
+    f, args = (chain, (x,)) if name == "chain8" else (rmsnorm, (x, w))
+    # Warm up on a small shape (imports, JIT code for the small kernel), then measure.
+    small = (torch.randn(8, n),) if name == "chain8" else (torch.randn(8, n), w)
+    with tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE):
+        f(*small)
+    f(*small)
+    # Linux: writing 5 to clear_refs resets the high-water mark VmHWM to the current RSS.
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = _status_kib("VmRSS")
+    if way == "strict":
+        y = f(*args)
+    else:
+        with tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE):
+            y = f(*args)
+    print((_status_kib("VmHWM") - base) / 1024)
+    del y
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ device (the kernels compiled for the TPU), and on the emulated host-memory `tpu`
 from tessera import _native
 from tessera._ops import SPECS, get_target, register_ops, set_target
 
-from tessera import _compile  # noqa: F401  (registers torch.compile backend "tessera")
 from tessera import fusion
 from tessera.fusion import EagerMode, get_eager_mode, set_eager_mode
 

@@ -6,10 +6,12 @@ Each call of a compiled graph is one recording: the graph's outputs (and the act
 AOTAutograd saves for backward) are the live results at the flush when the call returns;
 intermediates are never written. New shapes (and `dynamic=True`) need nothing special: the
 engine's programs are keyed by shape, so a new shape is a new cache entry, not an error.
+
+The backend is found through the `torch_dynamo_backends` entry point (pyproject.toml), so
+`import tessera` does not import dynamo.
 """
 
 import torch
-from torch._dynamo import register_backend
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -27,7 +29,6 @@ def _deferred(gm: torch.fx.GraphModule, example_inputs):
 _backend = aot_autograd(fw_compiler=_deferred, bw_compiler=_deferred)
 
 
-@register_backend(name="tessera")
 def tessera_backend(gm, example_inputs, **kwargs):
     """The `tessera` torch.compile backend (see the module docs)."""
     return _backend(gm, example_inputs, **kwargs)

@@ -619,7 +619,7 @@ def _flush(cause):
             _stats["results_written"] += len(live)
             _stats["temporaries"] += r["temps"]
             _stats["cache_hits" if r["hit"] else "cache_misses"] += 1
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 (any failure: run the ops as eager would)
             _stats["fallbacks"].append(f"{cause}: {err}")
             _replay(st, live, dsts)
 
