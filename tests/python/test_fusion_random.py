@@ -34,7 +34,7 @@ ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 @st.composite
 def programs(draw, inplace=True):
     a = draw(st.sampled_from([1, 2, 3]))
-    b = draw(st.sampled_from([1, 4, 5]))
+    b = draw(st.sampled_from([1, 4, 5, 700]))  # 700 x 3 rows of 131 take 3 blocks, the last partial
     n = draw(st.sampled_from([1, 6, 128, 131]))
     shapes = [(a, b, n), (n,), (a, b, 1), (1, 1, n), (), (b, n)]
     inputs = []
@@ -201,18 +201,20 @@ def test_random_graphs_backward_matches_eager(program):
         pool = run(program, tensors, requires_grad=True)
         leaves = [t for t, _, _ in pool[: len(tensors)]]
         loss = sum((t.float() * (k + 1) * 0.01).sum() for k, (t, _, _) in enumerate(pool) if t.dtype != torch.bool and t.requires_grad)
+        low = any(lo for _, _, lo in pool)
         if not isinstance(loss, torch.Tensor):
-            return [None] * len(leaves)
+            return [None] * len(leaves), low
         loss.backward()
-        return [t.grad for t in leaves]
+        return [t.grad for t in leaves], low
 
-    want = grads()
+    want, low = grads()
     with tessera.set_eager_mode(DEFER):
-        got = grads()
+        got, _ = grads()
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if g is not None:
-            close(g, w, False, any(d == torch.bfloat16 for _, d in program[0]))
+            # A gradient through any bf16 value is as precise as bf16.
+            close(g, w, False, low)
 
 
 def test_the_random_programs_exercise_the_engine():

@@ -249,10 +249,15 @@ struct Random {
 }
 
 fn random_graph(seed: u64) -> Random {
+    random_graph_sized(seed, false)
+}
+
+/// `big`: rows past one block (`[7, 150, n]`, 1050 rows, so the last block is partial).
+fn random_graph_sized(seed: u64, big: bool) -> Random {
     let mut rng = StdRng::seed_from_u64(seed);
-    let a = [1, 2, 3][rng.gen_range(0..3)];
-    let b = [1, 4, 9][rng.gen_range(0..3)];
-    let n = [1, 7, 128, 200][rng.gen_range(0..4)];
+    let a = if big { 7 } else { [1, 2, 3][rng.gen_range(0..3)] };
+    let b = if big { 150 } else { [1, 4, 9][rng.gen_range(0..3)] };
+    let n = if big { [300, 1000][rng.gen_range(0..2)] } else { [1, 7, 128, 200][rng.gen_range(0..4)] };
     let full = vec![a, b, n];
     let shapes = [full.clone(), vec![n], vec![a, b, 1], vec![1, 1, n], vec![]];
     let mut g = Graph::new();
@@ -349,7 +354,11 @@ fn backends() -> Vec<Backend> {
 }
 
 fn check_graph(seed: u64, backend: Backend) -> Result<(), TestCaseError> {
-    let r = random_graph(seed);
+    check_graph_sized(seed, backend, false)
+}
+
+fn check_graph_sized(seed: u64, backend: Backend, big: bool) -> Result<(), TestCaseError> {
+    let r = random_graph_sized(seed, big);
     if r.live.is_empty() {
         return Ok(());
     }
@@ -619,6 +628,21 @@ fn programs_are_cached_by_structure() {
     assert!(!hit, "another shape is another key");
     let s = fusion::cache_stats();
     assert!(s.hits >= 1 && s.misses >= 3 && s.entries >= 3, "{s:?}");
+}
+
+#[test]
+fn random_graphs_over_several_blocks_with_a_partial_last_one() {
+    let mut multi_block = 0;
+    for seed in 0..12u64 {
+        let r = random_graph_sized(seed, true);
+        if let Ok(p) = Program::build(&r.graph, &r.live, &Target::V5E) {
+            multi_block += p.launches.iter().filter(|l| l.kernel.grid[0].extent > 1).count();
+        }
+        for b in backends() {
+            check_graph_sized(seed, b, true).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    assert!(multi_block > 0, "the big shapes must take more than one block");
 }
 
 /// Seeds that failed once, kept.
