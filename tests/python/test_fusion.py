@@ -448,3 +448,20 @@ def test_bf16_numbers_round_as_torch_rounds_them():
         with tessera.set_eager_mode(DEFER):
             got = f(x)
         assert torch.equal(got, want), (got, want)
+
+
+def test_shape_churn_runs_per_op_after_eight_variants(monkeypatch):
+    monkeypatch.setattr(fusion, "_variants", {})
+    outs = []
+    with tessera.set_eager_mode(DEFER):
+        for m in range(1, 13):
+            x = torch.randn(m, 40)
+            outs.append((x, rmsnorm(x, torch.ones(40))))
+            fusion.flush()
+        # A shape compiled before still runs fused.
+        x = torch.randn(3, 40)
+        y = rmsnorm(x, torch.ones(40))
+    s = fusion.stats()
+    assert s["shape_churn"] == 4 and s["kernels_launched"] == 9, s
+    for x, y_ in outs + [(x, y)]:
+        torch.testing.assert_close(y_, rmsnorm(x, torch.ones(40)))

@@ -15,6 +15,7 @@ pick a different branch.
 """
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,6 +26,18 @@ from tessera import fusion
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 EXAMPLES = int(os.environ.get("TESSERA_FUSION_EXAMPLES", "300"))
 CFG = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_churn_limit():
+    """Examples share structures at many shapes: keep every one on the fused path."""
+    old = os.environ.get("TESSERA_FUSION_SHAPES")
+    os.environ["TESSERA_FUSION_SHAPES"] = str(1 << 30)
+    yield
+    if old is None:
+        os.environ.pop("TESSERA_FUSION_SHAPES")
+    else:
+        os.environ["TESSERA_FUSION_SHAPES"] = old
+
 
 UNARY = ["tanh", "sigmoid", "relu", "neg", "abs", "silu", "gelu", "exp_tanh", "log1p_abs", "rsqrt_abs"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum", "div_abs"]
@@ -226,4 +239,5 @@ def test_the_random_programs_exercise_the_engine():
              ("inplace_scalar", 2, 0, "tanh", "add", "sum", True, 1.5)])
     compare(prog)
     s = fusion.stats()
+    assert s["shape_churn"] == 0 and not s["fallbacks"], s
     assert s["ops_deferred"] >= 5 and s["kernels_launched"] >= 2 and s["ops_eager"] >= 2, s

@@ -489,6 +489,19 @@ fn boundaries_are_where_the_rules_say() {
 }
 
 #[test]
+fn siblings_sharing_an_input_are_one_multi_output_kernel() {
+    let mut g = Graph::new();
+    let x = g.input(DType::BF16, &[32, 256]).unwrap();
+    let s = g.row(RowOp::Sum, x, true).unwrap();
+    let m = g.row(RowOp::Amax, x, false).unwrap();
+    let y = g.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(2.0)).unwrap();
+    let p = Program::build(&g, &[s, m, y], &Target::V5E).unwrap();
+    assert_eq!(p.launches.len(), 1, "{}", p.describe());
+    assert_eq!(p.launches[0].outputs.len(), 3);
+    assert_eq!(p.launches[0].inputs.len(), 1, "x is read once");
+}
+
+#[test]
 fn dead_nodes_are_not_computed() {
     let mut g = Graph::new();
     let x = g.input(DType::F32, &[16, 128]).unwrap();

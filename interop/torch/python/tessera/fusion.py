@@ -25,7 +25,9 @@ then written by the kernel), otherwise they flush and run eagerly. Autograd runs
 mode, so backward ops are recorded and fused too.
 
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
-eagerly and `stats()["fallbacks"]` says why. `TESSERA_DUMP_FUSION=DIR` writes each flushed
+eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
+`TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
+decode loops) instead of compiling a program per step. `TESSERA_DUMP_FUSION=DIR` writes each flushed
 graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`.
 """
 
@@ -57,6 +59,35 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bo
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
+def _churn_limit() -> int:
+    try:
+        return max(1, int(os.environ.get("TESSERA_FUSION_SHAPES", "8")))
+    except ValueError:
+        return 8
+
+
+# Shape churn: per graph structure without its shapes, the shape variants compiled so far.
+_variants: dict = {}
+_VARIANT_KEYS = 4096  # structures remembered (oldest forgotten first)
+
+
+def _churning(graph_text: str, live) -> bool:
+    """Whether this flush is a new shape variant of a structure that already has
+    `TESSERA_FUSION_SHAPES` (8) compiled ones: then it runs per op instead (decode loops whose
+    lengths grow every step would otherwise compile a program per step)."""
+    full = f"{graph_text}|{live}"
+    shapeless = re.sub(r"\[[0-9, ]*\]", "[]", full)
+    seen = _variants.setdefault(shapeless, set())
+    if len(_variants) > _VARIANT_KEYS:
+        _variants.pop(next(iter(_variants)))
+    if full in seen:
+        return False
+    if len(seen) >= _churn_limit():
+        return True
+    seen.add(full)
+    return False
+
+
 def _max_ops() -> int:
     try:
         return max(1, int(os.environ.get("TESSERA_FUSION_MAX_OPS", "512")))
@@ -73,7 +104,7 @@ def reset_stats() -> None:
     """Zeroes the counters of `stats()`."""
     _stats.clear()
     _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
-                  kernels_launched=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, fallbacks=[])
+                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, fallbacks=[])
 
 
 reset_stats()
@@ -82,7 +113,8 @@ reset_stats()
 def stats() -> dict:
     """Ops deferred, ops run eagerly and why (`eager_reasons`: rule or op name -> count),
     flushes and their causes, kernels launched, results written to tensors
-    (`results_written`) and buffers allocated between kernels (`temporaries`), program-cache
+    (`results_written`) and buffers allocated between kernels (`temporaries`), flushes run
+    per op because their structure keeps changing shape (`shape_churn`), program-cache
     hits and misses (this process's flushes), and `fallbacks` (why a flushed graph ran
     eagerly instead)."""
     out = dict(_stats)
@@ -610,6 +642,10 @@ def _flush(cause):
             _flush_count += 1
             dump = os.path.join(d, f"flush_{_flush_count:05d}.txt")
         if not live:
+            return
+        if _churning(str(st.graph), live):
+            _stats["shape_churn"] += 1
+            _replay(st, live, dsts)
             return
         try:
             from tessera._ops import get_target
