@@ -191,18 +191,35 @@ def close(got, want, exact, low=False):
 def compare(program, requires_grad=False):
     tensors = inputs_of(program, 0)
     want = run(program, tensors, requires_grad)
+    fusion.reset_stats()
     with tessera.set_eager_mode(DEFER):
         got = run(program, tensors, requires_grad)
+    # Nothing fell back to an eager replay: the kernels computed what is compared.
+    assert not fusion.stats()["fallbacks"] and not fusion.stats()["shape_churn"], fusion.stats()
+    _seen["examples"] += 1
+    _seen["fused"] += fusion.stats()["kernels_launched"] > 0
+    _seen["kernels"] += fusion.stats()["kernels_launched"]
     # Exactness: the mode's ops round as eager's do, so IEEE-exact chains agree to the bit.
     for (g, _, _), (w, ex, low) in zip(got, want):
         close(g.detach(), w.detach(), ex, low)
     return got, want
 
 
+_seen = {"examples": 0, "fused": 0, "kernels": 0}
+
+
 @CFG
 @given(programs())
 def test_random_graphs_match_eager(program):
     compare(program)
+
+
+def test_most_random_examples_ran_generated_kernels():
+    """(Runs after the test above, in file order.) The comparisons were not vacuous."""
+    if _seen["examples"] == 0:
+        pytest.skip("run with test_random_graphs_match_eager")
+    print(f"\n{_seen['examples']} random graphs, {_seen['fused']} ran generated kernels ({_seen['kernels']} launched)")
+    assert _seen["fused"] >= 0.6 * _seen["examples"], _seen
 
 
 @settings(max_examples=max(30, EXAMPLES // 3), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -221,8 +238,10 @@ def test_random_graphs_backward_matches_eager(program):
         return [t.grad for t in leaves], low
 
     want, low = grads()
+    fusion.reset_stats()
     with tessera.set_eager_mode(DEFER):
         got, _ = grads()
+    assert not fusion.stats()["fallbacks"] and not fusion.stats()["shape_churn"], fusion.stats()
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if g is not None:
