@@ -529,6 +529,10 @@ fn refusals_name_the_op_operand_and_rule() {
     assert_eq!(e.rule, "fusion-dtype");
     let e = g.input(DType::F32, &[2, 1 << 20]).unwrap_err();
     assert_eq!(e.rule, "fusion-row-width");
+    // Absurd shapes are errors, not overflows.
+    assert_eq!(g.input(DType::F32, &[1 << 40, 1 << 40, 1]).unwrap_err().rule, "fusion-size");
+    assert_eq!(g.view(x, &[1 << 33, 1 << 33, 0]).unwrap_err().rule, "fusion-size");
+    assert_eq!(g.view(x, &[usize::MAX, 2, 1]).unwrap_err().rule, "fusion-size");
     let e = g.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(1e300)).unwrap_err();
     assert_eq!(e.rule, "fusion-scalar");
     let b = g.compare(Compare::Gt, Operand::Node(x), Operand::Scalar(0.0)).unwrap();

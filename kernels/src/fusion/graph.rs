@@ -252,12 +252,13 @@ impl Graph {
     }
 
     fn check_row(op: &str, shape: &[usize]) -> Result<(), KernelError> {
-        let (r, c) = layout(shape);
+        // Checked first: `layout` multiplies the leading dims.
+        if shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_none_or(|n| n > i32::MAX as usize) {
+            return Err(err(op, "result", "fusion-size", format!("shape {} has too many elements", shape_str(shape)), "tensors of at most 2^31 - 1 elements fuse"));
+        }
+        let (_, c) = layout(shape);
         if c > MAX_ROW {
             return Err(err(op, "result", "fusion-row-width", format!("rows of {c} elements (shape {})", shape_str(shape)), format!("rows of at most {MAX_ROW} elements fuse; wider ones run eagerly")));
-        }
-        if r.checked_mul(c).is_none_or(|n| n > i32::MAX as usize) {
-            return Err(err(op, "result", "fusion-size", format!("shape {} has too many elements", shape_str(shape)), "tensors of at most 2^31 - 1 elements fuse"));
         }
         if shape.contains(&0) {
             return Err(err(op, "result", "fusion-empty", format!("shape {} has no elements", shape_str(shape)), "empty tensors run eagerly"));
@@ -448,12 +449,12 @@ impl Graph {
     /// `x.view(shape)` / `reshape` of a contiguous tensor.
     pub fn view(&mut self, x: NodeId, shape: &[usize]) -> Result<NodeId, KernelError> {
         let n = &self.nodes[self.node_arg("view", "self", Operand::Node(x))?];
+        Self::check_row("view", shape)?;
         let (have, want) = (n.shape.iter().product::<usize>(), shape.iter().product::<usize>());
         if have != want {
             return Err(err("view", "shape", "fusion-shape", format!("{} has {have} elements, {} has {want}", shape_str(&n.shape), shape_str(shape)), "keep the element count"));
         }
         let dtype = n.dtype;
-        Self::check_row("view", shape)?;
         Ok(self.push(NodeOp::View, vec![Operand::Node(x)], dtype, shape.to_vec()))
     }
 
