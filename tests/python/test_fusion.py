@@ -145,6 +145,23 @@ def test_a_program_that_cannot_be_built_replays_eagerly_and_says_why(monkeypatch
     torch.testing.assert_close(got, want)
     fb = fusion.stats()["fallbacks"]
     assert len(fb) == 1 and "vmem-budget" in fb[0], fb
+    # Every kind of record replays: views, expand, in-place, row ops, backward ops.
+    a = torch.randn(4, 1, requires_grad=True)
+    with tessera.set_eager_mode(DEFER):
+        e = (a * 2).expand(4, 8)
+        v = e.reshape(32).view(4, 8)
+        y = torch.tanh(v).softmax(-1)
+        z = y.sum(-1)
+        t = y.clone()
+        t.mul_(3).add_(1)
+        z.sum().backward()
+    ar = a.detach().clone().requires_grad_(True)
+    yr = torch.tanh((ar * 2).expand(4, 8)).softmax(-1)
+    yr.sum(-1).sum().backward()
+    torch.testing.assert_close(y, yr)
+    torch.testing.assert_close(t, yr * 3 + 1)
+    torch.testing.assert_close(a.grad, ar.grad)
+    assert len(fusion.stats()["fallbacks"]) >= 2 and fusion.stats()["kernels_launched"] == 0
 
 
 def test_size_cap_flushes(monkeypatch):
