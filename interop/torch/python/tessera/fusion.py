@@ -162,6 +162,7 @@ class _State:
         self.groups = []
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
+        self.max_ops = _max_ops()
 
     def entry(self, t):
         e = self.pending.get(id(t))
@@ -235,9 +236,9 @@ def _bf16_scalars(args, a, b):
     tensor's dtype when that is bf16 (mul and div do not): so do we."""
     t = [x for x in args if isinstance(x, torch.Tensor)]
     if len(t) == 1 and t[0].dtype == torch.bfloat16:
-        with _no_dispatch():
-            a = float(torch.tensor(a, dtype=torch.bfloat16)) if isinstance(a, float) else a
-            b = float(torch.tensor(b, dtype=torch.bfloat16)) if isinstance(b, float) else b
+        # (Called inside __torch_dispatch__, where the mode is off.)
+        a = float(torch.tensor(a, dtype=torch.bfloat16)) if isinstance(a, float) else a
+        b = float(torch.tensor(b, dtype=torch.bfloat16)) if isinstance(b, float) else b
     return a, b
 
 
@@ -463,8 +464,8 @@ class _DeferMode(TorchDispatchMode):
     # -- helpers --
 
     def _result(self, func, args, kwargs, node, shape, dtype, st):
-        with _no_dispatch():
-            out = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+        # Inside __torch_dispatch__ the mode is off already: a plain allocation.
+        out = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
         grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype])
         grp.members.append(weakref.ref(out))
         st.groups.append(grp)
@@ -476,8 +477,7 @@ class _DeferMode(TorchDispatchMode):
     def _view(self, func, base, args, kwargs, st):
         x = args[0]
         e = st.entry(x)
-        with _no_dispatch():
-            out = func(*args, **kwargs)  # the real view of the placeholder
+        out = func(*args, **kwargs)  # the real view of the placeholder (the mode is off here)
         if base == "expand":
             try:
                 node = st.graph.op("expand", "expand", [e[1], list(out.shape)])[0]
@@ -548,8 +548,10 @@ def _recordable(base):
 
 def _count_op(st):
     _stats["ops_deferred"] += 1
+    if st.ops == 0:
+        st.max_ops = _max_ops()  # read once per recording
     st.ops += 1
-    if st.ops >= _max_ops():
+    if st.ops >= st.max_ops:
         _flush("size-cap")
 
 
