@@ -428,9 +428,10 @@ class _DeferMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = _state
-        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-        name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else name
-        inplace = name.endswith("_") and not name.startswith("_") and func._schema.arguments and func._schema.arguments[0].alias_info is not None and func._schema.arguments[0].alias_info.is_write
+        schema = func._schema
+        name = schema.name.split("::")[-1]  # "add", "add_", "_softmax", ...
+        first = schema.arguments[0] if schema.arguments else None
+        inplace = name.endswith("_") and not name.startswith("_") and first is not None and first.alias_info is not None and first.alias_info.is_write
         base = name[:-1] if inplace else name
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         pending = [t for t in tensors if st.entry(t) is not None]
@@ -448,7 +449,7 @@ class _DeferMode(TorchDispatchMode):
                 return self._eager(func, args, kwargs, f"{base}:{why}", pending)
         if inplace or (base == "copy" and name == "copy_"):
             return self._inplace(func, name, base, args, kwargs, st, pending)
-        if func._schema.is_mutable or "out" in kwargs:
+        if schema.is_mutable or "out" in kwargs:
             return self._eager(func, args, kwargs, f"mutating:{name}", pending, writes=tensors)
         if not tensors:
             return func(*args, **kwargs)
