@@ -482,3 +482,41 @@ def test_shape_churn_runs_per_op_after_eight_variants(monkeypatch):
     assert s["shape_churn"] == 4 and s["kernels_launched"] == 9, s
     for x, y_ in outs + [(x, y)]:
         torch.testing.assert_close(y_, rmsnorm(x, torch.ones(40)))
+
+
+def test_native_graph_refuses_bad_input_with_the_rule():
+    G = tessera._native.FusionGraph
+    g = G()
+    x = g.input("float32", [4, 8])
+    bad = [
+        lambda: g.input("int64", [4]),
+        lambda: g.input("float32", [1 << 40, 1 << 40]),
+        lambda: g.op("unary", "nope", [x]),
+        lambda: g.op("kind", "add", [x]),
+        lambda: g.op("binary", "add", [x, 99]),
+        lambda: g.op("binary", "add", [1.0, 2.0]),
+        lambda: g.op("view", "view", [x, [3, 3]]),
+        lambda: g.op("row", "sum", [x]),  # a missing argument
+        lambda: g.op("cast", "to", [x, "int8"]),
+        lambda: g.storage(1000),
+    ]
+    for f in bad:
+        with pytest.raises((ValueError, IndexError, TypeError)) as e:
+            f()
+        msg = str(e.value)
+        assert "fusion" in msg or "index" in msg.lower() or "out of range" in msg, msg
+    y = g.op("unary", "exp", [x])[0]
+    t = torch.randn(4, 8)
+    out = torch.empty(4, 8)
+    with pytest.raises(ValueError, match="argument-count|fusion"):
+        g.run([y], [], [out], "v5e")
+    with pytest.raises(ValueError, match="argument-shape"):
+        g.run([y], [torch.randn(5)], [out], "v5e")
+    with pytest.raises(ValueError, match="output-aliasing"):
+        g.run([y], [t], [t], "v5e")
+    with pytest.raises(ValueError, match="fusion-operand"):
+        g.run([1000], [t], [out], "v5e")
+    with pytest.raises(ValueError, match="target"):
+        g.run([y], [t], [out], "v9z")
+    g.run([y], [t], [out], "v5e")
+    torch.testing.assert_close(out, torch.exp(t))
