@@ -47,7 +47,7 @@ ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 @st.composite
 def programs(draw, inplace=True):
     a = draw(st.sampled_from([1, 2, 3]))
-    b = draw(st.sampled_from([1, 4, 5, 700]))  # 700 x 3 rows of 131 take 3 blocks, the last partial
+    b = draw(st.sampled_from([1, 4, 5, 64, 700]))  # (b, n) into (a, b, n): periodic rows at 64  # 700 x 3 rows of 131 take 3 blocks, the last partial
     n = draw(st.sampled_from([1, 6, 128, 131]))
     shapes = [(a, b, n), (n,), (a, b, 1), (1, 1, n), (), (b, n)]
     inputs = []

@@ -256,10 +256,11 @@ fn random_graph(seed: u64) -> Random {
 fn random_graph_sized(seed: u64, big: bool) -> Random {
     let mut rng = StdRng::seed_from_u64(seed);
     let a = if big { 7 } else { [1, 2, 3][rng.gen_range(0..3)] };
-    let b = if big { 150 } else { [1, 4, 9][rng.gen_range(0..3)] };
+    let b = if big { 150 } else { [1, 4, 9, 32][rng.gen_range(0..4)] };
     let n = if big { [300, 1000][rng.gen_range(0..2)] } else { [1, 7, 128, 200][rng.gen_range(0..4)] };
     let full = vec![a, b, n];
-    let shapes = [full.clone(), vec![n], vec![a, b, 1], vec![1, 1, n], vec![]];
+    // [b, n] and [b, 1] into [a, b, n]: periodic rows (fused when b is 32, refused otherwise).
+    let shapes = [full.clone(), vec![n], vec![a, b, 1], vec![1, 1, n], vec![], vec![b, n], vec![b, 1]];
     let mut g = Graph::new();
     let mut inputs = Vec::new();
     let mut vals = Vec::new();
@@ -489,6 +490,37 @@ fn boundaries_are_where_the_rules_say() {
 }
 
 #[test]
+fn a_bias_broadcast_over_leading_dims_is_read_periodically() {
+    // [64, 128] + [3, 64, 128]: result row r reads bias row r % 64, in blocks dividing 64.
+    let mut g = Graph::new();
+    let x = g.input(DType::F32, &[3, 64, 128]).unwrap();
+    let bias = g.input(DType::BF16, &[64, 128]).unwrap();
+    let m = g.input(DType::Bool, &[64, 1]).unwrap();
+    let y = g.binary(Binary::Add, Operand::Node(x), Operand::Node(bias)).unwrap();
+    let z = g.where_(m, Operand::Node(y), Operand::Scalar(-1.0)).unwrap();
+    let p = Program::build(&g, &[z], &Target::V5E).unwrap();
+    assert_eq!(p.launches.len(), 1, "{}", p.describe());
+    let k = &p.launches[0].kernel;
+    assert!(k.grid[0].extent >= 3, "blocks divide the 64 bias rows: {}", k);
+    let xs: Vec<f32> = (0..3 * 64 * 128).map(|i| (i % 97) as f32 * 0.1).collect();
+    let bs: Vec<f32> = (0..64 * 128).map(|i| (i % 13) as f32).collect();
+    let ms: Vec<i8> = (0..64).map(|i| (i % 3 != 0) as i8).collect();
+    let (xa, ba, ma) = (Array::from_f32(&[3, 64, 128], xs.clone()), Array::from_f32_in(DType::BF16, &[64, 128], bs.clone()), Array::new(&[64, 1], tessera_dsl::interp::Data::I8(ms.clone())));
+    for b in backends() {
+        let got = p.run(b.executor(), &[&xa, &ba, &ma]).unwrap()[0].to_f32_vec();
+        for (i, &v) in got.iter().enumerate() {
+            let row = (i / 128) % 64;
+            let want = if ms[row] == 1 { xs[i] + bs[i % (64 * 128)] } else { -1.0 };
+            assert_eq!(v, want, "{b}: element {i}");
+        }
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let p = Program::build(&g, &[z], &target).unwrap();
+        tessera_codegen::lower(&p.launches[0].kernel, &target).unwrap();
+    }
+}
+
+#[test]
 fn siblings_sharing_an_input_are_one_multi_output_kernel() {
     let mut g = Graph::new();
     let x = g.input(DType::BF16, &[32, 256]).unwrap();
@@ -605,6 +637,7 @@ fn bool_memory_is_i8_both_ways() {
 #[test]
 fn every_generated_kernel_lowers_to_mosaic_on_v5e_v6e_tpu7x() {
     let mut kernels = 0;
+    let mut periodic = 0;
     for seed in 0..60u64 {
         let r = random_graph(seed);
         if r.live.is_empty() {
@@ -616,6 +649,7 @@ fn every_generated_kernel_lowers_to_mosaic_on_v5e_v6e_tpu7x() {
                 let lowered = tessera_codegen::lower(&l.kernel, &target).unwrap_or_else(|e| panic!("seed {seed}, {} on {}: {e}\n{}", l.kernel.name, target.name, l.kernel));
                 assert!(lowered.mosaic.contains("func.func"), "{}", l.kernel.name);
                 kernels += 1;
+                periodic += l.kernel.refs.iter().filter_map(|r| r.block.as_ref()).any(|b| matches!(b.index_map[0], tessera_dsl::IndexExpr::Bin(..))) as usize;
             }
         }
     }
@@ -628,6 +662,7 @@ fn every_generated_kernel_lowers_to_mosaic_on_v5e_v6e_tpu7x() {
         }
     }
     assert!(kernels > 100, "{kernels}");
+    assert!(periodic > 0, "the random graphs read some operand periodically");
 }
 
 #[test]
@@ -692,7 +727,7 @@ fn generated_kernels_compile_with_libtpu() {
                 }
             }
         };
-        for seed in 0..80u64 {
+        for seed in 0..120u64 {
             let r = random_graph(seed);
             if !r.live.is_empty() {
                 add(format!("random{seed}"), &Program::build(&r.graph, &r.live, &target).unwrap());
@@ -702,6 +737,14 @@ fn generated_kernels_compile_with_libtpu() {
             let (g, out) = rmsnorm(dtype, 4096, 4096);
             add(format!("rmsnorm-{dtype}"), &Program::build(&g, &[out], &target).unwrap());
         }
+        // A periodic read: a [64, 128] bias over [3, 64, 128] (index map i % (64 / bm)).
+        let mut g = Graph::new();
+        let x = g.input(DType::F32, &[3, 64, 128]).unwrap();
+        let bias = g.input(DType::BF16, &[64, 128]).unwrap();
+        let y = g.binary(Binary::Add, Operand::Node(x), Operand::Node(bias)).unwrap();
+        let p = Program::build(&g, &[y], &target).unwrap();
+        assert!(p.launches[0].kernel.refs.iter().filter_map(|r| r.block.as_ref()).any(|b| matches!(b.index_map[0], tessera_dsl::IndexExpr::Bin(..))));
+        add("periodic-bias".into(), &p);
         tessera_tests::oracle::assert_accepted(&modules, target.name);
         eprintln!("{}: {} generated kernels accepted by libtpu", target.name, modules.len());
     }

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use tessera_dsl::{Arg, BinaryOp, BlockSpec, CmpOp, DType, Index, IndexExpr, KernelBuilder, KernelError, ReduceOp, RefId, Semantics, UnaryOp, Value};
+use tessera_dsl::{Arg, BinaryOp, BlockSpec, CmpOp, DType, Index, IndexExpr, IndexOp, KernelBuilder, KernelError, ReduceOp, RefId, Semantics, UnaryOp, Value};
 
 use super::graph::{Binary, Compare, Graph, NodeId, NodeOp, Operand, RowOp, Unary};
 use super::planner::{Partition, Read};
@@ -23,9 +23,18 @@ pub fn memory_dtype(d: DType) -> DType {
     }
 }
 
+/// Rows `[bm, cols]` at block `(i, 0)` (every row), `[1, cols]` at `(0, 0)` (one row), or a
+/// periodic read: `[bm, cols]` at `(i % (rows / bm), 0)` (`bm` divides `rows`).
 fn spec(rows: usize, cols: usize, part_rows: usize, bm: usize) -> BlockSpec {
-    let full = rows == part_rows;
-    BlockSpec { block_shape: vec![Some(if full { bm } else { 1 }), Some(cols)], index_map: vec![if full { IndexExpr::Grid(0) } else { IndexExpr::Const(0) }, IndexExpr::Const(0)] }
+    let (block, index) = if rows == part_rows {
+        (bm, IndexExpr::Grid(0))
+    } else if rows == 1 {
+        (1, IndexExpr::Const(0))
+    } else {
+        let blocks = (rows / bm.max(1)) as i64;
+        (bm, IndexExpr::Bin(IndexOp::Rem, Box::new(IndexExpr::Grid(0)), Box::new(IndexExpr::Const(blocks))))
+    };
+    BlockSpec { block_shape: vec![Some(block), Some(cols)], index_map: vec![index, IndexExpr::Const(0)] }
 }
 
 struct Gen<'a> {

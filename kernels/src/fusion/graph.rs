@@ -165,9 +165,15 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
         .collect()
 }
 
-/// How an operand of `shape` reaches a result of `out` (already a valid broadcast): its
-/// leading dims must be all the result's or all 1, so that as rows it is the result's rows
-/// or one row repeated.
+/// Rows a periodic operand must come in multiples of (see [`row_broadcast_ok`]): every
+/// dtype's sublane tiling divides it, so a block of rows can always divide the operand.
+pub const PERIOD_ROWS: usize = 32;
+
+/// How an operand of `shape` reaches a result of `out` (already a valid broadcast), as
+/// rows: its leading dims are all the result's (every row), all 1 (one row repeated), or
+/// 1s then the result's (a bias or mask `[b, n]` broadcast over `[a, b, n]`: result row
+/// `r` reads operand row `r % rows`, which needs the operand's rows to be a multiple of
+/// [`PERIOD_ROWS`]).
 fn row_broadcast_ok(shape: &[usize], out: &[usize]) -> bool {
     if out.is_empty() {
         return true;
@@ -175,7 +181,10 @@ fn row_broadcast_ok(shape: &[usize], out: &[usize]) -> bool {
     let pad = out.len() - shape.len();
     let padded: Vec<usize> = std::iter::repeat_n(1, pad).chain(shape.iter().copied()).collect();
     let (lead, olead) = (&padded[..out.len() - 1], &out[..out.len() - 1]);
-    lead == olead || lead.iter().all(|&d| d == 1)
+    if lead == olead || lead.iter().all(|&d| d == 1) {
+        return true;
+    }
+    (1..lead.len()).any(|k| lead[..k].iter().all(|&d| d == 1) && lead[k..] == olead[k..] && lead[k..].iter().product::<usize>().is_multiple_of(PERIOD_ROWS))
 }
 
 /// Promotion class: dimensioned tensors beat 0-dim tensors beat Python numbers, within a
@@ -294,7 +303,7 @@ impl Graph {
                         format!("operand `{name}`"),
                         "fusion-broadcast-rows",
                         format!("shape {} broadcasts into {} over some leading dims but not all", shape_str(&n.shape), shape_str(&out)),
-                        "an operand's leading dims must be all the result's or all 1 (as rows: every row or one row); expand it first or let it run eagerly",
+                        "an operand's leading dims must be all the result's, all 1, or 1s then the result's with a multiple of 32 rows; expand it first or let it run eagerly",
                     ));
                 }
             }

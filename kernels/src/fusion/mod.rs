@@ -42,8 +42,9 @@
 //! (`[m, n]` values after `[k, n]` ones); reading a row-changing view of a value the open
 //! kernel computes. Refused when recorded (the front-end runs the op eagerly, the reason
 //! is the error's rule): dtypes other than f32/bf16/bool (`fusion-dtype`), broadcasts
-//! over some leading dims but not all (`[1, 3, 8]` into `[4, 3, 8]`:
-//! `fusion-broadcast-rows`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
+//! over inner leading dims (`[4, 1, 8]` into `[4, 3, 8]`:
+//! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
+//! multiple of 32, read periodically), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
 //! (`fusion-scalar`), reductions over other dims than the last, and everything else
 //! (matmul, indexing, strided views) which the front-end does not record.
@@ -113,6 +114,14 @@ pub struct Program {
     pub temps: Vec<(DType, usize)>,
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 fn sublanes(dtypes: impl Iterator<Item = DType>, target: &Target) -> usize {
     dtypes.map(|d| target.tiling(d).0).max().unwrap_or(8)
 }
@@ -178,12 +187,19 @@ impl Program {
         let limit = target.default_scoped_vmem_bytes / (4 * streams);
         let tiles = RowTiles::new(p.rows, p.cols, sub, ROW_BLOCK_BYTES.min(limit), limit);
         let mut bm = tiles.bm;
+        // Periodic reads (rows dividing the kernel's, a multiple of 32): blocks divide them.
+        let period = p.reads.iter().filter(|r| r.rows != p.rows && r.rows != 1).fold(0, |g, r| gcd(g, r.rows));
+        if period > 0 {
+            bm = (1..=bm.min(period)).rev().find(|&d| period.is_multiple_of(d) && d.is_multiple_of(sub)).ok_or_else(|| {
+                KernelError::new(&format!("fused{index}"), "periodic operand", "fusion-block", format!("no block of a multiple of {sub} rows divides the operand's {period} rows"), "report this as a Tessera bug: periodic operands come in multiples of 32 rows")
+            })?;
+        }
         loop {
             let k = generate::kernel(g, p, index, bm)?;
             let k = fit_vmem_limit(k, target);
             match tessera_dsl::verify::verify(&k, target) {
                 Ok(()) => return Ok(k),
-                Err(e) if e.rule.contains("vmem") && bm > sub && (bm / 2).is_multiple_of(sub) => bm /= 2,
+                Err(e) if e.rule.contains("vmem") && bm > sub && (bm / 2).is_multiple_of(sub) && (period == 0 || period.is_multiple_of(bm / 2)) => bm /= 2,
                 Err(e) => return Err(e),
             }
         }

@@ -47,6 +47,12 @@ fn fits(layout: (usize, usize), space: (usize, usize)) -> bool {
     (layout.0 == space.0 || layout.0 == 1) && (layout.1 == space.1 || layout.1 == 1)
 }
 
+/// A memory read may also be periodic: rows dividing the space's (a `[b, n]` operand of an
+/// `[a, b, n]` result, admitted by the graph builder), read at block index `i % (rows / bm)`.
+fn read_fits(layout: (usize, usize), space: (usize, usize)) -> bool {
+    fits(layout, space) || (layout.0 > 0 && space.0.is_multiple_of(layout.0) && (layout.1 == space.1 || layout.1 == 1))
+}
+
 /// The iteration space of a compute node: a row op runs over its input's rows.
 fn space_of(g: &Graph, id: NodeId) -> (usize, usize) {
     let n = g.node(id);
@@ -116,7 +122,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let is_row = matches!(node.op, NodeOp::Row(_));
             cut = if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).all(|&l| fits(l, (m, n))) {
+            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads.iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
             } else if row_op_cols.is_some_and(|c| c != n) || (is_row && space.1 != n) {
                 Some(format!("node %{id} changes the row length ({} vs {}) of a kernel with a row op", space.1, n))
@@ -159,11 +165,10 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         }
         let is_row = matches!(node.op, NodeOp::Row(_));
         layouts = vec![space, node.layout()];
-        layouts.extend(reads.iter().map(|r| (r.rows, r.cols)));
         row_op_cols = is_row.then_some(space.1);
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
-        let (m, n) = layouts.iter().fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
-        if !layouts.iter().all(|&l| fits(l, (m, n))) {
+        let (m, n) = layouts.iter().chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
+        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits((r.rows, r.cols), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
         parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, cut: cut.unwrap_or_else(|| "start".into()) });
