@@ -16,7 +16,9 @@
 //! # The rules (Inductor / XLA style)
 //!
 //! 1. **Pointwise chains fuse**: a pointwise node joins the open kernel when its values
-//!    broadcast with the kernel's row space (every value is `rows or 1` by `cols or 1`).
+//!    broadcast with the kernel's row space (every value is `rows or 1` by `cols or 1`; a
+//!    buffer it reads may also have rows dividing the kernel's, read periodically: a
+//!    `[b, n]` bias or mask of an `[a, b, n]` result, `b` a multiple of 32).
 //!    The space may grow from 1 (a `[m, 1]` chain meeting `[m, n]` values becomes `[m, n]`).
 //! 2. **A row op fuses with its producers and its same-row-space consumers**: a kernel
 //!    walks blocks of whole rows, so a row op over the kernel's `cols` sees every element
