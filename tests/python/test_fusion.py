@@ -122,7 +122,7 @@ def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
     with tessera.set_eager_mode(DEFER):
         a = xi * 2  # int64
         b = x + y  # a broadcast over some leading dims only
-        c = x.sum(0)  # not the last dim
+        c = x.sum(0)  # neither the last dim nor all the leading ones
     torch.testing.assert_close(a, xi * 2)
     torch.testing.assert_close(b, x + y)
     torch.testing.assert_close(c, x.sum(0))
@@ -520,3 +520,15 @@ def test_native_graph_refuses_bad_input_with_the_rule():
         g.run([y], [t], [out], "v9z")
     g.run([y], [t], [out], "v5e")
     torch.testing.assert_close(out, torch.exp(t))
+
+
+def test_column_sums_fuse_with_their_producers():
+    x, dy = torch.randn(1000, 96), torch.randn(1000, 96)
+    with tessera.set_eager_mode(DEFER):
+        dw = (dy * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0)
+        db = dy.reshape(10, 100, 96).sum((0, 1), keepdim=True)
+    torch.testing.assert_close(dw, (dy * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(db, dy.reshape(10, 100, 96).sum((0, 1), keepdim=True), rtol=1e-4, atol=1e-4)
+    s = fusion.stats()
+    # Both sums run over the same 1000 rows of 96 (the reshape keeps the rows): one kernel.
+    assert s["kernels_launched"] == 1 and s["eager_reasons"] == {"op:view": 1}, s

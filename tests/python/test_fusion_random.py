@@ -57,7 +57,7 @@ def programs(draw, inplace=True):
         inputs.append((shape, dtype))
     ops = []
     kinds = ["unary", "binary", "scalar", "rsub", "clamp", "where", "cast", "row", "row_nokeep", "full_sum",
-             "view_merge", "unsqueeze", "flatten", "expand", "eager_dim0", "eager_flip", "read", "clone"]
+             "view_merge", "unsqueeze", "flatten", "expand", "eager_dim0", "colsum", "eager_flip", "read", "clone"]
     if inplace:
         kinds += ["inplace_scalar", "inplace_binary", "inplace_unary", "inplace_view"]
     for _ in range(draw(st.integers(1, 14))):
@@ -137,7 +137,10 @@ def run(program, tensors, requires_grad=False):
                 target = torch.broadcast_shapes(x.shape, (inputs[0][0]))
                 push(x.expand(target), ex)
             elif k == "eager_dim0" and floats and x.dim() >= 2:
+                # Over dim 0 only: a column sum when x is 2-d, eager otherwise.
                 push(x.sum(0), False)
+            elif k == "colsum" and floats and x.dim() >= 2:
+                push(x.sum(tuple(range(x.dim() - 1)), keepdim=flag), False)
             elif k == "eager_flip" and x.dim() >= 1:
                 push(torch.flip(x, [-1]), ex)
             elif k == "read" and floats:

@@ -211,6 +211,15 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                 let to = *to;
                 map(&move |x| if to == DType::Bool { (x[0] != 0.0) as u8 as f64 } else { x[0] }, &vals)
             }
+            NodeOp::ColSum => {
+                let x = get(&n.args[0], &vals);
+                let c = *x.shape.last().unwrap();
+                let mut v = vec![0.0; c];
+                for (i, &y) in x.v.iter().enumerate() {
+                    v[i % c] += y;
+                }
+                T { shape: n.shape.clone(), v: v.into_iter().map(|y| round(y, n.dtype)).collect() }
+            }
             NodeOp::Row(op) => {
                 let x = get(&n.args[0], &vals);
                 let c = *x.shape.last().unwrap();
@@ -317,6 +326,7 @@ fn random_graph_sized(seed: u64, big: bool) -> Random {
                 g.row(op, x, false).and_then(|r| g.view(r, &kept))
             }
             13 if rng.gen_bool(0.3) => g.expand(x, &full),
+            13 if rng.gen_bool(0.3) => g.col_sum(x, rng.gen_bool(0.5)),
             13 => g.row(if rng.gen_bool(0.5) { RowOp::Softmax } else { RowOp::LogSoftmax }, x, true),
             _ => {
                 // A rows-keeping view and back.
@@ -517,6 +527,51 @@ fn a_bias_broadcast_over_leading_dims_is_read_periodically() {
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
         let p = Program::build(&g, &[z], &target).unwrap();
         tessera_codegen::lower(&p.launches[0].kernel, &target).unwrap();
+    }
+}
+
+#[test]
+fn a_column_sum_fuses_with_its_producers_and_accumulates_in_order() {
+    // RMSNorm's weight gradient: dw = sum over rows of dy * x * rstd, rows not a multiple of
+    // the block (the last block's extra rows are masked), bf16 in, f32 accumulation.
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1.0 / 128.0)] {
+        let (m, n) = (1000, 256);
+        let mut g = Graph::new();
+        let x = g.input(dtype, &[m, n]).unwrap();
+        let dy = g.input(dtype, &[m, n]).unwrap();
+        let sq = g.binary(Binary::Mul, Operand::Node(x), Operand::Node(x)).unwrap();
+        let ms = g.row(RowOp::Mean, sq, true).unwrap();
+        let e = g.binary(Binary::Add, Operand::Node(ms), Operand::Scalar(1e-6)).unwrap();
+        let r = g.unary(Unary::Rsqrt, e).unwrap();
+        let xr = g.binary(Binary::Mul, Operand::Node(x), Operand::Node(r)).unwrap();
+        let t = g.binary(Binary::Mul, Operand::Node(dy), Operand::Node(xr)).unwrap();
+        let dw = g.col_sum(t, false).unwrap();
+        let after = g.binary(Binary::Mul, Operand::Node(dw), Operand::Scalar(2.0)).unwrap(); // reads the sum: a new kernel
+        let p = Program::build(&g, &[dw, after], &Target::V5E).unwrap();
+        assert_eq!(p.launches.len(), 2, "{}", p.describe());
+        assert!(p.partitioning.parts[1].cut.contains("column sum"), "{}", p.partitioning.parts[1].cut);
+        let k = &p.launches[0].kernel;
+        assert!(k.grid[0].extent > 1 && m % k.refs[0].block.as_ref().unwrap().window()[0] != 0, "a partial last block: {k}");
+        let mut rng = StdRng::seed_from_u64(3);
+        let xs: Vec<f32> = (0..m * n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        let ds: Vec<f32> = (0..m * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let (xa, da) = (Array::from_f32_in(dtype, &[m, n], xs), Array::from_f32_in(dtype, &[m, n], ds));
+        let want = reference(&g, &[T { shape: vec![m, n], v: xa.to_f64_vec() }, T { shape: vec![m, n], v: da.to_f64_vec() }]);
+        for b in backends() {
+            let out = p.run(b.executor(), &[&xa, &da]).unwrap();
+            for (o, l) in out.iter().zip([dw, after]) {
+                let w = &want[l].v;
+                let scale = w.iter().fold(1.0f64, |a, v| a.max(v.abs()));
+                for (g_, w_) in o.to_f64_vec().iter().zip(w) {
+                    assert!((g_ - w_).abs() <= tol * scale, "{b} {dtype}: {g_} vs {w_}");
+                }
+            }
+        }
+        for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+            for l in &Program::build(&g, &[dw, after], &target).unwrap().launches {
+                tessera_codegen::lower(&l.kernel, &target).unwrap();
+            }
+        }
     }
 }
 
@@ -737,6 +792,12 @@ fn generated_kernels_compile_with_libtpu() {
             let (g, out) = rmsnorm(dtype, 4096, 4096);
             add(format!("rmsnorm-{dtype}"), &Program::build(&g, &[out], &target).unwrap());
         }
+        // A column sum with a partial last block.
+        let mut g = Graph::new();
+        let x = g.input(DType::BF16, &[1000, 256]).unwrap();
+        let t = g.unary(Unary::Tanh, x).unwrap();
+        let c = g.col_sum(t, true).unwrap();
+        add("colsum".into(), &Program::build(&g, &[c], &target).unwrap());
         // A periodic read: a [64, 128] bias over [3, 64, 128] (index map i % (64 / bm)).
         let mut g = Graph::new();
         let x = g.input(DType::F32, &[3, 64, 128]).unwrap();

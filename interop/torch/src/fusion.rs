@@ -67,7 +67,7 @@ impl FusionGraph {
     }
 
     /// Records an op: `kind` (`unary`, `binary`, `compare`, `where`, `clamp`, `cast`, `row`,
-    /// `view`, `expand`), its `name` and `args`; returns (node id, shape, dtype name).
+    /// `view`, `expand`, `colsum`), its `name` and `args`; returns (node id, shape, dtype name).
     fn op(&mut self, kind: &str, name: &str, args: &Bound<'_, PyList>) -> PyResult<(usize, Vec<usize>, &'static str)> {
         let g = &mut self.graph;
         let arg = |i: usize| -> PyResult<Bound<'_, PyAny>> { args.get_item(i) };
@@ -134,6 +134,7 @@ impl FusionGraph {
             }
             "view" => g.view(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
             "expand" => g.expand(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
+            "colsum" => g.col_sum(node(0)?, arg(1)?.extract()?),
             _ => return Err(unknown("kind of", kind)),
         }
         .map_err(py_err)?;

@@ -44,6 +44,8 @@ struct Gen<'a> {
     vals: HashMap<NodeId, Value>,
     loaded: HashMap<Read, Value>,
     bm: usize,
+    /// The f32 `[1, c]` accumulator of each column sum (`c`: its columns).
+    acc: HashMap<NodeId, RefId>,
 }
 
 impl Gen<'_> {
@@ -209,6 +211,30 @@ impl Gen<'_> {
                     (true, true) => x,
                 }
             }
+            NodeOp::ColSum => {
+                // acc = 0 at the first block; acc += this block's rows (rows past the end of
+                // a partial last block masked); the node is the running sum, stored every
+                // step of the in-order grid, so the last store is the whole sum.
+                let mut x = self.val(n.args[0]);
+                let acc = self.acc[&id];
+                let b = &mut self.b;
+                let pid = b.program_id(0);
+                let first = b.cmp(CmpOp::Eq, pid, 0);
+                b.when(first, |b| b.store(acc, &[Index::Full, Index::Full], 0.0));
+                let (rows, bm) = (self.p.rows, self.bm);
+                if !rows.is_multiple_of(bm) {
+                    let r = b.iota(DType::I32, &[bm, 1], 0);
+                    let off = b.mul(pid, bm as i64);
+                    let r = b.add(r, off);
+                    let inside = b.cmp(CmpOp::Lt, r, rows as i64);
+                    x = b.select(inside, x, 0.0);
+                }
+                let part = b.reduce(ReduceOp::Sum, x, 0);
+                let old = b.load(acc, &[Index::Full, Index::Full]);
+                let new = b.add(old, part);
+                b.store(acc, &[Index::Full, Index::Full], new);
+                new
+            }
             NodeOp::Row(op) => {
                 let x = self.val(n.args[0]);
                 let cols = self.p.cols;
@@ -270,7 +296,7 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, bm: usize) -> Result<tesse
     let mut b = KernelBuilder::new(&format!("fused{index}"));
     // A stored node of one row while the grid walks many: every step writes the same
     // block, so the steps must run in order.
-    let revisits = p.outputs.iter().any(|&o| g.node(o).layout().0 != p.rows);
+    let revisits = p.has_col_sum || p.outputs.iter().any(|&o| g.node(o).layout().0 != p.rows);
     b.grid(&[(p.rows.div_ceil(bm), if revisits { Semantics::Arbitrary } else { Semantics::Parallel })]);
     let mut in_refs: Vec<(Read, RefId)> = Vec::new();
     for (i, r) in p.reads.iter().enumerate() {
@@ -285,7 +311,13 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, bm: usize) -> Result<tesse
         let id = b.output(&format!("out_n{o}"), memory_dtype(n.dtype), &[rows, cols], spec(rows, cols, p.rows, bm));
         out_refs.push((o, id));
     }
-    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm };
+    let mut acc = HashMap::new();
+    for &id in &p.nodes {
+        if matches!(g.node(id).op, NodeOp::ColSum) {
+            acc.insert(id, b.scratch(&format!("acc_n{id}"), DType::F32, &[1, g.node(id).layout().1], tessera_dsl::MemorySpace::Vmem));
+        }
+    }
+    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm, acc };
     for (r, id) in &in_refs {
         let v = gen.b.load(*id, &[Index::Full, Index::Full]);
         let v = match g.node(r.storage).dtype {

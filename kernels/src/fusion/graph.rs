@@ -96,6 +96,8 @@ pub enum NodeOp {
     Cast(DType),
     /// Over the last dim, keepdim (a non-keepdim reduction is this and a [`NodeOp::View`]).
     Row(RowOp),
+    /// The sum over every dim but the last (`x.sum(0)` of `[m, n]`): one row, `[n]` or keepdim.
+    ColSum,
     /// A reshape of a contiguous tensor: the same elements, another shape.
     View,
     /// `x.expand(shape)` as a value (torch's is a stride-0 view; here the broadcast copy,
@@ -453,6 +455,20 @@ impl Graph {
         Self::check_row("expand", shape)?;
         let dtype = n.dtype;
         Ok(self.push(NodeOp::Expand, vec![Operand::Node(x)], dtype, shape.to_vec()))
+    }
+
+    /// `x.sum(dims)` over every dim but the last (a column sum): `[n]`, or `[1, .., 1, n]`
+    /// with `keepdim`.
+    pub fn col_sum(&mut self, x: NodeId, keepdim: bool) -> Result<NodeId, KernelError> {
+        self.float_operand("sum", "self", Operand::Node(x))?;
+        let n = &self.nodes[self.node_arg("sum", "self", Operand::Node(x))?];
+        if n.shape.len() < 2 {
+            return Err(err("sum", "operand `self`", "fusion-shape", format!("a column sum of a rank-{} tensor", n.shape.len()), "column sums take tensors of at least two dims (a 1-d sum is a row op)"));
+        }
+        let c = *n.shape.last().expect("rank >= 2");
+        let shape = if keepdim { n.shape.iter().enumerate().map(|(i, &d)| if i + 1 == n.shape.len() { d } else { 1 }).collect() } else { vec![c] };
+        let dtype = n.dtype;
+        Ok(self.push(NodeOp::ColSum, vec![Operand::Node(x)], dtype, shape))
     }
 
     /// `x.view(shape)` / `reshape` of a contiguous tensor.

@@ -9,7 +9,7 @@
 //! casts) over f32, bf16 and bool tensors with torch's type promotion (dimensioned
 //! tensors beat 0-dim tensors beat Python numbers within a category, float beats bool);
 //! row ops over the last dim (`sum`, `mean`, `amax`, `amin` with or without keepdim,
-//! `softmax`, `log_softmax`); views (reshapes of contiguous tensors). Every tensor is
+//! `softmax`, `log_softmax`); column sums (over every dim but the last); views (reshapes of contiguous tensors). Every tensor is
 //! seen as rows: `shape[..-1]` flattened by the last dim (a contiguous tensor is exactly
 //! that row-major matrix).
 //!
@@ -34,11 +34,17 @@
 //!    open one.
 //! 5. **Caps**: at most [`planner::MAX_READS`] buffers read and [`planner::MAX_NODES`]
 //!    nodes per kernel; a full kernel ends and the next node starts a new one.
-//! 6. **Only stored values cost memory**: a node is stored when a later kernel reads it or
+//! 6. **A column sum** (`x.sum(0)` of `[m, n]`, over every dim but the last: bias and norm
+//!    weight gradients) fuses with its producers in the kernel's row space: an f32 `[1, n]`
+//!    accumulator over the row blocks, so that kernel's grid runs in order (`arbitrary`),
+//!    its rows are fixed, and a node reading the sum starts the next kernel (the sum is
+//!    whole only after the last block). Rows past the end of a partial last block are masked.
+//! 7. **Only stored values cost memory**: a node is stored when a later kernel reads it or
 //!    the caller takes it (`live`); every other value lives only in the kernel's vregs.
 //!    Nodes no live result needs are not computed at all (so no kernel is without outputs).
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
+//! reading a column sum the open kernel computes;
 //! a row op over a different row length than the kernel's (`x.sum(-1)` then a row op over
 //! a `[m, 1]` column); a node whose values do not broadcast with the kernel's row space
 //! (`[m, n]` values after `[k, n]` ones); reading a row-changing view of a value the open

@@ -32,6 +32,9 @@ pub struct Partition {
     pub outputs: Vec<NodeId>,
     /// Whether it holds a row op (then `cols` is fixed: the rows it reduces).
     pub has_row_op: bool,
+    /// Whether it holds a column sum (then `rows` is fixed, and the grid runs in order:
+    /// the sum accumulates over the row blocks).
+    pub has_col_sum: bool,
     /// Why the previous partition ended here (for dumps and stats).
     pub cut: String,
 }
@@ -57,7 +60,7 @@ fn read_fits(layout: (usize, usize), space: (usize, usize)) -> bool {
 fn space_of(g: &Graph, id: NodeId) -> (usize, usize) {
     let n = g.node(id);
     match (&n.op, n.args.first()) {
-        (NodeOp::Row(_), Some(&Operand::Node(x))) => g.node(x).layout(),
+        (NodeOp::Row(_) | NodeOp::ColSum, Some(&Operand::Node(x))) => g.node(x).layout(),
         _ => n.layout(),
     }
 }
@@ -69,6 +72,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     // Layouts of the values each open partition computes or reads (for the space check).
     let mut layouts: Vec<(usize, usize)> = Vec::new();
     let mut row_op_cols: Option<usize> = None;
+    let mut col_sum_rows: Option<usize> = None;
     // Only what the live results need is computed (dead nodes make no kernel).
     let mut needed = vec![false; g.len()];
     for &l in live {
@@ -98,11 +102,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         // computes in another layout (then it must wait for `cur` to be stored).
         let mut reads = Vec::new();
         let mut needs_stored = None;
+        let mut reads_col_sum = None;
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
             let s = g.same_rows_source(o);
             let in_cur = cur.is_some() && assigned[s] == cur;
             if in_cur {
+                if matches!(g.node(s).op, NodeOp::ColSum) {
+                    reads_col_sum = Some(s);
+                }
                 continue;
             }
             let storage = g.storage(o);
@@ -120,10 +128,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let mut new_reads: BTreeSet<Read> = part.reads.iter().copied().collect();
             new_reads.extend(reads.iter().copied());
             let is_row = matches!(node.op, NodeOp::Row(_));
+            let is_col = matches!(node.op, NodeOp::ColSum);
             cut = if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
             } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads.iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
+            } else if let Some(c) = reads_col_sum {
+                Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
+            } else if col_sum_rows.is_some_and(|r| r != m) || (is_col && space.0 != m) {
+                Some(format!("node %{id} changes the rows ({} vs {}) of a kernel with a column sum", space.0, m))
             } else if row_op_cols.is_some_and(|c| c != n) || (is_row && space.1 != n) {
                 Some(format!("node %{id} changes the row length ({} vs {}) of a kernel with a row op", space.1, n))
             } else if new_reads.len() > MAX_READS {
@@ -147,6 +160,10 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 if is_row {
                     row_op_cols = Some(n);
                 }
+                part.has_col_sum |= is_col;
+                if is_col {
+                    col_sum_rows = Some(m);
+                }
                 layouts.push(space);
                 layouts.push(node.layout());
                 assigned[id] = Some(p);
@@ -164,14 +181,16 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             }
         }
         let is_row = matches!(node.op, NodeOp::Row(_));
+        let is_col = matches!(node.op, NodeOp::ColSum);
         layouts = vec![space, node.layout()];
         row_op_cols = is_row.then_some(space.1);
+        col_sum_rows = is_col.then_some(space.0);
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
         let (m, n) = layouts.iter().chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
         if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits((r.rows, r.cols), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
-        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, cut: cut.unwrap_or_else(|| "start".into()) });
+        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()) });
         assigned[id] = Some(parts.len() - 1);
     }
     // What is stored: every compute node read from memory, and the live results.

@@ -352,6 +352,9 @@ def _record(func, name, args, kwargs, st):
             if rank != 1:
                 n = op("view", "view", [n, [x.numel()]])[0]
             return op("row", _ROW[name], [n, keepdim])
+        if name == "sum" and rank >= 2 and sorted(d % rank for d in ([dims] if isinstance(dims, int) else dims)) == list(range(rank - 1)):
+            # Over every dim but the last: a column sum (bias and norm-weight gradients).
+            return op("colsum", "sum", [_node_of(x, st), keepdim])
         if not _last_dim(dims, rank):
             raise _Unsupported(f"{name}-dim")
         return op("row", _ROW[name], [_node_of(x, st), keepdim])
