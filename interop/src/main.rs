@@ -216,32 +216,38 @@ fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Ve
 fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
-    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
+    // Every kernel is built, verified and lowered before anything is written: a rejected
+    // case leaves no partial output. An alias op (`flash_attention`) emits the kernels of
+    // the op it is an alias of (its plan is that op's), under its own name.
+    let mut lowered_all = Vec::new();
     for sel in selection(s)? {
-        if sel.op.alias_of.is_some() {
-            continue; // its kernels are the aliased op's
-        }
         let start = Instant::now();
         for (stem, kernel) in build_and_warn(&sel, dtype, &target)? {
             let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
-            let ms = start.elapsed().as_secs_f64() * 1e3;
-            for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
-                let path = out.join(format!("{stem}.{ext}.mlir"));
-                std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            }
-            let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
-            println!(
-                "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
-                stem,
-                grid.join("x"),
-                lowered.vmem_bytes as f64 / (1 << 20) as f64,
-                lowered.vmem_need as f64 / (1 << 20) as f64,
-                lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
-                lowered.cost.flops as f64 / 1e9,
-                ms
-            );
+            lowered_all.push((stem, kernel, lowered, start.elapsed().as_secs_f64() * 1e3));
         }
+    }
+    if lowered_all.is_empty() {
+        return Err("the selection has no kernels to emit".into());
+    }
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
+    for (stem, kernel, lowered, ms) in lowered_all {
+        for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
+            let path = out.join(format!("{stem}.{ext}.mlir"));
+            std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        }
+        let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+        println!(
+            "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+            stem,
+            grid.join("x"),
+            lowered.vmem_bytes as f64 / (1 << 20) as f64,
+            lowered.vmem_need as f64 / (1 << 20) as f64,
+            lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
+            lowered.cost.flops as f64 / 1e9,
+            ms
+        );
     }
     println!("wrote {}", out.display());
     Ok(true)
