@@ -374,6 +374,7 @@ fn check_metadata(v: &[&Array], t: usize, ps: usize, np: usize) -> Result<(), Ke
     if cu[0] != 0 {
         return bad("cu_q_lens", "cu-q-lens", format!("cu_q_lens starts at {}", cu[0]), "start cu_q_lens at 0");
     }
+    // Every offset first, so a bad offset is reported as one (not as the q_len it implies).
     for s in 0..ns {
         let (start, end) = (cu[s], cu[s + 1]);
         if end < start {
@@ -382,7 +383,9 @@ fn check_metadata(v: &[&Array], t: usize, ps: usize, np: usize) -> Result<(), Ke
         if end as usize > t {
             return bad("cu_q_lens", "cu-q-lens", format!("sequence {s} ends at query token {end}, but q has {t} tokens"), &format!("keep cu_q_lens[num_seqs] <= {t}"));
         }
-        let (q_len, kv_len) = (end - start, kv_lens[s]);
+    }
+    for s in 0..ns {
+        let (q_len, kv_len) = (cu[s + 1] - cu[s], kv_lens[s]);
         check_length("ragged_paged_attention", "kv_lens", s, kv_len, pps * ps)?;
         if q_len > kv_len {
             return bad("kv_lens", "q-len-exceeds-kv-len", format!("sequence {s} has {q_len} queries but {kv_len} keys"), "a sequence's keys include its new queries' own: kv_len >= q_len");

@@ -224,6 +224,38 @@ fn specific_shape_contracts() {
     ra.plan_for(&ragged(&[4], &[1]), &st, &Target::V6E).expect("valid ragged shapes");
 }
 
+/// Ragged metadata errors name the input at fault: a bad offset is a `cu_q_lens` error,
+/// not the `q_len > kv_len` it implies for an earlier sequence.
+#[test]
+fn ragged_metadata_errors_name_the_input_at_fault() {
+    let op = find("ragged_paged_attention").unwrap();
+    let st = op.statics("sm_scale=0.08838834764831845").unwrap();
+    let shapes: Vec<Vec<usize>> = vec![vec![24, 4, 128], vec![2, 6, 16, 128], vec![2, 6, 16, 128], vec![3], vec![3, 2], vec![4], vec![1]];
+    let mut base = harness::inputs_for(op, &shapes, DType::F32, &st, &mut rand::SeedableRng::seed_from_u64(5));
+    base[3] = Array::from_i32(&[3], vec![8, 20, 30]);
+    base[4] = Array::from_i32(&[3, 2], vec![0, 1, 2, 3, 4, 5]);
+    base[5] = Array::from_i32(&[4], vec![0, 8, 9, 19]);
+    base[6] = Array::from_i32(&[1], vec![3]);
+    let run = |a: &[Array]| op.run(&Interpreter, &a.iter().map(Some).collect::<Vec<_>>(), &st, &Target::V6E);
+    run(&base).expect("the valid metadata runs");
+    for (at, values, input) in [
+        (5, vec![0, 9, 8, 19], "cu_q_lens"),
+        (5, vec![0, 8, 9, 25], "cu_q_lens"),
+        (5, vec![1, 8, 9, 19], "cu_q_lens"),
+        (5, vec![-1, 8, 9, 19], "cu_q_lens"),
+        (5, vec![0, -8, 9, 19], "cu_q_lens"),
+        (3, vec![8, 20, 33], "kv_lens"),
+        (3, vec![8, 20, 5], "kv_lens"),
+        (6, vec![4], "num_seqs"),
+        (4, vec![0, 1, 2, 6, 4, 5], "page_indices"),
+    ] {
+        let mut a = base.clone();
+        a[at] = Array::from_i32(&a[at].shape.clone(), values.clone());
+        let e = run(&a).err().unwrap_or_else(|| panic!("{input} {values:?} accepted"));
+        assert_eq!(e.subject, format!("input `{input}`"), "{values:?}: {e}");
+    }
+}
+
 fn lying(dtype: DType, shape: &[usize], len: usize) -> Array {
     let mut a = Array::zeros(dtype, &[len]);
     a.shape = shape.to_vec();
