@@ -91,6 +91,6 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
                              name: "quantized_matmul", doc: "x [m, k] @ (int8 w [n, k] * float32 scale [n])^T: weight-only int8 with per-output-channel scales, f32 accumulation", schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]); vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)] }),
-                             inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
+                             inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
                              cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 1536], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
                          }];
