@@ -454,9 +454,12 @@ fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, 
 }
 
 fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Result<(), KernelError> {
+    // Named as the op's statics `block_q` / `block_kv`, which set explicit blocks.
     let AttentionBlocks { block_q, block_kv } = blocks;
-    if block_q == 0 || block_kv == 0 || block_q > sq || block_kv > skv {
-        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} for Sq = {sq}, Skv = {skv}"), "use blocks between 1 and the sequence length"));
+    for (name, block, len, dim) in [("block_q", block_q, sq, "Sq"), ("block_kv", block_kv, skv, "Skv")] {
+        if block == 0 || block > len {
+            return Err(err(op, format!("argument `{name}`"), "block-shape", format!("{name} = {block} for {dim} = {len}"), format!("use a {name} between 1 and {len} (the sequence length), or None for the defaults")));
+        }
     }
     Ok(())
 }

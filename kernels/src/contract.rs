@@ -4,7 +4,8 @@
 //! the inputs), element counts without overflow, and all of them within the target's HBM.
 //! Plan builders can then index dims without re-checking them, and every op gets the same
 //! errors (`operand-dtype`, `operand-rank`, `operand-shape`, `shape-overflow`,
-//! `hbm-budget`) naming the op, the input, the rule and the shape to pass.
+//! `hbm-budget`) naming the op, the input, the rule and the shape to pass. Empty inputs
+//! (a zero dim) are refused too: no kernel takes an empty operand.
 //!
 //! The dims grammar (an [`Input::dims`] string): `[item, ...]`, one item per dim:
 //!
@@ -166,6 +167,12 @@ pub fn check_inputs(op: &Op, inputs: &[Option<Type>], statics: &Statics, target:
         let Some((_, bytes)) = counts(ty.dtype, &ty.shape) else {
             return Err(err(name, "shape-overflow", format!("`{name}` has shape {:?}: its {} count overflows a 64-bit count", ty.shape, ty.dtype), "check the shape: no array has that many elements".into()));
         };
+        // Every input reaches a kernel (or shares its dims with one that does), and the
+        // kernels take no empty operands (the verifier's operand-shape): say so here, in the
+        // input's terms, rather than as a zero block or grid of some kernel.
+        if let Some(d) = ty.shape.iter().position(|&x| x == 0) {
+            return Err(err(name, "operand-shape", format!("`{name}` is {ty}: dim {d} is 0, an empty array"), "pass non-empty inputs (skip the call for an empty batch)".into()));
+        }
         total = total.saturating_add(bytes);
         if largest.is_none_or(|(_, _, b)| bytes > b) {
             largest = Some((name, ty, bytes));

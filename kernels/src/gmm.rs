@@ -435,8 +435,9 @@ pub fn tgmm(exec: &dyn Executor, lhs: &Array, grad: &Array, group_sizes: &Array,
 fn blocks_of(c: &Call, default: GmmBlocks) -> Result<GmmBlocks, KernelError> {
     match c.statics.ints("tiling") {
         None => Ok(default),
-        Some(&[tm, tk, tn]) if tm > 0 && tk > 0 && tn > 0 => Ok(GmmBlocks { tm: tm as usize, tk: tk as usize, tn: tn as usize }),
-        Some(other) => Err(c.err("argument `tiling`", "option-value", format!("tiling = {other:?}"), "pass three positive block sizes [tm, tk, tn], or None for the target's defaults")),
+        // Block sizes are i32 literals in the kernels.
+        Some(&[tm, tk, tn]) if [tm, tk, tn].iter().all(|&b| (1..=i32::MAX as i64).contains(&b)) => Ok(GmmBlocks { tm: tm as usize, tk: tk as usize, tn: tn as usize }),
+        Some(other) => Err(c.err("argument `tiling`", "option-value", format!("tiling = {other:?}"), "pass three block sizes [tm, tk, tn] in 1..=2^31 - 1, or None for the target's defaults")),
     }
 }
 

@@ -131,6 +131,16 @@ fn check(q: &Type, k: &Type, v: &Type, lengths: &Type, pages: &Type) -> Result<(
     Ok((b, h, d, hkv))
 }
 
+/// A compute block of `ppcb` pages of `page_size` tokens (static `arg` of op `op`): at
+/// least one page, and its token count within the kernels' i32 offsets.
+pub(crate) fn check_compute_block(op: &str, arg: &str, ppcb: usize, page_size: usize) -> Result<(), KernelError> {
+    let most = i32::MAX as usize / page_size.max(1);
+    if ppcb == 0 || ppcb > most {
+        return Err(KernelError::new(op, format!("argument `{arg}`"), "block-shape", format!("{arg} = {ppcb} pages of {page_size} tokens"), format!("use 1 to {most} pages per compute block (its tokens are i32 offsets), or None for the default")));
+    }
+    Ok(())
+}
+
 /// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`;
 /// `None` takes `target`'s default compute block.
 pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &Target) -> Result<Kernel, KernelError> {
@@ -139,9 +149,7 @@ pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &T
     };
     let (b, h, d, hkv) = check(q, k, v, lengths, pages)?;
     let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("argument `pages_per_compute_block`", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    check_compute_block("paged_attention", "pages_per_compute_block", ppcb, k.shape[2])?;
     let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
     paged_attention_kernel(lengths.clone(), pages.clone(), q4.clone(), k.clone(), v.clone(), q4, ppcb)
 }

@@ -238,8 +238,10 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
 /// `(bq, Tp)`: the q block and the padded token count.
 fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError> {
     let bq = opts.block_q.unwrap_or_else(|| default_block_q(dims.t, dims.h / dims.hkv));
-    if bq == 0 || !bq.is_multiple_of(16) {
-        return Err(err("argument `num_queries_per_block`", "block-shape", format!("num_queries_per_block = {bq}"), "use a positive multiple of 16 query tokens per block"));
+    // At most the tokens rounded up to 16 (the default's cap): a larger block is padding.
+    let most = dims.t.max(1).next_multiple_of(16);
+    if bq == 0 || !bq.is_multiple_of(16) || bq > most {
+        return Err(err("argument `num_queries_per_block`", "block-shape", format!("num_queries_per_block = {bq} for {} query tokens", dims.t), &format!("use a multiple of 16 query tokens per block, from 16 to {most}, or None for the default")));
     }
     Ok((bq, dims.t.next_multiple_of(bq)))
 }
@@ -252,9 +254,7 @@ pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel,
     let (bq, tp) = q_blocking(&dims, opts)?;
     let (k, pages) = (&inputs[1], &inputs[4]);
     let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("argument `num_kv_pages_per_block`", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    crate::paged_attention::check_compute_block("ragged_paged_attention", "num_kv_pages_per_block", ppcb, k.shape[2])?;
     let window = match opts.sliding_window {
         Some(0) => return Err(err("argument `sliding_window`", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
         Some(w) => w.min(1 << 29),

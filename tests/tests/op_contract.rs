@@ -345,6 +345,44 @@ fn errors_name_the_callers_argument() {
     }
 }
 
+/// Block-size statics beyond what a kernel can take are errors naming the static, not a
+/// literal out of i32 range deep in some kernel; empty inputs are refused as inputs.
+#[test]
+fn block_statics_and_empty_inputs() {
+    let run_default = |name: &str, statics: &str| {
+        let op = find(name).unwrap();
+        let (shapes, _) = first_case(op);
+        let source = op.alias_of.and_then(|(of, _)| find(of)).unwrap_or(op);
+        let st = op.statics(&format!("{}, {statics}", source.cases[0].statics).trim_start_matches(", ")).unwrap();
+        op.plan_for(&op.types(&shapes, DType::F32), &st, &Target::V6E).err().unwrap_or_else(|| panic!("{name} {statics} accepted"))
+    };
+    for (name, statics, arg) in [
+        ("gmm", "tiling=[1099511627776, 128, 128]", "tiling"),
+        ("tgmm", "tiling=[128, -1, 128]", "tiling"),
+        ("flash_attention_fwd", "block_kv=1099511627776", "block_kv"),
+        ("flash_attention_bwd", "block_q=0", "block_q"),
+        ("paged_attention", "pages_per_compute_block=1099511627776", "pages_per_compute_block"),
+        ("ragged_paged_attention", "num_queries_per_block=1099511627776", "num_queries_per_block"),
+        ("ragged_paged_attention", "num_kv_pages_per_block=1099511627776", "num_kv_pages_per_block"),
+        ("ragged_paged_attention", "num_kv_pages_per_block=0", "num_kv_pages_per_block"),
+    ] {
+        let e = run_default(name, statics);
+        assert_eq!(e.subject, format!("argument `{arg}`"), "{name} {statics}: {e}");
+        assert!(!e.message.contains("Blocks {") && e.rule != "literal-range", "{name} {statics}: {e}");
+    }
+    for op in library() {
+        let (shapes, statics) = first_case(op);
+        let types = op.types(&shapes, DType::F32);
+        for (i, input) in op.inputs.iter().enumerate().filter(|(i, _)| types[*i].is_some()) {
+            let mut t = types.clone();
+            let last = t[i].as_ref().unwrap().rank() - 1;
+            t[i].as_mut().unwrap().shape[last] = 0;
+            let e = rejects(op, &t, &statics, input.name, &["operand-shape"], &format!("`{}` with a zero dim", input.name));
+            assert!(e.message.contains("empty"), "{e}");
+        }
+    }
+}
+
 /// Statics bounded by what a plan can name and allocate: expert ids are int32.
 #[test]
 fn num_experts_beyond_int32_is_an_option_error() {
