@@ -269,6 +269,8 @@ fn run(s: &Select, seed: u64, target_name: &str) -> CliResult<bool> {
             format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
         } else if worst.mismatches > 0 {
             format!("FAIL: {} integer output elements differ", worst.mismatches)
+        } else if worst.nonfinite > 0 {
+            format!("FAIL: {} output elements infinite where the reference is finite, or the other way", worst.nonfinite)
         } else {
             "FAIL: error above tolerance".to_string()
         };

@@ -29,15 +29,18 @@ pub struct OutputCheck {
     /// `max|out - ref| / max|ref|` for float outputs (0 for integer outputs).
     pub scaled_err: f64,
     pub tolerance: f64,
-    /// Elements that are NaN (never written, or poisoned).
+    /// Elements that are NaN where the reference is not (never written, or poisoned).
     pub nan_count: usize,
     /// Integer outputs must match exactly: elements that differ.
     pub mismatches: usize,
+    /// Float elements whose class differs from the reference's: an infinity (or a finite
+    /// value) where the reference is finite (or infinite, or NaN).
+    pub nonfinite: usize,
 }
 
 impl OutputCheck {
     pub fn passed(&self) -> bool {
-        self.nan_count == 0 && self.mismatches == 0 && self.scaled_err <= self.tolerance
+        self.nan_count == 0 && self.mismatches == 0 && self.nonfinite == 0 && self.scaled_err <= self.tolerance
     }
 }
 
@@ -63,7 +66,7 @@ impl Report {
 
     /// The output furthest from passing (largest error relative to its tolerance).
     pub fn worst(&self) -> &OutputCheck {
-        let badness = |o: &OutputCheck| if o.nan_count > 0 || o.mismatches > 0 { f64::INFINITY } else { o.scaled_err / o.tolerance };
+        let badness = |o: &OutputCheck| if o.nan_count > 0 || o.mismatches > 0 || o.nonfinite > 0 { f64::INFINITY } else { o.scaled_err / o.tolerance };
         self.outputs.iter().max_by(|a, b| badness(a).total_cmp(&badness(b))).expect("ops have at least one output")
     }
 }
@@ -82,14 +85,18 @@ pub fn error_scale(max_ref: f64) -> f64 {
 }
 
 /// Compares one output with its reference: float outputs by max-norm relative error
-/// against the dtype's tolerance, integer outputs exactly.
+/// against the dtype's tolerance over the reference's finite elements, and exactly where
+/// the reference is infinite or NaN (the same value class); integer outputs exactly.
 pub fn check_output(got: &Array, expected: &[f64]) -> OutputCheck {
     let values = got.to_f64_vec();
-    let nan_count = values.iter().filter(|v| v.is_nan()).count();
-    let mut check = OutputCheck { dtype: got.dtype, scaled_err: 0.0, tolerance: tolerance(got.dtype), nan_count, mismatches: values.len().abs_diff(expected.len()) };
+    let nan_count = values.iter().zip(expected).filter(|(g, e)| g.is_nan() && !e.is_nan()).count();
+    let mut check = OutputCheck { dtype: got.dtype, scaled_err: 0.0, tolerance: tolerance(got.dtype), nan_count, mismatches: values.len().abs_diff(expected.len()), nonfinite: 0 };
     if got.dtype.is_float() {
-        let max_abs_err = values.iter().zip(expected).map(|(g, e)| (g - e).abs()).filter(|d| !d.is_nan()).fold(0.0, f64::max);
-        let max_ref = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let finite = |e: &&(&f64, &f64)| e.1.is_finite() && e.0.is_finite();
+        let pairs: Vec<(&f64, &f64)> = values.iter().zip(expected).collect();
+        check.nonfinite = pairs.iter().filter(|(g, e)| !g.is_nan() && (if e.is_finite() { !g.is_finite() } else { g != e })).count();
+        let max_abs_err = pairs.iter().filter(finite).map(|(g, e)| (*g - *e).abs()).fold(0.0, f64::max);
+        let max_ref = expected.iter().filter(|e| e.is_finite()).fold(0.0f64, |m, v| m.max(v.abs()));
         check.scaled_err = max_abs_err / error_scale(max_ref);
     } else {
         check.mismatches += values.iter().zip(expected).filter(|(g, e)| g != e).count();
