@@ -629,14 +629,24 @@ pub fn flash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array,
 // ---- ops ------------------------------------------------------------------------------------
 
 /// The attention statics `(causal, sm_scale, soft_cap)` of a call.
-fn attention_params(c: &Call, q: &Type) -> AttentionParams {
+fn attention_params(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
     let d = q.shape.get(3).copied().unwrap_or(1);
     let mut params = AttentionParams::new(d, c.statics.bool("causal"));
     if let Some(s) = c.statics.f64("sm_scale") {
-        params.sm_scale = s as f32;
+        params.sm_scale = finite_scale(c, s)?;
     }
     params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
-    params
+    Ok(params)
+}
+
+/// `sm_scale` as the kernels' f32: a NaN or infinite scale (or one beyond f32) makes every
+/// score NaN or infinite, which no softmax can mean.
+pub(crate) fn finite_scale(c: &Call, s: f64) -> Result<f32, KernelError> {
+    let f = s as f32;
+    if !f.is_finite() {
+        return Err(c.err("argument `sm_scale`", "option-value", format!("sm_scale = {s}"), "pass a finite softmax scale (default 1/sqrt(head_dim))"));
+    }
+    Ok(f)
 }
 
 /// The kernels' segment-id operands: the given ids as a `[B, Sq, 1]` column and a
@@ -670,7 +680,7 @@ fn blocks_of(c: &Call, default: AttentionBlocks) -> Result<AttentionBlocks, Kern
 
 fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_forward_blocks(&q, &k, segmented, c.target))?;
@@ -681,7 +691,7 @@ fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
 
 fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     // Shapes (lse `[b, h, sq]` or `[b, h, sq, 1]`, float32) are the op's contract; o and do
     // are also read with q's dtype.
@@ -713,7 +723,9 @@ pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> 
     let span = sq.min(skv).max(1);
     let (mut qs, mut ks) = (Vec::with_capacity(b * sq), Vec::with_capacity(b * skv));
     for _ in 0..b {
-        let mut cuts: Vec<usize> = (0..rng.gen_range(1..=4)).map(|_| rng.gen_range(1..span.max(2))).collect();
+        // No boundary fits below a span of 1 (a one-key sequence): one segment.
+        let n_cuts = if span >= 2 { rng.gen_range(1..=4) } else { 0 };
+        let mut cuts: Vec<usize> = (0..n_cuts).map(|_| rng.gen_range(1..span)).collect();
         cuts.sort_unstable();
         let seg = |p: usize| cuts.iter().filter(|&&c| c <= p).count() as i32;
         qs.extend((0..sq).map(seg));

@@ -215,11 +215,13 @@ impl Op {
         }
         crate::contract::check_inputs(self, inputs, statics, target)?;
         if let Some((of, result)) = self.alias_of {
-            let mut plan = crate::op_named(of)?.plan_for(inputs, statics, target)?;
+            // Errors of the aliased op's plan are reported as the op the caller named.
+            let mut plan = crate::op_named(of)?.plan_for(inputs, statics, target).map_err(|e| if e.kernel == of { KernelError { kernel: self.name.to_string(), ..e } } else { e })?;
             if result >= plan.results.len() {
                 return Err(KernelError::new(self.name, "op", "op-alias", format!("`{of}` has no result {result}"), "fix the op table"));
             }
             plan.results = vec![plan.results.swap_remove(result)];
+            plan.op = self.name;
             return Ok(plan);
         }
         (self.plan)(&Call { op: self.name, schema: &schema, inputs, statics, target })

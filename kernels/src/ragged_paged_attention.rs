@@ -334,7 +334,7 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     const NAMES: [&str; 7] = ["q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"];
     let types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
     let opts = Options {
-        sm_scale: c.statics.f64("sm_scale").unwrap_or(1.0) as f32,
+        sm_scale: crate::attention::finite_scale(c, c.statics.f64("sm_scale").unwrap_or(1.0))?,
         sliding_window: c.usize_opt("sliding_window")?,
         soft_cap: c.statics.f64("soft_cap").map(|x| x as f32),
         block_q: c.usize_opt("num_queries_per_block")?,

@@ -383,6 +383,38 @@ fn block_statics_and_empty_inputs() {
     }
 }
 
+/// Non-finite softmax scales are option errors; an alias's errors name the alias.
+#[test]
+fn attention_scales_are_finite_and_aliases_named() {
+    let f = |s: &[usize]| Some(Type::vector(DType::F32, s));
+    for name in ["flash_attention_fwd", "flash_attention", "flash_attention_bwd"] {
+        let op = find(name).unwrap();
+        let mut types = vec![f(&[1, 2, 8, 16]), f(&[1, 1, 8, 16]), f(&[1, 1, 8, 16])];
+        if name == "flash_attention_bwd" {
+            types.extend([f(&[1, 2, 8, 16]), f(&[1, 2, 8]), f(&[1, 2, 8, 16])]);
+        }
+        types.resize(op.inputs.len(), None);
+        for bad in ["nan", "inf", "-inf", "1e39"] {
+            let e = op.plan_for(&types, &op.statics(&format!("sm_scale={bad}")).unwrap(), &Target::V6E).err().expect("rejected");
+            assert_eq!((e.kernel.as_str(), e.rule, e.subject.as_str()), (name, "option-value", "argument `sm_scale`"), "{e}");
+        }
+    }
+    let ra = find("ragged_paged_attention").unwrap();
+    let (shapes, _) = first_case(ra);
+    let e = ra.plan_for(&ra.types(&shapes, DType::F32), &ra.statics("sm_scale=nan").unwrap(), &Target::V6E).err().expect("rejected");
+    assert_eq!(e.subject, "argument `sm_scale`", "{e}");
+    // Run-time errors of an alias name it too.
+    let op = find("flash_attention").unwrap();
+    let q = lying(DType::F32, &[1, 2, 8, 16], 3);
+    let kv = Array::from_f32(&[1, 1, 8, 16], vec![0.0; 128]);
+    let e = op.run(&Interpreter, &[Some(&q), Some(&kv), Some(&kv)], &op.statics("").unwrap(), &Target::V6E).unwrap_err();
+    assert_eq!((e.kernel.as_str(), e.rule), ("flash_attention", "argument-shape"), "{e}");
+    let types = vec![f(&[1, 2, 8, 16]), f(&[1, 1, 8, 16]), f(&[1, 1, 8, 16]), None, None];
+    let plan = op.plan_for(&types, &op.statics("").unwrap(), &Target::V6E).unwrap();
+    let e = plan::execute(&plan, &Interpreter, &[Some(&Array::from_f32(&[1, 2, 16, 8], vec![0.0; 256])), Some(&kv), Some(&kv)]).unwrap_err();
+    assert_eq!((e.kernel.as_str(), e.rule, e.subject.as_str()), ("flash_attention", "argument-shape", "input `q`"), "{e}");
+}
+
 /// Statics bounded by what a plan can name and allocate: expert ids are int32.
 #[test]
 fn num_experts_beyond_int32_is_an_option_error() {
@@ -418,6 +450,13 @@ fn zero_references_are_judged_by_absolute_error() {
     assert!(!harness::check_output(&wrong, &zeros).passed());
     let nan = Array::from_f32(&[8], vec![f32::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
     assert!(!harness::check_output(&nan, &zeros).passed());
+    // Infinities are judged by class: -inf where the reference is -inf passes, f32::MIN
+    // (a finite stand-in) does not, and neither does an infinity where it is finite.
+    let lse_ref = vec![f64::NEG_INFINITY, 0.5];
+    assert!(harness::check_output(&Array::from_f32(&[2], vec![f32::NEG_INFINITY, 0.5]), &lse_ref).passed());
+    let c = harness::check_output(&Array::from_f32(&[2], vec![f32::MIN, 0.5]), &lse_ref);
+    assert!(!c.passed() && c.nonfinite == 1, "{c:?}");
+    assert!(!harness::check_output(&Array::from_f32(&[2], vec![0.0, f32::INFINITY]), &[0.0, 0.5]).passed());
     // A normal reference keeps the relative error: 1% off a value of 1e-3 fails.
     let want: Vec<f64> = (0..8).map(|i| 1e-3 * (i + 1) as f64).collect();
     let off = Array::from_f32(&[8], want.iter().map(|&w| (w * 1.01) as f32).collect());
