@@ -537,7 +537,12 @@ pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdR
 fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) -> Array {
     let shape = shapes.get(at).map(|s| s.as_slice()).unwrap_or(&[]);
     let (t, k) = (shape.first().copied().unwrap_or(1), shape.get(1).copied().unwrap_or(1));
-    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e as usize);
+    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e.max(0) as usize);
+    if (1..=k).contains(&experts) {
+        // Fewer experts than k + 1 (k distinct ones and the always-empty expert 1): ids
+        // with repeats, still below num_experts, so the call stays valid.
+        return Array::from_i32(&[t, k], (0..t * k).map(|_| rng.gen_range(0..experts as i32)).collect());
+    }
     random_expert_ids_over(t, k, experts, rng)
 }
 
