@@ -149,6 +149,21 @@ fn selection(s: &Select) -> CliResult<Vec<Selected>> {
         (None, true) => library().filter(|op| op.alias_of.is_none()).collect(),
         (None, false) => return Err("name an op or pass --all".into()),
     };
+    // Every --shape is used as given or refused: parsed once, one per input name, and
+    // (with --all) naming an input of some op.
+    let mut specs: Vec<(&str, &str, Vec<usize>)> = Vec::new();
+    for spec in &s.shapes {
+        let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
+        let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
+        let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
+        if let Some((_, first, _)) = specs.iter().find(|(n, _, _)| *n == name) {
+            return Err(format!("--shape `{spec}`: `{name}` already has a shape (`{first}`); give each input one --shape"));
+        }
+        if s.all && !ops.iter().any(|op| op.inputs.iter().any(|i| i.name == name)) {
+            return Err(format!("--shape `{spec}`: no selected op has an input `{name}`"));
+        }
+        specs.push((name, spec.as_str(), parsed));
+    }
     let mut out = Vec::new();
     for op in ops {
         let source = op.alias_of.and_then(|(of, _)| tessera_kernels::find(of)).unwrap_or(op);
@@ -163,12 +178,9 @@ fn selection(s: &Select) -> CliResult<Vec<Selected>> {
             }
             let statics = op.statics(&assignments).map_err(|e| e.to_string())?;
             let mut shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
-            for spec in &s.shapes {
-                let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
-                let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
-                let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
-                match op.inputs.iter().position(|i| i.name == name) {
-                    Some(i) if i < shapes.len() => shapes[i] = parsed,
+            for (name, spec, parsed) in &specs {
+                match op.inputs.iter().position(|i| i.name == *name) {
+                    Some(i) if i < shapes.len() => shapes[i] = parsed.clone(),
                     Some(_) => return Err(format!("--shape `{spec}`: case `{}` of `{}` does not pass `{name}`", case.name, op.name)),
                     None if s.all => {} // another op's input
                     None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", op.name, op.inputs.iter().map(|i| i.name).collect::<Vec<_>>().join(", "))),

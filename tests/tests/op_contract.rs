@@ -535,6 +535,10 @@ fn cli_shape_overrides_are_used_or_rejected() {
     cli_rejects(&["run", "ragged_paged_attention", "--shape", "num_seqs=2x1"], &["`num_seqs`"]);
     cli_rejects(&["run", "paged_attention", "--shape", "page_indices=4"], &["`page_indices`", "operand-rank"]);
     cli_rejects(&["run", "cross_entropy_bwd", "--shape", "lse=1x65537"], &["`lse`"]);
+    // One shape per input, and (with --all) only names some op has.
+    cli_rejects(&["run", "softmax", "--shape", "x=4x4", "--shape", "x=8x8"], &["`x` already has a shape"]);
+    cli_rejects(&["emit", "--all", "--shape", "nope=4x4", "--out", "/tmp/tessera-op-contract-unused"], &["no selected op has an input `nope`"]);
+    cli_rejects(&["run", "softmax", "--shape", "y=4"], &["has no input `y`"]);
     // A used override: lse as a column.
     let (code, stdout, stderr) = cli(&["run", "cross_entropy_bwd", "--shape", "logits=6x40", "--shape", "labels=6", "--shape", "lse=6x1", "--shape", "dloss=6"]);
     assert!(code == 0 && stdout.contains("6x40,6,6x1,6") && stdout.contains(" ok"), "{stdout}\n{stderr}");
