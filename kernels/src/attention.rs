@@ -451,9 +451,12 @@ fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, 
 }
 
 fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Result<(), KernelError> {
+    // Named as the op's statics `block_q` / `block_kv`, which set explicit blocks.
     let AttentionBlocks { block_q, block_kv } = blocks;
-    if block_q == 0 || block_kv == 0 || block_q > sq || block_kv > skv {
-        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} for Sq = {sq}, Skv = {skv}"), "use blocks between 1 and the sequence length"));
+    for (name, block, len, dim) in [("block_q", block_q, sq, "Sq"), ("block_kv", block_kv, skv, "Skv")] {
+        if block == 0 || block > len {
+            return Err(err(op, format!("argument `{name}`"), "block-shape", format!("{name} = {block} for {dim} = {len}"), format!("use a {name} between 1 and {len} (the sequence length), or None for the defaults")));
+        }
     }
     Ok(())
 }
@@ -612,14 +615,24 @@ pub fn flash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array,
 // ---- ops ------------------------------------------------------------------------------------
 
 /// The attention statics `(causal, sm_scale, soft_cap)` of a call.
-fn attention_params(c: &Call, q: &Type) -> AttentionParams {
+fn attention_params(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
     let d = q.shape.get(3).copied().unwrap_or(1);
     let mut params = AttentionParams::new(d, c.statics.bool("causal"));
     if let Some(s) = c.statics.f64("sm_scale") {
-        params.sm_scale = s as f32;
+        params.sm_scale = finite_scale(c, s)?;
     }
     params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
-    params
+    Ok(params)
+}
+
+/// `sm_scale` as the kernels' f32: a NaN or infinite scale (or one beyond f32) makes every
+/// score NaN or infinite, which no softmax can mean.
+pub(crate) fn finite_scale(c: &Call, s: f64) -> Result<f32, KernelError> {
+    let f = s as f32;
+    if !f.is_finite() {
+        return Err(c.err("argument `sm_scale`", "option-value", format!("sm_scale = {s}"), "pass a finite softmax scale (default 1/sqrt(head_dim))"));
+    }
+    Ok(f)
 }
 
 /// The kernels' segment-id operands: the given ids as a `[B, Sq, 1]` column and a
@@ -630,15 +643,8 @@ fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, 
             let dummy = Type::vector(DType::I32, &[1, 1, 1]);
             Ok((false, [host(0, dummy.clone()), host(1, dummy)]))
         }
-        (true, true) => {
-            for (name, n) in [("q_segment_ids", sq), ("kv_segment_ids", skv)] {
-                let t = c.tensor(name)?;
-                if t.dtype != DType::I32 || t.shape != [b, n] {
-                    return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass integer segment ids of shape [{b}, {n}]")));
-                }
-            }
-            Ok((true, [c.input("q_segment_ids", Type::vector(DType::I32, &[b, sq, 1]))?, c.input("kv_segment_ids", Type::vector(DType::I32, &[b, 1, skv]))?]))
-        }
+        // Their dtype and `[b, sq]` / `[b, skv]` shapes are the op's contract, checked.
+        (true, true) => Ok((true, [c.input("q_segment_ids", Type::vector(DType::I32, &[b, sq, 1]))?, c.input("kv_segment_ids", Type::vector(DType::I32, &[b, 1, skv]))?])),
         _ => Err(c.err("input `q_segment_ids`", "segment-ids", "only one of q_segment_ids and kv_segment_ids is given", "pass both or neither")),
     }
 }
@@ -648,10 +654,8 @@ fn dummy_segments() -> crate::plan::HostFn {
     Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
 }
 
+/// q, k and v (`[b, h, sq, d]` and `[b, hkv, skv, d]`: the op's contract, checked).
 fn qkv(c: &Call) -> Result<(Type, Type, Type), KernelError> {
-    for name in ["q", "k", "v"] {
-        c.dims(name, 4)?;
-    }
     Ok((c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()))
 }
 
@@ -662,7 +666,7 @@ fn blocks_of(c: &Call, default: AttentionBlocks) -> Result<AttentionBlocks, Kern
 
 fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_forward_blocks(&q, &k, segmented, c.target))?;
@@ -673,17 +677,15 @@ fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
 
 fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    // Shapes (lse `[b, h, sq]` or `[b, h, sq, 1]`, float32) are the op's contract; o and do
+    // are also read with q's dtype.
     for name in ["o", "do"] {
         let t = c.tensor(name)?;
-        if *t != q {
-            return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}, q is {q}"), format!("pass {name} with q's shape and dtype")));
+        if t.dtype != q.dtype {
+            return Err(c.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {t}, q is {q}"), format!("pass {name} of q's dtype ({})", q.dtype)));
         }
-    }
-    let lse = c.tensor("lse")?;
-    if lse.dtype != DType::F32 || lse.num_elements() != b * h * sq {
-        return Err(c.err("input `lse`", "operand-shape", format!("lse is {lse}"), format!("pass the forward's float32 lse of shape [{b}, {h}, {sq}]")));
     }
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_backward_blocks(&q, &k, segmented, c.target))?;
@@ -707,7 +709,9 @@ pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> 
     let span = sq.min(skv).max(1);
     let (mut qs, mut ks) = (Vec::with_capacity(b * sq), Vec::with_capacity(b * skv));
     for _ in 0..b {
-        let mut cuts: Vec<usize> = (0..rng.gen_range(1..=4)).map(|_| rng.gen_range(1..span.max(2))).collect();
+        // No boundary fits below a span of 1 (a one-key sequence): one segment.
+        let n_cuts = if span >= 2 { rng.gen_range(1..=4) } else { 0 };
+        let mut cuts: Vec<usize> = (0..n_cuts).map(|_| rng.gen_range(1..span)).collect();
         cuts.sort_unstable();
         let seg = |p: usize| cuts.iter().filter(|&&c| c <= p).count() as i32;
         qs.extend((0..sq).map(seg));
@@ -764,7 +768,8 @@ fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut S
     let q_shape = shapes[0].clone();
     let seg: Vec<Array> = fwd.drain(3..).collect();
     fwd.push(Array::from_f32_in(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
-    fwd.push(Array::from_f32(&q_shape[..3], lse.iter().map(|&x| x as f32).collect()));
+    // lse as requested: `[b, h, sq]` or `[b, h, sq, 1]`.
+    fwd.push(Array::from_f32(&shapes[4], lse.iter().map(|&x| x as f32).collect()));
     fwd.push(Array::from_f32_in(dtype, &q_shape, harness::uniform(q_shape.iter().product(), 1.0, rng)));
     fwd.extend(seg);
     fwd
@@ -828,7 +833,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
-        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
+        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq, 1?]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
         cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {

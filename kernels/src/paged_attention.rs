@@ -116,16 +116,29 @@ fn check(q: &Type, k: &Type, v: &Type, lengths: &Type, pages: &Type) -> Result<(
     let (&[b, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
         return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [B, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
     };
-    if v.shape != k.shape || v.dtype != k.dtype || k.dtype != q.dtype {
-        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same dtype"));
+    if v.shape != k.shape {
+        return Err(err("input `v_pages`", "operand-shape", format!("v_pages is {v}, k_pages {k}"), "pass k_pages and v_pages of one shape"));
+    }
+    if v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err("input `k_pages`", "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass q, k_pages and v_pages of one dtype"));
     }
     if dk != d || hkv == 0 || h % hkv != 0 {
-        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "the head dims must agree and H must be a multiple of Hkv (GQA)"));
+        return Err(err("input `k_pages`", "operand-shape", format!("q {q} against k_pages {k}"), "the head dims must agree and H must be a multiple of Hkv (GQA)"));
     }
     if lengths.shape != [b] || pages.rank() != 2 || pages.shape[0] != b || lengths.dtype != DType::I32 || pages.dtype != DType::I32 {
-        return Err(err("operands", "operand-shape", format!("lengths {lengths}, page_indices {pages} for a batch of {b}"), "lengths is [B] i32 and page_indices [B, pages_per_seq] i32"));
+        return Err(err("metadata operands", "operand-shape", format!("lengths {lengths}, page_indices {pages} for a batch of {b}"), "lengths is [B] i32 and page_indices [B, pages_per_seq] i32"));
     }
     Ok((b, h, d, hkv))
+}
+
+/// A compute block of `ppcb` pages of `page_size` tokens (static `arg` of op `op`): at
+/// least one page, and its token count within the kernels' i32 offsets.
+pub(crate) fn check_compute_block(op: &str, arg: &str, ppcb: usize, page_size: usize) -> Result<(), KernelError> {
+    let most = i32::MAX as usize / page_size.max(1);
+    if ppcb == 0 || ppcb > most {
+        return Err(KernelError::new(op, format!("argument `{arg}`"), "block-shape", format!("{arg} = {ppcb} pages of {page_size} tokens"), format!("use 1 to {most} pages per compute block (its tokens are i32 offsets), or None for the default")));
+    }
+    Ok(())
 }
 
 /// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`;
@@ -136,9 +149,7 @@ pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &T
     };
     let (b, h, d, hkv) = check(q, k, v, lengths, pages)?;
     let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    check_compute_block("paged_attention", "pages_per_compute_block", ppcb, k.shape[2])?;
     let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
     paged_attention_kernel(lengths.clone(), pages.clone(), q4.clone(), k.clone(), v.clone(), q4, ppcb)
 }

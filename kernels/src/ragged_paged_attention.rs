@@ -213,17 +213,20 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
     let (&[t, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
         return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [T, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
     };
-    if v.shape != k.shape || !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
-        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same float dtype"));
+    if v.shape != k.shape {
+        return Err(err("input `v_pages`", "operand-shape", format!("v_pages is {v}, k_pages {k}"), "pass k_pages and v_pages of one shape"));
+    }
+    if !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err(if q.dtype.is_float() { "input `k_pages`" } else { "input `q`" }, "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass q, k_pages and v_pages of one float dtype"));
     }
     if t == 0 || dk != d || hkv == 0 || h % hkv != 0 {
-        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
+        return Err(err(if t == 0 { "input `q`" } else { "input `k_pages`" }, "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
     }
     let ms = kv_lens.shape.first().copied().unwrap_or(0);
     let ints = [kv_lens, pages, cu, ns].iter().all(|x| x.dtype == DType::I32);
     if !ints || kv_lens.rank() != 1 || pages.rank() != 2 || pages.shape[0] != ms || cu.shape != [ms + 1] || ns.shape != [1] {
         return Err(err(
-            "operands",
+            "metadata operands",
             "operand-shape",
             format!("kv_lens {kv_lens}, page_indices {pages}, cu_q_lens {cu}, num_seqs {ns}"),
             "kv_lens is [S] i32, page_indices [S, pages_per_seq] i32, cu_q_lens [S + 1] i32 and num_seqs [1] i32",
@@ -235,8 +238,10 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
 /// `(bq, Tp)`: the q block and the padded token count.
 fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError> {
     let bq = opts.block_q.unwrap_or_else(|| default_block_q(dims.t, dims.h / dims.hkv));
-    if bq == 0 || !bq.is_multiple_of(16) {
-        return Err(err("block_q", "block-shape", format!("block_q = {bq}"), "use a positive multiple of 16 query tokens per block"));
+    // At most the tokens rounded up to 16 (the default's cap): a larger block is padding.
+    let most = dims.t.max(1).next_multiple_of(16);
+    if bq == 0 || !bq.is_multiple_of(16) || bq > most {
+        return Err(err("argument `num_queries_per_block`", "block-shape", format!("num_queries_per_block = {bq} for {} query tokens", dims.t), &format!("use a multiple of 16 query tokens per block, from 16 to {most}, or None for the default")));
     }
     Ok((bq, dims.t.next_multiple_of(bq)))
 }
@@ -249,16 +254,14 @@ pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel,
     let (bq, tp) = q_blocking(&dims, opts)?;
     let (k, pages) = (&inputs[1], &inputs[4]);
     let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    crate::paged_attention::check_compute_block("ragged_paged_attention", "num_kv_pages_per_block", ppcb, k.shape[2])?;
     let window = match opts.sliding_window {
-        Some(0) => return Err(err("sliding_window", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
+        Some(0) => return Err(err("argument `sliding_window`", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
         Some(w) => w.min(1 << 29),
         None => 0,
     };
     let soft_cap = match opts.soft_cap {
-        Some(c) if !(c > 0.0 && c.is_finite()) => return Err(err("soft_cap", "option-value", format!("soft_cap = {c}"), "use a positive finite cap, or none")),
+        Some(c) if !(c > 0.0 && c.is_finite()) => return Err(err("argument `soft_cap`", "option-value", format!("soft_cap = {c}"), "use a positive finite cap, or none")),
         Some(c) => c,
         None => 0.0,
     };
@@ -331,7 +334,7 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     const NAMES: [&str; 7] = ["q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"];
     let types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
     let opts = Options {
-        sm_scale: c.statics.f64("sm_scale").unwrap_or(1.0) as f32,
+        sm_scale: crate::attention::finite_scale(c, c.statics.f64("sm_scale").unwrap_or(1.0))?,
         sliding_window: c.usize_opt("sliding_window")?,
         soft_cap: c.statics.f64("soft_cap").map(|x| x as f32),
         block_q: c.usize_opt("num_queries_per_block")?,

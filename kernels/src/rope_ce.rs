@@ -123,21 +123,21 @@ fn shape_err(op: &str, subject: &str, message: String, help: &str) -> KernelErro
     KernelError::new(op, subject, "operand-shape", message, help)
 }
 
-/// `(t, h, dh)` of a RoPE input, checked.
-fn rope_dims(op: &str, x: &Type) -> Result<(usize, usize, usize), KernelError> {
+/// `(t, h, dh)` of a RoPE input (argument `name`: `x`, or `dy` of the backward), checked.
+fn rope_dims(op: &str, name: &str, x: &Type) -> Result<(usize, usize, usize), KernelError> {
     match x.shape[..] {
         [t, h, dh] if t > 0 && h > 0 && dh >= 2 && dh % 2 == 0 => Ok((t, h, dh)),
-        _ => Err(shape_err(op, "input `x`", format!("x has shape {:?}", x.shape), "pass x as [tokens, heads, head_dim] with an even head_dim")),
+        _ => Err(shape_err(op, &format!("input `{name}`"), format!("{name} has shape {:?}", x.shape), &format!("pass {name} as [tokens, heads, head_dim] with an even head_dim"))),
     }
 }
 
 /// The RoPE kernel for an op input `x: [t, h, dh]` on `target` (default blocks); it takes
 /// `x` viewed as `[t, h * dh]` and f32 tables `[t, rope_chunk(h * dh, dh)]`.
 pub fn build_rope(x: &Type, interleaved: bool, backward: bool, target: &Target) -> Result<Kernel, KernelError> {
-    let op = if backward { "rope_bwd" } else { "rope" };
-    let (t, h, dh) = rope_dims(op, x)?;
+    let (op, name) = if backward { ("rope_bwd", "dy") } else { ("rope", "x") };
+    let (t, h, dh) = rope_dims(op, name, x)?;
     if !x.dtype.is_float() {
-        return Err(KernelError::new(op, "input `x`", "operand-dtype", format!("x is {}", x.dtype), "RoPE takes f32 or bf16 activations"));
+        return Err(KernelError::new(op, format!("input `{name}`"), "operand-dtype", format!("{name} is {}", x.dtype), "RoPE takes f32 or bf16 activations"));
     }
     let n = h * dh;
     let w = rope_chunk(n, dh);
@@ -281,6 +281,7 @@ pub fn cross_entropy_bwd(exec: &dyn Executor, logits: &Array, labels: &Array, ls
 
 // ---- ops ------------------------------------------------------------------------------------
 
+/// x (`dy`) is `[t, h, dh]` and position_ids `[t]` int32 (the op's contract, checked).
 fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let backward = c.op == "rope_bwd";
     let name = if backward { "dy" } else { "x" };
@@ -288,10 +289,6 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let interleaved = c.statics.bool("interleaved");
     let kernel = build_rope(&x, interleaved, backward, c.target)?;
     let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
-    let positions = c.tensor("position_ids")?;
-    if positions.dtype != DType::I32 || positions.shape != [t] {
-        return Err(c.err("input `position_ids`", "operand-shape", format!("position_ids is {positions}, {name} has {t} tokens"), format!("pass integer position ids of shape [{t}]")));
-    }
     let w = rope_chunk(h * dh, dh);
     let table = Type::vector(DType::F32, &[t, w]);
     let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, host(0, table.clone()), host(1, table)];
@@ -307,16 +304,9 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     ))
 }
 
-/// Tensor input `name` (`[t]` or `[t, 1]`) as a `[t, 1]` column: int32 if `int`, else
-/// any float.
-fn column(c: &Call, name: &str, t: usize, int: bool) -> Result<Operand, KernelError> {
-    let a = c.tensor(name)?;
-    let ok = a.num_elements() == t && a.rank() <= 2 && a.shape.first() == Some(&t) && (a.dtype == DType::I32) == int && (int || a.dtype.is_float());
-    if !ok {
-        let want = if int { "int32" } else { "float" };
-        return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {a}, the logits have {t} rows"), format!("pass {want} {name} of shape [{t}]")));
-    }
-    c.input(name, Type::vector(a.dtype, &[t, 1]))
+/// Tensor input `name` (`[t]`, or `[t, 1]` where its dims allow) as a `[t, 1]` column.
+fn column(c: &Call, name: &str, t: usize) -> Result<Operand, KernelError> {
+    c.input(name, Type::vector(c.tensor(name)?.dtype, &[t, 1]))
 }
 
 fn logits_rows(c: &Call) -> Result<(Type, usize), KernelError> {
@@ -350,13 +340,13 @@ fn plan_cross_entropy(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let kernel = build_cross_entropy(&logits, ignore, c.target)?;
-    let args = vec![c.input("logits", logits)?, column(c, "labels", t, true)?];
+    let args = vec![c.input("logits", logits)?, column(c, "labels", t)?];
     labels_check(c, single(c, kernel, args, &[Some(vec![t]), Some(vec![t])]), v, ignore)
 }
 
 fn plan_cross_entropy_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
-    let (labels, lse, dloss) = (column(c, "labels", t, true)?, column(c, "lse", t, false)?, column(c, "dloss", t, false)?);
+    let (labels, lse, dloss) = (column(c, "labels", t)?, column(c, "lse", t)?, column(c, "dloss", t)?);
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let kernel = build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, ignore, c.target)?;
     labels_check(c, single(c, kernel, vec![c.input("logits", logits)?, labels, lse, dloss], &[]), v, ignore)
@@ -366,7 +356,7 @@ fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let forward = build_cross_entropy(&logits, ignore, c.target)?;
-    let labels = column(c, "labels", t, true)?;
+    let labels = column(c, "labels", t)?;
     let col = Type::vector(DType::F32, &[t, 1]);
     let backward = build_cross_entropy_bwd(&logits, DType::F32, DType::F32, ignore, c.target)?;
     let launches = vec![
@@ -482,7 +472,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss, int ignore_index=-100) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
-        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t, 1?]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
         cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }], random: Some(ce_bwd_inputs), ..Op::EMPTY
     },
     Op {

@@ -261,30 +261,49 @@ pub struct Routing {
     pub group_sizes: Vec<i32>,
 }
 
-/// Sorts the routing on the host: a stable counting sort of the `T*k` (token, slot)
-/// pairs by expert id. `ids` is the `[T, k]` int32 output of [`route`].
+/// Sorts the routing on the host: a stable sort of the `T*k` (token, slot) pairs by
+/// expert id. `ids` is the `[T, k]` int32 output of [`route`].
 pub fn plan(ids: &Array, num_experts: usize) -> Result<Routing, KernelError> {
-    let err = |rule, message: String, help: &str| KernelError::new("plan", "operand `expert_ids`", rule, message, help);
+    let (t, k, src, pos) = sorted("plan", ids, num_experts)?;
+    Ok(Routing { tokens: t, k, src, pos, group_sizes: group_sizes("plan", ids, num_experts)? })
+}
+
+/// The checked ids of `[T, k]` `ids` over `num_experts` experts: `(T, k, data)`.
+fn checked_ids<'a>(op: &str, ids: &'a Array, num_experts: usize) -> Result<(usize, usize, &'a [i32]), KernelError> {
+    let err = |rule, message: String, help: &str| KernelError::new(op, "input `expert_ids`", rule, message, help);
     let (Some(data), &[t, k]) = (ids.as_i32(), &ids.shape[..]) else {
         return Err(err("operand-shape", format!("expert_ids is {}{:?}", ids.dtype, ids.shape), "pass the [T, k] int32 expert ids from router_topk"));
     };
     if let Some((n, &bad)) = data.iter().enumerate().find(|(_, &e)| e < 0 || e as usize >= num_experts) {
         return Err(err("expert-id-range", format!("token {} slot {} routes to expert {bad}, but there are {num_experts} experts", n / k, n % k), "pass ids in 0..num_experts (NaN logits give id E)"));
     }
-    let mut group_sizes = vec![0i32; num_experts];
-    for &e in data {
-        group_sizes[e as usize] += 1;
-    }
-    let mut next: Vec<usize> = group_sizes.iter().scan(0usize, |start, &g| Some(std::mem::replace(start, *start + g as usize))).collect();
-    let mut src = vec![0i32; t * k];
-    let mut pos = vec![0i32; t * k];
-    for (n, &e) in data.iter().enumerate() {
-        let row = next[e as usize];
-        next[e as usize] += 1;
+    Ok((t, k, data))
+}
+
+/// `(T, k, src, pos)` of a routing: memory in `T*k` only, whatever the number of experts
+/// (`combine` and `permute_bwd` need no group sizes).
+fn sorted(op: &str, ids: &Array, num_experts: usize) -> Result<(usize, usize, Vec<i32>, Vec<i32>), KernelError> {
+    let (t, k, data) = checked_ids(op, ids, num_experts)?;
+    let mut order: Vec<usize> = (0..data.len()).collect();
+    order.sort_by_key(|&n| data[n]); // stable: ties keep (token, slot) order
+    let (mut src, mut pos) = (vec![0i32; data.len()], vec![0i32; data.len()]);
+    for (row, &n) in order.iter().enumerate() {
         src[row] = (n / k) as i32;
         pos[n] = row as i32;
     }
-    Ok(Routing { tokens: t, k, src, pos, group_sizes })
+    Ok((t, k, src, pos))
+}
+
+/// Rows per expert (`num_experts` entries), allocated fallibly: the count is a static the
+/// caller chooses, up to 2^31 - 1.
+fn group_sizes(op: &str, ids: &Array, num_experts: usize) -> Result<Vec<i32>, KernelError> {
+    let (_, _, data) = checked_ids(op, ids, num_experts)?;
+    let mut sizes = crate::plan::try_vec(op, "result `group_sizes`", num_experts, DType::I32)?;
+    sizes.resize(num_experts, 0);
+    for &e in data {
+        sizes[e as usize] += 1;
+    }
+    Ok(sizes)
 }
 
 /// Gate + top-k: `(weights [T, k], expert_ids [T, k])`.
@@ -318,27 +337,30 @@ fn plan_router_topk(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("logits", logits)?], &[]))
 }
 
-/// The `[t, k]` int32 expert ids of a routing call.
+/// `(t, k)` of the `[t, k]` int32 expert ids of a routing call (shape and dtype are the
+/// op's contract, checked); empty routings are refused.
 fn expert_ids(c: &Call) -> Result<(usize, usize), KernelError> {
     let ids = c.tensor("expert_ids")?;
     match ids.shape[..] {
-        [t, k] if ids.dtype == DType::I32 && t > 0 && k > 0 => Ok((t, k)),
-        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] integer expert ids from router_topk")),
+        [t, k] if t > 0 && k > 0 => Ok((t, k)),
+        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] integer expert ids from router_topk, at least one of each")),
     }
 }
 
-/// The MoE routing order of `ids`, errors reported as op `op`'s.
-fn routing_for(op: &str, ids: &Array, experts: usize) -> Result<Routing, KernelError> {
-    plan(ids, experts).map_err(|e| KernelError { kernel: op.to_string(), ..e })
+/// `num_experts`: expert ids are int32, so at most 2^31 - 1 experts can be named (and
+/// `permute`'s group sizes are that long).
+fn num_experts(c: &Call) -> Result<usize, KernelError> {
+    let e = c.usize("num_experts")?;
+    if e == 0 || e > i32::MAX as usize {
+        return Err(c.err("argument `num_experts`", "option-value", format!("num_experts = {e}"), "pass between 1 and 2^31 - 1 experts (expert ids are int32)"));
+    }
+    Ok(e)
 }
 
 fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     let x = c.tensor("x")?.clone();
     let (t, k) = expert_ids(c)?;
-    let experts = c.usize("num_experts")?;
-    if x.rank() != 2 || x.shape[0] != t {
-        return Err(c.err("input `x`", "routing-shape", format!("x is {x}, expert_ids has {t} tokens"), format!("pass x of shape [{t}, d]")));
-    }
+    let experts = num_experts(c)?;
     let kernel = permute_for(&x, t * k, c.target)?;
     let launch = Launch::new(kernel, vec![host(0, Type::vector(DType::I32, &[t * k, 1])), c.input("x", x)?]);
     let results = vec![result(0, 0, launch.outputs[0].clone()), host(1, Type::vector(DType::I32, &[experts]))];
@@ -346,35 +368,29 @@ fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
         &[c.index("expert_ids")?],
         Box::new(move |v| {
-            let r = routing_for(op, v[0], experts)?;
-            Ok(vec![Array::from_i32(&[t * k, 1], r.src), Array::from_i32(&[experts], r.group_sizes)])
+            let (_, _, src, _) = sorted(op, v[0], experts)?;
+            Ok(vec![Array::from_i32(&[t * k, 1], src), Array::from_i32(&[experts], group_sizes(op, v[0], experts)?)])
         }),
     ))
 }
 
-/// A combine launch of `y` rows (tensor `y_name`) weighted by `weights` (an operand),
-/// positions from host array 0.
+/// A combine launch of `y` rows (tensor `y_name`, `[t*k, d]` by the op's contract)
+/// weighted by `weights` (an operand), positions from host array 0.
 fn combine_launch(c: &Call, y_name: &str, weights: Operand, t: usize, k: usize) -> Result<Launch, KernelError> {
     let y = c.tensor(y_name)?.clone();
-    if y.rank() != 2 || y.shape[0] != t * k {
-        return Err(c.err(format!("input `{y_name}`"), "routing-shape", format!("{y_name} is {y}, expert_ids is [{t}, {k}]"), format!("pass {y_name} of shape [{}, d]", t * k)));
-    }
     let pos = Type::vector(DType::I32, &[t, k]);
     let kernel = combine_for(&weights.ty, &pos, &y, c.target)?;
     Ok(Launch::new(kernel, vec![weights, host(0, pos), c.input(y_name, y)?]))
 }
 
 fn positions(c: &Call, t: usize, k: usize) -> Result<crate::plan::HostFn, KernelError> {
-    let (op, experts) = (c.op, c.usize("num_experts")?);
-    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], routing_for(op, v[0], experts)?.pos)])))
+    let (op, experts) = (c.op, num_experts(c)?);
+    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], sorted(op, v[0], experts)?.3)])))
 }
 
 fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     let weights = c.tensor("weights")?.clone();
     let (t, k) = expert_ids(c)?;
-    if weights.shape != [t, k] {
-        return Err(c.err("input `weights`", "routing-shape", format!("weights is {weights}, expert_ids is [{t}, {k}]"), format!("pass weights of shape [{t}, {k}]")));
-    }
     let launch = combine_launch(c, "y", c.input("weights", weights)?, t, k)?;
     let results = vec![result(0, 0, launch.outputs[0].clone())];
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("expert_ids")?], positions(c, t, k)?))
@@ -489,8 +505,23 @@ pub fn random_expert_ids(t: usize, k: usize, rng: &mut StdRng) -> Array {
 /// Random valid routing over `experts` experts (at least `k + 1`): each token picks `k`
 /// distinct experts, never expert 1 (so one group is always empty).
 pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdRng) -> Array {
-    let pool: Vec<i32> = (0..experts.max(k + 1) as i32).filter(|&e| e != 1).collect();
+    let experts = experts.max(k + 1).min(i32::MAX as usize);
     let mut ids = Vec::with_capacity(t * k);
+    if experts > 4 * k + 4096 {
+        // Many experts: draw and redraw duplicates (a pool of every id would be as large
+        // as the expert count, up to 2^31).
+        for _ in 0..t {
+            let start = ids.len();
+            while ids.len() < start + k {
+                let e = rng.gen_range(0..experts as i32);
+                if e != 1 && !ids[start..].contains(&e) {
+                    ids.push(e);
+                }
+            }
+        }
+        return Array::from_i32(&[t, k], ids);
+    }
+    let pool: Vec<i32> = (0..experts as i32).filter(|&e| e != 1).collect();
     for _ in 0..t {
         let mut p = pool.clone();
         for j in 0..k {
@@ -506,7 +537,12 @@ pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdR
 fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) -> Array {
     let shape = shapes.get(at).map(|s| s.as_slice()).unwrap_or(&[]);
     let (t, k) = (shape.first().copied().unwrap_or(1), shape.get(1).copied().unwrap_or(1));
-    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e as usize);
+    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e.max(0) as usize);
+    if (1..=k).contains(&experts) {
+        // Fewer experts than k + 1 (k distinct ones and the always-empty expert 1): ids
+        // with repeats, still below num_experts, so the call stays valid.
+        return Array::from_i32(&[t, k], (0..t * k).map(|_| rng.gen_range(0..experts as i32)).collect());
+    }
     random_expert_ids_over(t, k, experts, rng)
 }
 

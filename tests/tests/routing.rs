@@ -231,10 +231,10 @@ fn bad_parameters_are_errors_not_panics() {
     assert_eq!(e.rule, "operand-dtype");
     let ids = Array::from_i32(&[4, 2], vec![0, 1, 1, 0, 2, 0, 1, 2]);
     let e = routing::permute(&Interpreter, &Array::from_f32(&[5, 128], vec![0.0; 640]), &ids, 3, &Target::V5E).unwrap_err();
-    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "routing-shape"), "{e}");
+    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "operand-shape"), "{e}");
     let y = Array::from_f32(&[8, 128], vec![0.0; 1024]);
     let e = routing::combine(&Interpreter, &y, &Array::from_f32(&[4, 3], vec![0.0; 12]), &ids, 3, &Target::V5E).unwrap_err();
-    assert_eq!((e.kernel.as_str(), e.rule), ("combine", "routing-shape"), "{e}");
+    assert_eq!((e.kernel.as_str(), e.rule), ("combine", "operand-shape"), "{e}");
     // A negative id is an error too.
     let e = routing::permute(&Interpreter, &Array::from_f32(&[2, 128], vec![0.0; 256]), &Array::from_i32(&[2, 1], vec![0, -1]), 4, &Target::V5E).unwrap_err();
     assert_eq!((e.kernel.as_str(), e.rule), ("permute", "expert-id-range"), "{e}");
