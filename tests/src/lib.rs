@@ -9,3 +9,4 @@ pub mod vmem;
 pub mod broken;
 pub mod hardening;
 pub mod oracle;
+pub mod nonfinite;
