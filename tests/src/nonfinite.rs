@@ -28,6 +28,12 @@ pub fn compare(got: &Array, want: &[f64], tol: f64) -> Result<(), String> {
     if g.len() != want.len() {
         return Err(format!("{} elements, the reference has {}", g.len(), want.len()));
     }
+    if !got.dtype.is_float() {
+        return match g.iter().zip(want).position(|(a, w)| a != w) {
+            Some(i) => Err(format!("integer element {i} is {}, the reference is {}", g[i], want[i])),
+            None => Ok(()),
+        };
+    }
     let scale = want.iter().filter(|w| w.is_finite()).fold(0.0f64, |m, w| m.max(w.abs())).max(1e-6);
     let mut worst = 0.0f64;
     for (i, (&a, &w)) in g.iter().zip(want).enumerate() {
