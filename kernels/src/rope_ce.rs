@@ -204,8 +204,11 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
     m_run[..] = m_new;
     picked[..] += select(col == label, x, 0.0).sum(1);
     if j == num_programs(1) - 1 {
-        let l = m_run[..] + s_run[..].log();
-        lse[..] = l;
+        // With a +inf logit l is NaN (exp(inf - inf)), as torch's log_softmax and so the
+        // loss; torch's logsumexp is +inf there.
+        let m = m_run[..];
+        let l = m + s_run[..].log();
+        lse[..] = select(m == f32::INFINITY, f32::INFINITY, l);
         // The host checks labels are in [0, vocab) or ignore_index; the range test also
         // keeps a bad label that reached the kernel from picking a garbage column.
         let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
@@ -225,9 +228,12 @@ pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<
     // No column mask: columns past the vocabulary are garbage but their writes are dropped.
     let col = iota([tm, tv], 1) + program_id(1) * (tv as i32);
     let label = labels[..];
-    let p = (logits[..].cast(f32) - lse[..].cast(f32)).exp();
+    // The forward's lse is +inf where a logit is: the row's softmax is NaN (torch's).
+    let lse_row = lse[..].cast(f32);
+    let p = (logits[..].cast(f32) - select(lse_row == f32::INFINITY, f32::NAN, lse_row)).exp();
     let onehot = select(col == label, 1.0, 0.0);
     let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
+    // An ignored row's gradient is softmax * 0, as torch computes it (NaN with a NaN row).
     let g = select(valid, dloss[..].cast(f32), 0.0);
     dlogits[..] = ((p - onehot) * g).cast(dlogits.dtype);
 }
@@ -527,10 +533,15 @@ pub mod reference {
         rope(dy, &neg, t, h, dh, theta, interleaved)
     }
 
+    /// `(log_softmax(row), logsumexp(row))` as torch computes them: the log-softmax
+    /// shifted by the max (NaN throughout with a NaN or a +inf logit, or with all -inf),
+    /// the logsumexp NaN with a NaN, +inf with a +inf, -inf over all -inf.
     fn log_softmax_row(row: &[f64]) -> (Vec<f64>, f64) {
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let lse = m + row.iter().map(|z| (z - m).exp()).sum::<f64>().ln();
-        (row.iter().map(|z| z - lse).collect(), lse)
+        let shifted = (row.iter().map(|z| (z - m).exp()).sum::<f64>()).ln();
+        let logp = row.iter().map(|z| z - m - shifted).collect();
+        let lse = if row.iter().any(|z| z.is_nan()) { f64::NAN } else if m.is_infinite() { m } else { m + shifted };
+        (logp, lse)
     }
 
     /// `(loss, lse)` per row of `logits: [t, v]`: `loss = -log_softmax(row)[label]`, 0 for
@@ -546,14 +557,15 @@ pub mod reference {
         (loss, lses)
     }
 
-    /// `d(sum(loss * dloss)) / dlogits = (softmax - onehot(label)) * dloss`, 0 for rows
-    /// whose label is outside `[0, v)`.
+    /// `d(sum(loss * dloss)) / dlogits = (softmax - onehot(label)) * dloss`; a row whose
+    /// label is outside `[0, v)` gets `softmax * 0` (torch's arithmetic: 0, or NaN where
+    /// the softmax is).
     pub fn cross_entropy_bwd(logits: &[f64], labels: &[i64], dloss: &[f64], v: usize) -> Vec<f64> {
         let mut out = Vec::with_capacity(logits.len());
         for ((row, &label), &g) in logits.chunks(v).zip(labels).zip(dloss) {
             let (logp, _) = log_softmax_row(row);
-            let valid = (0..v as i64).contains(&label);
-            out.extend(logp.iter().enumerate().map(|(j, lp)| if valid { (lp.exp() - (j as i64 == label) as u8 as f64) * g } else { 0.0 }));
+            let g = if (0..v as i64).contains(&label) { g } else { 0.0 };
+            out.extend(logp.iter().enumerate().map(|(j, lp)| (lp.exp() - (j as i64 == label) as u8 as f64) * g));
         }
         out
     }
