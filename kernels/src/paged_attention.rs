@@ -18,6 +18,10 @@
 //!   while block `i` is computed, with an online softmax across blocks; positions
 //!   `>= length` are masked. Every copy is waited for within its grid step.
 //! - An empty sequence (`length == 0`) attends to nothing: its output is zeros.
+//! - NaN and inf follow torch's math attention over the visible keys: a NaN in q or a
+//!   visible k, a +inf logit, or visible logits all -inf make the row NaN; a nonfinite v
+//!   value reaches the entries that see it as `p * inf` (NaN where `p = 0`); keys past a
+//!   length, and pages a sequence does not use, never reach it.
 
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -85,17 +89,25 @@ pub fn paged_attention_kernel(
         let s = dot_t(qv, k);
         let pos = iota([g, bs], 1) + i * bs;
         let s = select(pos < len, s, f32::NEG_INFINITY);
-        // Every block before `nblocks` holds a valid position, so `m_new` is finite.
+        // All G rows see the same keys, so a masked key (its v row zeroed above) meets only
+        // zero weights of zero values: `p @ v` is math attention's product over the
+        // visible keys, nonfinite values included (`p * inf`, NaN where `p = 0`).
         let m_new = m.max(s.reduce_max(1));
-        let p = (s - m_new).exp();
-        let alpha = (m - m_new).exp();
+        // Logits all -inf so far (-inf data): exp(s - 0) = 0, not exp(-inf + inf) = NaN.
+        let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
+        let p = (s - m_use).exp();
+        let alpha = (m - m_use).exp();
         l = alpha * l + p.sum(1);
         acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
         m = m_new;
     }
-    // An empty sequence saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
-    let out = select(l == 0.0, 0.0, acc / l);
-    o[..] = out.cast(o.dtype);
+    // An empty sequence saw no key: zeros. Otherwise acc / l is torch's softmax product: a
+    // NaN in q or a visible k, a +inf logit, or visible logits all -inf (0 / 0) give NaN.
+    if len == 0 {
+        o[..] = zeros([g, d], o.dtype);
+    } else {
+        o[..] = (acc / l).cast(o.dtype);
+    }
 }
 
 /// Default compute block: twice the MXU edge in tokens — 256 on v5e/v5p, 512 on

@@ -22,8 +22,13 @@
 //!   `cap * tanh(score / cap)` before masking).
 //! - Causal within a sequence: its query `i` sits at position `kv_len - q_len + i`, so a
 //!   decode token (q_len 1) sees the whole cache, a prefill (q_len = kv_len) is plain
-//!   causal attention and a chunked prefill continues a cached prefix. A query that sees
-//!   no key (only with invalid `q_len > kv_len`) outputs zeros.
+//!   causal attention and a chunked prefill continues a cached prefix. Every query sees
+//!   at least its own position (the plan rejects `q_len > kv_len`).
+//! - NaN and inf follow torch's math attention over each query's visible keys: a NaN in
+//!   q or a visible k, a +inf logit, or visible logits all -inf make the row NaN; a
+//!   nonfinite v value reaches exactly the (row, column) entries that see it (`p * inf`,
+//!   NaN where `p = 0`), never another token's row, a causally earlier query or a key
+//!   outside the window (see the masked blocks in the design notes).
 //!
 //! # Design
 //!
@@ -38,7 +43,11 @@
 //! `i + 1` in flight while block `i` is computed (as `paged_attention`). One online
 //! softmax state per score row runs across all sequences of the block: a row outside the
 //! sequence is masked (its weights are exactly 0 and its running max unchanged), so each
-//! row only ever accumulates its own sequence.
+//! row only ever accumulates its own sequence. A kv block that every row of the q block
+//! sees whole (all rows in the sequence, inside the causal reach and the window: long
+//! prefills) runs without masks; any other multiplies v with its nonfinite values zeroed
+//! and adds them back for the rows that see them through one exact bf16 product of
+//! visibility codes (`attention::add_nonfinite`), since a zero weight times an inf is NaN.
 //!
 //! # Cost
 //!
@@ -63,6 +72,7 @@ use tessera_dsl::interp::{Array, Data};
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
+use crate::attention::{add_nonfinite, nonfinite_radix, split_nonfinite};
 use crate::harness;
 use crate::op::{Call, Case, Input, Kind, Op, Output};
 use crate::plan::{Launch, Layout, Operand, Plan, Source};
@@ -138,31 +148,49 @@ pub fn ragged_paged_attention_kernel(
                     dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[2 * sl + 1]);
                 }
                 let k = k_buf[(sl, .., .., ..)].reshape([bs, d]);
-                // Cache rows past kv_len are whatever the pages hold: zeroed, so that
-                // `0 * NaN` in `p @ v` cannot leak into the output.
-                let v = select(iota([bs, 1], 0) + i * bs < kv_len, v_buf[(sl, .., .., ..)].reshape([bs, d]), 0.0);
+                let v = v_buf[(sl, .., .., ..)].reshape([bs, d]);
                 let mut sc = dot_t(qv, k) * sm_scale;
                 if soft_cap > 0.0 {
                     sc = (sc / soft_cap).tanh() * soft_cap;
                 }
-                let qpos = tok + shift;
-                let kpos = col + i * bs;
-                // tok < hi also bounds qpos below kv_len, so kpos <= qpos is in the cache.
-                let visible = (tok >= lo) & (tok < hi) & (kpos <= qpos) & (kpos > qpos - reach);
-                // Masked scores are f32::MIN, not -inf, so no `-inf - -inf` NaN can arise;
-                // their weights are then zeroed exactly.
-                let sc = select(visible, sc, f32::MIN);
-                let m_new = m.max(sc.reduce_max(1));
-                let p = select(visible, (sc - m_new).exp(), 0.0);
-                let alpha = (m - m_new).exp();
-                l = alpha * l + p.sum(1);
-                acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
-                m = m_new;
+                // Every row of the block is a token of this sequence and sees every key of
+                // this kv block (inside its causal reach and window): no mask, and `p @ v` is
+                // math attention's product itself, nonfinite values included.
+                let unmasked = (lo == q0) & (hi == q1) & (i * bs + (bs - 1) <= q0 + shift) & (i * bs > q1 - 1 + shift - reach);
+                if unmasked {
+                    let m_new = m.max(sc.reduce_max(1));
+                    let p = (sc - m_new).exp();
+                    let alpha = (m - m_new).exp();
+                    l = alpha * l + p.sum(1);
+                    acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
+                    m = m_new;
+                } else {
+                    let qpos = tok + shift;
+                    let kpos = col + i * bs;
+                    // tok < hi also bounds qpos below kv_len, so kpos <= qpos is in the cache.
+                    let visible = (tok >= lo) & (tok < hi) & (kpos <= qpos) & (kpos > qpos - reach);
+                    // Masked scores are f32::MIN, not -inf, so no `-inf - -inf` NaN can arise;
+                    // their weights are then zeroed exactly.
+                    let sc = select(visible, sc, f32::MIN);
+                    let m_new = m.max(sc.reduce_max(1));
+                    let p = select(visible, (sc - m_new).exp(), 0.0);
+                    let alpha = (m - m_new).exp();
+                    l = alpha * l + p.sum(1);
+                    // A masked key's value (another token's, or cache rows past kv_len, which
+                    // hold whatever the pages do) must not meet a zero weight: nonfinite
+                    // values enter as 0 and come back only for the rows that see them.
+                    let r = nonfinite_radix(bs);
+                    let (vf, class) = split_nonfinite(v, r);
+                    acc = add_nonfinite(alpha * acc + dot(p.cast(v_pages.dtype), vf), p, visible, class, r);
+                    m = m_new;
+                }
             }
         }
     }
-    // Padding tokens saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
-    let out = select(l == 0.0, 0.0, acc / l);
+    // A row with l = 0 saw no weight: a padding token (zeros), or a real token whose visible
+    // logits were all -inf (every real token sees its own position): torch's 0 / 0, NaN.
+    let real = iota([rows, 1], 0) % bq + q0 < cu_q_lens[num_seqs[0].min(ms)];
+    let out = select(l == 0.0, select(real, f32::NAN, 0.0), acc / l);
     o[..] = out.reshape([g, bq, d]).cast(o.dtype);
 }
 

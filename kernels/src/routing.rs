@@ -25,7 +25,9 @@
 //! The gate is then applied to the `k` selected logits: softmax over all `E` experts or
 //! an elementwise sigmoid, optionally renormalised to sum to 1 (Mixtral / Qwen3-MoE:
 //! softmax, top-k, renormalise). All math is f32; weights are stored in the logits' dtype.
-//! NaN logits are not supported (a NaN row gets id `E`, which [`plan`] rejects).
+//! A NaN logit ranks above every number, as in `torch.topk` (NaNs among themselves: the
+//! lowest expert first); its weight is NaN (and, through the softmax sum or the
+//! renormalisation, the row's other weights too, as torch's).
 //!
 //! # Gather and scatter as one-hot matmuls — and what that costs
 //!
@@ -36,13 +38,26 @@
 //! the MXU with f32 accumulation. A one-hot product is exact (one term is `1 * x`, the
 //! rest `0 * x`); `combine` rounds `W` to `y`'s dtype before the dot, like the einsum does.
 //!
-//! The price is **O(T * T*k * D)** flops (`2 * T * T*k * D`) and re-reading all of `x`
-//! (resp. `y`) once per row tile, where a gather moves `T*k*D` elements. That is fine
-//! for decode and small prefill batches (T = 512, k = 2, D = 4096: 4.3 GFLOP, ~22 us at
-//! v5e peak) and quadratic beyond (T = 8192, k = 8, D = 4096: 4.4 TFLOP, ~22 ms, where a
-//! gather moves 0.5 GB in under 1 ms). A DMA gather (row indices
-//! by scalar prefetch, one async copy per row) is the scalable version; it needs the
-//! async-copy IR of issue 3 and is future work.
+//! **NaN and inf.** `0 * inf` and `0 * NaN` are NaN, so a nonfinite `x` (or `y`) value
+//! would reach every row of its tile. The kernels multiply finite stand-ins instead (0,
+//! or `y`'s sign in `combine`, so an inf weight still meets the right sign) and carry
+//! each nonfinite value's class through a second, bf16 product with the same one-hot
+//! (`combine`: with a code of each weight's sign, so each (weight, value) pair lands on
+//! its own power of a radix above `k`; exact in f32), then put back exactly what torch's
+//! gather / weighted sum gives: the same inf, `w * inf` with the weight's sign, NaN for a
+//! NaN, for `0 * inf` and for `inf - inf`. Nonfinite *weights* need nothing: they sit in
+//! their own token's row of `W`. The second product is one bf16 MXU pass (twice the
+//! flops of a bf16 call, +1/3 or less for f32) plus a few VPU selects per element; the
+//! radix code is exact while fewer than 64 slots of one token meet infs in one column.
+//!
+//! The price is **O(T * T*k * D)** flops (`2 * T * T*k * D`, twice that with the NaN
+//! product) and re-reading all of `x` (resp. `y`) once per row tile, where a gather moves
+//! `T*k*D` elements. That is fine for decode and small prefill batches (T = 512, k = 2,
+//! D = 4096: 4.3 GFLOP + 4.3 for the NaN product, ~44 us at v5e bf16 peak) and quadratic
+//! beyond (T = 8192, k = 8, D = 4096: 4.4 TFLOP, ~22 ms, twice that with the NaN product,
+//! where a gather moves 0.5 GB in under 1 ms). A DMA gather (row indices by scalar
+//! prefetch, one async copy per row; it would also copy NaN and inf as they are) is the
+//! scalable version and future work.
 //!
 //! # Ragged edges
 //!
@@ -55,7 +70,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics, COMPOSITE};
@@ -100,12 +115,19 @@ pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<
     let mut top = zeros([tm, k], f32);
     let mut ids = zeros([tm, k], i32);
     for j in 0..k {
-        let m = s.reduce_max(1);
-        let idx = select(s == m, cand, e).reduce_min(1);
+        // NaN ranks above every number (torch.topk): a row with a NaN left takes its
+        // lowest such column; taken columns become -inf, so the next round moves on.
+        let nan = s != s;
+        let nan_f = select(nan, 1.0, 0.0);
+        let nan_left = nan_f.reduce_max(1);
+        let m = select(nan, NEG_INF, s).reduce_max(1);
+        // The row's NaNs if any are left, else the columns equal to its max.
+        let best = (nan_f == nan_left) & (nan | (s == m));
+        let idx = select(best, cand, e).reduce_min(1);
         let hit = col == idx;
         s = select(hit, NEG_INF, s);
         cand = select(hit, e, cand);
-        top = select(slot == j, m, top);
+        top = select(slot == j, select(nan_left > 0.0, f32::NAN, m), top);
         ids = select(slot == j, idx, ids);
     }
     let w = if sigmoid_gate {
@@ -132,16 +154,31 @@ pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scr
         acc[..] = zeros([tm, td], f32);
     }
     let tok0 = program_id(2) * tt;
-    let onehot = select(iota([tm, tt], 1) + tok0 == src[..], 1.0, 0.0).cast(x.dtype);
-    let mut xv = x[..];
+    let onehot = select(iota([tm, tt], 1) + tok0 == src[..], 1.0, 0.0);
+    let mut xv = x[..].cast(f32);
     if !t.is_multiple_of(tt) {
         // The last token tile reaches past T: zero its garbage rows (0 * NaN = NaN).
         xv = select(iota([tt, td], 0) + tok0 < t, xv, 0.0);
     }
-    acc[..] += dot(onehot, xv);
+    // A nonfinite x would reach every row through `0 * inf`: gather it zeroed, and its
+    // class (+inf 1, -inf -1, NaN 2) by a second one-hot product (exact: one term).
+    let (finite_x, class) = nonfinite_split(xv);
+    acc[..] += dot(onehot.cast(x.dtype), finite_x.cast(x.dtype));
+    let gathered = dot(onehot.cast(bf16), class);
+    let fix = select(gathered > 1.5, f32::NAN, select(gathered > 0.0, f32::INFINITY, f32::NEG_INFINITY));
+    acc[..] = select(gathered == 0.0, acc[..], fix);
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
+}
+
+/// `(x with nonfinite values zeroed, their class: +inf 1, -inf -1, NaN 2, else 0)`, the
+/// class in bf16 (exact) for a one-hot product.
+#[tpu_fn]
+fn nonfinite_split(x: Value) -> (Value, Value) {
+    let finite = (x - x) == 0.0;
+    let class = select(finite, 0.0, select(x > 0.0, 1.0, select(x < 0.0, -1.0, 2.0)));
+    (select(finite, x, 0.0), class.cast(bf16))
 }
 
 #[tpu_kernel(
@@ -161,22 +198,52 @@ pub fn combine_kernel(weights: In<t, k>, pos: In<t, k>, y: In<rows, d>, out: Out
     let w = weights[..].cast(f32);
     let p = pos[..];
     let slot = iota([tm, k], 1);
-    // W[t, i] = sum_j w[t, j] * (pos[t, j] == row0 + i): k compares, no gather.
+    let r = combine_radix(k);
+    // W[t, i] = sum_j w[t, j] * (pos[t, j] == row0 + i): k compares, no gather. A[t, i]
+    // codes the sign of that weight for the nonfinite-y product below: 1 (w > 0), r^2
+    // (w < 0), r^4 (w 0 or NaN: any inf it meets makes NaN).
     let mut wt = zeros([tm, ti], f32);
+    let mut at = zeros([tm, ti], f32);
     for j in 0..k {
         let pj = select(slot == j, p, 0).sum(1);
-        let wj = select(slot == j, w, 0.0).sum(1).broadcast_to([tm, ti]);
-        wt = wt + select(row == pj, wj, 0.0);
+        let wj = select(slot == j, w, 0.0).sum(1);
+        let aj = select(wj > 0.0, 1.0, select(wj < 0.0, r * r, r * r * r * r));
+        let used = row == pj;
+        wt = wt + select(used, wj.broadcast_to([tm, ti]), 0.0);
+        at = at + select(used, aj.broadcast_to([tm, ti]), 0.0);
     }
-    let mut yv = y[..];
+    let mut yv = y[..].cast(f32);
     if !rows.is_multiple_of(ti) {
         // The last row tile reaches past T*k: zero its garbage rows (0 * NaN = NaN).
         yv = select(iota([ti, td], 0) + row0 < rows, yv, 0.0);
     }
-    acc[..] += dot(wt.cast(y.dtype), yv);
+    // A nonfinite y would reach every token through `0 * inf`. The weighted product takes
+    // it as its sign (±1; NaN as 0), so an inf weight still meets the right sign, and a
+    // second product gathers its class (+inf 1, -inf r, NaN r^4) times the weight's code:
+    // each (weight, y) pair lands on its own power of r (+inf terms on r^0 and r^3, -inf on
+    // r and r^2, NaN at r^4 and above), exact in f32 below r^4 <= 2^24.
+    let finite = (yv - yv) == 0.0;
+    let y_sign = select(yv > 0.0, 1.0, select(yv < 0.0, -1.0, 0.0));
+    let y_class = select(finite, 0.0, select(yv > 0.0, 1.0, select(yv < 0.0, r, r * r * r * r)));
+    acc[..] += dot(wt.cast(y.dtype), select(finite, yv, y_sign).cast(y.dtype));
+    let code = dot(at.cast(bf16), y_class.cast(bf16));
+    let nan_term = code >= r * r * r * r;
+    let digits = select(nan_term, 0.0, code).cast(i32);
+    let ri = r as i32;
+    let plus = (digits & (((ri - 1) * ri * ri * ri) | (ri - 1))) != 0;
+    let minus = (digits & (((ri - 1) * ri * ri) | ((ri - 1) * ri))) != 0;
+    let fix = select(nan_term | (plus & minus), f32::NAN, select(plus, f32::INFINITY, f32::NEG_INFINITY));
+    // IEEE addition keeps an inf that a nonfinite weight put in `acc` (inf + -inf = NaN).
+    acc[..] = select(code == 0.0, acc[..], acc[..] + fix);
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
+}
+
+/// The radix of `combine_kernel`'s nonfinite code: a power of two above `k` (a digit
+/// counts the slots of one kind), at most 64 so that four digits stay exact in f32.
+fn combine_radix(k: usize) -> f32 {
+    (k + 1).next_power_of_two().clamp(2, 64) as f32
 }
 
 // ---- block rules and builders -------------------------------------------------------------
@@ -275,7 +342,7 @@ fn checked_ids<'a>(op: &str, ids: &'a Array, num_experts: usize) -> Result<(usiz
         return Err(err("operand-shape", format!("expert_ids is {}{:?}", ids.dtype, ids.shape), "pass the [T, k] int32 expert ids from router_topk"));
     };
     if let Some((n, &bad)) = data.iter().enumerate().find(|(_, &e)| e < 0 || e as usize >= num_experts) {
-        return Err(err("expert-id-range", format!("token {} slot {} routes to expert {bad}, but there are {num_experts} experts", n / k, n % k), "pass ids in 0..num_experts (NaN logits give id E)"));
+        return Err(err("expert-id-range", format!("token {} slot {} routes to expert {bad}, but there are {num_experts} experts", n / k, n % k), "pass ids in 0..num_experts"));
     }
     Ok((t, k, data))
 }
@@ -550,7 +617,7 @@ fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) ->
 /// routing order, gather, weighted sum) sharing no code with the kernels or [`plan`].
 pub mod reference {
     /// Top-k of each length-`e` row of `logits`: `(weights, ids)`, both `[T, k]`
-    /// row-major. Order: larger logit first, ties to the lower index.
+    /// row-major. Order: NaN first, then larger logit first, ties to the lower index.
     pub fn router_topk(logits: &[f64], e: usize, k: usize, sigmoid: bool, normalize: bool) -> (Vec<f64>, Vec<usize>) {
         let mut weights = Vec::new();
         let mut ids = Vec::new();
@@ -562,8 +629,15 @@ pub mod reference {
                 let sum: f64 = row.iter().map(|v| (v - max).exp()).sum();
                 row.iter().map(|v| (v - max).exp() / sum).collect()
             };
+            // NaN first (torch.topk ranks it above every number), then larger logits;
+            // ties (NaN with NaN, -0 with +0) to the lower index.
+            let rank = |a: usize, b: usize| match (row[a].is_nan(), row[b].is_nan()) {
+                (true, true) => std::cmp::Ordering::Equal,
+                (x, y) if x != y => y.cmp(&x),
+                _ => row[b].partial_cmp(&row[a]).unwrap_or(std::cmp::Ordering::Equal),
+            };
             let mut order: Vec<usize> = (0..e).collect();
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.sort_by(|&a, &b| rank(a, b).then(a.cmp(&b)));
             let picked = &order[..k];
             let total: f64 = picked.iter().map(|&i| scores[i]).sum();
             for &i in picked {
