@@ -386,8 +386,13 @@ fn nonfinite_inputs_propagate_like_math_attention() {
                     }
                     run(format!("{val} in {name}[{at}]"), &q, &k, &v, "");
                 }
+                // A nonfinite sm_scale is an option error (it would turn every row NaN).
+                let entry = tessera_kernels::find("flash_attention_fwd").unwrap();
+                let (q, k, v) = (Array::from_f32_in(dtype, &[b, h, sq, d], q0.clone()), Array::from_f32_in(dtype, &[b, hkv, skv, d], k0.clone()), Array::from_f32_in(dtype, &[b, hkv, skv, d], v0.clone()));
                 for scale in ["nan", "inf", "-inf"] {
-                    run(format!("sm_scale={scale}"), &q0, &k0, &v0, &format!(", sm_scale={scale}"));
+                    let statics = entry.statics(&format!("causal=true, sm_scale={scale}")).unwrap();
+                    let e = entry.run(&tessera_dsl::Interpreter, &[Some(&q), Some(&k), Some(&v), None, None], &statics, &Target::V5E).err().map(|e| e.to_string()).unwrap_or_default();
+                    assert!(e.contains("sm_scale") && e.contains("option-value"), "sm_scale={scale}: {e}");
                 }
                 // Every visible logit of query row 12 is -inf: q row 12 = -inf * (k > 0 in lane 0).
                 let (mut q, mut k) = (q0.clone(), k0.clone());
