@@ -64,10 +64,10 @@
 //! query that may not see it. `lse` is torch's `logsumexp` over the visible logits: NaN
 //! with a NaN, +inf with a +inf, -inf when they are all -inf.
 //!
-//! A query row that sees no key at all (possible only with segment ids) gets `o = 0`
-//! (Tessera's definition; torch's math SDPA gives NaN there, its CPU kernels 0) and `lse
-//! = -inf`, the logsumexp of an empty set. The backward handles `lse = -inf`: its weights
-//! `exp(s - lse)` are selected by the same masks, so such rows contribute nothing.
+//! A query row that sees no key at all (possible only with segment ids), or whose visible
+//! logits are all -inf, gets `o = 0` and `lse = -inf`, as torch's SDPA gives (its math
+//! backend's safe softmax, and its CPU kernels). The backward takes weights 0 for a row
+//! with `lse = -inf` ([`no_weight_past`]), so such a row's gradients are SDPA's.
 //!
 //! The backward selects its weights and `ds` in masked blocks, so a nonfinite `dp`, `di`
 //! or logit never crosses a mask. What it does not restore is a nonfinite *operand row*
@@ -88,10 +88,6 @@ use crate::blocks::{fit_blocks, fit_vmem_limit};
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
 use crate::plan::{host, result, single, Launch, Operand, Plan};
-
-/// With segment ids, the forward's stand-in for a *visible* -inf logit (masked ones are
-/// -inf): a row whose running max ends at MASKED saw keys, all at -inf.
-const MASKED: f32 = f32::MIN;
 
 /// How far past a q block's first row its keys can reach: `bq - 1` when causal, else past
 /// the end (the block test is always true and the index-map clamp the identity).
@@ -190,6 +186,13 @@ pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: 
     select(code == 0.0, acc, acc + fix)
 }
 
+/// The backward's weights are `exp(s - lse)`; a row with `lse = -inf` (it saw no key, or
+/// only -inf logits) has weights 0, as SDPA's safe softmax gives it, not `exp(-inf + inf)`.
+#[tpu_fn]
+fn no_weight_past(lse: Value) -> Value {
+    select(lse == f32::NEG_INFINITY, f32::INFINITY, lse)
+}
+
 /// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
 /// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
 #[tpu_fn]
@@ -236,9 +239,7 @@ pub fn flash_attention_fwd_kernel(
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
-            // With segment ids a query may see no key at all: its masked logits are -inf and
-            // its visible -inf ones MASKED, so the end can tell the two apart.
-            let sm = select(keep, if segmented { select(s == f32::NEG_INFINITY, MASKED, s) } else { s }, f32::NEG_INFINITY);
+            let sm = select(keep, s, f32::NEG_INFINITY);
             let mut vb = v[..];
             if !skv.is_multiple_of(bk) {
                 vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
@@ -260,16 +261,11 @@ pub fn flash_attention_fwd_kernel(
     if j == num_programs(3) - 1 {
         let m = m_run[..];
         let l = l_run[..];
-        // m = -inf: the row's visible logits were all -inf (softmax 0 / 0 = NaN, as acc / l
-        // gives), or with segment ids the row saw no key (defined as o = 0); MASKED: with
-        // segment ids, visible logits all -inf (NaN). lse is torch's logsumexp: -inf over
-        // all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
-        let mut out = acc[..] / l;
-        if segmented {
-            out = select(m == MASKED, f32::NAN, select(m == f32::NEG_INFINITY, 0.0, out));
-        }
-        o[..] = out.cast(o.dtype);
-        lse[..] = select(m <= MASKED, f32::NEG_INFINITY, select(m == f32::INFINITY, f32::INFINITY, m + l.log()));
+        // m = -inf: the row saw no key, or its visible logits were all -inf; torch's SDPA
+        // (its safe softmax) gives o = 0 there, not acc / l = 0 / 0. lse is torch's
+        // logsumexp: -inf over all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
+        o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
+        lse[..] = select(m == f32::INFINITY, f32::INFINITY, m + l.log());
     }
 }
 
@@ -340,7 +336,7 @@ pub fn flash_attention_dkv_kernel(
             }
         }
         let s = logits(qb, kb, sm_scale, soft_cap);
-        let mut p = (s - lse_b).exp();
+        let mut p = (s - no_weight_past(lse_b)).exp();
         let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, causal);
@@ -401,7 +397,7 @@ pub fn flash_attention_dq_kernel(
             }
         }
         let s = logits(q[..], kb, sm_scale, soft_cap);
-        let p = (s - lse[..]).exp();
+        let p = (s - no_weight_past(lse[..])).exp();
         let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
@@ -976,9 +972,9 @@ pub mod reference {
         }
 
         /// Softmax probabilities of one row (0 where masked) and its logsumexp, as torch's
-        /// softmax and logsumexp over the visible logits: with a NaN logit, or a max of
-        /// +inf or -inf (`exp(inf - inf)`, `0 / 0`), every visible probability is NaN; the
-        /// logsumexp is NaN, +inf or -inf there. No visible key: probabilities 0, lse -inf.
+        /// SDPA's safe softmax and logsumexp over the visible logits: with a NaN logit or a
+        /// max of +inf (`exp(inf - inf)`), every visible probability is NaN, the logsumexp
+        /// NaN or +inf. No visible key, or all visible logits -inf: probabilities 0, lse -inf.
         fn probs(&self, z: &[Option<(f64, f64)>]) -> (Vec<f64>, f64) {
             let vis: Vec<f64> = z.iter().flatten().map(|p| p.0).collect();
             if vis.is_empty() {
@@ -989,6 +985,10 @@ pub mod reference {
                 return nan_row(f64::NAN);
             }
             let m = vis.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                // All visible logits -inf: SDPA's safe softmax gives the row 0.
+                return (vec![0.0; z.len()], m);
+            }
             if m.is_infinite() {
                 return nan_row(m);
             }

@@ -254,17 +254,17 @@ def _attention_logits(q, k, sm_scale, soft_cap, causal, q_segment_ids, kv_segmen
 
 
 def ref_flash_attention_fwd(q, k, v, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
-    """(o, lse): o from SDPA (segment ids as a mask) or, with a soft cap, an explicit softmax."""
+    """(o, lse) by math attention over the visible keys: masking selects (a masked logit is
+    -inf whatever its value), and a row with no visible key or only -inf logits gets o = 0
+    (SDPA's safe softmax). Neither SDPA backend is this on nonfinite inputs: CPU's fused
+    kernel turns a NaN query row into zeros, the math backend adds its mask, so a masked
+    NaN or +inf logit poisons the row."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     s, mask = _attention_logits(q, k, scale, soft_cap, causal, q_segment_ids, kv_segment_ids)
     s = s.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(s, -1)
-    if soft_cap is not None:
-        o = torch.softmax(s, -1) @ v.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    elif q_segment_ids is not None:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    p = torch.softmax(s, -1).masked_fill((s == -math.inf).all(-1, keepdim=True), 0.0)
+    o = p @ v.repeat_interleave(q.shape[1] // k.shape[1], 1)
     return o, lse
 
 
