@@ -153,6 +153,21 @@ fn selection(s: &Select) -> CliResult<Vec<Selected>> {
         (None, true) => library().filter(|op| op.alias_of.is_none()).collect(),
         (None, false) => return Err("name an op or pass --all".into()),
     };
+    // Every --shape is used as given or refused: parsed once, one per input name, and
+    // (with --all) naming an input of some op.
+    let mut specs: Vec<(&str, &str, Vec<usize>)> = Vec::new();
+    for spec in &s.shapes {
+        let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
+        let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
+        let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
+        if let Some((_, first, _)) = specs.iter().find(|(n, _, _)| *n == name) {
+            return Err(format!("--shape `{spec}`: `{name}` already has a shape (`{first}`); give each input one --shape"));
+        }
+        if s.all && !ops.iter().any(|op| op.inputs.iter().any(|i| i.name == name)) {
+            return Err(format!("--shape `{spec}`: no selected op has an input `{name}`"));
+        }
+        specs.push((name, spec.as_str(), parsed));
+    }
     let mut out = Vec::new();
     for op in ops {
         let source = op.alias_of.and_then(|(of, _)| tessera_kernels::find(of)).unwrap_or(op);
@@ -167,12 +182,9 @@ fn selection(s: &Select) -> CliResult<Vec<Selected>> {
             }
             let statics = op.statics(&assignments).map_err(|e| e.to_string())?;
             let mut shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
-            for spec in &s.shapes {
-                let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
-                let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
-                let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
-                match op.inputs.iter().position(|i| i.name == name) {
-                    Some(i) if i < shapes.len() => shapes[i] = parsed,
+            for (name, spec, parsed) in &specs {
+                match op.inputs.iter().position(|i| i.name == *name) {
+                    Some(i) if i < shapes.len() => shapes[i] = parsed.clone(),
                     Some(_) => return Err(format!("--shape `{spec}`: case `{}` of `{}` does not pass `{name}`", case.name, op.name)),
                     None if s.all => {} // another op's input
                     None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", op.name, op.inputs.iter().map(|i| i.name).collect::<Vec<_>>().join(", "))),
@@ -220,32 +232,38 @@ fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Ve
 fn emit(s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
-    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
+    // Every kernel is built, verified and lowered before anything is written: a rejected
+    // case leaves no partial output. An alias op (`flash_attention`) emits the kernels of
+    // the op it is an alias of (its plan is that op's), under its own name.
+    let mut lowered_all = Vec::new();
     for sel in selection(s)? {
-        if sel.op.alias_of.is_some() {
-            continue; // its kernels are the aliased op's
-        }
         let start = Instant::now();
         for (stem, kernel) in build_and_warn(&sel, dtype, &target)? {
             let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
-            let ms = start.elapsed().as_secs_f64() * 1e3;
-            for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
-                let path = out.join(format!("{stem}.{ext}.mlir"));
-                std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            }
-            let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
-            println!(
-                "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
-                stem,
-                grid.join("x"),
-                lowered.vmem_bytes as f64 / (1 << 20) as f64,
-                lowered.vmem_need as f64 / (1 << 20) as f64,
-                lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
-                lowered.cost.flops as f64 / 1e9,
-                ms
-            );
+            lowered_all.push((stem, kernel, lowered, start.elapsed().as_secs_f64() * 1e3));
         }
+    }
+    if lowered_all.is_empty() {
+        return Err("the selection has no kernels to emit".into());
+    }
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
+    for (stem, kernel, lowered, ms) in lowered_all {
+        for (ext, text) in [("stablehlo", &lowered.stablehlo), ("mosaic", &lowered.mosaic)] {
+            let path = out.join(format!("{stem}.{ext}.mlir"));
+            std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        }
+        let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+        println!(
+            "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+            stem,
+            grid.join("x"),
+            lowered.vmem_bytes as f64 / (1 << 20) as f64,
+            lowered.vmem_need as f64 / (1 << 20) as f64,
+            lowered.vmem_limit_bytes as f64 / (1 << 20) as f64,
+            lowered.cost.flops as f64 / 1e9,
+            ms
+        );
     }
     println!("wrote {}", out.display());
     Ok(true)
@@ -277,6 +295,8 @@ fn run(s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResul
             format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
         } else if worst.mismatches > 0 {
             format!("FAIL: {} integer output elements differ", worst.mismatches)
+        } else if worst.nonfinite > 0 {
+            format!("FAIL: {} output elements infinite where the reference is finite, or the other way", worst.nonfinite)
         } else {
             "FAIL: error above tolerance".to_string()
         };

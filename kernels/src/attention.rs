@@ -47,8 +47,36 @@
 //! Sequence lengths need not be multiples of the blocks. Reads past the end of an array are
 //! undefined (NaN in the interpreter), and `0 * NaN` is NaN, so the edge blocks zero the
 //! rows past the end of every operand that a dot contracts over, and mask the scores.
-//! Writes past the end are dropped. A query row that sees no key at all (possible only with
-//! segment ids) gets `o = 0` and `lse = f32::MIN` (standing for -inf).
+//! Writes past the end are dropped.
+//!
+//! # NaN and inf
+//!
+//! The forward is torch's math attention over the *visible* keys: masking selects, it
+//! never multiplies a masked key's value by zero. A NaN in q, or in a visible k, makes
+//! the rows that see it NaN; a logit of +inf makes its row NaN (`exp(inf - inf)`), one of
+//! -inf weighs 0, and a row whose visible logits are all -inf is NaN (`0 / 0`); a NaN
+//! `sm_scale` gives NaN rows, and so does ±inf unless a soft cap bounds the logits (to
+//! ±cap, as torch's formula does). A nonfinite v value reaches exactly the
+//! (row, column) entries that see it: `p * inf` is inf, NaN where `p = 0`, and `inf -
+//! inf` is NaN. In a block without masks `p @ v` is that product itself; a masked block
+//! multiplies v with its nonfinite values zeroed and adds them back through one exact
+//! bf16 product of visibility codes ([`add_nonfinite`]), so a masked key never reaches a
+//! query that may not see it. `lse` is torch's `logsumexp` over the visible logits: NaN
+//! with a NaN, +inf with a +inf, -inf when they are all -inf.
+//!
+//! A query row that sees no key at all (possible only with segment ids), or whose visible
+//! logits are all -inf, gets `o = 0` and `lse = -inf`, as torch's SDPA gives (its math
+//! backend's safe softmax, and its CPU kernels). The backward takes weights 0 for a row
+//! with `lse = -inf` ([`no_weight_past`]), so such a row's gradients are SDPA's.
+//!
+//! The backward selects its weights and `ds` in masked blocks, so a nonfinite `dp`, `di`
+//! or logit never crosses a mask. What it does not restore is a nonfinite *operand row*
+//! of a masked block's products: a NaN / inf row of q reaches dk, of k reaches dq, and of
+//! do reaches dv, of that block's positions that do not see it (a zero weight times the
+//! raw value). Nothing leaves the masked blocks that hold the value (the causal diagonal,
+//! segment ids, the ragged edge); unmasked blocks and a nonfinite v are exact. torch's
+//! math-SDPA autograd multiplies masked weights by zero for every pair, so its NaN set
+//! contains ours.
 
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -60,11 +88,6 @@ use crate::blocks::{fit_blocks, fit_vmem_limit};
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
 use crate::plan::{host, result, single, Launch, Operand, Plan};
-
-/// Masked logits and the running max's start: finite, so `exp(m_old - m_new)` never sees
-/// `-inf - -inf`; a row's garbage from fully masked blocks is wiped (`exp(MASKED - m) = 0`)
-/// by its first real key.
-const MASKED: f32 = f32::MIN;
 
 /// How far past a q block's first row its keys can reach: `bq - 1` when causal, else past
 /// the end (the block test is always true and the index-map clamp the identity).
@@ -117,15 +140,57 @@ fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv
     keep
 }
 
-/// Masking selects, it does not multiply by zero: in a masked block, `p @ v` would carry a
-/// nonfinite value of a v row into every query through `0 * NaN`, also into the queries
-/// that must not see that key. So a masked block zeroes its nonfinite v values and counts,
-/// per (query, column), the *visible* keys that held one (exact: 0/1 operands, f32
-/// accumulation). Where the count is `> 0` the output is NaN, as in math attention over
-/// the visible keys (an `inf` in a visible v also gives NaN).
+/// The online softmax step of one block: the new running max, sum and accumulator, and
+/// the block's weights `p`. A row whose logits so far are all -inf (masked, or -inf data)
+/// takes `exp(s - 0)`: 0, not `exp(-inf + inf)` = NaN.
 #[tpu_fn]
-fn visible_nonfinite(finite: Value, keep: Value) -> Value {
-    dot(select(keep, 1.0, 0.0).cast(bf16), select(finite, 0.0, 1.0).cast(bf16))
+fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType) -> (Value, Value, Value, Value) {
+    let m_new = m_old.max(s.reduce_max(1));
+    let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
+    let alpha = (m_old - m_use).exp();
+    let p = (s - m_use).exp();
+    (m_new, alpha * l_old + p.sum(1), alpha * acc_old + dot(p.cast(v_dtype), v), p)
+}
+
+/// The radix of the nonfinite code of a block of `keys` keys: a power of two above `keys`
+/// (a digit counts keys), at most 4096 so that two digits stay exact in f32.
+pub(crate) fn nonfinite_radix(keys: usize) -> f32 {
+    (keys + 1).next_power_of_two().clamp(2, 4096) as f32
+}
+
+/// Masking selects, it does not multiply by zero: in a masked block, `p @ v` would carry a
+/// nonfinite value of a v row into every query through `0 * inf`, also into the queries
+/// that may not see that key. So a masked block multiplies `v` with its nonfinite values
+/// zeroed (the first result) and carries their class in bf16 (the second: +inf 1, -inf
+/// `r`, NaN `r^2`, else 0) to [`add_nonfinite`].
+#[tpu_fn]
+pub(crate) fn split_nonfinite(v: Value, r: f32) -> (Value, Value) {
+    let finite = (v - v) == 0.0;
+    let class = select(finite, 0.0, select(v > 0.0, 1.0, select(v < 0.0, r, r * r)));
+    (select(finite, v, 0.0), class.cast(bf16))
+}
+
+/// `acc` plus what the block's nonfinite v values give the queries that see them, as in
+/// math attention over the visible keys: `p * inf` is inf for `p > 0` and NaN for `p = 0`,
+/// `inf - inf` and NaN are NaN. One exact bf16 product counts, per (query, column), the
+/// visible keys of each kind: a visible weight codes as 1 (`p > 0`) or `r^2` (`p = 0` or
+/// NaN), so +inf terms land on digit 0, -inf on digit 1 and NaN at `r^2` and above.
+#[tpu_fn]
+pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: f32) -> Value {
+    let code = dot(select(keep, select(p > 0.0, 1.0, r * r), 0.0).cast(bf16), class);
+    let nan = code >= r * r;
+    let digits = select(nan, 0.0, code).cast(i32);
+    let plus = (digits & ((r as i32) - 1)) != 0;
+    let minus = digits >= (r as i32);
+    let fix = select(nan | (plus & minus), f32::NAN, select(plus, f32::INFINITY, f32::NEG_INFINITY));
+    select(code == 0.0, acc, acc + fix)
+}
+
+/// The backward's weights are `exp(s - lse)`; a row with `lse = -inf` (it saw no key, or
+/// only -inf logits) has weights 0, as SDPA's safe softmax gives it, not `exp(-inf + inf)`.
+#[tpu_fn]
+fn no_weight_past(lse: Value) -> Value {
+    select(lse == f32::NEG_INFINITY, f32::INFINITY, lse)
 }
 
 /// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
@@ -158,50 +223,49 @@ pub fn flash_attention_fwd_kernel(
     let i = program_id(2);
     let j = program_id(3);
     if j == 0 {
-        m_run[..] = full([bq, 1], f32, MASKED);
+        m_run[..] = full([bq, 1], f32, f32::NEG_INFINITY);
         l_run[..] = zeros([bq, 1], f32);
         acc[..] = zeros([bq, d], f32);
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
-        let mut s = logits(q[..], k[..], sm_scale, soft_cap);
-        let mut vb = v[..];
+        let s = logits(q[..], k[..], sm_scale, soft_cap);
         let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         if causal {
             needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
         }
-        // Per (query, column): visible nonfinite v values (counted in masked blocks only;
-        // in an unmasked block every key is visible and `p @ v` propagates them itself).
-        let mut visible_bad = zeros([bq, d], f32);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
-            s = select(keep, s, MASKED);
+            let sm = select(keep, s, f32::NEG_INFINITY);
+            let mut vb = v[..];
             if !skv.is_multiple_of(bk) {
                 vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
             }
-            let finite = (vb - vb) == 0.0;
-            visible_bad = visible_nonfinite(finite, keep);
-            vb = select(finite, vb, 0.0);
+            let r = nonfinite_radix(bk);
+            let (vf, class) = split_nonfinite(vb, r);
+            let (m_new, l_new, acc_new, p) = online_softmax(sm, vf, m_run[..], l_run[..], acc[..], v.dtype);
+            m_run[..] = m_new;
+            l_run[..] = l_new;
+            acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+        } else {
+            // Every key is visible: `p @ v` is math attention's product itself (`p * inf`).
+            let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype);
+            m_run[..] = m_new;
+            l_run[..] = l_new;
+            acc[..] = acc_new;
         }
-        let m_old = m_run[..];
-        let m_new = m_old.max(s.reduce_max(1));
-        let alpha = (m_old - m_new).exp();
-        let p = (s - m_new).exp();
-        l_run[..] = alpha * l_run[..] + p.sum(1);
-        acc[..] = select(visible_bad > 0.0, f32::NAN, alpha * acc[..] + dot(p.cast(v.dtype), vb));
-        m_run[..] = m_new;
     }
     if j == num_programs(3) - 1 {
         let m = m_run[..];
         let l = l_run[..];
-        // Rows that saw no key (segment ids only) still hold exactly MASKED: define them as
-        // o = 0. A NaN row (NaN in q or a visible key) is not MASKED: it stays NaN.
-        let seen = m != MASKED;
-        o[..] = select(seen, acc[..] / l, 0.0).cast(o.dtype);
-        lse[..] = select(seen, m + l.log(), MASKED);
+        // m = -inf: the row saw no key, or its visible logits were all -inf; torch's SDPA
+        // (its safe softmax) gives o = 0 there, not acc / l = 0 / 0. lse is torch's
+        // logsumexp: -inf over all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
+        o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
+        lse[..] = select(m == f32::INFINITY, f32::INFINITY, m + l.log());
     }
 }
 
@@ -272,16 +336,19 @@ pub fn flash_attention_dkv_kernel(
             }
         }
         let s = logits(qb, kb, sm_scale, soft_cap);
-        let mut p = (s - lse_b).exp();
+        let mut p = (s - no_weight_past(lse_b)).exp();
+        let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
+            // Select both: `p * (dp - di)` would carry a NaN of dp, di or s into pairs
+            // that do not see each other (0 * NaN).
             p = select(keep, p, 0.0);
+            ds = select(keep, ds, 0.0);
         }
         dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
-        let ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
     }
     if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
@@ -330,15 +397,15 @@ pub fn flash_attention_dq_kernel(
             }
         }
         let s = logits(q[..], kb, sm_scale, soft_cap);
-        let mut p = (s - lse[..]).exp();
+        let p = (s - no_weight_past(lse[..])).exp();
+        let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
-            p = select(keep, p, 0.0);
+            ds = select(keep, ds, 0.0);
         }
-        let ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
     }
     if j == num_programs(3) - 1 {
@@ -451,9 +518,12 @@ fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, 
 }
 
 fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Result<(), KernelError> {
+    // Named as the op's statics `block_q` / `block_kv`, which set explicit blocks.
     let AttentionBlocks { block_q, block_kv } = blocks;
-    if block_q == 0 || block_kv == 0 || block_q > sq || block_kv > skv {
-        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} for Sq = {sq}, Skv = {skv}"), "use blocks between 1 and the sequence length"));
+    for (name, block, len, dim) in [("block_q", block_q, sq, "Sq"), ("block_kv", block_kv, skv, "Skv")] {
+        if block == 0 || block > len {
+            return Err(err(op, format!("argument `{name}`"), "block-shape", format!("{name} = {block} for {dim} = {len}"), format!("use a {name} between 1 and {len} (the sequence length), or None for the defaults")));
+        }
     }
     Ok(())
 }
@@ -612,14 +682,24 @@ pub fn flash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array,
 // ---- ops ------------------------------------------------------------------------------------
 
 /// The attention statics `(causal, sm_scale, soft_cap)` of a call.
-fn attention_params(c: &Call, q: &Type) -> AttentionParams {
+fn attention_params(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
     let d = q.shape.get(3).copied().unwrap_or(1);
     let mut params = AttentionParams::new(d, c.statics.bool("causal"));
     if let Some(s) = c.statics.f64("sm_scale") {
-        params.sm_scale = s as f32;
+        params.sm_scale = finite_scale(c, s)?;
     }
     params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
-    params
+    Ok(params)
+}
+
+/// `sm_scale` as the kernels' f32: a NaN or infinite scale (or one beyond f32) makes every
+/// score NaN or infinite, which no softmax can mean.
+pub(crate) fn finite_scale(c: &Call, s: f64) -> Result<f32, KernelError> {
+    let f = s as f32;
+    if !f.is_finite() {
+        return Err(c.err("argument `sm_scale`", "option-value", format!("sm_scale = {s}"), "pass a finite softmax scale (default 1/sqrt(head_dim))"));
+    }
+    Ok(f)
 }
 
 /// The kernels' segment-id operands: the given ids as a `[B, Sq, 1]` column and a
@@ -630,15 +710,8 @@ fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, 
             let dummy = Type::vector(DType::I32, &[1, 1, 1]);
             Ok((false, [host(0, dummy.clone()), host(1, dummy)]))
         }
-        (true, true) => {
-            for (name, n) in [("q_segment_ids", sq), ("kv_segment_ids", skv)] {
-                let t = c.tensor(name)?;
-                if t.dtype != DType::I32 || t.shape != [b, n] {
-                    return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}"), format!("pass integer segment ids of shape [{b}, {n}]")));
-                }
-            }
-            Ok((true, [c.input("q_segment_ids", Type::vector(DType::I32, &[b, sq, 1]))?, c.input("kv_segment_ids", Type::vector(DType::I32, &[b, 1, skv]))?]))
-        }
+        // Their dtype and `[b, sq]` / `[b, skv]` shapes are the op's contract, checked.
+        (true, true) => Ok((true, [c.input("q_segment_ids", Type::vector(DType::I32, &[b, sq, 1]))?, c.input("kv_segment_ids", Type::vector(DType::I32, &[b, 1, skv]))?])),
         _ => Err(c.err("input `q_segment_ids`", "segment-ids", "only one of q_segment_ids and kv_segment_ids is given", "pass both or neither")),
     }
 }
@@ -648,10 +721,8 @@ fn dummy_segments() -> crate::plan::HostFn {
     Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
 }
 
+/// q, k and v (`[b, h, sq, d]` and `[b, hkv, skv, d]`: the op's contract, checked).
 fn qkv(c: &Call) -> Result<(Type, Type, Type), KernelError> {
-    for name in ["q", "k", "v"] {
-        c.dims(name, 4)?;
-    }
     Ok((c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()))
 }
 
@@ -662,7 +733,7 @@ fn blocks_of(c: &Call, default: AttentionBlocks) -> Result<AttentionBlocks, Kern
 
 fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_forward_blocks(&q, &k, segmented, c.target))?;
@@ -673,17 +744,15 @@ fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
 
 fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (q, k, v) = qkv(c)?;
-    let params = attention_params(c, &q);
+    let params = attention_params(c, &q)?;
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    // Shapes (lse `[b, h, sq]` or `[b, h, sq, 1]`, float32) are the op's contract; o and do
+    // are also read with q's dtype.
     for name in ["o", "do"] {
         let t = c.tensor(name)?;
-        if *t != q {
-            return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {t}, q is {q}"), format!("pass {name} with q's shape and dtype")));
+        if t.dtype != q.dtype {
+            return Err(c.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {t}, q is {q}"), format!("pass {name} of q's dtype ({})", q.dtype)));
         }
-    }
-    let lse = c.tensor("lse")?;
-    if lse.dtype != DType::F32 || lse.num_elements() != b * h * sq {
-        return Err(c.err("input `lse`", "operand-shape", format!("lse is {lse}"), format!("pass the forward's float32 lse of shape [{b}, {h}, {sq}]")));
     }
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_backward_blocks(&q, &k, segmented, c.target))?;
@@ -707,7 +776,9 @@ pub fn random_segment_ids(b: usize, sq: usize, skv: usize, rng: &mut StdRng) -> 
     let span = sq.min(skv).max(1);
     let (mut qs, mut ks) = (Vec::with_capacity(b * sq), Vec::with_capacity(b * skv));
     for _ in 0..b {
-        let mut cuts: Vec<usize> = (0..rng.gen_range(1..=4)).map(|_| rng.gen_range(1..span.max(2))).collect();
+        // No boundary fits below a span of 1 (a one-key sequence): one segment.
+        let n_cuts = if span >= 2 { rng.gen_range(1..=4) } else { 0 };
+        let mut cuts: Vec<usize> = (0..n_cuts).map(|_| rng.gen_range(1..span)).collect();
         cuts.sort_unstable();
         let seg = |p: usize| cuts.iter().filter(|&&c| c <= p).count() as i32;
         qs.extend((0..sq).map(seg));
@@ -764,7 +835,8 @@ fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut S
     let q_shape = shapes[0].clone();
     let seg: Vec<Array> = fwd.drain(3..).collect();
     fwd.push(Array::from_f32_in(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
-    fwd.push(Array::from_f32(&q_shape[..3], lse.iter().map(|&x| x as f32).collect()));
+    // lse as requested: `[b, h, sq]` or `[b, h, sq, 1]`.
+    fwd.push(Array::from_f32(&shapes[4], lse.iter().map(|&x| x as f32).collect()));
     fwd.push(Array::from_f32_in(dtype, &q_shape, harness::uniform(q_shape.iter().product(), 1.0, rng)));
     fwd.extend(seg);
     fwd
@@ -828,7 +900,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
-        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
+        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq, 1?]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
         cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {
@@ -899,11 +971,26 @@ pub mod reference {
                 .collect()
         }
 
-        /// Softmax probabilities of one row (0 where masked) and its logsumexp.
+        /// Softmax probabilities of one row (0 where masked) and its logsumexp, as torch's
+        /// SDPA's safe softmax and logsumexp over the visible logits: with a NaN logit or a
+        /// max of +inf (`exp(inf - inf)`), every visible probability is NaN, the logsumexp
+        /// NaN or +inf. No visible key, or all visible logits -inf: probabilities 0, lse -inf.
         fn probs(&self, z: &[Option<(f64, f64)>]) -> (Vec<f64>, f64) {
-            let m = z.iter().flatten().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
-            if m == f64::NEG_INFINITY {
+            let vis: Vec<f64> = z.iter().flatten().map(|p| p.0).collect();
+            if vis.is_empty() {
                 return (vec![0.0; z.len()], f64::NEG_INFINITY);
+            }
+            let nan_row = |lse: f64| (z.iter().map(|p| if p.is_some() { f64::NAN } else { 0.0 }).collect(), lse);
+            if vis.iter().any(|x| x.is_nan()) {
+                return nan_row(f64::NAN);
+            }
+            let m = vis.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                // All visible logits -inf: SDPA's safe softmax gives the row 0.
+                return (vec![0.0; z.len()], m);
+            }
+            if m.is_infinite() {
+                return nan_row(m);
             }
             let e: Vec<f64> = z.iter().map(|p| p.map_or(0.0, |(zz, _)| (zz - m).exp())).collect();
             let sum: f64 = e.iter().sum();
@@ -911,17 +998,23 @@ pub mod reference {
         }
     }
 
-    /// `(o [b, h, sq, d], lse [b, h, sq])`; a row with no visible key gets `o = 0`, `lse = -inf`.
+    /// `(o [b, h, sq, d], lse [b, h, sq])`, summing over the visible keys only (a masked
+    /// key's value never reaches the row); a row with no visible key gets `o = 0`, `lse =
+    /// -inf`.
     pub fn forward(a: &Attention, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
         let mut o = vec![0.0; a.b * a.h * a.sq * a.d];
         let mut lse = vec![0.0; a.b * a.h * a.sq];
         for b in 0..a.b {
             for h in 0..a.h {
                 for r in 0..a.sq {
-                    let (p, l) = a.probs(&a.logits(q, k, b, h, r));
+                    let z = a.logits(q, k, b, h, r);
+                    let (p, l) = a.probs(&z);
                     lse[(b * a.h + h) * a.sq + r] = l;
                     let out = &mut o[a.q_row(b, h, r)..][..a.d];
                     for (c, &pc) in p.iter().enumerate() {
+                        if z[c].is_none() {
+                            continue;
+                        }
                         let vr = &v[a.kv_row(b, h, c)..][..a.d];
                         for (x, &vv) in out.iter_mut().zip(vr) {
                             *x += pc * vv;
@@ -935,7 +1028,8 @@ pub mod reference {
 
     /// Gradients of `sum(o * do)`: with `P = softmax(Z)`, `dV = P^T dO`, `dP = dO V^T`,
     /// `dZ = P (dP - rowsum(P dP))`, `dX = dZ dz/dx`, `dQ = sm_scale dX K`, `dK = sm_scale
-    /// dX^T Q`; dK, dV of a kv head summed over its query heads.
+    /// dX^T Q`; dK, dV of a kv head summed over its query heads. Only visible (query, key)
+    /// pairs contribute (select semantics, as the forward).
     pub fn backward(a: &Attention, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let mut dq = vec![0.0; q.len()];
         let mut dk = vec![0.0; k.len()];
@@ -947,7 +1041,7 @@ pub mod reference {
                     let (p, _) = a.probs(&z);
                     let dor = &dout[a.q_row(b, h, r)..][..a.d];
                     let dp: Vec<f64> = (0..a.skv).map(|c| v[a.kv_row(b, h, c)..][..a.d].iter().zip(dor).map(|(x, y)| x * y).sum()).collect();
-                    let pdp: f64 = p.iter().zip(&dp).map(|(x, y)| x * y).sum();
+                    let pdp: f64 = (0..a.skv).filter(|&c| z[c].is_some()).map(|c| p[c] * dp[c]).sum();
                     for c in 0..a.skv {
                         let Some((_, dzdx)) = z[c] else { continue };
                         let kv = a.kv_row(b, h, c);

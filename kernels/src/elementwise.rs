@@ -79,7 +79,6 @@ pub const RMSNORM_EPS: f32 = 1e-6;
 
 fn plan_gelu_affine(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
-    c.float("x")?;
     let (a, b) = (c.row_vector("a", x.shape[1])?, c.row_vector("b", x.shape[1])?);
     let kernel = gelu_affine(&x, &a, &b, c.target)?;
     let shape = c.tensor("x")?.shape.clone();
@@ -88,7 +87,6 @@ fn plan_gelu_affine(c: &Call) -> Result<Plan, KernelError> {
 
 fn plan_softmax(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
-    c.float("x")?;
     let shape = c.tensor("x")?.shape.clone();
     let tiles = row_tiles(&x, STREAMS, c.target);
     if !tiles.whole_rows(x.shape[1]) {
@@ -99,7 +97,6 @@ fn plan_softmax(c: &Call) -> Result<Plan, KernelError> {
 
 fn plan_rmsnorm(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
-    c.float("x")?;
     let w = c.row_vector("weight", x.shape[1])?;
     let eps = c.statics.f64("eps").unwrap_or(RMSNORM_EPS as f64) as f32;
     let shape = c.tensor("x")?.shape.clone();
@@ -128,13 +125,18 @@ fn ref_rmsnorm(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
 }
 
 const ROW: Input = Input { name: "x", dims: "[..., n]", kind: Kind::Float };
+/// A per-column vector: `[n]`, or the kernels' `[1, n]` (see `Call::row_vector`); not a
+/// `[]` for n = 1.
+const fn vector(name: &'static str) -> Input {
+    Input { name, dims: "[1?, n]", kind: Kind::Float }
+}
 const LIKE_X: &[Output] = &[Output { name: "out", shape: "x", dtype: "x" }];
 
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
         name: "gelu_affine", doc: "gelu(x * a + b) (tanh approximation), a and b [n] broadcast over rows", schema: "(Tensor x, Tensor a, Tensor b) -> Tensor", plan: plan_gelu_affine, reference: Some(ref_gelu_affine),
-        inputs: &[ROW, Input { name: "a", dims: "[n]", kind: Kind::Float }, Input { name: "b", dims: "[n]", kind: Kind::Float }], outputs: LIKE_X,
+        inputs: &[ROW, vector("a"), vector("b")], outputs: LIKE_X,
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[256, 640], &[640], &[640]] }], ..Op::EMPTY
     },
     Op {
@@ -144,7 +146,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "rmsnorm", doc: "RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight", schema: "(Tensor x, Tensor weight, float eps=1e-06) -> Tensor", plan: plan_rmsnorm, reference: Some(ref_rmsnorm),
-        inputs: &[ROW, Input { name: "weight", dims: "[n]", kind: Kind::Float }], outputs: LIKE_X,
+        inputs: &[ROW, vector("weight")], outputs: LIKE_X,
         backward: Some(crate::op::Backward { op: "rmsnorm_bwd", args: "x, weight, d_out, eps", grads: &["x", "weight"] }),
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[48, 4096], &[4096]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000]] }], ..Op::EMPTY
     },

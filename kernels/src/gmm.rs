@@ -312,24 +312,25 @@ fn check_types(op: &str, a: (&str, &Type), b: (&str, &Type), b_rank: usize, grou
 
 /// The host check on the values: sizes are non-negative and sum to `m`.
 pub fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, KernelError> {
-    let sizes = group_sizes.as_i32().ok_or_else(|| err(op, "operand `group_sizes`", "operand-dtype", format!("holds {} data", group_sizes.dtype), "pass an int32 array"))?.to_vec();
+    let sizes = group_sizes.as_i32().ok_or_else(|| err(op, "input `group_sizes`", "operand-dtype", format!("holds {} data", group_sizes.dtype), "pass an int32 array"))?.to_vec();
     if let Some((g, s)) = sizes.iter().enumerate().find(|(_, &s)| s < 0) {
-        return Err(err(op, "operand `group_sizes`", "group-sizes", format!("group {g} has size {s}"), "group sizes are row counts, >= 0"));
+        return Err(err(op, "input `group_sizes`", "group-sizes", format!("group {g} has size {s}"), "group sizes are row counts, >= 0"));
     }
     let total: i64 = sizes.iter().map(|&s| s as i64).sum();
     if total != m as i64 {
-        return Err(err(op, "operand `group_sizes`", "group-sizes", format!("the group sizes sum to {total}, but `lhs` has {m} rows"), "make sum(group_sizes) equal the number of rows (rows sorted by group)"));
+        return Err(err(op, "input `group_sizes`", "group-sizes", format!("the group sizes sum to {total}, but `lhs` has {m} rows"), "make sum(group_sizes) equal the number of rows (rows sorted by group)"));
     }
     Ok(sizes)
 }
 
 /// Blocks are positive and the in-kernel contraction block (`gmm`'s `tk`) divides its dim.
+/// Errors name the op's static `tiling` (what sets explicit blocks).
 fn check_blocks(op: &str, blocks: GmmBlocks, contraction: Option<(&str, usize, usize)>) -> Result<(), KernelError> {
     if blocks.tm == 0 || blocks.tk == 0 || blocks.tn == 0 {
-        return Err(err(op, "blocks", "block-shape", format!("{blocks:?} has a zero block"), "use positive block sizes"));
+        return Err(err(op, "argument `tiling`", "block-shape", format!("{} has a zero block", tiling(blocks)), "use positive block sizes [tm, tk, tn]"));
     }
     if let Some((name, dim, block)) = contraction.filter(|&(_, dim, block)| dim % block != 0) {
-        return Err(err(op, "blocks", "block-shape", format!("the contraction dim {name} = {dim} is not a multiple of its block {block}"), format!("use a block that divides {dim}: a partial contraction block would add undefined values")));
+        return Err(err(op, "argument `tiling`", "block-shape", format!("{}: the contraction dim {name} = {dim} is not a multiple of tk = {block}", tiling(blocks)), format!("use a tk that divides {dim} (a partial contraction block would add undefined values), or tiling=None for the defaults")));
     }
     Ok(())
 }
@@ -419,17 +420,10 @@ pub fn tgmm(exec: &dyn Executor, lhs: &Array, grad: &Array, group_sizes: &Array,
 fn blocks_of(c: &Call, default: GmmBlocks) -> Result<GmmBlocks, KernelError> {
     match c.statics.ints("tiling") {
         None => Ok(default),
-        Some(&[tm, tk, tn]) if tm > 0 && tk > 0 && tn > 0 => Ok(GmmBlocks { tm: tm as usize, tk: tk as usize, tn: tn as usize }),
-        Some(other) => Err(c.err("argument `tiling`", "option-value", format!("tiling = {other:?}"), "pass three positive block sizes [tm, tk, tn], or None for the target's defaults")),
+        // Block sizes are i32 literals in the kernels.
+        Some(&[tm, tk, tn]) if [tm, tk, tn].iter().all(|&b| (1..=i32::MAX as i64).contains(&b)) => Ok(GmmBlocks { tm: tm as usize, tk: tk as usize, tn: tn as usize }),
+        Some(other) => Err(c.err("argument `tiling`", "option-value", format!("tiling = {other:?}"), "pass three block sizes [tm, tk, tn] in 1..=2^31 - 1, or None for the target's defaults")),
     }
-}
-
-fn check_group_sizes(c: &Call) -> Result<(), KernelError> {
-    let g = c.tensor("group_sizes")?;
-    if g.rank() != 1 || g.dtype != DType::I32 {
-        return Err(c.err("operand `group_sizes`", "operand-dtype", format!("`group_sizes` is {g}"), "pass group sizes as a non-empty 1-D int32 array"));
-    }
-    Ok(())
 }
 
 /// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata the host arrays `first..first + 4`.
@@ -459,10 +453,10 @@ fn metadata(c: &Call, m: usize, tms: Vec<(usize, bool)>) -> crate::plan::HostFn 
     })
 }
 
+/// Ranks, dtypes and the shared dims (`m`, `k`, `n`, `g`) are the op's contract, checked
+/// before the plan builders run; the kernel builders check what is left (one float dtype,
+/// at least one group, blocks).
 fn plan_gmm(c: &Call) -> Result<Plan, KernelError> {
-    c.dims("lhs", 2)?;
-    c.dims("rhs", 3)?;
-    check_group_sizes(c)?;
     let (lhs, rhs, sizes) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone());
     let transpose = c.statics.bool("transpose_rhs");
     let blocks = blocks_of(c, default_gmm_blocks(&lhs, &rhs, transpose, c.target))?;
@@ -478,9 +472,6 @@ fn one_launch(c: &Call, launch: Launch, m: usize, tiles: (usize, bool)) -> Resul
 }
 
 fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
-    c.dims("lhs", 2)?;
-    c.dims("grad", 2)?;
-    check_group_sizes(c)?;
     let (lhs, grad, sizes) = (c.tensor("lhs")?.clone(), c.tensor("grad")?.clone(), c.tensor("group_sizes")?.clone());
     let blocks = blocks_of(c, default_tgmm_blocks(&lhs, &grad, c.target))?;
     let launch = tgmm_launch(c, ("lhs", &lhs), ("grad", &grad), &sizes, blocks, 0)?;
@@ -490,15 +481,10 @@ fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
 /// `dlhs = gmm(dout, rhs, !transpose_rhs)`; `drhs = tgmm(lhs, dout)` (`tgmm(dout, lhs)`
 /// for a transposed rhs, `[g, n, k]`).
 fn plan_gmm_bwd(c: &Call) -> Result<Plan, KernelError> {
-    c.dims("lhs", 2)?;
-    c.dims("rhs", 3)?;
-    c.dims("dout", 2)?;
-    check_group_sizes(c)?;
     let (lhs, rhs, sizes, dout) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone(), c.tensor("dout")?.clone());
     let t = c.statics.bool("transpose_rhs");
-    let n = rhs.shape[if t { 1 } else { 2 }];
-    if dout.shape != [lhs.shape[0], n] || dout.dtype != lhs.dtype {
-        return Err(c.err("input `dout`", "operand-shape", format!("dout is {dout}, the forward's output is {}[{}, {n}]", lhs.dtype, lhs.shape[0]), "pass the gradient of gmm's output"));
+    if dout.dtype != lhs.dtype {
+        return Err(c.err("input `dout`", "operand-dtype", format!("dout is {dout}, lhs is {lhs}"), format!("pass the gradient of gmm's output, of lhs's dtype ({})", lhs.dtype)));
     }
     let gb = default_gmm_blocks(&dout, &rhs, !t, c.target);
     let dlhs = gmm_launch(c, ("dout", &dout), ("rhs", &rhs), &sizes, !t, gb, 0)?;
@@ -576,6 +562,8 @@ fn ref_gmm_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
 
 const LHS: Input = Input { name: "lhs", dims: "[m, k]", kind: Kind::Float };
 const GROUP_SIZES: Input = Input { name: "group_sizes", dims: "[g]", kind: Kind::Int32 };
+/// `[g, k, n]`, or `[g, n, k]` with `transpose_rhs`.
+const RHS: Input = Input { name: "rhs", dims: "[g, transpose_rhs ? n : k, transpose_rhs ? k : n]", kind: Kind::Float };
 const GMM_CASES: &[Case] = &[
     Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 512], &[8]] },
     Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[6, 768, 384], &[6]] },
@@ -586,7 +574,7 @@ const GMM_CASES: &[Case] = &[
 pub const OPS: &[Op] = &[
     Op {
         name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm),
-        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
+        inputs: &[LHS, RHS, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
         backward: Some(Backward { op: "gmm_bwd", args: "lhs, rhs, group_sizes, d_out, transpose_rhs", grads: &["lhs", "rhs"] }),
         cases: GMM_CASES, random: Some(random_inputs), ..Op::EMPTY
     },
@@ -597,7 +585,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "gmm_bwd", doc: "(dlhs, drhs) of gmm: dlhs = gmm(dout, rhs) with the other transpose, drhs = tgmm(lhs, dout) (tgmm(dout, lhs) for a transposed rhs)", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, Tensor dout, bool transpose_rhs=False) -> (Tensor, Tensor)", plan: plan_gmm_bwd, reference: Some(ref_gmm_bwd),
-        inputs: &[LHS, Input { name: "rhs", dims: "[g, k, n]", kind: Kind::Float }, GROUP_SIZES, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dlhs", shape: "lhs", dtype: "lhs" }, Output { name: "drhs", shape: "rhs", dtype: "rhs" }],
+        inputs: &[LHS, RHS, GROUP_SIZES, Input { name: "dout", dims: "[m, n]", kind: Kind::Float }], outputs: &[Output { name: "dlhs", shape: "lhs", dtype: "lhs" }, Output { name: "drhs", shape: "rhs", dtype: "rhs" }],
         cases: &[ Case { name: "default", statics: "", shapes: &[&[1024, 512], &[8, 512, 384], &[8], &[1024, 384]] }, Case { name: "transposed", statics: "transpose_rhs=True", shapes: &[&[1000, 768], &[6, 384, 768], &[6], &[1000, 384]] }, ], random: Some(random_bwd_inputs), ..Op::EMPTY
     },
 ];

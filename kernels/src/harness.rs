@@ -12,9 +12,9 @@ use tessera_dsl::{DType, Executor, Interpreter, KernelError, Target};
 use crate::op::{Kind, Op, Statics};
 
 /// How far a kernel's output may be from the f64 reference, as the max-norm relative
-/// error `max|out - ref| / max|ref|`: f32 kernels compute in f32 (about 1e-7 per op,
-/// growing with reduction length); bf16 outputs are rounded to 8 bits of mantissa
-/// (relative step 2^-8).
+/// error `max|out - ref| / max|ref|` (see [`error_scale`] for a zero reference): f32
+/// kernels compute in f32 (about 1e-7 per op, growing with reduction length); bf16
+/// outputs are rounded to 8 bits of mantissa (relative step 2^-8).
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::BF16 => 1.6e-2,
@@ -29,15 +29,18 @@ pub struct OutputCheck {
     /// `max|out - ref| / max|ref|` for float outputs (0 for integer outputs).
     pub scaled_err: f64,
     pub tolerance: f64,
-    /// Elements that are NaN (never written, or poisoned).
+    /// Elements that are NaN where the reference is not (never written, or poisoned).
     pub nan_count: usize,
     /// Integer outputs must match exactly: elements that differ.
     pub mismatches: usize,
+    /// Float elements whose class differs from the reference's: an infinity (or a finite
+    /// value) where the reference is finite (or infinite, or NaN).
+    pub nonfinite: usize,
 }
 
 impl OutputCheck {
     pub fn passed(&self) -> bool {
-        self.nan_count == 0 && self.mismatches == 0 && self.scaled_err <= self.tolerance
+        self.nan_count == 0 && self.mismatches == 0 && self.nonfinite == 0 && self.scaled_err <= self.tolerance
     }
 }
 
@@ -63,25 +66,67 @@ impl Report {
 
     /// The output furthest from passing (largest error relative to its tolerance).
     pub fn worst(&self) -> &OutputCheck {
-        let badness = |o: &OutputCheck| if o.nan_count > 0 || o.mismatches > 0 { f64::INFINITY } else { o.scaled_err / o.tolerance };
+        let badness = |o: &OutputCheck| if o.nan_count > 0 || o.mismatches > 0 || o.nonfinite > 0 { f64::INFINITY } else { o.scaled_err / o.tolerance };
         self.outputs.iter().max_by(|a, b| badness(a).total_cmp(&badness(b))).expect("ops have at least one output")
     }
 }
 
+/// The largest reference magnitude below which errors are judged absolutely.
+pub const ZERO_REFERENCE: f64 = 1e-6;
+
+/// What a float output's error is divided by: `max|ref|`, or 1 when the reference is
+/// (near) zero. A result that is exactly 0 in exact arithmetic (the dq of a query that sees
+/// one key) comes out of f32 arithmetic as rounding noise of its O(1) intermediates, which
+/// no relative error can judge; against 1 (the scale of the random inputs) an output that
+/// should be 0 still fails unless it is within the tolerance of 0. The tests' and the torch
+/// suite's comparisons use the same convention.
+pub fn error_scale(max_ref: f64) -> f64 {
+    if max_ref > ZERO_REFERENCE { max_ref } else { 1.0 }
+}
+
 /// Compares one output with its reference: float outputs by max-norm relative error
-/// against the dtype's tolerance, integer outputs exactly.
+/// against the dtype's tolerance over the reference's finite elements, and exactly where
+/// the reference is infinite or NaN (the same value class); integer outputs exactly.
 pub fn check_output(got: &Array, expected: &[f64]) -> OutputCheck {
     let values = got.to_f64_vec();
-    let nan_count = values.iter().filter(|v| v.is_nan()).count();
-    let mut check = OutputCheck { dtype: got.dtype, scaled_err: 0.0, tolerance: tolerance(got.dtype), nan_count, mismatches: values.len().abs_diff(expected.len()) };
+    let nan_count = values.iter().zip(expected).filter(|(g, e)| g.is_nan() && !e.is_nan()).count();
+    let mut check = OutputCheck { dtype: got.dtype, scaled_err: 0.0, tolerance: tolerance(got.dtype), nan_count, mismatches: values.len().abs_diff(expected.len()), nonfinite: 0 };
     if got.dtype.is_float() {
-        let max_abs_err = values.iter().zip(expected).map(|(g, e)| (g - e).abs()).filter(|d| !d.is_nan()).fold(0.0, f64::max);
-        let max_ref = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-        check.scaled_err = max_abs_err / max_ref.max(f64::MIN_POSITIVE);
+        let finite = |e: &&(&f64, &f64)| e.1.is_finite() && e.0.is_finite();
+        let pairs: Vec<(&f64, &f64)> = values.iter().zip(expected).collect();
+        check.nonfinite = pairs.iter().filter(|(g, e)| !g.is_nan() && (if e.is_finite() { !g.is_finite() } else { g != e })).count();
+        let max_abs_err = pairs.iter().filter(finite).map(|(g, e)| (*g - *e).abs()).fold(0.0, f64::max);
+        let max_ref = expected.iter().filter(|e| e.is_finite()).fold(0.0f64, |m, v| m.max(v.abs()));
+        check.scaled_err = max_abs_err / error_scale(max_ref);
     } else {
         check.mismatches += values.iter().zip(expected).filter(|(g, e)| g != e).count();
     }
     check
+}
+
+/// Reserves (and releases) the host memory a run of `plan` takes: each input, then the
+/// inputs, results and the reference's f64 copies of both together. An error names the
+/// input or the total and the bytes.
+fn reserve_run(op: &Op, types: &[Option<tessera_dsl::Type>], plan: &crate::Plan) -> Result<(), KernelError> {
+    let mut bytes = 0usize;
+    let mut elems = 0usize;
+    let overflow = || crate::plan::alloc_error(op.name, "the run", None);
+    for (input, ty) in op.inputs.iter().zip(types) {
+        let Some(ty) = ty else { continue };
+        let (n, b) = crate::contract::counts(ty.dtype, &ty.shape).ok_or_else(overflow)?;
+        drop(crate::plan::try_vec::<u8>(op.name, &format!("input `{}`", input.name), b, DType::I8)?);
+        bytes = bytes.checked_add(b).ok_or_else(overflow)?;
+        elems = elems.checked_add(n).ok_or_else(overflow)?;
+    }
+    for r in &plan.results {
+        let (n, b) = crate::contract::counts(r.ty.dtype, &r.ty.shape).ok_or_else(overflow)?;
+        bytes = bytes.checked_add(b).ok_or_else(overflow)?;
+        // The reference's result and `to_f64_vec` of the output.
+        elems = elems.checked_add(n.checked_mul(2).ok_or_else(overflow)?).ok_or_else(overflow)?;
+    }
+    let total = elems.checked_mul(8).and_then(|f| f.checked_add(bytes)).ok_or_else(overflow)?;
+    drop(crate::plan::try_vec::<u8>(op.name, "the run (inputs, results and the reference's f64 copies)", total, DType::I8)?);
+    Ok(())
 }
 
 /// `n` values uniform in `[-scale, scale)`.
@@ -124,12 +169,34 @@ pub fn run_against_reference(op: &Op, shapes: &[Vec<usize>], dtype: DType, targe
 
 /// Runs the op with `statics` on `exec` (kernels built for `target`'s default blocks),
 /// inputs drawn from `seed`, and compares every result with the independent reference.
+///
+/// The shapes are checked before anything is drawn: the plan is built for them (the op's
+/// contract) and verified for `target`, and the host memory of the run (inputs, results
+/// and their f64 copies for the reference) is reserved fallibly, so a shape that cannot
+/// run is an error naming it, never an abort. The inputs drawn have exactly `shapes`.
 pub fn run_case(op: &Op, statics: &Statics, shapes: &[Vec<usize>], dtype: DType, target: &Target, seed: u64, exec: &dyn Executor) -> Result<Report, KernelError> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let inputs = inputs_for(op, shapes, dtype, statics, &mut rng);
-    let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
-    let types = given.iter().map(|a| a.map(|a| tessera_dsl::Type::vector(a.dtype, &a.shape))).chain(std::iter::repeat(None)).take(op.inputs.len()).collect::<Vec<_>>();
+    if shapes.len() > op.inputs.len() {
+        return Err(KernelError::new(op.name, "inputs", "input-count", format!("{} shapes given, the op takes {} tensors", shapes.len(), op.inputs.len()), "give one shape per tensor input"));
+    }
+    let types = op.types(shapes, dtype);
     let plan = op.plan_for(&types, statics, target)?;
+    for launch in &plan.launches {
+        tessera_dsl::verify::verify(&launch.kernel, target)?;
+    }
+    reserve_run(op, &types, &plan)?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    // An alias draws its inputs as the op it is an alias of.
+    let source = op.alias_of.and_then(|(of, _)| crate::find(of)).unwrap_or(op);
+    let inputs = inputs_for(source, shapes, dtype, statics, &mut rng);
+    if inputs.len() != shapes.len() {
+        return Err(KernelError::new(op.name, "inputs", "input-generator", format!("the op's random inputs are {} arrays for {} shapes", inputs.len(), shapes.len()), "report this as a Tessera bug"));
+    }
+    for ((input, want), got) in op.inputs.iter().zip(shapes).zip(&inputs) {
+        if &got.shape != want {
+            return Err(KernelError::new(op.name, format!("input `{}`", input.name), "input-generator", format!("the op's random inputs have `{}` {:?}, not the requested {want:?}", input.name, got.shape), "report this as a Tessera bug (the op's `random` fn must use the shapes it is given)"));
+        }
+    }
+    let given: Vec<Option<&Array>> = inputs.iter().map(Some).collect();
     let start = Instant::now();
     let outputs = op.run(exec, &given, statics, target)?;
     let run_time = start.elapsed();

@@ -240,14 +240,14 @@ fn eps(c: &Call, default: f32) -> f32 {
     c.statics.f64("eps").unwrap_or(default as f64) as f32
 }
 
-/// Tensor inputs `names` seen as `[rows, d]`, all of `names[0]`'s type.
+/// Tensor inputs `names` (of one shape, by the op's dims) seen as `[rows, d]`, all of
+/// `names[0]`'s dtype (the kernels stream them with one row tiling).
 fn same_rows(c: &Call, names: &[&str]) -> Result<Type, KernelError> {
     let first = c.rows(names[0])?;
-    c.float(names[0])?;
     for &n in &names[1..] {
         let t = c.tensor(n)?;
-        if t.shape != c.tensor(names[0])?.shape || t.dtype != first.dtype {
-            return Err(c.err(format!("input `{n}`"), "operand-shape", format!("{n} is {t}, {} is {}", names[0], c.tensor(names[0])?), format!("pass {n} with {}'s shape and dtype", names[0])));
+        if t.dtype != first.dtype {
+            return Err(c.err(format!("input `{n}`"), "operand-dtype", format!("{n} is {t}, {} is {}", names[0], c.tensor(names[0])?), format!("pass {n} of {}'s dtype ({})", names[0], first.dtype)));
         }
     }
     Ok(first)
@@ -391,7 +391,8 @@ const GEGLU: [Op; 2] = glu_ops("geglu", "geglu_bwd", "GeGLU gate: gelu(a) * b (t
 const fn rows(name: &'static str) -> Input {
     Input { name, dims: "[..., d]", kind: Kind::Float }
 }
-const WEIGHT: Input = Input { name: "weight", dims: "[d]", kind: Kind::Float };
+/// `[d]`, or the kernels' `[1, d]` (see `Call::row_vector`); not a `[]` for d = 1.
+const WEIGHT: Input = Input { name: "weight", dims: "[1?, d]", kind: Kind::Float };
 const fn like(name: &'static str, of: &'static str) -> Output {
     Output { name, shape: of, dtype: of }
 }
@@ -411,7 +412,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
-        inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[d]", kind: Kind::Float }], outputs: &[like("out", "x")],
+        inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[1?, d]", kind: Kind::Float }], outputs: &[like("out", "x")],
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[300_000]] }], ..Op::EMPTY
     },
     Op {

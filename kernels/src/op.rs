@@ -55,10 +55,15 @@ impl Kind {
     }
 }
 
-/// A tensor input: its name (as in the schema), symbolic dims (for docs) and contents.
+/// A tensor input: its name (as in the schema), symbolic dims and contents. Both are a
+/// contract checked for every call before the plan builder runs ([`crate::contract`]):
+/// the dtype by `kind`, the rank and sizes by `dims`.
 #[derive(Clone, Copy, Debug)]
 pub struct Input {
     pub name: &'static str,
+    /// `[item, ...]`: names shared across inputs (`[m, k]`, `[k, n]`), integers, leading
+    /// `...`, expressions (`t*k`, `s + 1`), `flag ? a : b` on a bool static, optional
+    /// dims such as `1?` (grammar in [`crate::contract`]).
     pub dims: &'static str,
     pub kind: Kind,
 }
@@ -180,8 +185,18 @@ impl Op {
         types
     }
 
-    /// The plan of one call: the op's plan builder on these input types and statics.
+    /// The plan of one call: the op's plan builder on these input types and statics, after
+    /// the inputs are checked against the op's contract ([`crate::contract::check_inputs`]),
+    /// its results bounded by the target's HBM.
     pub fn plan_for(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
+        let mut plan = self.unchecked_plan(inputs, statics, target)?;
+        self.check_results(&plan, target)?;
+        plan.inputs = inputs.to_vec();
+        plan.input_names = self.inputs.iter().map(|i| i.name).collect();
+        Ok(plan)
+    }
+
+    fn unchecked_plan(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
         let schema = self.parsed()?;
         if inputs.len() != self.inputs.len() {
             return Err(KernelError::new(
@@ -198,15 +213,41 @@ impl Op {
                 return Err(KernelError::new(self.name, format!("input `{name}`"), "missing-input", format!("`{name}` is required"), format!("pass a tensor for `{name}`")));
             }
         }
+        crate::contract::check_inputs(self, inputs, statics, target)?;
         if let Some((of, result)) = self.alias_of {
-            let mut plan = crate::op_named(of)?.plan_for(inputs, statics, target)?;
+            // Errors of the aliased op's plan are reported as the op the caller named.
+            let mut plan = crate::op_named(of)?.plan_for(inputs, statics, target).map_err(|e| if e.kernel == of { KernelError { kernel: self.name.to_string(), ..e } } else { e })?;
             if result >= plan.results.len() {
                 return Err(KernelError::new(self.name, "op", "op-alias", format!("`{of}` has no result {result}"), "fix the op table"));
             }
             plan.results = vec![plan.results.swap_remove(result)];
+            plan.op = self.name;
             return Ok(plan);
         }
         (self.plan)(&Call { op: self.name, schema: &schema, inputs, statics, target })
+    }
+
+    /// The results live in HBM too (a host-computed one such as `permute`'s group sizes
+    /// reaches no kernel, so the verifier never sees it): bounded like the operands.
+    fn check_results(&self, plan: &Plan, target: &Target) -> Result<(), KernelError> {
+        let mut total = 0usize;
+        for (r, res) in plan.results.iter().enumerate() {
+            let name = self.outputs.get(r).map_or_else(|| format!("result {r}"), |o| format!("result `{}`", o.name));
+            let Some((_, bytes)) = crate::contract::counts(res.ty.dtype, &res.ty.shape) else {
+                return Err(KernelError::new(self.name, name, "shape-overflow", format!("the result would be {:?} of {}: its byte count overflows", res.ty.shape, res.ty.dtype), "check the shapes and static arguments that size it"));
+            };
+            total = total.saturating_add(bytes);
+            if total > target.hbm_usable_bytes {
+                return Err(KernelError::new(
+                    self.name,
+                    name,
+                    "hbm-budget",
+                    format!("the results take more than the {:.2} GiB of HBM a {target} device can use (this one is {})", target.hbm_usable_bytes as f64 / (1u64 << 30) as f64, res.ty),
+                    "check the shapes and static arguments that size the results, or split the work",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The statics of `name=value, ...` (the others take their defaults).
@@ -221,6 +262,7 @@ impl Op {
         if inputs.len() < self.inputs.len() {
             inputs.resize(self.inputs.len(), None);
         }
+        crate::contract::check_arrays(self, &inputs)?;
         let types: Vec<Option<Type>> = inputs.iter().map(|a| a.map(|a| Type::vector(a.dtype, &a.shape))).collect();
         let plan = self.plan_for(&types, statics, target)?;
         for launch in &plan.launches {
@@ -570,7 +612,8 @@ impl Call<'_> {
         Ok(Type::vector(t.dtype, &[lead.iter().product(), n]))
     }
 
-    /// Tensor input `name` seen as a `[1, n]` row (from `[n]` or `[1, n]`).
+    /// Tensor input `name` seen as a `[1, n]` row (from `[n]` or `[1, n]`; the library's
+    /// ops declare such inputs `[1?, n]`).
     pub fn row_vector(&self, name: &str, n: usize) -> Result<Type, KernelError> {
         let t = self.tensor(name)?;
         if t.num_elements() != n || t.rank() > 2 || (t.rank() == 2 && t.shape[0] != 1) {

@@ -18,6 +18,10 @@
 //!   while block `i` is computed, with an online softmax across blocks; positions
 //!   `>= length` are masked. Every copy is waited for within its grid step.
 //! - An empty sequence (`length == 0`) attends to nothing: its output is zeros.
+//! - NaN and inf follow torch's math attention over the visible keys: a NaN in q or a
+//!   visible k, a +inf logit, or visible logits all -inf make the row NaN; a nonfinite v
+//!   value reaches the entries that see it as `p * inf` (NaN where `p = 0`); keys past a
+//!   length, and pages a sequence does not use, never reach it.
 
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -85,17 +89,25 @@ pub fn paged_attention_kernel(
         let s = dot_t(qv, k);
         let pos = iota([g, bs], 1) + i * bs;
         let s = select(pos < len, s, f32::NEG_INFINITY);
-        // Every block before `nblocks` holds a valid position, so `m_new` is finite.
+        // All G rows see the same keys, so a masked key (its v row zeroed above) meets only
+        // zero weights of zero values: `p @ v` is math attention's product over the
+        // visible keys, nonfinite values included (`p * inf`, NaN where `p = 0`).
         let m_new = m.max(s.reduce_max(1));
-        let p = (s - m_new).exp();
-        let alpha = (m - m_new).exp();
+        // Logits all -inf so far (-inf data): exp(s - 0) = 0, not exp(-inf + inf) = NaN.
+        let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
+        let p = (s - m_use).exp();
+        let alpha = (m - m_use).exp();
         l = alpha * l + p.sum(1);
         acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
         m = m_new;
     }
-    // An empty sequence saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
-    let out = select(l == 0.0, 0.0, acc / l);
-    o[..] = out.cast(o.dtype);
+    // An empty sequence saw no key: zeros. Otherwise acc / l is torch's softmax product: a
+    // NaN in q or a visible k, a +inf logit, or visible logits all -inf (0 / 0) give NaN.
+    if len == 0 {
+        o[..] = zeros([g, d], o.dtype);
+    } else {
+        o[..] = (acc / l).cast(o.dtype);
+    }
 }
 
 /// Default compute block: twice the MXU edge in tokens — 256 on v5e/v5p, 512 on
@@ -116,16 +128,29 @@ fn check(q: &Type, k: &Type, v: &Type, lengths: &Type, pages: &Type) -> Result<(
     let (&[b, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
         return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [B, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
     };
-    if v.shape != k.shape || v.dtype != k.dtype || k.dtype != q.dtype {
-        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same dtype"));
+    if v.shape != k.shape {
+        return Err(err("input `v_pages`", "operand-shape", format!("v_pages is {v}, k_pages {k}"), "pass k_pages and v_pages of one shape"));
+    }
+    if v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err("input `k_pages`", "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass q, k_pages and v_pages of one dtype"));
     }
     if dk != d || hkv == 0 || h % hkv != 0 {
-        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "the head dims must agree and H must be a multiple of Hkv (GQA)"));
+        return Err(err("input `k_pages`", "operand-shape", format!("q {q} against k_pages {k}"), "the head dims must agree and H must be a multiple of Hkv (GQA)"));
     }
     if lengths.shape != [b] || pages.rank() != 2 || pages.shape[0] != b || lengths.dtype != DType::I32 || pages.dtype != DType::I32 {
-        return Err(err("operands", "operand-shape", format!("lengths {lengths}, page_indices {pages} for a batch of {b}"), "lengths is [B] i32 and page_indices [B, pages_per_seq] i32"));
+        return Err(err("metadata operands", "operand-shape", format!("lengths {lengths}, page_indices {pages} for a batch of {b}"), "lengths is [B] i32 and page_indices [B, pages_per_seq] i32"));
     }
     Ok((b, h, d, hkv))
+}
+
+/// A compute block of `ppcb` pages of `page_size` tokens (static `arg` of op `op`): at
+/// least one page, and its token count within the kernels' i32 offsets.
+pub(crate) fn check_compute_block(op: &str, arg: &str, ppcb: usize, page_size: usize) -> Result<(), KernelError> {
+    let most = i32::MAX as usize / page_size.max(1);
+    if ppcb == 0 || ppcb > most {
+        return Err(KernelError::new(op, format!("argument `{arg}`"), "block-shape", format!("{arg} = {ppcb} pages of {page_size} tokens"), format!("use 1 to {most} pages per compute block (its tokens are i32 offsets), or None for the default")));
+    }
+    Ok(())
 }
 
 /// Builds the kernel for op-order types `(q, k_pages, v_pages, lengths, page_indices)`;
@@ -136,9 +161,7 @@ pub fn build(inputs: &[Type], pages_per_compute_block: Option<usize>, target: &T
     };
     let (b, h, d, hkv) = check(q, k, v, lengths, pages)?;
     let ppcb = pages_per_compute_block.unwrap_or_else(|| default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    check_compute_block("paged_attention", "pages_per_compute_block", ppcb, k.shape[2])?;
     let q4 = Type::vector(q.dtype, &[b, hkv, h / hkv, d]);
     paged_attention_kernel(lengths.clone(), pages.clone(), q4.clone(), k.clone(), v.clone(), q4, ppcb)
 }

@@ -112,6 +112,11 @@ pub struct Plan {
     /// The op inputs whose values [`Plan::check`] reads, in its argument order.
     pub check_reads: Vec<usize>,
     check: Option<CheckFn>,
+    /// The input types the plan was built for and the inputs' names (set by
+    /// [`crate::op::Op::plan_for`]; empty for a plan built by hand): [`execute_into`]
+    /// checks what it is given against them.
+    pub inputs: Vec<Option<Type>>,
+    pub input_names: Vec<&'static str>,
 }
 
 impl Plan {
@@ -130,7 +135,37 @@ impl Plan {
             host: None,
             check_reads: Vec::new(),
             check: None,
+            inputs: Vec::new(),
+            input_names: Vec::new(),
         }
+    }
+
+    /// How errors name op input `i`.
+    fn input_subject(&self, i: usize) -> String {
+        self.input_names.get(i).map_or_else(|| format!("tensor input {i}"), |n| format!("input `{n}`"))
+    }
+
+    /// The given inputs against the types the plan was built for: each array consistent
+    /// with its own shape, and of the planned dtype and shape. A mismatch is the caller's
+    /// (`argument-dtype` / `argument-shape` naming the input), caught before any read.
+    fn check_given(&self, inputs: &[Option<HostRef<'_>>]) -> Result<(), KernelError> {
+        for (i, given) in inputs.iter().enumerate() {
+            let Some(h) = given else { continue };
+            let subject = self.input_subject(i);
+            crate::contract::check_array(self.op, &subject, h.data.dtype(), h.shape, h.data.dtype(), h.data.len())?;
+            let Some(t) = self.inputs.get(i).and_then(Option::as_ref) else { continue };
+            if t.dtype != h.data.dtype() || t.shape != h.shape {
+                let rule = if t.dtype != h.data.dtype() { "argument-dtype" } else { "argument-shape" };
+                return Err(KernelError::new(self.op, subject, rule, format!("the array is {}{:?}, the plan was built for {t}", h.data.dtype(), h.shape), "build the plan for the inputs' own types (Op::plan_for), or pass arrays of the planned types"));
+            }
+        }
+        if !self.inputs.is_empty() {
+            if let Some(i) = (0..self.inputs.len().max(inputs.len())).find(|&i| self.inputs.get(i).is_some_and(Option::is_some) != inputs.get(i).is_some_and(Option::is_some)) {
+                let given = inputs.get(i).is_some_and(Option::is_some);
+                return Err(KernelError::new(self.op, self.input_subject(i), if given { "input-count" } else { "missing-input" }, if given { "given, but the plan was built without it" } else { "the plan was built for this input, which is not given" }, "pass the inputs the plan was built for"));
+            }
+        }
+        Ok(())
     }
 
     /// Adds host-side preparation reading the values of inputs `reads`.
@@ -180,12 +215,14 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
             return Err(bug(plan, format!("result {r} is {} but its buffer holds {} {} elements", res.ty, out.data.len(), out.data.dtype())));
         }
     }
+    plan.check_given(inputs)?;
     let input = |i: usize| -> Result<HostRef<'_>, KernelError> {
-        inputs.get(i).copied().flatten().ok_or_else(|| KernelError::new(plan.op, format!("tensor input {i}"), "missing-input", "the plan reads an input that was not given", "pass every tensor the op needs"))
+        inputs.get(i).copied().flatten().ok_or_else(|| KernelError::new(plan.op, plan.input_subject(i), "missing-input", "the plan reads an input that was not given", "pass every tensor the op needs"))
     };
-    let checked = plan.check_reads.iter().map(|&i| input(i).map(to_array)).collect::<Result<Vec<_>, _>>()?;
+    let copy = |i: usize| input(i).and_then(|h| try_to_array(plan.op, &plan.input_subject(i), h));
+    let checked = plan.check_reads.iter().map(|&i| copy(i)).collect::<Result<Vec<_>, _>>()?;
     plan.check(&checked.iter().collect::<Vec<_>>())?;
-    let values = plan.host_reads.iter().map(|&i| input(i).map(to_array)).collect::<Result<Vec<_>, _>>()?;
+    let values = plan.host_reads.iter().map(|&i| copy(i)).collect::<Result<Vec<_>, _>>()?;
     let host = plan.host_arrays(&values.iter().collect::<Vec<_>>())?;
     let last = plan.launches.len().saturating_sub(1);
     // results[l][j]: launch l's output j, unless the last launch wrote it into `outputs`.
@@ -205,7 +242,7 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
             }
         }
         // The other outputs are owned, allocated poisoned (run_into poisons them anyway).
-        let mut owned: Vec<Option<Array>> = launch.outputs.iter().zip(&targets).map(|(t, target)| target.is_none().then(|| Array::poison(t.dtype, &t.shape))).collect();
+        let mut owned: Vec<Option<Array>> = launch.outputs.iter().zip(&targets).map(|(t, target)| target.is_none().then(|| try_poison(plan.op, &format!("an intermediate of kernel `{}`", launch.kernel.name), t)).transpose()).collect::<Result<_, _>>()?;
         {
             let relaid: Vec<Option<Array>> = launch
                 .args
@@ -213,7 +250,7 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
                 .map(|a| {
                     Ok(match a.layout {
                         Layout::View => None,
-                        Layout::HeadMajor { .. } => Some(relayout(plan.op, &to_array(source(plan, a, &input, &host, &results)?), a)?),
+                        Layout::HeadMajor { .. } => Some(relayout(plan.op, &try_to_array(plan.op, "an operand", source(plan, a, &input, &host, &results)?)?, a)?),
                     })
                 })
                 .collect::<Result<_, KernelError>>()?;
@@ -243,7 +280,7 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
     }
     for (r, res) in plan.results.iter().enumerate() {
         if !direct[r] {
-            let value = relayout(plan.op, &to_array(source(plan, res, &input, &host, &results)?), res)?;
+            let value = relayout(plan.op, &try_to_array(plan.op, "a result", source(plan, res, &input, &host, &results)?)?, res)?;
             copy_into(value.as_host().data, &mut outputs[r].data).map_err(|m| bug(plan, m))?;
         }
     }
@@ -253,7 +290,12 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
 /// Runs `plan` with `exec` on `inputs` (`None` for an absent optional tensor) and returns
 /// the results, allocated here.
 pub fn execute(plan: &Plan, exec: &dyn Executor, inputs: &[Option<&Array>]) -> Result<Vec<Array>, KernelError> {
-    let mut outputs: Vec<Array> = plan.results.iter().map(|r| Array::poison(r.ty.dtype, &r.ty.shape)).collect();
+    for (i, a) in inputs.iter().enumerate() {
+        if let Some(a) = a {
+            crate::contract::check_array(plan.op, &plan.input_subject(i), a.dtype, &a.shape, a.data.dtype(), a.data.len())?;
+        }
+    }
+    let mut outputs: Vec<Array> = plan.results.iter().enumerate().map(|(r, res)| try_poison(plan.op, &format!("result {r}"), &res.ty)).collect::<Result<_, _>>()?;
     let ins: Vec<Option<HostRef<'_>>> = inputs.iter().map(|a| a.map(Array::as_host)).collect();
     let mut views: Vec<HostMut<'_>> = outputs.iter_mut().map(Array::as_host_mut).collect();
     execute_into(plan, exec, &ins, &mut views)?;
@@ -295,6 +337,9 @@ fn source<'a, 'b: 'a>(
 }
 
 /// An owned copy of borrowed memory.
+///
+/// # Panics
+/// If `h`'s data does not have one element per index of its shape; see [`try_to_array`].
 pub fn to_array(h: HostRef<'_>) -> Array {
     let data = match h.data {
         HostData::F32(v) => Data::F32(v.to_vec()),
@@ -304,6 +349,61 @@ pub fn to_array(h: HostRef<'_>) -> Array {
         HostData::Bool(v) => Data::Bool(v.to_vec()),
     };
     Array::new(h.shape, data)
+}
+
+/// [`to_array`] without panics: an inconsistent `h` is an `argument-shape` error and a
+/// failed allocation a `host-allocation` error, both naming `what` of op `op`.
+pub fn try_to_array(op: &str, what: &str, h: HostRef<'_>) -> Result<Array, KernelError> {
+    let dtype = h.data.dtype();
+    crate::contract::check_array(op, what, dtype, h.shape, dtype, h.data.len())?;
+    fn copy<T: Copy>(op: &str, what: &str, v: &[T], dtype: DType) -> Result<Vec<T>, KernelError> {
+        let mut out = try_vec(op, what, v.len(), dtype)?;
+        out.extend_from_slice(v);
+        Ok(out)
+    }
+    let data = match h.data {
+        HostData::F32(v) => Data::F32(copy(op, what, v, dtype)?),
+        HostData::BF16(v) => Data::BF16(copy(op, what, v, dtype)?),
+        HostData::I32(v) => Data::I32(copy(op, what, v, dtype)?),
+        HostData::I8(v) => Data::I8(copy(op, what, v, dtype)?),
+        HostData::Bool(v) => Data::Bool(copy(op, what, v, dtype)?),
+    };
+    Ok(Array { dtype, shape: h.shape.to_vec(), data })
+}
+
+/// An empty vector with room for `n` elements of `dtype`, or a `host-allocation` error
+/// naming `what` and the bytes (an allocation failure must not abort the process).
+pub fn try_vec<T>(op: &str, what: &str, n: usize, dtype: DType) -> Result<Vec<T>, KernelError> {
+    let mut v = Vec::new();
+    match v.try_reserve_exact(n) {
+        Ok(()) => Ok(v),
+        Err(_) => Err(alloc_error(op, what, n.checked_mul(dtype.bytes()))),
+    }
+}
+
+/// The error of a host allocation of `bytes` (`None`: more than a 64-bit count) for `what`.
+pub fn alloc_error(op: &str, what: &str, bytes: Option<usize>) -> KernelError {
+    let size = bytes.map_or_else(|| "more bytes than a 64-bit count holds".to_string(), |b| format!("{b} bytes ({:.2} GiB)", b as f64 / (1u64 << 30) as f64));
+    KernelError::new(op, what, "host-allocation", format!("cannot allocate {size} of host memory"), "use smaller shapes, or free memory")
+}
+
+/// An array of `ty` filled with the interpreter's poison (NaN, `MIN`, `false`), allocated
+/// fallibly (see [`try_vec`]).
+pub fn try_poison(op: &str, what: &str, ty: &Type) -> Result<Array, KernelError> {
+    let n = crate::contract::counts(ty.dtype, &ty.shape).ok_or_else(|| alloc_error(op, what, None))?.0;
+    fn filled<T: Clone>(op: &str, what: &str, n: usize, dtype: DType, v: T) -> Result<Vec<T>, KernelError> {
+        let mut out = try_vec(op, what, n, dtype)?;
+        out.resize(n, v);
+        Ok(out)
+    }
+    let data = match ty.dtype {
+        DType::F32 => Data::F32(filled(op, what, n, ty.dtype, f32::NAN)?),
+        DType::BF16 => Data::BF16(filled(op, what, n, ty.dtype, half::bf16::from_f32(f32::NAN))?),
+        DType::I32 => Data::I32(filled(op, what, n, ty.dtype, i32::MIN)?),
+        DType::I8 => Data::I8(filled(op, what, n, ty.dtype, i8::MIN)?),
+        DType::Bool => Data::Bool(filled(op, what, n, ty.dtype, false)?),
+    };
+    Ok(Array { dtype: ty.dtype, shape: ty.shape.clone(), data })
 }
 
 /// Copies `src` into `dst`; an error if their dtypes or lengths differ.

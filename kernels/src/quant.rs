@@ -3,11 +3,20 @@
 //! `Linear` weight quantized per channel). The int8 block is widened to `x`'s dtype in
 //! VMEM, so HBM traffic for the weight is a quarter of f32 (half of bf16); the product
 //! accumulates in f32 scratch and the scale is applied once, at the last K step.
+//!
+//! **Nonfinite scales.** Applying the scale after the sum is exact for finite scales, but
+//! torch dequantizes first (`x @ (w * scale)^T`, also `_weight_int8pack_mm`), so for an inf
+//! scale each term is `x * (w * inf)`: NaN where `x * w = 0`, and the sum is NaN unless all
+//! terms share one sign. Each (i, j) block checks its scales at the first K step (a VPU
+//! reduce, brought to SMEM by a one-word VMEM -> SMEM copy so a scalar `if` can use it);
+//! only blocks holding a nonfinite scale also accumulate `sign(x) @ sign(w)^T` (exact
+//! ±1 / 0 in bf16) for those columns and finish them as ±inf when `|sum| = k`, else NaN.
+//! Other blocks run the plain product. (The cost estimate counts the costlier branch.)
 
 use rand::{rngs::StdRng, Rng};
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::blocks::{fit_blocks, pick_block};
 use crate::harness;
@@ -22,15 +31,53 @@ use crate::plan::{single, Plan};
     scale = block([1, bn], |i, j, kk| [0, j]),
     out = block([bm, bn], |i, j, kk| [i, j]),
     acc = scratch([bm, bn], f32),
+    flag_v = scratch([1, 1], i32),
+    flag = scratch_smem([1, 1], i32),
+    sem = semaphores(1),
 )]
-pub fn quantized_matmul_kernel(x: In<m, k>, w: In<n, k>, scale: In<1, n>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
+#[rustfmt::skip]
+pub fn quantized_matmul_kernel(
+    x: In<m, k>, w: In<n, k>, scale: In<1, n>, out: Out<m, n>, acc: Scratch, flag_v: Scratch, flag: Scratch, sem: Scratch,
+    bm: usize, bn: usize, bk: usize,
+) {
     if program_id(2) == 0 {
         acc[..] = zeros([bm, bn], f32);
+        // Whether this column block has a nonfinite scale, as a scalar (VMEM -> SMEM copy).
+        let s = scale[..];
+        flag_v[..] = select((s - s) != 0.0, 1, 0).reduce_max(1);
+        dma_start(flag_v, flag, sem[0]);
+        dma_wait(flag_v, flag, sem[0]);
     }
-    acc[..] += dot_t(x[..], w[..].cast(x.dtype));
+    if flag[(0, 0)] == 0 {
+        acc[..] += dot_t(x[..], w[..].cast(x.dtype));
+    } else {
+        // torch dequantizes first: out = sum_p x[p] * (w[p] * s), so with s = ±inf each term
+        // is ±inf by the sign of x[p] * w[p], or NaN where that is 0; the sum is ±inf only if
+        // all k terms share one sign, i.e. |sum_p sign(x[p]) sign(w[p])| = k (exact in f32).
+        // Those columns accumulate the sign product instead (one product live at a time).
+        let sb = scale[..].broadcast_to([bm, bn]);
+        acc[..] += select((sb - sb) != 0.0, 0.0, dot_t(x[..], w[..].cast(x.dtype)));
+        let xs = sign_of(x[..]);
+        let ws = sign_of(w[..]);
+        let sb = scale[..].broadcast_to([bm, bn]);
+        acc[..] += select((sb - sb) != 0.0, dot_t(xs, ws), 0.0);
+    }
     if program_id(2) == num_programs(2) - 1 {
-        out[..] = (acc[..] * scale[..]).cast(out.dtype);
+        if flag[(0, 0)] == 0 {
+            out[..] = (acc[..] * scale[..]).cast(out.dtype);
+        } else {
+            let a = acc[..];
+            let sb = scale[..].broadcast_to([bm, bn]);
+            let same_sign = a.abs() == (k as f32);
+            out[..] = select((sb - sb) != 0.0, select(same_sign, select(a > 0.0, sb, -sb), f32::NAN), a * sb).cast(out.dtype);
+        }
     }
+}
+
+/// `sign(x)` in bf16 (exact): 1, -1, or 0 for 0 and NaN.
+#[tpu_fn]
+fn sign_of(x: Value) -> Value {
+    select(x > 0, 1.0, select(x < 0, -1.0, 0.0)).cast(bf16)
 }
 
 /// Blocks for the quantized matmul: the `matmul` rule (start at (512, 1024, 1024),
@@ -59,17 +106,9 @@ pub fn quantized_matmul(x: &Type, w: &Type, scale: &Type, target: &Target) -> Re
     quantized_matmul_kernel(x.clone(), w.clone(), scale.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk)
 }
 
+/// x `[m, k]` float, int8 w `[n, k]`, float32 scale `[n]`: the op's contract, checked.
 fn plan_quantized_matmul(c: &Call) -> Result<Plan, KernelError> {
-    let x = c.dims("x", 2)?.to_vec();
-    let w = c.dims("w", 2)?.to_vec();
-    c.float("x")?;
-    if c.tensor("w")?.dtype != DType::I8 || w[1] != x[1] {
-        return Err(c.err("input `w`", "operand-shape", format!("w is {}, x is {}", c.tensor("w")?, c.tensor("x")?), format!("pass int8 w of shape [n, {}]", x[1])));
-    }
-    let scale = c.row_vector("scale", w[0])?;
-    if scale.dtype != DType::F32 {
-        return Err(c.err("input `scale`", "operand-dtype", format!("scale is {}", scale.dtype), "pass float32 per-channel scales"));
-    }
+    let scale = c.row_vector("scale", c.tensor("w")?.shape[0])?;
     let (xt, wt) = (c.tensor("x")?.clone(), c.tensor("w")?.clone());
     let kernel = quantized_matmul(&xt, &wt, &scale, c.target)?;
     Ok(single(c, kernel, vec![c.input("x", xt)?, c.input("w", wt)?, c.input("scale", scale)?], &[]))
@@ -84,13 +123,14 @@ fn random_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut Std
     vec![x, Array::from_i8(&shapes[1], w), Array::from_f32(&shapes[2], scale)]
 }
 
-/// Independent reference: `out[i, j] = sum_p x[i, p] * w[j, p] * scale[j]` in f64.
+/// Independent reference: `out[i, j] = sum_p x[i, p] * (w[j, p] * scale[j])` in f64, the
+/// weight dequantized first (as torch's `_weight_int8pack_mm`: an inf scale gives NaN
+/// where a term is `0 * inf` or the terms' signs differ).
 pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
     let mut out = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            let dot: f64 = (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum();
-            out[i * n + j] = dot * scale[j];
+            out[i * n + j] = (0..k).map(|p| x[i * k + p] * (w[j * k + p] * scale[j])).sum();
         }
     }
     out
@@ -99,6 +139,6 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
                              name: "quantized_matmul", doc: "x [m, k] @ (int8 w [n, k] * float32 scale [n])^T: weight-only int8 with per-output-channel scales, f32 accumulation", schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]); vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)] }),
-                             inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
+                             inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
                              cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 1536], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
                          }];

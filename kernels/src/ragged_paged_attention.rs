@@ -22,8 +22,13 @@
 //!   `cap * tanh(score / cap)` before masking).
 //! - Causal within a sequence: its query `i` sits at position `kv_len - q_len + i`, so a
 //!   decode token (q_len 1) sees the whole cache, a prefill (q_len = kv_len) is plain
-//!   causal attention and a chunked prefill continues a cached prefix. A query that sees
-//!   no key (only with invalid `q_len > kv_len`) outputs zeros.
+//!   causal attention and a chunked prefill continues a cached prefix. Every query sees
+//!   at least its own position (the plan rejects `q_len > kv_len`).
+//! - NaN and inf follow torch's math attention over each query's visible keys: a NaN in
+//!   q or a visible k, a +inf logit, or visible logits all -inf make the row NaN; a
+//!   nonfinite v value reaches exactly the (row, column) entries that see it (`p * inf`,
+//!   NaN where `p = 0`), never another token's row, a causally earlier query or a key
+//!   outside the window (see the masked blocks in the design notes).
 //!
 //! # Design
 //!
@@ -38,7 +43,11 @@
 //! `i + 1` in flight while block `i` is computed (as `paged_attention`). One online
 //! softmax state per score row runs across all sequences of the block: a row outside the
 //! sequence is masked (its weights are exactly 0 and its running max unchanged), so each
-//! row only ever accumulates its own sequence.
+//! row only ever accumulates its own sequence. A kv block that every row of the q block
+//! sees whole (all rows in the sequence, inside the causal reach and the window: long
+//! prefills) runs without masks; any other multiplies v with its nonfinite values zeroed
+//! and adds them back for the rows that see them through one exact bf16 product of
+//! visibility codes (`attention::add_nonfinite`), since a zero weight times an inf is NaN.
 //!
 //! # Cost
 //!
@@ -63,6 +72,7 @@ use tessera_dsl::interp::{Array, Data};
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
+use crate::attention::{add_nonfinite, nonfinite_radix, split_nonfinite};
 use crate::harness;
 use crate::op::{Call, Case, Input, Kind, Op, Output};
 use crate::plan::{Launch, Layout, Operand, Plan, Source};
@@ -138,31 +148,49 @@ pub fn ragged_paged_attention_kernel(
                     dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[2 * sl + 1]);
                 }
                 let k = k_buf[(sl, .., .., ..)].reshape([bs, d]);
-                // Cache rows past kv_len are whatever the pages hold: zeroed, so that
-                // `0 * NaN` in `p @ v` cannot leak into the output.
-                let v = select(iota([bs, 1], 0) + i * bs < kv_len, v_buf[(sl, .., .., ..)].reshape([bs, d]), 0.0);
+                let v = v_buf[(sl, .., .., ..)].reshape([bs, d]);
                 let mut sc = dot_t(qv, k) * sm_scale;
                 if soft_cap > 0.0 {
                     sc = (sc / soft_cap).tanh() * soft_cap;
                 }
-                let qpos = tok + shift;
-                let kpos = col + i * bs;
-                // tok < hi also bounds qpos below kv_len, so kpos <= qpos is in the cache.
-                let visible = (tok >= lo) & (tok < hi) & (kpos <= qpos) & (kpos > qpos - reach);
-                // Masked scores are f32::MIN, not -inf, so no `-inf - -inf` NaN can arise;
-                // their weights are then zeroed exactly.
-                let sc = select(visible, sc, f32::MIN);
-                let m_new = m.max(sc.reduce_max(1));
-                let p = select(visible, (sc - m_new).exp(), 0.0);
-                let alpha = (m - m_new).exp();
-                l = alpha * l + p.sum(1);
-                acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
-                m = m_new;
+                // Every row of the block is a token of this sequence and sees every key of
+                // this kv block (inside its causal reach and window): no mask, and `p @ v` is
+                // math attention's product itself, nonfinite values included.
+                let unmasked = (lo == q0) & (hi == q1) & (i * bs + (bs - 1) <= q0 + shift) & (i * bs > q1 - 1 + shift - reach);
+                if unmasked {
+                    let m_new = m.max(sc.reduce_max(1));
+                    let p = (sc - m_new).exp();
+                    let alpha = (m - m_new).exp();
+                    l = alpha * l + p.sum(1);
+                    acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
+                    m = m_new;
+                } else {
+                    let qpos = tok + shift;
+                    let kpos = col + i * bs;
+                    // tok < hi also bounds qpos below kv_len, so kpos <= qpos is in the cache.
+                    let visible = (tok >= lo) & (tok < hi) & (kpos <= qpos) & (kpos > qpos - reach);
+                    // Masked scores are f32::MIN, not -inf, so no `-inf - -inf` NaN can arise;
+                    // their weights are then zeroed exactly.
+                    let sc = select(visible, sc, f32::MIN);
+                    let m_new = m.max(sc.reduce_max(1));
+                    let p = select(visible, (sc - m_new).exp(), 0.0);
+                    let alpha = (m - m_new).exp();
+                    l = alpha * l + p.sum(1);
+                    // A masked key's value (another token's, or cache rows past kv_len, which
+                    // hold whatever the pages do) must not meet a zero weight: nonfinite
+                    // values enter as 0 and come back only for the rows that see them.
+                    let r = nonfinite_radix(bs);
+                    let (vf, class) = split_nonfinite(v, r);
+                    acc = add_nonfinite(alpha * acc + dot(p.cast(v_pages.dtype), vf), p, visible, class, r);
+                    m = m_new;
+                }
             }
         }
     }
-    // Padding tokens saw no key (l = 0): zeros. A NaN in q or a visible key stays NaN.
-    let out = select(l == 0.0, 0.0, acc / l);
+    // A row with l = 0 saw no weight: a padding token (zeros), or a real token whose visible
+    // logits were all -inf (every real token sees its own position): torch's 0 / 0, NaN.
+    let real = iota([rows, 1], 0) % bq + q0 < cu_q_lens[num_seqs[0].min(ms)];
+    let out = select(l == 0.0, select(real, f32::NAN, 0.0), acc / l);
     o[..] = out.reshape([g, bq, d]).cast(o.dtype);
 }
 
@@ -213,17 +241,20 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
     let (&[t, h, d], &[hkv, _, _, dk]) = (q.shape.as_slice(), k.shape.as_slice()) else {
         return Err(err("operands", "operand-shape", format!("q is {q} and k_pages {k}"), "q is [T, H, D]; k_pages and v_pages are [Hkv, num_pages, page_size, D]"));
     };
-    if v.shape != k.shape || !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
-        return Err(err("operands", "operand-shape", format!("q {q}, k_pages {k}, v_pages {v}"), "k_pages and v_pages have the same shape, and q, k, v the same float dtype"));
+    if v.shape != k.shape {
+        return Err(err("input `v_pages`", "operand-shape", format!("v_pages is {v}, k_pages {k}"), "pass k_pages and v_pages of one shape"));
+    }
+    if !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
+        return Err(err(if q.dtype.is_float() { "input `k_pages`" } else { "input `q`" }, "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass q, k_pages and v_pages of one float dtype"));
     }
     if t == 0 || dk != d || hkv == 0 || h % hkv != 0 {
-        return Err(err("operands", "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
+        return Err(err(if t == 0 { "input `q`" } else { "input `k_pages`" }, "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
     }
     let ms = kv_lens.shape.first().copied().unwrap_or(0);
     let ints = [kv_lens, pages, cu, ns].iter().all(|x| x.dtype == DType::I32);
     if !ints || kv_lens.rank() != 1 || pages.rank() != 2 || pages.shape[0] != ms || cu.shape != [ms + 1] || ns.shape != [1] {
         return Err(err(
-            "operands",
+            "metadata operands",
             "operand-shape",
             format!("kv_lens {kv_lens}, page_indices {pages}, cu_q_lens {cu}, num_seqs {ns}"),
             "kv_lens is [S] i32, page_indices [S, pages_per_seq] i32, cu_q_lens [S + 1] i32 and num_seqs [1] i32",
@@ -235,8 +266,10 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
 /// `(bq, Tp)`: the q block and the padded token count.
 fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError> {
     let bq = opts.block_q.unwrap_or_else(|| default_block_q(dims.t, dims.h / dims.hkv));
-    if bq == 0 || !bq.is_multiple_of(16) {
-        return Err(err("block_q", "block-shape", format!("block_q = {bq}"), "use a positive multiple of 16 query tokens per block"));
+    // At most the tokens rounded up to 16 (the default's cap): a larger block is padding.
+    let most = dims.t.max(1).next_multiple_of(16);
+    if bq == 0 || !bq.is_multiple_of(16) || bq > most {
+        return Err(err("argument `num_queries_per_block`", "block-shape", format!("num_queries_per_block = {bq} for {} query tokens", dims.t), &format!("use a multiple of 16 query tokens per block, from 16 to {most}, or None for the default")));
     }
     Ok((bq, dims.t.next_multiple_of(bq)))
 }
@@ -249,16 +282,14 @@ pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel,
     let (bq, tp) = q_blocking(&dims, opts)?;
     let (k, pages) = (&inputs[1], &inputs[4]);
     let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
-    if ppcb == 0 {
-        return Err(err("pages_per_compute_block", "block-shape", "0 pages per compute block".into(), "use at least one page per compute block"));
-    }
+    crate::paged_attention::check_compute_block("ragged_paged_attention", "num_kv_pages_per_block", ppcb, k.shape[2])?;
     let window = match opts.sliding_window {
-        Some(0) => return Err(err("sliding_window", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
+        Some(0) => return Err(err("argument `sliding_window`", "option-value", "a window of 0 keys".into(), "use a window of at least 1 key, or none")),
         Some(w) => w.min(1 << 29),
         None => 0,
     };
     let soft_cap = match opts.soft_cap {
-        Some(c) if !(c > 0.0 && c.is_finite()) => return Err(err("soft_cap", "option-value", format!("soft_cap = {c}"), "use a positive finite cap, or none")),
+        Some(c) if !(c > 0.0 && c.is_finite()) => return Err(err("argument `soft_cap`", "option-value", format!("soft_cap = {c}"), "use a positive finite cap, or none")),
         Some(c) => c,
         None => 0.0,
     };
@@ -331,7 +362,7 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     const NAMES: [&str; 7] = ["q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"];
     let types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
     let opts = Options {
-        sm_scale: c.statics.f64("sm_scale").unwrap_or(1.0) as f32,
+        sm_scale: crate::attention::finite_scale(c, c.statics.f64("sm_scale").unwrap_or(1.0))?,
         sliding_window: c.usize_opt("sliding_window")?,
         soft_cap: c.statics.f64("soft_cap").map(|x| x as f32),
         block_q: c.usize_opt("num_queries_per_block")?,

@@ -4,14 +4,14 @@
 //! heads sit side by side in the lanes. A grid step owns `tm` rows and one *chunk* of
 //! `w` lanes holding whole heads, `w = lcm(dh, 128)` when that divides `h * dh` (so the
 //! block is lane-aligned: `w = dh` for dh = 128 or 256, two heads for dh = 64), else the
-//! whole row. Lane shuffles are not IR ops, so the pair swap is a matmul with a constant
-//! signed permutation `R [w, w]` built in-kernel from iota compares (block-diagonal over
-//! the chunk's heads): `x_rot = x @ R`, `out = x * cos + x_rot * sin`. That costs `2w`
-//! MXU flops per element (3x that for f32, see [`rope_kernel`]) against ~3 VPU ops, on an
-//! op that is HBM-bound anyway. `cos`/`sin` come from the host as f32 `[t, w]` tables
-//! (angles in f64 from `position_ids` and `theta`, repeated across the chunk's heads);
-//! their block index does not move along the chunk axis, so each is fetched once per
-//! row tile.
+//! whole row. The pair swap is two lane shifts through an f32 VMEM scratch (static-slice
+//! stores and loads) and a select, `out = x * cos + swap(x) * sin` on the VPU: no MXU
+//! work, exact, and each output reads only its own pair, so a NaN or inf of `x` reaches
+//! exactly the two outputs torch's formula gives it (a matmul with a ±1 permutation, the
+//! earlier form, spread it over the whole chunk through `0 * inf`). `cos`/`sin` come from
+//! the host as f32 `[t, w]` tables (angles in f64 from `position_ids` and `theta`,
+//! repeated across the chunk's heads); their block index does not move along the chunk
+//! axis, so each is fetched once per row tile.
 //!
 //! Variants: rotate-half (GPT-NeoX / Llama; pairs `(i, i + dh/2)`, frequency `i`) and
 //! interleaved (GPT-J; pairs `(2i, 2i + 1)`, frequency `i`).
@@ -52,45 +52,44 @@ const MASKED: f32 = f32::MIN;
 /// (`[t, w]`, one chunk of heads), block `[tm, w]`. `sign = 1` is the forward rotation,
 /// `sign = -1` its transpose (the backward pass).
 ///
-/// The rotation of a pair is `R`-mixing plus a per-pair angle, and both members of a
-/// pair share their angle, so `(dy * sin) @ R^T = (dy @ R^T) * sin = -(dy @ R) * sin`
-/// (`R` is antisymmetric): forward and backward differ only in `sign`, and `R` always
-/// multiplies the raw input, which keeps bf16 inputs exact in one bf16 MXU pass. f32
-/// inputs are split into three bf16 pieces (hi + mid + lo = x exactly) so the permutation
-/// stays exact whatever precision the MXU uses for f32 operands.
+/// Pair members are `off` lanes apart (`dh / 2` rotate-half, 1 interleaved), the same for
+/// every pair of the chunk, so the swap is two lane shifts by `off` through the f32
+/// scratch `shift` (static-slice stores and loads; no MXU): lane `i` of `up` holds
+/// `x[i + off]`, of `down` `x[i - off]`, and a select takes `-up` for a pair's first
+/// member and `down` for its second. The `off` lanes a shift leaves stale are never
+/// selected, and each output lane reads only its own pair, so a NaN or inf reaches
+/// exactly the two outputs of its pair (as torch's `x * cos + rotate(x) * sin`); the
+/// values are exact (no rounding before the final f32 multiply-add).
 #[tpu_kernel(
     grid = [t.div_ceil(tm), n / w],
     semantics = [parallel, parallel],
     (x, out) = block([tm, w], |i, j| [i, j]),
     (cos, sin) = block([tm, w], |i, j| [i, 0]),
+    shift = scratch([tm, w], f32),
 )]
-pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, tm: usize, dh: usize, interleaved: bool, sign: f32) {
-    // R[i, i + off] = +1 and R[i + off, i] = -1 for i the first member of a pair.
-    let r = iota([w, w], 0);
-    let c = iota([w, w], 1);
-    let off = if interleaved { 1 } else { (dh / 2) as i32 };
+pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, shift: Scratch, tm: usize, dh: usize, interleaved: bool, sign: f32) {
+    let off = if interleaved { 1 } else { dh / 2 };
+    // A lane's place in its pair, computed on one row and broadcast down the block.
+    let lane = iota([1, w], 1);
     let first = if interleaved {
-        (r & 1) == 0
+        (lane & 1).broadcast_to([tm, w]) == 0
     } else {
-        // r mod dh < dh / 2, with floor(r / dh) through f32 (no vector integer division
-        // on the VPU); exact since the +0.5 keeps the quotient 0.5/dh away from integers.
-        let head = ((r.cast(f32) + 0.5) * (1.0 / dh as f32)).cast(i32);
-        r - head * (dh as i32) < off
+        // lane mod dh, with floor(lane / dh) through f32 (no vector integer division on
+        // the VPU); exact since the +0.5 keeps the quotient 0.5/dh away from integers.
+        let head = ((lane.cast(f32) + 0.5) * (1.0 / dh as f32)).cast(i32);
+        (lane - head * (dh as i32)).broadcast_to([tm, w]) < (off as i32)
     };
-    let plus = ((c - r) == off) & first;
-    let minus = ((r - c) == off) & !first;
-    let rmat = select(plus, 1.0, select(minus, -1.0, 0.0)).cast(bf16);
-    let v = x[..];
-    let rot = if x.dtype == bf16 {
-        dot(v, rmat)
-    } else {
-        let hi = v.cast(bf16);
-        let rest = v - hi.cast(f32);
-        let mid = rest.cast(bf16);
-        let lo = (rest - mid.cast(f32)).cast(bf16);
-        dot(hi, rmat) + dot(mid, rmat) + dot(lo, rmat)
-    };
-    out[..] = (v.cast(f32) * cos[..] + rot * (sin[..] * sign)).cast(out.dtype);
+    let v = x[..].cast(f32);
+    shift[..] = v;
+    let up_src = shift[(.., off..w)];
+    let down_src = shift[(.., 0..(w - off))];
+    shift[(.., 0..(w - off))] = up_src;
+    let up = shift[..];
+    shift[(.., off..w)] = down_src;
+    let down = shift[..];
+    // (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin); the transpose flips the signs.
+    let swapped = if sign > 0.0 { select(first, -up, down) } else { select(first, up, -down) };
+    out[..] = (v * cos[..] + swapped * sin[..]).cast(out.dtype);
 }
 
 /// The lane chunk a RoPE grid step owns: `lcm(dh, 128)` when it divides `n = h * dh`,
@@ -123,21 +122,21 @@ fn shape_err(op: &str, subject: &str, message: String, help: &str) -> KernelErro
     KernelError::new(op, subject, "operand-shape", message, help)
 }
 
-/// `(t, h, dh)` of a RoPE input, checked.
-fn rope_dims(op: &str, x: &Type) -> Result<(usize, usize, usize), KernelError> {
+/// `(t, h, dh)` of a RoPE input (argument `name`: `x`, or `dy` of the backward), checked.
+fn rope_dims(op: &str, name: &str, x: &Type) -> Result<(usize, usize, usize), KernelError> {
     match x.shape[..] {
         [t, h, dh] if t > 0 && h > 0 && dh >= 2 && dh % 2 == 0 => Ok((t, h, dh)),
-        _ => Err(shape_err(op, "input `x`", format!("x has shape {:?}", x.shape), "pass x as [tokens, heads, head_dim] with an even head_dim")),
+        _ => Err(shape_err(op, &format!("input `{name}`"), format!("{name} has shape {:?}", x.shape), &format!("pass {name} as [tokens, heads, head_dim] with an even head_dim"))),
     }
 }
 
 /// The RoPE kernel for an op input `x: [t, h, dh]` on `target` (default blocks); it takes
 /// `x` viewed as `[t, h * dh]` and f32 tables `[t, rope_chunk(h * dh, dh)]`.
 pub fn build_rope(x: &Type, interleaved: bool, backward: bool, target: &Target) -> Result<Kernel, KernelError> {
-    let op = if backward { "rope_bwd" } else { "rope" };
-    let (t, h, dh) = rope_dims(op, x)?;
+    let (op, name) = if backward { ("rope_bwd", "dy") } else { ("rope", "x") };
+    let (t, h, dh) = rope_dims(op, name, x)?;
     if !x.dtype.is_float() {
-        return Err(KernelError::new(op, "input `x`", "operand-dtype", format!("x is {}", x.dtype), "RoPE takes f32 or bf16 activations"));
+        return Err(KernelError::new(op, format!("input `{name}`"), "operand-dtype", format!("{name} is {}", x.dtype), "RoPE takes f32 or bf16 activations"));
     }
     let n = h * dh;
     let w = rope_chunk(n, dh);
@@ -205,8 +204,11 @@ pub fn cross_entropy_kernel(logits: In<t, vocab>, labels: In<t, 1>, loss: Out<t,
     m_run[..] = m_new;
     picked[..] += select(col == label, x, 0.0).sum(1);
     if j == num_programs(1) - 1 {
-        let l = m_run[..] + s_run[..].log();
-        lse[..] = l;
+        // With a +inf logit l is NaN (exp(inf - inf)), as torch's log_softmax and so the
+        // loss; torch's logsumexp is +inf there.
+        let m = m_run[..];
+        let l = m + s_run[..].log();
+        lse[..] = select(m == f32::INFINITY, f32::INFINITY, l);
         // The host checks labels are in [0, vocab) or ignore_index; the range test also
         // keeps a bad label that reached the kernel from picking a garbage column.
         let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
@@ -226,9 +228,12 @@ pub fn cross_entropy_bwd_kernel(logits: In<t, vocab>, labels: In<t, 1>, lse: In<
     // No column mask: columns past the vocabulary are garbage but their writes are dropped.
     let col = iota([tm, tv], 1) + program_id(1) * (tv as i32);
     let label = labels[..];
-    let p = (logits[..].cast(f32) - lse[..].cast(f32)).exp();
+    // The forward's lse is +inf where a logit is: the row's softmax is NaN (torch's).
+    let lse_row = lse[..].cast(f32);
+    let p = (logits[..].cast(f32) - select(lse_row == f32::INFINITY, f32::NAN, lse_row)).exp();
     let onehot = select(col == label, 1.0, 0.0);
     let valid = (label != ignore_index) & (label >= 0) & (label < (vocab as i32));
+    // An ignored row's gradient is softmax * 0, as torch computes it (NaN with a NaN row).
     let g = select(valid, dloss[..].cast(f32), 0.0);
     dlogits[..] = ((p - onehot) * g).cast(dlogits.dtype);
 }
@@ -281,6 +286,7 @@ pub fn cross_entropy_bwd(exec: &dyn Executor, logits: &Array, labels: &Array, ls
 
 // ---- ops ------------------------------------------------------------------------------------
 
+/// x (`dy`) is `[t, h, dh]` and position_ids `[t]` int32 (the op's contract, checked).
 fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let backward = c.op == "rope_bwd";
     let name = if backward { "dy" } else { "x" };
@@ -288,10 +294,6 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let interleaved = c.statics.bool("interleaved");
     let kernel = build_rope(&x, interleaved, backward, c.target)?;
     let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
-    let positions = c.tensor("position_ids")?;
-    if positions.dtype != DType::I32 || positions.shape != [t] {
-        return Err(c.err("input `position_ids`", "operand-shape", format!("position_ids is {positions}, {name} has {t} tokens"), format!("pass integer position ids of shape [{t}]")));
-    }
     let w = rope_chunk(h * dh, dh);
     let table = Type::vector(DType::F32, &[t, w]);
     let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, host(0, table.clone()), host(1, table)];
@@ -307,16 +309,9 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     ))
 }
 
-/// Tensor input `name` (`[t]` or `[t, 1]`) as a `[t, 1]` column: int32 if `int`, else
-/// any float.
-fn column(c: &Call, name: &str, t: usize, int: bool) -> Result<Operand, KernelError> {
-    let a = c.tensor(name)?;
-    let ok = a.num_elements() == t && a.rank() <= 2 && a.shape.first() == Some(&t) && (a.dtype == DType::I32) == int && (int || a.dtype.is_float());
-    if !ok {
-        let want = if int { "int32" } else { "float" };
-        return Err(c.err(format!("input `{name}`"), "operand-shape", format!("{name} is {a}, the logits have {t} rows"), format!("pass {want} {name} of shape [{t}]")));
-    }
-    c.input(name, Type::vector(a.dtype, &[t, 1]))
+/// Tensor input `name` (`[t]`, or `[t, 1]` where its dims allow) as a `[t, 1]` column.
+fn column(c: &Call, name: &str, t: usize) -> Result<Operand, KernelError> {
+    c.input(name, Type::vector(c.tensor(name)?.dtype, &[t, 1]))
 }
 
 fn logits_rows(c: &Call) -> Result<(Type, usize), KernelError> {
@@ -350,13 +345,13 @@ fn plan_cross_entropy(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let kernel = build_cross_entropy(&logits, ignore, c.target)?;
-    let args = vec![c.input("logits", logits)?, column(c, "labels", t, true)?];
+    let args = vec![c.input("logits", logits)?, column(c, "labels", t)?];
     labels_check(c, single(c, kernel, args, &[Some(vec![t]), Some(vec![t])]), v, ignore)
 }
 
 fn plan_cross_entropy_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
-    let (labels, lse, dloss) = (column(c, "labels", t, true)?, column(c, "lse", t, false)?, column(c, "dloss", t, false)?);
+    let (labels, lse, dloss) = (column(c, "labels", t)?, column(c, "lse", t)?, column(c, "dloss", t)?);
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let kernel = build_cross_entropy_bwd(&logits, lse.ty.dtype, dloss.ty.dtype, ignore, c.target)?;
     labels_check(c, single(c, kernel, vec![c.input("logits", logits)?, labels, lse, dloss], &[]), v, ignore)
@@ -366,7 +361,7 @@ fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
     let (logits, t) = logits_rows(c)?;
     let (v, ignore) = (logits.shape[1], ignore_index(c)?);
     let forward = build_cross_entropy(&logits, ignore, c.target)?;
-    let labels = column(c, "labels", t, true)?;
+    let labels = column(c, "labels", t)?;
     let col = Type::vector(DType::F32, &[t, 1]);
     let backward = build_cross_entropy_bwd(&logits, DType::F32, DType::F32, ignore, c.target)?;
     let launches = vec![
@@ -464,13 +459,13 @@ const CE_CASES: &[Case] = &[Case { name: "default", statics: "", shapes: &[&[512
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "rope", doc: "rotary embedding of x [tokens, heads, head_dim] at integer position_ids [tokens]: rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), or interleaved (GPT-J) pairs (2i, 2i+1); pair swap as a matmul with an in-kernel signed permutation", schema: "(Tensor x, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, false)),
+        name: "rope", doc: "rotary embedding of x [tokens, heads, head_dim] at integer position_ids [tokens]: rotate-half (GPT-NeoX/Llama) pairs (i, i+dh/2), or interleaved (GPT-J) pairs (2i, 2i+1); pair swap by lane shifts (VPU; a NaN stays in its pair)", schema: "(Tensor x, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, false)),
         inputs: &[Input { name: "x", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
         backward: Some(Backward { op: "rope_bwd", args: "d_out, position_ids, theta, interleaved", grads: &["x"] }),
         cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
     },
     Op {
-        name: "rope_bwd", doc: "gradient of rope: dx = dy * cos + (dy * sin) @ R^T (the inverse rotation)", schema: "(Tensor dy, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, true)),
+        name: "rope_bwd", doc: "gradient of rope: the inverse rotation (rope at minus the angles)", schema: "(Tensor dy, Tensor position_ids, float theta=10000.0, bool interleaved=False) -> Tensor", plan: plan_rope, reference: Some(|a, s| ref_rope(a, s, true)),
         inputs: &[Input { name: "dy", dims: "[t, h, dh]", kind: Kind::Float }, POSITIONS], outputs: &[Output { name: "dx", shape: "dy", dtype: "dy" }],
         cases: ROPE_CASES, random: Some(rope_inputs), ..Op::EMPTY
     },
@@ -482,7 +477,7 @@ pub const OPS: &[Op] = &[
     },
     Op {
         name: "cross_entropy_bwd", doc: "dlogits = (softmax - onehot(label)) * dloss by vocab tiles, the softmax recomputed from lse", schema: "(Tensor logits, Tensor labels, Tensor lse, Tensor dloss, int ignore_index=-100) -> Tensor", plan: plan_cross_entropy_bwd, reference: Some(ref_cross_entropy_bwd),
-        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
+        inputs: &[LOGITS, LABELS, Input { name: "lse", dims: "[t, 1?]", kind: Kind::Float }, Input { name: "dloss", dims: "[t]", kind: Kind::Float }], outputs: &[Output { name: "dlogits", shape: "logits", dtype: "logits" }],
         cases: &[Case { name: "default", statics: "", shapes: &[&[512, 32000], &[512], &[512], &[512]] }, Case { name: "alt", statics: "", shapes: &[&[300, 50257], &[300], &[300, 1], &[300]] }], random: Some(ce_bwd_inputs), ..Op::EMPTY
     },
     Op {
@@ -528,10 +523,15 @@ pub mod reference {
         rope(dy, &neg, t, h, dh, theta, interleaved)
     }
 
+    /// `(log_softmax(row), logsumexp(row))` as torch computes them: the log-softmax
+    /// shifted by the max (NaN throughout with a NaN or a +inf logit, or with all -inf),
+    /// the logsumexp NaN with a NaN, +inf with a +inf, -inf over all -inf.
     fn log_softmax_row(row: &[f64]) -> (Vec<f64>, f64) {
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let lse = m + row.iter().map(|z| (z - m).exp()).sum::<f64>().ln();
-        (row.iter().map(|z| z - lse).collect(), lse)
+        let shifted = (row.iter().map(|z| (z - m).exp()).sum::<f64>()).ln();
+        let logp = row.iter().map(|z| z - m - shifted).collect();
+        let lse = if row.iter().any(|z| z.is_nan()) { f64::NAN } else if m.is_infinite() { m } else { m + shifted };
+        (logp, lse)
     }
 
     /// `(loss, lse)` per row of `logits: [t, v]`: `loss = -log_softmax(row)[label]`, 0 for
@@ -547,14 +547,15 @@ pub mod reference {
         (loss, lses)
     }
 
-    /// `d(sum(loss * dloss)) / dlogits = (softmax - onehot(label)) * dloss`, 0 for rows
-    /// whose label is outside `[0, v)`.
+    /// `d(sum(loss * dloss)) / dlogits = (softmax - onehot(label)) * dloss`; a row whose
+    /// label is outside `[0, v)` gets `softmax * 0` (torch's arithmetic: 0, or NaN where
+    /// the softmax is).
     pub fn cross_entropy_bwd(logits: &[f64], labels: &[i64], dloss: &[f64], v: usize) -> Vec<f64> {
         let mut out = Vec::with_capacity(logits.len());
         for ((row, &label), &g) in logits.chunks(v).zip(labels).zip(dloss) {
             let (logp, _) = log_softmax_row(row);
-            let valid = (0..v as i64).contains(&label);
-            out.extend(logp.iter().enumerate().map(|(j, lp)| if valid { (lp.exp() - (j as i64 == label) as u8 as f64) * g } else { 0.0 }));
+            let g = if (0..v as i64).contains(&label) { g } else { 0.0 };
+            out.extend(logp.iter().enumerate().map(|(j, lp)| (lp.exp() - (j as i64 == label) as u8 as f64) * g));
         }
         out
     }

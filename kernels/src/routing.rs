@@ -25,7 +25,9 @@
 //! The gate is then applied to the `k` selected logits: softmax over all `E` experts or
 //! an elementwise sigmoid, optionally renormalised to sum to 1 (Mixtral / Qwen3-MoE:
 //! softmax, top-k, renormalise). All math is f32; weights are stored in the logits' dtype.
-//! NaN logits are not supported (a NaN row gets id `E`, which [`plan`] rejects).
+//! A NaN logit ranks above every number, as in `torch.topk` (NaNs among themselves: the
+//! lowest expert first); its weight is NaN (and, through the softmax sum or the
+//! renormalisation, the row's other weights too, as torch's).
 //!
 //! # Gather and scatter as one-hot matmuls — and what that costs
 //!
@@ -36,13 +38,26 @@
 //! the MXU with f32 accumulation. A one-hot product is exact (one term is `1 * x`, the
 //! rest `0 * x`); `combine` rounds `W` to `y`'s dtype before the dot, like the einsum does.
 //!
-//! The price is **O(T * T*k * D)** flops (`2 * T * T*k * D`) and re-reading all of `x`
-//! (resp. `y`) once per row tile, where a gather moves `T*k*D` elements. That is fine
-//! for decode and small prefill batches (T = 512, k = 2, D = 4096: 4.3 GFLOP, ~22 us at
-//! v5e peak) and quadratic beyond (T = 8192, k = 8, D = 4096: 4.4 TFLOP, ~22 ms, where a
-//! gather moves 0.5 GB in under 1 ms). A DMA gather (row indices
-//! by scalar prefetch, one async copy per row) is the scalable version; it needs the
-//! async-copy IR of issue 3 and is future work.
+//! **NaN and inf.** `0 * inf` and `0 * NaN` are NaN, so a nonfinite `x` (or `y`) value
+//! would reach every row of its tile. The kernels multiply finite stand-ins instead (0,
+//! or `y`'s sign in `combine`, so an inf weight still meets the right sign) and carry
+//! each nonfinite value's class through a second, bf16 product with the same one-hot
+//! (`combine`: with a code of each weight's sign, so each (weight, value) pair lands on
+//! its own power of a radix above `k`; exact in f32), then put back exactly what torch's
+//! gather / weighted sum gives: the same inf, `w * inf` with the weight's sign, NaN for a
+//! NaN, for `0 * inf` and for `inf - inf`. Nonfinite *weights* need nothing: they sit in
+//! their own token's row of `W`. The second product is one bf16 MXU pass (twice the
+//! flops of a bf16 call, +1/3 or less for f32) plus a few VPU selects per element; the
+//! radix code is exact while fewer than 64 slots of one token meet infs in one column.
+//!
+//! The price is **O(T * T*k * D)** flops (`2 * T * T*k * D`, twice that with the NaN
+//! product) and re-reading all of `x` (resp. `y`) once per row tile, where a gather moves
+//! `T*k*D` elements. That is fine for decode and small prefill batches (T = 512, k = 2,
+//! D = 4096: 4.3 GFLOP + 4.3 for the NaN product, ~44 us at v5e bf16 peak) and quadratic
+//! beyond (T = 8192, k = 8, D = 4096: 4.4 TFLOP, ~22 ms, twice that with the NaN product,
+//! where a gather moves 0.5 GB in under 1 ms). A DMA gather (row indices by scalar
+//! prefetch, one async copy per row; it would also copy NaN and inf as they are) is the
+//! scalable version and future work.
 //!
 //! # Ragged edges
 //!
@@ -55,7 +70,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics, COMPOSITE};
@@ -100,12 +115,19 @@ pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<
     let mut top = zeros([tm, k], f32);
     let mut ids = zeros([tm, k], i32);
     for j in 0..k {
-        let m = s.reduce_max(1);
-        let idx = select(s == m, cand, e).reduce_min(1);
+        // NaN ranks above every number (torch.topk): a row with a NaN left takes its
+        // lowest such column; taken columns become -inf, so the next round moves on.
+        let nan = s != s;
+        let nan_f = select(nan, 1.0, 0.0);
+        let nan_left = nan_f.reduce_max(1);
+        let m = select(nan, NEG_INF, s).reduce_max(1);
+        // The row's NaNs if any are left, else the columns equal to its max.
+        let best = (nan_f == nan_left) & (nan | (s == m));
+        let idx = select(best, cand, e).reduce_min(1);
         let hit = col == idx;
         s = select(hit, NEG_INF, s);
         cand = select(hit, e, cand);
-        top = select(slot == j, m, top);
+        top = select(slot == j, select(nan_left > 0.0, f32::NAN, m), top);
         ids = select(slot == j, idx, ids);
     }
     let w = if sigmoid_gate {
@@ -132,16 +154,31 @@ pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scr
         acc[..] = zeros([tm, td], f32);
     }
     let tok0 = program_id(2) * tt;
-    let onehot = select(iota([tm, tt], 1) + tok0 == src[..], 1.0, 0.0).cast(x.dtype);
-    let mut xv = x[..];
+    let onehot = select(iota([tm, tt], 1) + tok0 == src[..], 1.0, 0.0);
+    let mut xv = x[..].cast(f32);
     if !t.is_multiple_of(tt) {
         // The last token tile reaches past T: zero its garbage rows (0 * NaN = NaN).
         xv = select(iota([tt, td], 0) + tok0 < t, xv, 0.0);
     }
-    acc[..] += dot(onehot, xv);
+    // A nonfinite x would reach every row through `0 * inf`: gather it zeroed, and its
+    // class (+inf 1, -inf -1, NaN 2) by a second one-hot product (exact: one term).
+    let (finite_x, class) = nonfinite_split(xv);
+    acc[..] += dot(onehot.cast(x.dtype), finite_x.cast(x.dtype));
+    let gathered = dot(onehot.cast(bf16), class);
+    let fix = select(gathered > 1.5, f32::NAN, select(gathered > 0.0, f32::INFINITY, f32::NEG_INFINITY));
+    acc[..] = select(gathered == 0.0, acc[..], fix);
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
+}
+
+/// `(x with nonfinite values zeroed, their class: +inf 1, -inf -1, NaN 2, else 0)`, the
+/// class in bf16 (exact) for a one-hot product.
+#[tpu_fn]
+fn nonfinite_split(x: Value) -> (Value, Value) {
+    let finite = (x - x) == 0.0;
+    let class = select(finite, 0.0, select(x > 0.0, 1.0, select(x < 0.0, -1.0, 2.0)));
+    (select(finite, x, 0.0), class.cast(bf16))
 }
 
 #[tpu_kernel(
@@ -161,22 +198,52 @@ pub fn combine_kernel(weights: In<t, k>, pos: In<t, k>, y: In<rows, d>, out: Out
     let w = weights[..].cast(f32);
     let p = pos[..];
     let slot = iota([tm, k], 1);
-    // W[t, i] = sum_j w[t, j] * (pos[t, j] == row0 + i): k compares, no gather.
+    let r = combine_radix(k);
+    // W[t, i] = sum_j w[t, j] * (pos[t, j] == row0 + i): k compares, no gather. A[t, i]
+    // codes the sign of that weight for the nonfinite-y product below: 1 (w > 0), r^2
+    // (w < 0), r^4 (w 0 or NaN: any inf it meets makes NaN).
     let mut wt = zeros([tm, ti], f32);
+    let mut at = zeros([tm, ti], f32);
     for j in 0..k {
         let pj = select(slot == j, p, 0).sum(1);
-        let wj = select(slot == j, w, 0.0).sum(1).broadcast_to([tm, ti]);
-        wt = wt + select(row == pj, wj, 0.0);
+        let wj = select(slot == j, w, 0.0).sum(1);
+        let aj = select(wj > 0.0, 1.0, select(wj < 0.0, r * r, r * r * r * r));
+        let used = row == pj;
+        wt = wt + select(used, wj.broadcast_to([tm, ti]), 0.0);
+        at = at + select(used, aj.broadcast_to([tm, ti]), 0.0);
     }
-    let mut yv = y[..];
+    let mut yv = y[..].cast(f32);
     if !rows.is_multiple_of(ti) {
         // The last row tile reaches past T*k: zero its garbage rows (0 * NaN = NaN).
         yv = select(iota([ti, td], 0) + row0 < rows, yv, 0.0);
     }
-    acc[..] += dot(wt.cast(y.dtype), yv);
+    // A nonfinite y would reach every token through `0 * inf`. The weighted product takes
+    // it as its sign (±1; NaN as 0), so an inf weight still meets the right sign, and a
+    // second product gathers its class (+inf 1, -inf r, NaN r^4) times the weight's code:
+    // each (weight, y) pair lands on its own power of r (+inf terms on r^0 and r^3, -inf on
+    // r and r^2, NaN at r^4 and above), exact in f32 below r^4 <= 2^24.
+    let finite = (yv - yv) == 0.0;
+    let y_sign = select(yv > 0.0, 1.0, select(yv < 0.0, -1.0, 0.0));
+    let y_class = select(finite, 0.0, select(yv > 0.0, 1.0, select(yv < 0.0, r, r * r * r * r)));
+    acc[..] += dot(wt.cast(y.dtype), select(finite, yv, y_sign).cast(y.dtype));
+    let code = dot(at.cast(bf16), y_class.cast(bf16));
+    let nan_term = code >= r * r * r * r;
+    let digits = select(nan_term, 0.0, code).cast(i32);
+    let ri = r as i32;
+    let plus = (digits & (((ri - 1) * ri * ri * ri) | (ri - 1))) != 0;
+    let minus = (digits & (((ri - 1) * ri * ri) | ((ri - 1) * ri))) != 0;
+    let fix = select(nan_term | (plus & minus), f32::NAN, select(plus, f32::INFINITY, f32::NEG_INFINITY));
+    // IEEE addition keeps an inf that a nonfinite weight put in `acc` (inf + -inf = NaN).
+    acc[..] = select(code == 0.0, acc[..], acc[..] + fix);
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
+}
+
+/// The radix of `combine_kernel`'s nonfinite code: a power of two above `k` (a digit
+/// counts the slots of one kind), at most 64 so that four digits stay exact in f32.
+fn combine_radix(k: usize) -> f32 {
+    (k + 1).next_power_of_two().clamp(2, 64) as f32
 }
 
 // ---- block rules and builders -------------------------------------------------------------
@@ -261,30 +328,49 @@ pub struct Routing {
     pub group_sizes: Vec<i32>,
 }
 
-/// Sorts the routing on the host: a stable counting sort of the `T*k` (token, slot)
-/// pairs by expert id. `ids` is the `[T, k]` int32 output of [`route`].
+/// Sorts the routing on the host: a stable sort of the `T*k` (token, slot) pairs by
+/// expert id. `ids` is the `[T, k]` int32 output of [`route`].
 pub fn plan(ids: &Array, num_experts: usize) -> Result<Routing, KernelError> {
-    let err = |rule, message: String, help: &str| KernelError::new("plan", "operand `expert_ids`", rule, message, help);
+    let (t, k, src, pos) = sorted("plan", ids, num_experts)?;
+    Ok(Routing { tokens: t, k, src, pos, group_sizes: group_sizes("plan", ids, num_experts)? })
+}
+
+/// The checked ids of `[T, k]` `ids` over `num_experts` experts: `(T, k, data)`.
+fn checked_ids<'a>(op: &str, ids: &'a Array, num_experts: usize) -> Result<(usize, usize, &'a [i32]), KernelError> {
+    let err = |rule, message: String, help: &str| KernelError::new(op, "input `expert_ids`", rule, message, help);
     let (Some(data), &[t, k]) = (ids.as_i32(), &ids.shape[..]) else {
         return Err(err("operand-shape", format!("expert_ids is {}{:?}", ids.dtype, ids.shape), "pass the [T, k] int32 expert ids from router_topk"));
     };
     if let Some((n, &bad)) = data.iter().enumerate().find(|(_, &e)| e < 0 || e as usize >= num_experts) {
-        return Err(err("expert-id-range", format!("token {} slot {} routes to expert {bad}, but there are {num_experts} experts", n / k, n % k), "pass ids in 0..num_experts (NaN logits give id E)"));
+        return Err(err("expert-id-range", format!("token {} slot {} routes to expert {bad}, but there are {num_experts} experts", n / k, n % k), "pass ids in 0..num_experts"));
     }
-    let mut group_sizes = vec![0i32; num_experts];
-    for &e in data {
-        group_sizes[e as usize] += 1;
-    }
-    let mut next: Vec<usize> = group_sizes.iter().scan(0usize, |start, &g| Some(std::mem::replace(start, *start + g as usize))).collect();
-    let mut src = vec![0i32; t * k];
-    let mut pos = vec![0i32; t * k];
-    for (n, &e) in data.iter().enumerate() {
-        let row = next[e as usize];
-        next[e as usize] += 1;
+    Ok((t, k, data))
+}
+
+/// `(T, k, src, pos)` of a routing: memory in `T*k` only, whatever the number of experts
+/// (`combine` and `permute_bwd` need no group sizes).
+fn sorted(op: &str, ids: &Array, num_experts: usize) -> Result<(usize, usize, Vec<i32>, Vec<i32>), KernelError> {
+    let (t, k, data) = checked_ids(op, ids, num_experts)?;
+    let mut order: Vec<usize> = (0..data.len()).collect();
+    order.sort_by_key(|&n| data[n]); // stable: ties keep (token, slot) order
+    let (mut src, mut pos) = (vec![0i32; data.len()], vec![0i32; data.len()]);
+    for (row, &n) in order.iter().enumerate() {
         src[row] = (n / k) as i32;
         pos[n] = row as i32;
     }
-    Ok(Routing { tokens: t, k, src, pos, group_sizes })
+    Ok((t, k, src, pos))
+}
+
+/// Rows per expert (`num_experts` entries), allocated fallibly: the count is a static the
+/// caller chooses, up to 2^31 - 1.
+fn group_sizes(op: &str, ids: &Array, num_experts: usize) -> Result<Vec<i32>, KernelError> {
+    let (_, _, data) = checked_ids(op, ids, num_experts)?;
+    let mut sizes = crate::plan::try_vec(op, "result `group_sizes`", num_experts, DType::I32)?;
+    sizes.resize(num_experts, 0);
+    for &e in data {
+        sizes[e as usize] += 1;
+    }
+    Ok(sizes)
 }
 
 /// Gate + top-k: `(weights [T, k], expert_ids [T, k])`.
@@ -318,27 +404,30 @@ fn plan_router_topk(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("logits", logits)?], &[]))
 }
 
-/// The `[t, k]` int32 expert ids of a routing call.
+/// `(t, k)` of the `[t, k]` int32 expert ids of a routing call (shape and dtype are the
+/// op's contract, checked); empty routings are refused.
 fn expert_ids(c: &Call) -> Result<(usize, usize), KernelError> {
     let ids = c.tensor("expert_ids")?;
     match ids.shape[..] {
-        [t, k] if ids.dtype == DType::I32 && t > 0 && k > 0 => Ok((t, k)),
-        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] integer expert ids from router_topk")),
+        [t, k] if t > 0 && k > 0 => Ok((t, k)),
+        _ => Err(c.err("input `expert_ids`", "operand-shape", format!("expert_ids is {ids}"), "pass the [tokens, k] integer expert ids from router_topk, at least one of each")),
     }
 }
 
-/// The MoE routing order of `ids`, errors reported as op `op`'s.
-fn routing_for(op: &str, ids: &Array, experts: usize) -> Result<Routing, KernelError> {
-    plan(ids, experts).map_err(|e| KernelError { kernel: op.to_string(), ..e })
+/// `num_experts`: expert ids are int32, so at most 2^31 - 1 experts can be named (and
+/// `permute`'s group sizes are that long).
+fn num_experts(c: &Call) -> Result<usize, KernelError> {
+    let e = c.usize("num_experts")?;
+    if e == 0 || e > i32::MAX as usize {
+        return Err(c.err("argument `num_experts`", "option-value", format!("num_experts = {e}"), "pass between 1 and 2^31 - 1 experts (expert ids are int32)"));
+    }
+    Ok(e)
 }
 
 fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     let x = c.tensor("x")?.clone();
     let (t, k) = expert_ids(c)?;
-    let experts = c.usize("num_experts")?;
-    if x.rank() != 2 || x.shape[0] != t {
-        return Err(c.err("input `x`", "routing-shape", format!("x is {x}, expert_ids has {t} tokens"), format!("pass x of shape [{t}, d]")));
-    }
+    let experts = num_experts(c)?;
     let kernel = permute_for(&x, t * k, c.target)?;
     let launch = Launch::new(kernel, vec![host(0, Type::vector(DType::I32, &[t * k, 1])), c.input("x", x)?]);
     let results = vec![result(0, 0, launch.outputs[0].clone()), host(1, Type::vector(DType::I32, &[experts]))];
@@ -346,35 +435,29 @@ fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
         &[c.index("expert_ids")?],
         Box::new(move |v| {
-            let r = routing_for(op, v[0], experts)?;
-            Ok(vec![Array::from_i32(&[t * k, 1], r.src), Array::from_i32(&[experts], r.group_sizes)])
+            let (_, _, src, _) = sorted(op, v[0], experts)?;
+            Ok(vec![Array::from_i32(&[t * k, 1], src), Array::from_i32(&[experts], group_sizes(op, v[0], experts)?)])
         }),
     ))
 }
 
-/// A combine launch of `y` rows (tensor `y_name`) weighted by `weights` (an operand),
-/// positions from host array 0.
+/// A combine launch of `y` rows (tensor `y_name`, `[t*k, d]` by the op's contract)
+/// weighted by `weights` (an operand), positions from host array 0.
 fn combine_launch(c: &Call, y_name: &str, weights: Operand, t: usize, k: usize) -> Result<Launch, KernelError> {
     let y = c.tensor(y_name)?.clone();
-    if y.rank() != 2 || y.shape[0] != t * k {
-        return Err(c.err(format!("input `{y_name}`"), "routing-shape", format!("{y_name} is {y}, expert_ids is [{t}, {k}]"), format!("pass {y_name} of shape [{}, d]", t * k)));
-    }
     let pos = Type::vector(DType::I32, &[t, k]);
     let kernel = combine_for(&weights.ty, &pos, &y, c.target)?;
     Ok(Launch::new(kernel, vec![weights, host(0, pos), c.input(y_name, y)?]))
 }
 
 fn positions(c: &Call, t: usize, k: usize) -> Result<crate::plan::HostFn, KernelError> {
-    let (op, experts) = (c.op, c.usize("num_experts")?);
-    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], routing_for(op, v[0], experts)?.pos)])))
+    let (op, experts) = (c.op, num_experts(c)?);
+    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], sorted(op, v[0], experts)?.3)])))
 }
 
 fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     let weights = c.tensor("weights")?.clone();
     let (t, k) = expert_ids(c)?;
-    if weights.shape != [t, k] {
-        return Err(c.err("input `weights`", "routing-shape", format!("weights is {weights}, expert_ids is [{t}, {k}]"), format!("pass weights of shape [{t}, {k}]")));
-    }
     let launch = combine_launch(c, "y", c.input("weights", weights)?, t, k)?;
     let results = vec![result(0, 0, launch.outputs[0].clone())];
     Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("expert_ids")?], positions(c, t, k)?))
@@ -489,8 +572,23 @@ pub fn random_expert_ids(t: usize, k: usize, rng: &mut StdRng) -> Array {
 /// Random valid routing over `experts` experts (at least `k + 1`): each token picks `k`
 /// distinct experts, never expert 1 (so one group is always empty).
 pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdRng) -> Array {
-    let pool: Vec<i32> = (0..experts.max(k + 1) as i32).filter(|&e| e != 1).collect();
+    let experts = experts.max(k + 1).min(i32::MAX as usize);
     let mut ids = Vec::with_capacity(t * k);
+    if experts > 4 * k + 4096 {
+        // Many experts: draw and redraw duplicates (a pool of every id would be as large
+        // as the expert count, up to 2^31).
+        for _ in 0..t {
+            let start = ids.len();
+            while ids.len() < start + k {
+                let e = rng.gen_range(0..experts as i32);
+                if e != 1 && !ids[start..].contains(&e) {
+                    ids.push(e);
+                }
+            }
+        }
+        return Array::from_i32(&[t, k], ids);
+    }
+    let pool: Vec<i32> = (0..experts as i32).filter(|&e| e != 1).collect();
     for _ in 0..t {
         let mut p = pool.clone();
         for j in 0..k {
@@ -506,7 +604,12 @@ pub fn random_expert_ids_over(t: usize, k: usize, experts: usize, rng: &mut StdR
 fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) -> Array {
     let shape = shapes.get(at).map(|s| s.as_slice()).unwrap_or(&[]);
     let (t, k) = (shape.first().copied().unwrap_or(1), shape.get(1).copied().unwrap_or(1));
-    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e as usize);
+    let experts = s.i64("num_experts").map_or(random_routing_experts(k), |e| e.max(0) as usize);
+    if (1..=k).contains(&experts) {
+        // Fewer experts than k + 1 (k distinct ones and the always-empty expert 1): ids
+        // with repeats, still below num_experts, so the call stays valid.
+        return Array::from_i32(&[t, k], (0..t * k).map(|_| rng.gen_range(0..experts as i32)).collect());
+    }
     random_expert_ids_over(t, k, experts, rng)
 }
 
@@ -514,7 +617,7 @@ fn ids_input(shapes: &[Vec<usize>], at: usize, s: &Statics, rng: &mut StdRng) ->
 /// routing order, gather, weighted sum) sharing no code with the kernels or [`plan`].
 pub mod reference {
     /// Top-k of each length-`e` row of `logits`: `(weights, ids)`, both `[T, k]`
-    /// row-major. Order: larger logit first, ties to the lower index.
+    /// row-major. Order: NaN first, then larger logit first, ties to the lower index.
     pub fn router_topk(logits: &[f64], e: usize, k: usize, sigmoid: bool, normalize: bool) -> (Vec<f64>, Vec<usize>) {
         let mut weights = Vec::new();
         let mut ids = Vec::new();
@@ -526,8 +629,15 @@ pub mod reference {
                 let sum: f64 = row.iter().map(|v| (v - max).exp()).sum();
                 row.iter().map(|v| (v - max).exp() / sum).collect()
             };
+            // NaN first (torch.topk ranks it above every number), then larger logits;
+            // ties (NaN with NaN, -0 with +0) to the lower index.
+            let rank = |a: usize, b: usize| match (row[a].is_nan(), row[b].is_nan()) {
+                (true, true) => std::cmp::Ordering::Equal,
+                (x, y) if x != y => y.cmp(&x),
+                _ => row[b].partial_cmp(&row[a]).unwrap_or(std::cmp::Ordering::Equal),
+            };
             let mut order: Vec<usize> = (0..e).collect();
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.sort_by(|&a, &b| rank(a, b).then(a.cmp(&b)));
             let picked = &order[..k];
             let total: f64 = picked.iter().map(|&i| scores[i]).sum();
             for &i in picked {

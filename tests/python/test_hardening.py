@@ -730,13 +730,15 @@ def mutate_meta(op, kind, w, tensors, statics):
     return None
 
 
+# An int for a `bool` static is torch's own rule (its dispatcher reads 3 as True, as in
+# aten.sort(descending=3)): "any". A string for it is refused.
 BAD_STATICS = [
     ("eps", float("nan"), "any"), ("eps", -1.0, "any"), ("eps", float("inf"), "any"), ("eps", "x", "reject"), ("eps", None, "reject"),
-    ("theta", float("nan"), "any"), ("theta", 0.0, "any"), ("theta", -10.0, "any"), ("interleaved", 3, "reject"),
+    ("theta", float("nan"), "any"), ("theta", 0.0, "any"), ("theta", -10.0, "any"), ("interleaved", 3, "any"),
     ("tiling", [0, 128, 128], "reject"), ("tiling", [128, 128], "reject"), ("tiling", [-128, 128, 128], "reject"), ("tiling", [3, 5, 7], "any"), ("tiling", [8, 128, 128], "any"),
     ("k", 0, "any"), ("k", -1, "reject"), ("k", 1000, "reject"), ("k", 2**40, "reject"), ("gate", "relu", "reject"), ("gate", "", "reject"), ("normalize", "yes", "reject"),
     ("num_experts", 0, "reject"), ("num_experts", -1, "reject"), ("num_experts", 2**32 + 5, "reject"), ("num_experts", 1.5, "reject"),
-    ("block_q", 0, "reject"), ("block_q", -1, "reject"), ("block_q", 3, "any"), ("block_kv", 2**40, "any"), ("sm_scale", float("nan"), "any"), ("soft_cap", 0.0, "any"), ("soft_cap", -1.0, "any"), ("soft_cap", float("nan"), "any"), ("causal", 2, "reject"), ("causal", "yes", "reject"),
+    ("block_q", 0, "reject"), ("block_q", -1, "reject"), ("block_q", 3, "any"), ("block_kv", 2**40, "any"), ("sm_scale", float("nan"), "any"), ("soft_cap", 0.0, "any"), ("soft_cap", -1.0, "any"), ("soft_cap", float("nan"), "any"), ("causal", 2, "any"), ("causal", "yes", "reject"),
     ("pages_per_compute_block", 0, "reject"), ("pages_per_compute_block", -1, "reject"), ("pages_per_compute_block", 1000, "any"),
     ("sliding_window", 0, "reject"), ("sliding_window", -1, "reject"), ("num_queries_per_block", 0, "reject"), ("num_queries_per_block", 5, "any"), ("num_kv_pages_per_block", 0, "reject"), ("sm_scale", float("inf"), "any"),
 ]
@@ -1291,7 +1293,8 @@ def test_regression_cross_entropy_ignore_index_argument():
 
 
 def _sdpa64(q, k, v, causal):
-    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    # Math attention over the visible keys (see test_ops.ref_flash_attention_fwd).
+    return T.ref_flash_attention_fwd(q.double(), k.double(), v.double(), causal)[0]
 
 
 def _nan_rows(o):
@@ -1465,3 +1468,25 @@ except Exception as e:
     assert rc == 0, f"the process died (exit {rc}):\n{err[-2000:]}"
     assert "RAISED ValueError error[" in out and "softmax" in out, f"not a clear error: {out}"
     assert "allocate" not in out, f"an allocation was attempted: {out}"
+
+
+def test_regression_flash_attention_all_minus_inf_row_is_sdpas():
+    # Was: a query row whose logits are all -inf gave NaN (0 / 0) forward and NaN gradients
+    # over its whole head; torch's SDPA (safe softmax) gives o = 0 and finite gradients,
+    # NaN only in dk's lane that met the -inf (0 * -inf).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    k[..., 0] = k[..., 0].abs() + 0.1
+    q[0, 0, 3, 0] = float("-inf")
+    for causal in (False, True):
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        tpu.flash_attention(*ours, causal).sum().backward()
+        ref = [t.clone().double().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.MATH):
+            o = F.scaled_dot_product_attention(*ref, is_causal=causal)
+        o.sum().backward()
+        assert torch.equal(tpu.flash_attention(q, k, v, causal)[0, 0, 3], torch.zeros(16))
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.grad.isnan(), b.grad.isnan())
+            torch.testing.assert_close(a.grad.double().nan_to_num(0), b.grad.nan_to_num(0), atol=1e-5, rtol=1e-5)

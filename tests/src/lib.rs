@@ -10,3 +10,4 @@ pub mod broken;
 pub mod conformance;
 pub mod hardening;
 pub mod oracle;
+pub mod nonfinite;

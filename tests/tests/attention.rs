@@ -329,3 +329,141 @@ fn libtpu_compiles_large_blocks() {
         oracle::assert_accepted(&modules, target.name);
     }
 }
+
+/// NaN and inf as torch's math attention over the *visible* keys (masking selects): a NaN
+/// in q makes its row NaN; a NaN or inf in a visible k makes the rows that see it NaN (or,
+/// for -inf logits, weight 0); a nonfinite v value reaches exactly the (row, column)
+/// entries that see it (`p * inf` = inf, NaN where `p = 0` or with `inf - inf`), never a
+/// row that may not see it; `sm_scale` NaN / ±inf gives NaN rows (lse NaN / ±inf, torch's
+/// logsumexp); a row whose visible logits are all -inf is NaN with lse -inf, a row with no
+/// visible key (segment ids) o = 0, lse = -inf. Several q and kv blocks, ragged edges,
+/// GQA 2, causal and not, with and without segment ids, f32 and bf16.
+#[test]
+fn nonfinite_inputs_propagate_like_math_attention() {
+    use tessera_tests::nonfinite::assert_matches;
+    let (b, h, hkv, sq, skv, d) = (1, 2, 1, 40, 300, 16);
+    let mut rng = StdRng::seed_from_u64(21);
+    let base = |n: usize, rng: &mut StdRng| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
+    let (q0, k0, v0) = (base(b * h * sq * d, &mut rng), base(b * hkv * skv * d, &mut rng), base(b * hkv * skv * d, &mut rng));
+    // Segments: query rows 30..35 are in segment 9, which no key has (they see nothing).
+    let q_seg: Vec<i32> = (0..sq).map(|r| if (30..35).contains(&r) { 9 } else { (r / 20) as i32 }).collect();
+    let kv_seg: Vec<i32> = (0..skv).map(|c| (c / 20).min(1) as i32).collect();
+    let (qs, ks) = (Array::from_i32(&[b, sq], q_seg), Array::from_i32(&[b, skv], kv_seg));
+    // (tensor, element, value): q row 5; key 20 (seen by rows >= 20 when causal); key 3; key
+    // 50 (seen by no row when causal); key 290 (in the ragged last kv block).
+    let q_at = |head: usize, row: usize, e: usize| (head * sq + row) * d + e;
+    let kv_at = |key: usize, e: usize| key * d + e;
+    let injections: Vec<(&str, usize, f32)> = vec![
+        ("q", q_at(0, 5, 2), f32::NAN),
+        ("q", q_at(1, 22, 0), f32::NEG_INFINITY),
+        ("q", q_at(1, 7, 3), f32::INFINITY),
+        ("k", kv_at(20, 1), f32::NAN),
+        ("k", kv_at(20, 1), f32::INFINITY),
+        ("k", kv_at(3, 4), f32::NEG_INFINITY),
+        ("v", kv_at(20, 5), f32::NAN),
+        ("v", kv_at(20, 5), f32::INFINITY),
+        ("v", kv_at(3, 6), f32::NEG_INFINITY),
+        ("v", kv_at(50, 7), f32::INFINITY),
+        ("v", kv_at(290, 8), f32::NAN),
+        ("k", kv_at(290, 9), f32::INFINITY),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        let tol = if dtype == DType::BF16 { 3e-2 } else { 2e-5 };
+        for causal in [false, true] {
+            for segmented in [false, true] {
+                let mut run = |what: String, q: &[f32], k: &[f32], v: &[f32], extra: &str| {
+                    let (q, k, v) = (Array::from_f32_in(dtype, &[b, h, sq, d], q.to_vec()), Array::from_f32_in(dtype, &[b, hkv, skv, d], k.to_vec()), Array::from_f32_in(dtype, &[b, hkv, skv, d], v.to_vec()));
+                    let seg = if segmented { [Some(&qs), Some(&ks)] } else { [None, None] };
+                    let statics = format!("causal={}, block_q=16, block_kv=128{extra}", if causal { "True" } else { "False" });
+                    assert_matches(&format!("{what} {dtype} causal={causal} segmented={segmented}"), "flash_attention_fwd", &[Some(&q), Some(&k), Some(&v), seg[0], seg[1]], &statics, &Target::V5E, tol);
+                };
+                for &(name, at, val) in &injections {
+                    let (mut q, mut k, mut v) = (q0.clone(), k0.clone(), v0.clone());
+                    match name {
+                        "q" => q[at] = val,
+                        "k" => k[at] = val,
+                        _ => v[at] = val,
+                    }
+                    run(format!("{val} in {name}[{at}]"), &q, &k, &v, "");
+                }
+                // A nonfinite sm_scale is an option error (it would turn every row NaN).
+                let entry = tessera_kernels::find("flash_attention_fwd").unwrap();
+                let (q, k, v) = (Array::from_f32_in(dtype, &[b, h, sq, d], q0.clone()), Array::from_f32_in(dtype, &[b, hkv, skv, d], k0.clone()), Array::from_f32_in(dtype, &[b, hkv, skv, d], v0.clone()));
+                for scale in ["nan", "inf", "-inf"] {
+                    let statics = entry.statics(&format!("causal=true, sm_scale={scale}")).unwrap();
+                    let e = entry.run(&tessera_dsl::Interpreter, &[Some(&q), Some(&k), Some(&v), None, None], &statics, &Target::V5E).err().map(|e| e.to_string()).unwrap_or_default();
+                    assert!(e.contains("sm_scale") && e.contains("option-value"), "sm_scale={scale}: {e}");
+                }
+                // Every visible logit of query row 12 is -inf: q row 12 = -inf * (k > 0 in lane 0).
+                let (mut q, mut k) = (q0.clone(), k0.clone());
+                for c in 0..skv {
+                    k[kv_at(c, 0)] = 1.0;
+                }
+                q[q_at(0, 12, 0)] = f32::NEG_INFINITY;
+                run("all -inf logits in row 12".into(), &q, &k, &v0, "");
+            }
+        }
+    }
+}
+
+/// The backward with a NaN / inf in q, k, v or do (o and lse from the forward on the same
+/// inputs, as autograd passes them), against the select-semantics reference (only visible
+/// (query, key) pairs contribute): exact for v everywhere and for every input when no block
+/// needs a mask; in masked blocks (the causal diagonal) a nonfinite q row, k row or do row
+/// may also reach dk, dq or dv of that block's positions that do not see it (the raw
+/// operand meets a zero weight in the block's product, as in torch's math-SDPA autograd,
+/// which does so for every pair), never anything outside those blocks, and is NaN wherever
+/// the reference is.
+#[test]
+fn backward_nonfinite_inputs() {
+    use tessera_tests::nonfinite::{compare, run_and_reference};
+    let (b, h, hkv, sq, skv, d) = (1, 2, 1, 64, 256, 16);
+    let (bq, bk) = (16, 128);
+    let mut rng = StdRng::seed_from_u64(22);
+    let base = |n: usize, rng: &mut StdRng| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
+    let (q0, k0, v0, do0) = (base(b * h * sq * d, &mut rng), base(b * hkv * skv * d, &mut rng), base(b * hkv * skv * d, &mut rng), base(b * h * sq * d, &mut rng));
+    let q_at = |head: usize, row: usize, e: usize| (head * sq + row) * d + e;
+    let kv_at = |key: usize, e: usize| key * d + e;
+    let cases = [("q", q_at(0, 5, 2), f32::NAN), ("k", kv_at(20, 1), f32::NAN), ("v", kv_at(20, 5), f32::NAN), ("v", kv_at(20, 5), f32::INFINITY), ("v", kv_at(40, 2), f32::NEG_INFINITY), ("do", q_at(1, 25, 3), f32::NAN)];
+    for causal in [false, true] {
+        for &(name, at, val) in &cases {
+            let (mut q, mut k, mut v, mut dout) = (q0.clone(), k0.clone(), v0.clone(), do0.clone());
+            match name {
+                "q" => q[at] = val,
+                "k" => k[at] = val,
+                "v" => v[at] = val,
+                _ => dout[at] = val,
+            }
+            let (qa, ka, va, da) = (Array::from_f32(&[b, h, sq, d], q), Array::from_f32(&[b, hkv, skv, d], k), Array::from_f32(&[b, hkv, skv, d], v), Array::from_f32(&[b, h, sq, d], dout));
+            let statics = format!("causal={}, block_q={bq}, block_kv={bk}", if causal { "True" } else { "False" });
+            let fwd = find("flash_attention_fwd").unwrap();
+            let out = fwd.run(&Interpreter, &[Some(&qa), Some(&ka), Some(&va), None, None], &fwd.statics(&statics).unwrap(), &Target::V5E).unwrap();
+            let (got, want) = run_and_reference("flash_attention_bwd", &[Some(&qa), Some(&ka), Some(&va), Some(&out[0]), Some(&out[1]), Some(&da), None, None], &statics, &Target::V5E);
+            for (j, grad) in ["dq", "dk", "dv"].iter().enumerate() {
+                let what = format!("{val} in {name}[{at}], causal={causal}: {grad}");
+                // Which operand may leak into this gradient inside masked blocks.
+                let leaky = causal && matches!((name, *grad), ("q", "dk") | ("k", "dq") | ("do", "dv"));
+                if !leaky {
+                    compare(&got[j], &want[j], 1e-4).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    continue;
+                }
+                let g = got[j].to_f64_vec();
+                // The kv blocks that q block `qb` meets on the causal diagonal (masked).
+                let diagonal = |qb: usize| (qb * bq) / bk..=(qb * bq + bq - 1) / bk;
+                let pos = |i: usize| if *grad == "dq" { (i / d) % sq } else { (i / d) % skv };
+                let src = (at / d) % if name == "k" { skv } else { sq };
+                let in_source_blocks = |p: usize| if *grad == "dq" { diagonal(p / bq).contains(&(src / bk)) } else { diagonal(src / bq).contains(&(p / bk)) };
+                for (i, (&a, &w)) in g.iter().zip(&want[j]).enumerate() {
+                    if w.is_nan() {
+                        assert!(a.is_nan(), "{what}: element {i} is {a}, the reference is NaN");
+                    } else if !a.is_nan() {
+                        assert!((a - w).abs() <= 1e-4 * (1.0 + w.abs()), "{what}: element {i} is {a}, the reference {w}");
+                    } else {
+                        // A leak: only inside a masked (diagonal) block pair of the source.
+                        assert!(in_source_blocks(pos(i)), "{what}: element {i} (position {}) is NaN outside the source's masked blocks", pos(i));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -177,3 +177,66 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
         oracle::assert_accepted(&modules, target.name);
     }
 }
+
+/// NaN and inf as torch's math attention over each sequence's visible keys: a NaN / inf
+/// in q or a visible key's k or v reaches only its own sequence's rows (v: only its column,
+/// `p * inf` = inf); a value past the length in a used page, or in a page the sequence does
+/// not use (but another does), never reaches it; a whole first compute block of -inf logits
+/// followed by finite ones is finite (weight 0), and an empty sequence stays 0. Two compute
+/// blocks, GQA 2, f32 and bf16.
+#[test]
+fn nonfinite_values_reach_only_their_sequence() {
+    use rand::Rng;
+    use tessera_tests::nonfinite::assert_matches;
+    let (b, h, hkv, d, np, ps, pps) = (3, 4, 2, 16, 8, 8, 4);
+    let mut rng = StdRng::seed_from_u64(31);
+    let mut base = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
+    let (q0, k0, v0) = (base(b * h * d), base(hkv * np * ps * d), base(hkv * np * ps * d));
+    // Sequence 0: 13 tokens on pages 2, 5 (2 pages per compute block); 1: 30 tokens on
+    // pages 1, 3, 4, 6; 2: empty.
+    let lengths = Array::from_i32(&[b], vec![13, 30, 0]);
+    let pages = Array::from_i32(&[b, pps], vec![2, 5, 7, 7, 1, 3, 4, 6, 0, 0, 0, 0]);
+    let at = |head: usize, page: usize, row: usize, e: usize| ((head * np + page) * ps + row) * d + e;
+    let cases: Vec<(&str, usize, f32)> = vec![
+        ("q", 4 * d + 3, f32::NAN),                  // sequence 1, head 0
+        ("q", d + 5, f32::NEG_INFINITY),             // sequence 0, head 1
+        ("k", at(0, 5, 2, 1), f32::NAN),             // sequence 0 token 10 (kv head 0)
+        ("k", at(1, 3, 1, 0), f32::INFINITY),        // sequence 1 token 9 (kv head 1)
+        ("v", at(0, 2, 4, 6), f32::INFINITY),        // sequence 0 token 4
+        ("v", at(1, 6, 5, 2), f32::NEG_INFINITY),    // sequence 1 token 29
+        ("v", at(0, 5, 6, 7), f32::NAN),             // sequence 0 token 14: past its length
+        ("v", at(0, 7, 0, 1), f32::INFINITY),        // page 7: nobody's visible token
+        ("k", at(1, 0, 3, 2), f32::NAN),             // page 0: only the empty sequence's
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        let tol = if dtype == DType::BF16 { 3e-2 } else { 2e-5 };
+        let run = |what: &str, q: &[f32], k: &[f32], v: &[f32]| {
+            let (q, k, v) = (Array::from_f32_in(dtype, &[b, h, d], q.to_vec()), Array::from_f32_in(dtype, &[hkv, np, ps, d], k.to_vec()), Array::from_f32_in(dtype, &[hkv, np, ps, d], v.to_vec()));
+            let (got, _) = assert_matches(&format!("{what} {dtype}"), "paged_attention", &[Some(&q), Some(&k), Some(&v), Some(&lengths), Some(&pages)], "pages_per_compute_block=2", &Target::V5E, tol);
+            assert!(got[0].to_f64_vec()[2 * h * d..].iter().all(|&x| x == 0.0), "{what}: the empty sequence is 0");
+        };
+        for &(name, i, val) in &cases {
+            let (mut q, mut k, mut v) = (q0.clone(), k0.clone(), v0.clone());
+            match name {
+                "q" => q[i] = val,
+                "k" => k[i] = val,
+                _ => v[i] = val,
+            }
+            run(&format!("{val} in {name}[{i}]"), &q, &k, &v);
+        }
+        // Sequence 1's first compute block (tokens 0..16, pages 1 and 3) all at -inf for
+        // kv head 0 (k lane 0 = -inf, q lane 0 > 0 for both of its query heads), the
+        // second block finite: finite rows.
+        let (mut q, mut k) = (q0.clone(), k0.clone());
+        for page in [1, 3] {
+            for row in 0..ps {
+                k[at(0, page, row, 0)] = f32::NEG_INFINITY;
+            }
+        }
+        q[4 * d] = 0.5;
+        q[5 * d] = 0.25;
+        run("a first block of -inf logits", &q, &k, &v0);
+        let (got, _) = tessera_tests::nonfinite::run_and_reference("paged_attention", &[Some(&Array::from_f32_in(dtype, &[b, h, d], q)), Some(&Array::from_f32_in(dtype, &[hkv, np, ps, d], k)), Some(&Array::from_f32_in(dtype, &[hkv, np, ps, d], v0.clone())), Some(&lengths), Some(&pages)], "pages_per_compute_block=2", &Target::V5E);
+        assert!(got[0].to_f64_vec()[4 * d..6 * d].iter().all(|x| x.is_finite()), "{dtype}: -inf logits weigh 0");
+    }
+}

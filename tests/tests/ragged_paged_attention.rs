@@ -212,3 +212,69 @@ fn library_entry_matches_its_reference() {
         }
     }
 }
+
+/// NaN and inf as torch's math attention over each query's visible keys: a nonfinite v
+/// value reaches exactly the (row, column) entries that see it (`p * inf` = inf) and never
+/// a causally earlier query, another sequence's tokens, padding or a key outside the
+/// window; cache rows past kv_len never reach anyone; a NaN in q or a visible k makes the
+/// rows that see it NaN; a row whose visible logits are all -inf is NaN. A prefill (with
+/// unmasked kv blocks), a decode and a chunked prefill in one batch, 8-token kv blocks,
+/// GQA 2; plain, sliding window and soft cap; f32 and bf16.
+#[test]
+fn nonfinite_values_reach_only_the_queries_that_see_them() {
+    use rand::Rng;
+    use tessera_tests::nonfinite::assert_matches;
+    let (t, h, hkv, d, np, ps, ms, pps) = (48, 4, 2, 16, 16, 8, 4, 6);
+    let mut rng = StdRng::seed_from_u64(41);
+    let mut base = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
+    let (q0, k0, v0) = (base(t * h * d), base(hkv * np * ps * d), base(hkv * np * ps * d));
+    // s0: prefill of 32 (tokens 0..32, pages 0..4); s1: decode over 20 keys (token 32,
+    // pages 5..8); s2: 10 new tokens over 30 keys (tokens 33..43, pages 8..12); 43..48 pad.
+    let kv_lens = Array::from_i32(&[ms], vec![32, 20, 30, 0]);
+    let pages = Array::from_i32(&[ms, pps], vec![0, 1, 2, 3, 0, 0, 5, 6, 7, 0, 0, 0, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0]);
+    let cu = Array::from_i32(&[ms + 1], vec![0, 32, 33, 43, 43]);
+    let ns = Array::from_i32(&[1], vec![3]);
+    let kv = |head: usize, page: usize, row: usize, e: usize| ((head * np + page) * ps + row) * d + e;
+    let cases: Vec<(&str, usize, f32)> = vec![
+        ("v", kv(0, 0, 5, 3), f32::NAN),             // s0 key 5
+        ("v", kv(1, 2, 4, 1), f32::INFINITY),        // s0 key 20
+        ("v", kv(0, 11, 1, 2), f32::NEG_INFINITY),   // s2 key 25
+        ("v", kv(0, 7, 6, 4), f32::NAN),             // s1 key 22: past its kv_len
+        ("v", kv(1, 6, 0, 0), f32::INFINITY),        // s1 key 8
+        ("k", kv(1, 5, 3, 5), f32::NAN),             // s1 key 3
+        ("k", kv(0, 8, 5, 6), f32::INFINITY),        // s2 key 5
+        ("q", (40 * h + 1) * d + 7, f32::NAN),       // token 40 (s2), head 1
+        ("q", (10 * h + 2) * d + 1, f32::NEG_INFINITY), // token 10 (s0), head 2
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        let tol = if dtype == DType::BF16 { 3e-2 } else { 2e-5 };
+        for statics in ["sm_scale=0.25", "sm_scale=0.25, sliding_window=6", "sm_scale=0.25, soft_cap=5.0"] {
+            let statics = format!("{statics}, num_queries_per_block=16, num_kv_pages_per_block=1");
+            let run = |what: &str, q: &[f32], k: &[f32], v: &[f32]| {
+                let (q, k, v) = (Array::from_f32_in(dtype, &[t, h, d], q.to_vec()), Array::from_f32_in(dtype, &[hkv, np, ps, d], k.to_vec()), Array::from_f32_in(dtype, &[hkv, np, ps, d], v.to_vec()));
+                let inputs = [Some(&q), Some(&k), Some(&v), Some(&kv_lens), Some(&pages), Some(&cu), Some(&ns)];
+                let (got, _) = assert_matches(&format!("{what} {dtype} {statics}"), "ragged_paged_attention", &inputs, &statics, &Target::V5E, tol);
+                assert!(got[0].to_f64_vec()[43 * h * d..].iter().all(|&x| x == 0.0), "{what}: padding tokens are 0");
+            };
+            for &(name, i, val) in &cases {
+                let (mut q, mut k, mut v) = (q0.clone(), k0.clone(), v0.clone());
+                match name {
+                    "q" => q[i] = val,
+                    "k" => k[i] = val,
+                    _ => v[i] = val,
+                }
+                run(&format!("{val} in {name}[{i}]"), &q, &k, &v);
+            }
+            // Token 35 (s2) head 0: every visible logit -inf (k lane 0 = 1 on s2's pages
+            // for kv head 0, q lane 0 = -inf).
+            let (mut q, mut k) = (q0.clone(), k0.clone());
+            for page in 8..12 {
+                for row in 0..ps {
+                    k[kv(0, page, row, 0)] = 1.0;
+                }
+            }
+            q[(35 * h) * d] = f32::NEG_INFINITY;
+            run("all -inf logits", &q, &k, &v0);
+        }
+    }
+}

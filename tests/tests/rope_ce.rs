@@ -202,3 +202,39 @@ fn rope_public_functions() {
     assert_eq!(e.rule, "operand-shape");
 }
 
+
+/// A NaN or inf in x (or dy) reaches exactly the two outputs of its pair, as torch's
+/// `x * cos + rotate(x) * sin` (at position 0, `sin = 0` and `inf * 0` makes the partner
+/// NaN too), never the rest of the head or chunk: both variants, several heads per chunk
+/// (dh 64), a whole-row chunk (dh 2), f32 and bf16.
+#[test]
+fn rope_nonfinite_stays_in_its_pair() {
+    use tessera_tests::nonfinite::{assert_matches, nan_at};
+    for (t, h, dh) in [(9, 4, 64), (5, 4, 2), (3, 2, 128)] {
+        for interleaved in [false, true] {
+            for op in ["rope", "rope_bwd"] {
+                for dtype in [DType::F32, DType::BF16] {
+                    let mut rng = StdRng::seed_from_u64(5);
+                    let mut xs: Vec<f32> = (0..t * h * dh).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    // Token 0 at position 0, token 1 at 7; head 1, lanes 3 (NaN) and 0 (inf).
+                    let at = |tok: usize, lane: usize| (tok * h + 1) * dh + lane;
+                    xs[at(0, 0)] = f32::INFINITY;
+                    xs[at(1, 1)] = f32::NAN;
+                    xs[at(1, 0)] = f32::NEG_INFINITY;
+                    let x = Array::from_f32_in(dtype, &[t, h, dh], xs);
+                    let pos = Array::from_i32(&[t], (0..t as i32).map(|i| 7 * i).collect());
+                    let statics = if interleaved { "interleaved=True" } else { "" };
+                    let what = format!("{op} [{t}, {h}, {dh}] {dtype} interleaved={interleaved}");
+                    let (got, want) = assert_matches(&what, op, &[Some(&x), Some(&pos)], statics, &Target::V5E, if dtype == DType::BF16 { 1e-2 } else { 1e-6 });
+                    // Independently of the reference: NaN only inside the two touched pairs.
+                    let partner = |lane: usize| if interleaved { lane ^ 1 } else { (lane + dh / 2) % dh };
+                    let allowed = [at(0, 0), at(0, partner(0)), at(1, 0), at(1, partner(0)), at(1, 1), at(1, partner(1))];
+                    let nans = nan_at(&got[0].to_f64_vec());
+                    assert!(nans.iter().all(|i| allowed.contains(i)), "{what}: NaN at {nans:?}, allowed {allowed:?}");
+                    assert!(nans.contains(&at(1, 1)) && nans.contains(&at(1, partner(1))), "{what}: the NaN's pair must be NaN: {nans:?}");
+                    assert_eq!(nan_at(&want[0]), nans);
+                }
+            }
+        }
+    }
+}

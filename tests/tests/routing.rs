@@ -231,10 +231,10 @@ fn bad_parameters_are_errors_not_panics() {
     assert_eq!(e.rule, "operand-dtype");
     let ids = Array::from_i32(&[4, 2], vec![0, 1, 1, 0, 2, 0, 1, 2]);
     let e = routing::permute(&Interpreter, &Array::from_f32(&[5, 128], vec![0.0; 640]), &ids, 3, &Target::V5E).unwrap_err();
-    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "routing-shape"), "{e}");
+    assert_eq!((e.kernel.as_str(), e.rule), ("permute", "operand-shape"), "{e}");
     let y = Array::from_f32(&[8, 128], vec![0.0; 1024]);
     let e = routing::combine(&Interpreter, &y, &Array::from_f32(&[4, 3], vec![0.0; 12]), &ids, 3, &Target::V5E).unwrap_err();
-    assert_eq!((e.kernel.as_str(), e.rule), ("combine", "routing-shape"), "{e}");
+    assert_eq!((e.kernel.as_str(), e.rule), ("combine", "operand-shape"), "{e}");
     // A negative id is an error too.
     let e = routing::permute(&Interpreter, &Array::from_f32(&[2, 128], vec![0.0; 256]), &Array::from_i32(&[2, 1], vec![0, -1]), 4, &Target::V5E).unwrap_err();
     assert_eq!((e.kernel.as_str(), e.rule), ("permute", "expert-id-range"), "{e}");
@@ -278,5 +278,90 @@ fn libtpu_compiles_router_variants_and_ragged_tiles() {
         }
         let modules: Vec<(String, String)> = modules.into_iter().map(|(n, k)| (n, tessera_codegen::lower(&k, &target).unwrap().stablehlo)).collect();
         tessera_tests::oracle::assert_accepted(&modules, target.name);
+    }
+}
+
+/// A NaN or inf in x (permute), dout (permute_bwd) or y / weights (combine) reaches only
+/// the rows torch's gather / weighted sum gives it (`0 * inf` in the one-hot products must
+/// not spread it): NaN exactly where the reference is NaN, the same infinities. Two token
+/// tiles (T = 600 > 512), negative and zero weights, and a token whose two slots meet +inf
+/// and -inf in one column (NaN).
+#[test]
+fn nonfinite_values_reach_only_their_rows() {
+    use tessera_tests::nonfinite::assert_matches;
+    let (t, k, d, experts) = (600, 2, 12, 5);
+    let mut rng = StdRng::seed_from_u64(3);
+    let ids = routing::random_expert_ids_over(t, k, experts, &mut rng);
+    let statics = format!("num_experts={experts}");
+    let pos = routing::plan(&ids, experts).unwrap().pos;
+    for dtype in DTYPES {
+        for target in TARGETS {
+            let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-6 };
+            let mut x = random_array(DType::F32, &[t, d], &mut rng).to_f32_vec();
+            x[3 * d + 1] = f32::NAN;
+            x[550 * d + 2] = f32::INFINITY;
+            x[7 * d + 2] = f32::NEG_INFINITY;
+            let x = Array::from_f32_in(dtype, &[t, d], x);
+            let (got, _) = assert_matches("permute", "permute", &[Some(&x), Some(&ids)], &statics, &target, tol);
+            let v = got[0].to_f64_vec();
+            assert_eq!(v.iter().filter(|x| x.is_nan()).count(), k, "{dtype}: one NaN per slot of token 3");
+            assert_eq!(v.iter().filter(|x| x.is_infinite()).count(), 2 * k, "{dtype}: the infs, once per slot");
+
+            let mut y = random_array(DType::F32, &[t * k, d], &mut rng).to_f32_vec();
+            let row = |tok: usize, j: usize| pos[tok * k + j] as usize;
+            y[row(10, 0) * d + 4] = f32::INFINITY;
+            y[row(10, 1) * d + 4] = f32::NEG_INFINITY; // token 10, column 4: inf - inf
+            y[row(20, 1) * d] = f32::NAN;
+            y[row(590, 0) * d + 5] = f32::NEG_INFINITY;
+            y[row(30, 0) * d + 6] = f32::INFINITY; // meets a zero weight: NaN
+            y[row(40, 1) * d + 7] = f32::INFINITY; // meets a negative weight: -inf
+            let y = Array::from_f32_in(dtype, &[t * k, d], y);
+            let (got, want) = assert_matches("permute_bwd", "permute_bwd", &[Some(&y), Some(&ids)], &statics, &target, tol);
+            assert!(want[0][10 * d + 4].is_nan() && got[0].to_f64_vec()[10 * d + 4].is_nan());
+
+            let mut w = random_array(DType::F32, &[t, k], &mut rng).to_f32_vec().iter().map(|v| v.abs() + 0.1).collect::<Vec<f32>>();
+            w[30 * k] = 0.0;
+            w[40 * k + 1] = -0.5;
+            w[50 * k] = f32::NAN;
+            w[60 * k + 1] = f32::INFINITY;
+            let w = Array::from_f32_in(dtype, &[t, k], w);
+            let (got, want) = assert_matches("combine", "combine", &[Some(&y), Some(&w), Some(&ids)], &statics, &target, tol);
+            let (g, wv) = (got[0].to_f64_vec(), &want[0]);
+            assert!(g[30 * d + 6].is_nan() && g[40 * d + 7] == f64::NEG_INFINITY && g[590 * d + 5] == f64::NEG_INFINITY, "{dtype}");
+            assert!((0..d).all(|c| g[50 * d + c].is_nan()), "{dtype}: a NaN weight makes its token's row NaN");
+            assert_eq!(g.iter().filter(|x| x.is_nan()).count(), wv.iter().filter(|x| x.is_nan()).count());
+        }
+    }
+}
+
+/// NaN logits rank above every number (torch.topk / torch.sort): picked first, lowest
+/// expert first among NaNs, with NaN weights as torch's softmax / sigmoid give; +inf and
+/// -inf logits are numbers (an all -inf row still yields distinct experts).
+#[test]
+fn router_topk_ranks_nan_first() {
+    use tessera_tests::nonfinite::assert_matches;
+    let (t, e) = (5, 6);
+    let mut logits = vec![0.5f32; t * e];
+    for (i, v) in logits.iter_mut().enumerate() {
+        *v = ((i * 7) % 11) as f32 / 4.0;
+    }
+    logits[4] = f32::NAN; // row 0: NaN at expert 4
+    logits[e + 1] = f32::NAN; // row 1: NaNs at 1 and 3, +inf at 5
+    logits[e + 3] = f32::NAN;
+    logits[e + 5] = f32::INFINITY;
+    logits[2 * e] = -f32::NAN; // row 2: a negative NaN is a NaN too
+    for v in &mut logits[3 * e..4 * e] {
+        *v = f32::NEG_INFINITY; // row 3: all -inf
+    }
+    for dtype in DTYPES {
+        let x = Array::from_f32_in(dtype, &[t, e], logits.clone());
+        for statics in ["k=3", "k=3, gate=\"sigmoid\", normalize=False", "k=1, normalize=False"] {
+            let (got, _) = assert_matches(statics, "router_topk", &[Some(&x)], statics, &Target::V5E, 1e-2);
+            let ids = got[1].to_f64_vec();
+            let k = ids.len() / t;
+            assert_eq!(ids[0], 4.0, "{statics}: row 0 takes its NaN first");
+            assert_eq!(&ids[k..k + k.min(2)], &[1.0, 3.0][..k.min(2)], "{statics}: row 1, NaNs by index");
+            assert_eq!(ids[2 * k], 0.0, "{statics}: row 2, the negative NaN");
+        }
     }
 }

@@ -15,14 +15,16 @@ const ROW_OPS: &[&str] = &[
 ];
 
 /// Input shapes of `op` for rows `[m, n]`, from the table's dims (`[..., n]`, `[t, v]` are
-/// the rows; a 1-d input named by the width is `[n]`, by the row count `[m]`).
+/// the rows; a 1-d input named by the width is `[n]`, by the row count `[m]`; optional
+/// dims such as `1?` left out).
 fn shapes(op: &Op, m: usize, n: usize) -> Vec<Vec<usize>> {
-    let width = op.inputs[0].dims.trim_end_matches(']').rsplit(", ").next().unwrap().to_string();
+    let items = |dims: &'static str| -> Vec<&'static str> { dims.trim_start_matches('[').trim_end_matches(']').split(", ").filter(|d| !d.ends_with('?')).collect() };
+    let width = *items(op.inputs[0].dims).last().unwrap();
     op.inputs
         .iter()
-        .map(|i| match i.dims.trim_start_matches('[').trim_end_matches(']') {
-            d if d.contains(',') => vec![m, n],
-            d if d == width => vec![n],
+        .map(|i| match items(i.dims)[..] {
+            [_, _, ..] => vec![m, n],
+            [d] if d == width => vec![n],
             _ => vec![m],
         })
         .collect()

@@ -361,6 +361,12 @@ mod avx512 {
         }
     }
 
+    /// One `h x w` (at most MR x 2 * NR) tile of C from `pairs` packed bf16 pairs.
+    ///
+    /// # Safety
+    /// The CPU has avx512f and avx512bf16 (checked by the caller's dispatch); `a` holds
+    /// `pairs * MR` u32 pairs, `b` `pairs * 2 * NR` u16 values, and `c` rows `0..h` of `w`
+    /// lanes at stride `rsc` are valid for writes.
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[inline]
     #[allow(clippy::too_many_arguments)]

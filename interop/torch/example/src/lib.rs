@@ -57,8 +57,8 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
 
 /// This crate's ops.
 pub const OPS: &[Op] = &[Op {
-                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
-                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] (or [1, n]) broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
+                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
                              ..Op::EMPTY
                          }];
 
