@@ -76,6 +76,8 @@ rules! {
         "pair grid-steps: [2, 2^30 - 64] accepted; [2, 2^30] rejected (`count < int32 max: Iteration bounds are too large`). Between, libtpu hangs or aborts ([2, 2^30 - 1]: `Check failed: index_space_.start <= index_space_.limit`), so the rule stops at the last measured success";
 
     // ---- operands (verify/operand.rs) ----
+    "kernel-outputs", Tpu, [V], SAME, "a kernel has at least one output",
+        "pair kernel-outputs: a copy into an output accepted; the same copy into a VMEM scratch, the kernel's only other operand, rejected (`expected named operation to have at least 1 result`)";
     "operand-shape", Semantic, [V], SAME, "every operand has rank >= 1 and no zero dim",
         "semantic: an empty operand is a host-side mistake (libtpu would compile a zero-sized tensor)";
     "shape-overflow", Semantic, [V], SAME, "an operand's element and byte counts fit a 64-bit count",

@@ -38,6 +38,7 @@ pub fn verify(k: &Kernel, target: &Target) -> Result<()> {
     let v = Verifier { k, t: target };
     v.structure()?;
     v.grid()?;
+    v.has_output()?;
     for r in &k.refs {
         v.operand(r)?;
     }

@@ -12,6 +12,15 @@ use crate::types::{DType, MemorySpace, Semantics};
 const GIB: f64 = (1u64 << 30) as f64;
 
 impl Verifier<'_> {
+    /// A kernel writes at least one output: a custom call with no results is refused by
+    /// Mosaic (`expected named operation to have at least 1 result`), and its work is lost.
+    pub(super) fn has_output(&self) -> Result<()> {
+        if self.k.refs_of(RefKind::Output).next().is_none() {
+            return Err(self.err("outputs", "kernel-outputs", "the kernel has no output", "declare at least one output and store the kernel's result into it (scratch is dropped at the end)"));
+        }
+        Ok(())
+    }
+
     pub(super) fn operand(&self, r: &RefDecl) -> Result<()> {
         let subject = format!("{} `{}`", r.kind.name(), r.name);
         if r.shape.is_empty() || r.shape.contains(&0) {

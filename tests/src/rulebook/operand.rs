@@ -23,8 +23,28 @@ fn hbm(bytes: usize) -> Built {
     kit::copy("p", DType::F32, &[rows, 4096], &[512, 4096])
 }
 
+/// `x` copied on one [8, 128] block into an output, or (`to_output` false) into a VMEM
+/// scratch, leaving the kernel without outputs.
+fn copy_into(to_output: bool) -> Built {
+    let mut b = KernelBuilder::new("p");
+    b.grid(&[(1, Semantics::Parallel)]);
+    let x = b.input("x", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+    let dst = if to_output { b.output("out", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)])) } else { b.scratch("s", DType::F32, &[8, 128], MemorySpace::Vmem) };
+    let v = b.load(x, &[]);
+    b.store(dst, &[], v);
+    b.finish()
+}
+
 pub fn pairs() -> Vec<Pair> {
     vec![
+        Pair {
+            rule: "kernel-outputs",
+            edge: "outputs",
+            differs: "a copy into an output vs the same copy into a VMEM scratch (no output)",
+            targets: ALL_TARGETS,
+            inside: |_| copy_into(true),
+            outside: |_| copy_into(false),
+        },
         Pair {
             rule: "block-tiling",
             edge: "f32-rows",
