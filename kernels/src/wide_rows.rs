@@ -261,6 +261,7 @@ pub fn softmax(c: &Call, x: &Type, x_in: Operand, tiles: RowTiles, shape: Vec<us
 
 /// The two launches of `rmsnorm(x) * w` over column blocks, appended to `launches`
 /// (`x` may be an earlier launch's result); returns the output operand (launch-relative).
+#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_launches(launches: &mut Vec<Launch>, x: &Type, x_in: Operand, w: &Type, w_in: Operand, eps: f32, tiles: RowTiles, op: &str) -> Result<usize, KernelError> {
     let (bm, bn) = check_split(op, tiles, x)?;
     let s = stats(x);

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use tessera_codegen::cpu::Backend;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target};
-use tessera_kernels::fusion::{self, Binary, Compare, Graph, NodeId, NodeOp, Operand, Program, RowOp, Unary};
+use tessera_kernels::fusion::{self, Binary, CmpOp, Graph, NodeId, NodeOp, Operand, Program, RowOp, Unary};
 
 // ---- the reference ----------------------------------------------------------------------------
 
@@ -177,12 +177,12 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                 map(
                     &move |x| {
                         let r = match op {
-                            Compare::Eq => x[0] == x[1],
-                            Compare::Ne => x[0] != x[1],
-                            Compare::Lt => x[0] < x[1],
-                            Compare::Le => x[0] <= x[1],
-                            Compare::Gt => x[0] > x[1],
-                            Compare::Ge => x[0] >= x[1],
+                            CmpOp::Eq => x[0] == x[1],
+                            CmpOp::Ne => x[0] != x[1],
+                            CmpOp::Lt => x[0] < x[1],
+                            CmpOp::Le => x[0] <= x[1],
+                            CmpOp::Gt => x[0] > x[1],
+                            CmpOp::Ge => x[0] >= x[1],
                         };
                         r as u8 as f64
                     },
@@ -304,7 +304,7 @@ fn random_graph_sized(seed: u64, big: bool) -> Random {
             // Comparisons of inputs only: exact in both the kernels and the reference.
             8 => {
                 let (p, q) = (pick(&mut rng, &input_ids), pick(&mut rng, &input_ids));
-                let op = [Compare::Lt, Compare::Ge, Compare::Gt, Compare::Ne][rng.gen_range(0..4)];
+                let op = [CmpOp::Lt, CmpOp::Ge, CmpOp::Gt, CmpOp::Ne][rng.gen_range(0..4)];
                 let c = if rng.gen_bool(0.5) { g.compare(op, Operand::Node(p), Operand::Node(q)) } else { g.compare(op, Operand::Node(p), Operand::Scalar(0.0)) };
                 c.and_then(|c| if rng.gen_bool(0.5) { g.where_(c, Operand::Node(x), Operand::Node(y)) } else { g.where_(c, Operand::Node(x), Operand::Scalar(0.0)) })
             }
@@ -622,7 +622,7 @@ fn refusals_name_the_op_operand_and_rule() {
     assert_eq!(g.view(x, &[usize::MAX, 2, 1]).unwrap_err().rule, "fusion-size");
     let e = g.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(1e300)).unwrap_err();
     assert_eq!(e.rule, "fusion-scalar");
-    let b = g.compare(Compare::Gt, Operand::Node(x), Operand::Scalar(0.0)).unwrap();
+    let b = g.compare(CmpOp::Gt, Operand::Node(x), Operand::Scalar(0.0)).unwrap();
     let e = g.binary(Binary::Add, Operand::Node(b), Operand::Node(b)).unwrap_err();
     assert_eq!(e.rule, "fusion-dtype");
     let e = g.binary(Binary::Add, Operand::Node(99), Operand::Node(x)).unwrap_err();
@@ -670,7 +670,7 @@ fn bool_memory_is_i8_both_ways() {
     let mut g = Graph::new();
     let x = g.input(DType::F32, &[8, 128]).unwrap();
     let m = g.input(DType::Bool, &[8, 128]).unwrap();
-    let gt = g.compare(Compare::Gt, Operand::Node(x), Operand::Scalar(0.0)).unwrap();
+    let gt = g.compare(CmpOp::Gt, Operand::Node(x), Operand::Scalar(0.0)).unwrap();
     let y = g.where_(m, Operand::Node(x), Operand::Scalar(-1.0)).unwrap();
     let p = Program::build(&g, &[gt, y], &Target::V5E).unwrap();
     let xs: Vec<f32> = (0..1024).map(|i| i as f32 - 512.0).collect();

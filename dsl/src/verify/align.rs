@@ -46,7 +46,7 @@ impl Multiples {
 
     /// Whether `v` is provably a multiple of the power of two `n`.
     pub fn proves(&self, v: Value, n: usize) -> bool {
-        n <= 1 || self.multiple(v) % n as u64 == 0
+        n <= 1 || self.multiple(v).is_multiple_of(n as u64)
     }
 
     fn get(&self, v: Value) -> u8 {

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tessera_dsl::{DType, KernelError};
-use tessera_kernels::fusion::{self, Binary, Compare, Graph, NodeId, Operand, RowOp, Unary};
+use tessera_kernels::fusion::{self, Binary, CmpOp, Graph, NodeId, Operand, RowOp, Unary};
 
 use crate::tensor::{check_disjoint, TensorRef};
 use crate::{backend, py_err, target_named};
@@ -107,12 +107,12 @@ impl FusionGraph {
             }
             "compare" => {
                 let op = match name {
-                    "eq" => Compare::Eq,
-                    "ne" => Compare::Ne,
-                    "lt" => Compare::Lt,
-                    "le" => Compare::Le,
-                    "gt" => Compare::Gt,
-                    "ge" => Compare::Ge,
+                    "eq" => CmpOp::Eq,
+                    "ne" => CmpOp::Ne,
+                    "lt" => CmpOp::Lt,
+                    "le" => CmpOp::Le,
+                    "gt" => CmpOp::Gt,
+                    "ge" => CmpOp::Ge,
                     _ => return Err(unknown(kind, name)),
                 };
                 g.compare(op, operand(&arg(0)?)?, operand(&arg(1)?)?)

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use tessera_dsl::{Arg, BinaryOp, BlockSpec, CmpOp, DType, Index, IndexExpr, IndexOp, KernelBuilder, KernelError, ReduceOp, RefId, Semantics, UnaryOp, Value};
 
-use super::graph::{Binary, Compare, Graph, NodeId, NodeOp, Operand, RowOp, Unary};
+use super::graph::{Binary, Graph, NodeId, NodeOp, Operand, RowOp, Unary};
 use super::planner::{Partition, Read};
 
 /// How a node's dtype is held in memory: bool as i8.
@@ -156,14 +156,6 @@ impl Gen<'_> {
             NodeOp::Compare(op) => {
                 let xy = self.common_args(&n.args, false);
                 let (x, y) = (xy[0], xy[1]);
-                let op = match op {
-                    Compare::Eq => CmpOp::Eq,
-                    Compare::Ne => CmpOp::Ne,
-                    Compare::Lt => CmpOp::Lt,
-                    Compare::Le => CmpOp::Le,
-                    Compare::Gt => CmpOp::Gt,
-                    Compare::Ge => CmpOp::Ge,
-                };
                 self.b.cmp(op, x, y)
             }
             NodeOp::Where => {

@@ -9,6 +9,8 @@
 
 use std::fmt;
 
+/// Comparisons are the IR's own.
+pub use tessera_dsl::CmpOp;
 use tessera_dsl::{DType, KernelError};
 
 /// A node of a [`Graph`]: its index in recording order.
@@ -47,16 +49,6 @@ pub enum Binary {
     Pow,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Compare {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
 /// An op over the last dim, one row at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RowOp {
@@ -88,7 +80,7 @@ pub enum NodeOp {
     Input(usize),
     Unary(Unary),
     Binary(Binary),
-    Compare(Compare),
+    Compare(CmpOp),
     /// `where(cond, a, b)`: args `[cond, a, b]`.
     Where,
     /// `clamp(x, min, max)`.
@@ -369,7 +361,7 @@ impl Graph {
         Ok(self.push(NodeOp::Binary(op), vec![a, b], dtype, shape))
     }
 
-    pub fn compare(&mut self, op: Compare, a: Operand, b: Operand) -> Result<NodeId, KernelError> {
+    pub fn compare(&mut self, op: CmpOp, a: Operand, b: Operand) -> Result<NodeId, KernelError> {
         let name = format!("{op:?}").to_lowercase();
         if matches!((a, b), (Operand::Scalar(_), Operand::Scalar(_))) {
             return Err(err(&name, "operands", "fusion-operand", "two numbers", "at least one operand must be a tensor"));

@@ -86,7 +86,7 @@ use std::sync::{Arc, Mutex};
 use tessera_dsl::interp::{Array, Fill, HostData, HostMut, HostRef};
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 
-pub use graph::{Binary, Compare, Graph, Node, NodeId, NodeOp, Operand, RowOp, Unary};
+pub use graph::{Binary, CmpOp, Graph, Node, NodeId, NodeOp, Operand, RowOp, Unary};
 pub use planner::{Partition, Partitioning, Read};
 
 use crate::blocks::{fit_vmem_limit, RowTiles, ROW_BLOCK_BYTES};
