@@ -838,19 +838,24 @@ fn for_each_index(shape: &[usize], mut f: impl FnMut(&[usize])) {
     let mut idx = vec![0; shape.len()];
     loop {
         f(&idx);
-        let mut d = shape.len();
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            idx[d] += 1;
-            if idx[d] < shape[d] {
-                break;
-            }
-            idx[d] = 0;
+        if !next_index(&mut idx, shape) {
+            return;
         }
     }
+}
+
+/// Steps `idx` to the next index of `shape` in row-major order; `false` (and `idx` back
+/// at all zeros) after the last one. Shared with the compiled backends' window copies.
+#[inline]
+pub fn next_index(idx: &mut [usize], shape: &[usize]) -> bool {
+    for d in (0..idx.len()).rev() {
+        idx[d] += 1;
+        if idx[d] < shape[d] {
+            return true;
+        }
+        idx[d] = 0;
+    }
+    false
 }
 
 /// Copies the `region` box at `src_origin` of a row-major `src_shape` array to

@@ -14,7 +14,7 @@ use std::ffi::c_void;
 use std::time::Instant;
 
 use half::bf16;
-use tessera_dsl::interp::{HostData, HostDataMut, HostMut, HostRef, RunStats};
+use tessera_dsl::interp::{next_index, HostData, HostDataMut, HostMut, HostRef, RunStats};
 use tessera_dsl::{DType, Kernel, KernelError, RefId, RefKind, Result, Semantics};
 
 use super::layout::{row_major, MemMode, RefLayout, Sites};
@@ -121,17 +121,8 @@ unsafe fn copy_box(src: *const u8, src_strides: &[usize], dst: *mut u8, dst_stri
                 unsafe { std::ptr::copy(src.add((so + j * ss) * esize), dst.add((dof + j * ds) * esize), esize) };
             }
         }
-        let mut d = outer.len();
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            idx[d] += 1;
-            if idx[d] < outer[d] {
-                break;
-            }
-            idx[d] = 0;
+        if !next_index(&mut idx, outer) {
+            return;
         }
     }
 }
@@ -151,13 +142,7 @@ unsafe fn fill_box(dst: *mut u8, strides: &[usize], region: &[usize], pattern: &
         let off: usize = idx.iter().zip(strides).map(|(i, s)| i * s).sum();
         // SAFETY: inside the box (caller).
         unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), dst.add(off * esize), esize) };
-        for d in (0..region.len()).rev() {
-            idx[d] += 1;
-            if idx[d] < region[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
+        next_index(&mut idx, region);
     }
 }
 

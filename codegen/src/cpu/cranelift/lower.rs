@@ -1147,7 +1147,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let xv = self.scalar(*x)?;
                 self.cast_scalar(xv, k.ty(*x).dtype, dt)
             }
-            _ => return unsupported(format!("a scalar `{}`", inst_name(&d.inst))),
+            _ => return unsupported(format!("a scalar `{}`", d.inst.name())),
         })
     }
 
@@ -2020,31 +2020,5 @@ fn int_cc(op: CmpOp, signed: bool) -> IntCC {
         (CmpOp::Le, false) => IntCC::UnsignedLessThanOrEqual,
         (CmpOp::Gt, false) => IntCC::UnsignedGreaterThan,
         (CmpOp::Ge, false) => IntCC::UnsignedGreaterThanOrEqual,
-    }
-}
-
-fn inst_name(i: &Inst) -> &'static str {
-    match i {
-        Inst::Const(_) => "const",
-        Inst::ProgramId(_) => "program_id",
-        Inst::NumPrograms(_) => "num_programs",
-        Inst::Load { .. } => "load",
-        Inst::Store { .. } => "store",
-        Inst::Unary(op, _) => op.name(),
-        Inst::Binary(op, ..) => op.name(),
-        Inst::Cmp(op, ..) => op.name(),
-        Inst::Select { .. } => "select",
-        Inst::Cast(_) => "cast",
-        Inst::Broadcast(_) => "broadcast",
-        Inst::Iota { .. } => "iota",
-        Inst::Reduce { op, .. } => op.name(),
-        Inst::Dot { .. } => "dot",
-        Inst::Transpose(_) => "transpose",
-        Inst::Reshape(_) => "reshape",
-        Inst::If { .. } => "if",
-        Inst::For { .. } => "for",
-        Inst::DmaStart { .. } => "dma_start",
-        Inst::DmaWait { .. } => "dma_wait",
-        Inst::Yield(_) => "yield",
     }
 }
