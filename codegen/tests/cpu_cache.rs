@@ -48,6 +48,26 @@ fn compiles_once_is_bounded_and_evicts_least_recently_used() {
 }
 
 #[test]
+fn a_kernel_holding_a_nan_constant_is_rebuilt_and_still_compiles_once() {
+    // Masking kernels hold NaN and infinite constants; the cache matches a rebuilt kernel
+    // by `==`, which must be structural (a NaN constant equals itself), or every call
+    // recompiles (0.3 s per call of flash attention under LLVM before this held).
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    cpu::set_cache_capacity(8);
+    let x = Array::from_f32(&[16, 128], (0..2048).map(|i| i as f32).collect());
+    let jit = Backend::Jit.executor();
+    let s0 = cpu::cache_stats();
+    for _ in 0..3 {
+        let k = scale_kernel("nan_const", f64::NAN);
+        assert_eq!(k, scale_kernel("nan_const", f64::NAN));
+        assert_ne!(scale_kernel("zero", 0.0), scale_kernel("zero", -0.0), "-0.0 is another constant");
+        let out = exec::run(jit, &k, &[&x]).unwrap();
+        assert!(out[0].to_f64_vec().iter().all(|v| v.is_nan()));
+    }
+    assert_eq!(cpu::cache_stats().misses - s0.misses, 1, "{:?}", cpu::cache_stats());
+}
+
+#[test]
 fn backend_names_and_environment() {
     assert_eq!(Backend::parse("jit"), Some(Backend::Jit));
     assert_eq!(Backend::parse("Cranelift"), Some(Backend::Jit));

@@ -318,11 +318,24 @@ impl ReduceOp {
 }
 
 /// A scalar constant. Floats are stored as f64 and rounded to the value's dtype.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub enum Scalar {
     Float(f64),
     Int(i64),
     Bool(bool),
+}
+
+/// Structural equality: floats compare by their bits, so a kernel holding a NaN constant
+/// equals its rebuild (the compile caches match kernels by `==`) and `-0.0` stays apart from `0.0`.
+impl PartialEq for Scalar {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Scalar::Float(a), Scalar::Float(b)) => a.to_bits() == b.to_bits(),
+            (Scalar::Int(a), Scalar::Int(b)) => a == b,
+            (Scalar::Bool(a), Scalar::Bool(b)) => a == b,
+            _ => false,
+        }
+    }
 }
 
 /// One dimension of a ref access: `start .. start + len`. `start` is an i32 scalar value.
