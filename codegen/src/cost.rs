@@ -119,3 +119,74 @@ fn block_changes(k: &Kernel, b: &BlockSpec) -> u64 {
     }
     changes
 }
+
+/// libtpu's static LLO profile of one compiled kernel (`tpu_compile.py --profile`, DESIGN §9).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StaticProfile {
+    /// The custom call's `estimated_cycles`: the compiler's cost model over its scheduled
+    /// bundles, every grid step.
+    pub cycles: u64,
+    /// What XLA adds around the call (layout copies of operands or results), cycles.
+    pub outside_cycles: u64,
+    pub bundles: u64,
+    /// Vector spill loads and stores (VMEM spill slots), scalar ones (SMEM).
+    pub vector_spills: u64,
+    pub scalar_spills: u64,
+    /// The end of the highest VMEM allocation, spill slots included.
+    pub vmem_bytes: u64,
+}
+
+impl StaticProfile {
+    /// The custom call's figures, and the cycles of what XLA adds around it, from one result
+    /// line of `tpu_compile.py --profile`; `None` when the compile failed or gave no profile.
+    pub fn from_report(report: &serde_json::Value) -> Option<StaticProfile> {
+        if report["ok"].as_bool() != Some(true) {
+            return None;
+        }
+        let ops = report["profile"]["ops"].as_array()?;
+        let n = |op: &serde_json::Value, key: &str| op[key].as_u64().unwrap_or(0);
+        let is_call = |op: &&serde_json::Value| op["custom_call"].as_bool() == Some(true);
+        let call = ops.iter().find(is_call)?;
+        Some(StaticProfile {
+            cycles: n(call, "cycles"),
+            outside_cycles: ops.iter().filter(|op| !is_call(op)).map(|op| n(op, "cycles")).sum(),
+            bundles: n(call, "bundles"),
+            vector_spills: n(call, "vector_spills"),
+            scalar_spills: n(call, "scalar_spills"),
+            vmem_bytes: n(call, "vmem_bytes"),
+        })
+    }
+}
+
+/// A kernel's time on one TensorCore, from libtpu's estimate and from the IR's own count.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Roofline {
+    /// libtpu's cycles (custom call and what XLA adds) at the target's clock.
+    pub estimate_us: f64,
+    /// The IR's flops at the core's bf16 MXU peak (a floor for straight-line kernels: f32
+    /// and VPU work run slower; but the IR counts every `if` as taken).
+    pub mxu_us: f64,
+    /// The IR's HBM bytes at the device's bandwidth (libtpu's model omits HBM stalls).
+    pub hbm_us: f64,
+    /// `max(estimate, hbm)`, or `max(mxu, hbm)` when the estimate is blind.
+    pub time_us: f64,
+    /// What `time_us` is set by: `"compute"` (libtpu's estimate) or `"hbm"`.
+    pub bound: &'static str,
+    /// The kernel's index maps read scalar prefetch and libtpu's estimate is below the
+    /// IR's MXU floor: the static model did not see the prefetch-driven trip counts
+    /// (megablox gmm), so the time is the IR's explicit model instead.
+    pub blind: bool,
+}
+
+/// [`Roofline`] of `kernel` on `target` from its profile.
+pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::Target) -> Roofline {
+    let est = estimate(kernel);
+    let estimate_us = (profile.cycles + profile.outside_cycles) as f64 / (target.clock_ghz() * 1e3);
+    let mxu_us = est.flops as f64 / (target.core_peak_tflops() * 1e6);
+    let hbm_us = est.bytes_accessed as f64 / (target.hbm_gbps * 1e3);
+    let reads_prefetch = kernel.refs.iter().any(|r| r.kind == RefKind::Prefetch);
+    let blind = reads_prefetch && estimate_us < mxu_us;
+    let compute_us = if blind { mxu_us } else { estimate_us };
+    let (time_us, bound) = if hbm_us > compute_us { (hbm_us, "hbm") } else { (compute_us, "compute") };
+    Roofline { estimate_us, mxu_us, hbm_us, time_us, bound, blind }
+}

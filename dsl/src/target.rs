@@ -43,6 +43,11 @@ pub struct Target {
     pub cores_per_chip: usize,
     /// Peak dense bf16 matmul throughput per chip, TFLOP/s.
     pub peak_bf16_tflops: f64,
+    /// MXUs per TensorCore (4 on every generation here: v5e's 4 is Google's figure; for
+    /// v5p, v6e and tpu7x it is assumed, and only enters [`Target::clock_ghz`]).
+    pub mxus_per_core: usize,
+    /// HBM bandwidth of one device (what one compile-only device of the topology owns), GB/s.
+    pub hbm_gbps: f64,
     /// Input dtypes the MXU multiplies natively. Others that libtpu still compiles
     /// (int8 on tpu7x) are a performance warning, see [`Target::dot_support`].
     pub matmul_dtypes: &'static [DType],
@@ -70,6 +75,19 @@ pub enum DotSupport {
 }
 
 impl Target {
+    /// TensorCore clock, GHz, derived from the bf16 peak: `peak / cores / (MXUs x mxu^2 x 2
+    /// flops)`. v5e gives 1.50 GHz (Google's figure: 1.5 GHz); the others depend on the
+    /// assumed MXU count (v5p 1.75, v6e 1.75, tpu7x 2.20). It turns libtpu's cycle estimates
+    /// into time (`tessera cost`).
+    pub fn clock_ghz(&self) -> f64 {
+        self.peak_bf16_tflops * 1e3 / self.cores_per_chip as f64 / (self.mxus_per_core * self.mxu * self.mxu * 2) as f64
+    }
+
+    /// Peak bf16 matmul throughput of one TensorCore, TFLOP/s.
+    pub fn core_peak_tflops(&self) -> f64 {
+        self.peak_bf16_tflops / self.cores_per_chip as f64
+    }
+
     pub const V5E: Target = Target {
         generation: Generation::V5e,
         name: "v5e",
@@ -79,6 +97,9 @@ impl Target {
         mxu: 128,
         cores_per_chip: 1,
         peak_bf16_tflops: 197.0,
+        mxus_per_core: 4,
+        // 819 GB/s (cloud.google.com/tpu/docs/v5e).
+        hbm_gbps: 819.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
         // 16 GiB HBM2 per chip (cloud.google.com/tpu/docs/v5e).
         hbm_bytes: 16 * GIB,
@@ -94,6 +115,9 @@ impl Target {
         mxu: 128,
         cores_per_chip: 2,
         peak_bf16_tflops: 459.0,
+        mxus_per_core: 4,
+        // 2,765 GB/s (cloud.google.com/tpu/docs/v5p).
+        hbm_gbps: 2765.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
         // 95 GiB HBM2e per chip (cloud.google.com/tpu/docs/v5p).
         hbm_bytes: 95 * GIB,
@@ -109,6 +133,9 @@ impl Target {
         mxu: 256,
         cores_per_chip: 1,
         peak_bf16_tflops: 920.0,
+        mxus_per_core: 4,
+        // 1,640 GB/s (cloud.google.com/tpu/docs/v6e).
+        hbm_gbps: 1640.0,
         matmul_dtypes: &[DType::F32, DType::BF16, DType::I8],
         // 32 GiB HBM per chip (cloud.google.com/tpu/docs/v6e).
         hbm_bytes: 32 * GIB,
@@ -125,6 +152,9 @@ impl Target {
         mxu: 256,
         cores_per_chip: 2,
         peak_bf16_tflops: 2310.0,
+        mxus_per_core: 4,
+        // 7.37 TB/s per chip (cloud.google.com/tpu/docs/tpu7x), half for each of its two devices.
+        hbm_gbps: 3685.0,
         matmul_dtypes: &[DType::F32, DType::BF16],
         // 192 GiB HBM3e per chip (cloud.google.com/tpu/docs/tpu7x, Ironwood), 96 GiB for
         // each of its two devices.

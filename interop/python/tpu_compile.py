@@ -30,11 +30,26 @@ Environment: workers need jax/jaxlib 0.10.2 + libtpu 0.0.52. They run under
 $TPU_COMPILE_PYTHON, else <repo>/.venv/bin/python, else sys.executable; the
 parent itself needs only the standard library (any python3 works). --mosaic-dump DIR sets
 LIBTPU_INIT_ARGS=--xla_mosaic_dump_to=DIR for the workers.
+
+--profile adds libtpu's static LLO profile to each result (DESIGN.md section 9): workers
+dump the final VLIW bundles and the static profile of every compile into a private
+directory, read them and clear it. The result gains
+  "profile": {"ops": [{"name", "cycles", "bundles", "custom_call", "vector_spills",
+                       "scalar_spills", "vmem_bytes"}, ...]}
+one entry per HLO op the compiler estimated: the tpu_custom_call ("custom_call": true) and
+whatever XLA adds around it (layout copies). "cycles" is the profile's estimated_cycles
+(its cost model over the scheduled bundles, every grid step); "bundles" counts the op's
+final bundles; spills count vector (VMEM) and scalar (SMEM) spill loads and stores;
+"vmem_bytes" is the end of the op's highest VMEM allocation, spill slots included.
+Where the profiler itself aborts (it does on some kernels that compile without it), the
+verdict comes from a plain compile and the result has "profile": {"ops": null, "error": ...}.
 """
 import argparse
 import json
 import os
+import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +99,62 @@ def trim_error(msg, limit=2000):
 
 
 # --------------------------------------------------------------------------
+# The static LLO profile (--profile)
+# --------------------------------------------------------------------------
+
+_BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|0)\s")
+_FINAL = re.compile(r"^\d+-(.+?)-(\d+)-final_bundles\.txt$")
+_STAGE = re.compile(r"^\d+-(.+?)-(\d+)-[^/]*\.txt$")
+_SPILL = re.compile(r"\b(vld|vst|sld|sst)[a-z0-9.]*\s+\[(?:vmem|smem):\[#allocation\d+_spill")
+_VMEM_ALLOC = re.compile(r"space=vmem, size = (0x[0-9a-f]+|\d+), offset = (0x[0-9a-f]+|\d+)")
+_ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]*)"\s*estimated_cycles:\s*(\d+)')
+
+
+def read_profile(llo_dir, profile_dir):
+    """The profile of the compile that just wrote llo_dir and profile_dir (see --profile)."""
+    estimates = {}
+    for f in os.listdir(profile_dir):
+        with open(os.path.join(profile_dir, f)) as fh:
+            for name, cycles in _ESTIMATE.findall(fh.read()):
+                estimates[name] = int(cycles)
+    finals, stages = {}, {}
+    for f in os.listdir(llo_dir):
+        m = _FINAL.match(f)
+        if m and "schedule-analysis" not in f:
+            finals[m.group(1)] = f
+        m = _STAGE.match(f)
+        if m:
+            stages.setdefault(m.group(1), []).append((int(m.group(2)), f))
+    ops = []
+    for name, cycles in estimates.items():
+        op = {"name": name, "cycles": cycles, "bundles": None, "custom_call": False,
+              "vector_spills": None, "scalar_spills": None, "vmem_bytes": None}
+        if name in finals:
+            with open(os.path.join(llo_dir, finals[name])) as fh:
+                text = fh.read()
+            op["bundles"] = sum(1 for line in text.splitlines() if _BUNDLE.match(line))
+            op["custom_call"] = "= custom-call(" in text
+            kinds = _SPILL.findall(text)
+            op["vector_spills"] = sum(k in ("vld", "vst") for k in kinds)
+            op["scalar_spills"] = sum(k in ("sld", "sst") for k in kinds)
+            # The last stage that still lists the allocations (offsets are final by then).
+            for _, f in sorted(stages.get(name, []), reverse=True):
+                with open(os.path.join(llo_dir, f)) as fh:
+                    allocs = _VMEM_ALLOC.findall(fh.read())
+                if allocs:
+                    op["vmem_bytes"] = max(int(sz, 0) + int(off, 0) for sz, off in allocs)
+                    break
+        ops.append(op)
+    return {"ops": ops}
+
+
+def clear_dir(d):
+    for f in os.listdir(d):
+        p = os.path.join(d, f)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+
+# --------------------------------------------------------------------------
 # Worker (child process): imports jax, compiles requests from a pipe.
 # --------------------------------------------------------------------------
 
@@ -93,6 +164,16 @@ def worker_main(target):
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     t0 = time.time()
+    profile = None
+    if os.environ.get("TPU_COMPILE_PROFILE"):
+        # libtpu reads its flags once, at import: this worker's own dump directories.
+        base = tempfile.mkdtemp(prefix=f"llo-{target}-", dir=os.environ["TPU_COMPILE_PROFILE"])
+        profile = (os.path.join(base, "llo"), os.path.join(base, "profile"))
+        for d in profile:
+            os.makedirs(d)
+        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                          f" --xla_jf_dump_to={profile[0]} --xla_jf_dump_llo_text"
+                                          f" --xla_jf_dump_static_llo_profile_to={profile[1]}").strip()
     try:
         import numpy as np
         from jax.experimental import topologies
@@ -118,7 +199,10 @@ def worker_main(target):
         t = time.time()
         if crash_marker and crash_marker in str(req.get("file")):
             os.kill(os.getpid(), signal.SIGSEGV)
-        ok, err = False, None
+        ok, err, prof = False, None, None
+        if profile:
+            for d in profile:
+                clear_dir(d)
         try:
             text = req.get("text")
             if text is None:
@@ -133,9 +217,11 @@ def worker_main(target):
                 client.compile(module, executable_devices=devices,
                                compile_options=opts)
             ok = True
+            if profile:
+                prof = read_profile(*profile)
         except Exception as e:
             err = trim_error(e)
-        proto.write(json.dumps({"ok": ok, "error": err,
+        proto.write(json.dumps({"ok": ok, "error": err, "profile": prof,
                                 "seconds": round(time.time() - t, 4)}) + "\n")
     return 0
 
@@ -243,7 +329,7 @@ class Worker:
         return why + (": " + tail if tail else "")
 
     def compile(self, req, timeout):
-        """Returns (ok, error, seconds). Restarts the worker after a crash."""
+        """Returns (ok, error, seconds, profile). Restarts the worker after a crash."""
         if not self.alive():
             self.start(max(timeout, STARTUP_TIMEOUT))
         since = self.errlog.seek(0, os.SEEK_END)
@@ -266,16 +352,20 @@ class Worker:
                     pass
             if self.proc.poll() is None:
                 self.stop()
-                return False, f"timeout after {timeout:g}s (worker killed)", secs
+                return False, f"timeout after {timeout:g}s (worker killed)", secs, None
             reason = self._death_reason(since)
             self.stop()
-            return False, reason, secs
-        return msg["ok"], msg["error"], msg["seconds"]
+            return False, reason, secs, None
+        return msg["ok"], msg["error"], msg["seconds"], msg.get("profile")
 
 
 class Pool:
-    def __init__(self, mosaic_dump=None):
+    def __init__(self, mosaic_dump=None, profile=False):
         self.env = dict(os.environ)
+        self.profile_dir = None
+        if profile:
+            self.profile_dir = tempfile.mkdtemp(prefix="tpu-compile-profile-")
+            self.env["TPU_COMPILE_PROFILE"] = self.profile_dir
         if mosaic_dump:
             os.makedirs(mosaic_dump, exist_ok=True)
             self.env["LIBTPU_INIT_ARGS"] = (self.env.get("LIBTPU_INIT_ARGS", "") +
@@ -285,23 +375,39 @@ class Pool:
         # (several targets, concurrent test runs) must not exclude each other.
         self.env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         self.workers = {}
+        self.plain = None  # a pool without --profile, for kernels the profiler aborts on
 
     def compile(self, target, req, timeout):
         try:
             topology_for(target)  # validate
         except SystemExit as e:
-            return False, str(e), 0.0
+            return False, str(e), 0.0, None
         w = self.workers.get(target)
         if w is None:
             w = self.workers[target] = Worker(target, self.env)
         try:
-            return w.compile(req, timeout)
+            ok, err, secs, prof = w.compile(req, timeout)
         except RuntimeError as e:
-            return False, str(e), 0.0
+            return False, str(e), 0.0, None
+        if self.profile_dir and not ok and err and err.startswith("compiler crashed"):
+            # libtpu's static profiler aborts on some kernels that compile without it
+            # (DESIGN.md section 9): the verdict comes from a plain compile, and the
+            # profile says why it is missing.
+            if self.plain is None:
+                env = {k: v for k, v in self.env.items() if k != "TPU_COMPILE_PROFILE"}
+                self.plain = Pool.__new__(Pool)
+                self.plain.env, self.plain.profile_dir, self.plain.workers, self.plain.plain = env, None, {}, None
+            ok, err2, secs2, _ = self.plain.compile(target, req, timeout)
+            return ok, (err2 if not ok else None), secs + secs2, {"ops": None, "error": "libtpu's static profiler aborted: " + err}
+        return ok, err, secs, prof
 
     def close(self):
         for w in self.workers.values():
             w.stop()
+        if self.plain:
+            self.plain.close()
+        if self.profile_dir:
+            shutil.rmtree(self.profile_dir, ignore_errors=True)
 
 
 def result_line(file, target, ok, error, seconds, extra=None):
@@ -325,8 +431,10 @@ def serve(pool, default_target, timeout):
                 parts = [default_target, parts[0]]
             req = {"target": parts[0], "file": parts[1]}
         target = req.get("target") or default_target
-        ok, err, secs = pool.compile(target, req, req.get("timeout", timeout))
-        extra = {"id": req["id"]} if "id" in req else None
+        ok, err, secs, prof = pool.compile(target, req, req.get("timeout", timeout))
+        extra = {"id": req["id"]} if "id" in req else {}
+        if pool.profile_dir:
+            extra["profile"] = prof
         print(result_line(req.get("file"), target, ok, err, secs, extra), flush=True)
 
 
@@ -340,6 +448,8 @@ def main(argv=None):
                     help="JSON-lines requests on stdin, results on stdout")
     ap.add_argument("--mosaic-dump", metavar="DIR",
                     help="dump Mosaic after each libtpu stage into DIR")
+    ap.add_argument("--profile", action="store_true",
+                    help="add libtpu's static LLO profile (cycles, bundles, spills, VMEM) to each result")
     ap.add_argument("--list-targets", action="store_true")
     ap.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
     ap.add_argument("files", nargs="*")
@@ -354,7 +464,7 @@ def main(argv=None):
     targets = [t for spec in a.target for t in spec.split(",") if t] or ["v5e"]
     for t in targets:
         topology_for(t)
-    pool = Pool(a.mosaic_dump)
+    pool = Pool(a.mosaic_dump, a.profile)
     try:
         if a.serve:
             serve(pool, targets[0], a.timeout)
@@ -364,10 +474,11 @@ def main(argv=None):
         all_ok = True
         for target in targets:
             for f in a.files:
-                ok, err, secs = pool.compile(target, {"file": os.path.abspath(f)},
-                                             a.timeout)
+                ok, err, secs, prof = pool.compile(target, {"file": os.path.abspath(f)},
+                                                   a.timeout)
                 all_ok &= ok
-                print(result_line(f, target, ok, err, secs), flush=True)
+                extra = {"profile": prof} if a.profile else None
+                print(result_line(f, target, ok, err, secs, extra), flush=True)
         return 0 if all_ok else 1
     finally:
         pool.close()

@@ -60,6 +60,15 @@ enum Cmd {
         #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
         targets: Vec<String>,
     },
+    /// libtpu's static cost of each kernel (compile-only, as `check`): estimated cycles,
+    /// bundles, spills and VMEM, beside a roofline time from the IR's flops and HBM bytes.
+    Cost {
+        #[command(flatten)]
+        select: Select,
+        /// Targets to estimate for (repeatable).
+        #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
+        targets: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -93,6 +102,7 @@ fn main() -> ExitCode {
         Cmd::Emit { select, target, out } => emit(&select, &target, &out),
         Cmd::Run { select, seed, target, backend } => run(&select, seed, &target, &backend),
         Cmd::Check { select, targets } => check(&select, &targets),
+        Cmd::Cost { select, targets } => cost(&select, &targets),
         Cmd::Table { dtype, ops } => if ops { op_table() } else { table(&dtype) },
     };
     match result {
@@ -363,54 +373,116 @@ fn venv_python() -> PathBuf {
 /// The oracle script ships inside the binary so `check` works from any directory.
 const TPU_COMPILE_PY: &str = include_str!("../python/tpu_compile.py");
 
-fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
+/// The selected kernels for `target`, lowered and written to `dir` as StableHLO.
+fn emit_for_libtpu(s: &Select, dtype: DType, t: &Target, dir: &Path) -> CliResult<Vec<(PathBuf, Kernel)>> {
+    let mut files = Vec::new();
+    for sel in selection(s)? {
+        for (stem, kernel) in build_and_warn(&sel, dtype, t)? {
+            let lowered = tessera_codegen::lower(&kernel, t).map_err(|e| e.to_string())?;
+            let path = dir.join(format!("{stem}.{}.stablehlo.mlir", t.name));
+            std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;
+            files.push((path, kernel));
+        }
+    }
+    Ok(files)
+}
+
+/// Compiles `files` for `target` with libtpu (`tpu_compile.py`, one child process per
+/// target; `--profile` adds the static LLO profile): one JSON report per file, in order.
+fn libtpu_compile(files: &[(PathBuf, Kernel)], target: &Target, profile: bool, command: &str) -> CliResult<Vec<serde_json::Value>> {
     let python = venv_python();
     if !python.exists() {
-        return Err(format!("`tessera check` needs the project venv ({} not found); create it with scripts/setup-venv.sh or set TESSERA_PYTHON", python.display()));
+        return Err(format!("`tessera {command}` needs the project venv ({} not found); create it with scripts/setup-venv.sh or set TESSERA_PYTHON", python.display()));
     }
+    let script = std::env::temp_dir().join(format!("tessera-tpu-compile-{}.py", std::process::id()));
+    std::fs::write(&script, TPU_COMPILE_PY).map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).arg("--target").arg(target.name).args(files.iter().map(|(p, _)| p));
+    if profile {
+        cmd.arg("--profile");
+    }
+    let output = cmd.output().map_err(|e| format!("cannot run {}: {e}", python.display()));
+    let _ = std::fs::remove_file(&script);
+    let output = output?;
+    let reports: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with('{')).filter_map(|l| serde_json::from_str(l).ok()).collect();
+    if reports.len() != files.len() {
+        return Err(format!("tpu_compile.py reported {} of {} kernels for {}:\n{}", reports.len(), files.len(), target.name, String::from_utf8_lossy(&output.stderr)));
+    }
+    Ok(reports)
+}
+
+fn kernel_stem(path: &Path) -> String {
+    path.file_name().and_then(|f| f.to_str()).and_then(|f| f.split('.').next()).unwrap_or("?").to_string()
+}
+
+fn check(s: &Select, targets: &[String]) -> CliResult<bool> {
     let dtype = dtype(s)?;
     let dir = std::env::temp_dir().join(format!("tessera-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let script = dir.join("tpu_compile.py");
-    std::fs::write(&script, TPU_COMPILE_PY).map_err(|e| e.to_string())?;
     let mut all_ok = true;
     for name in targets {
         let t = target(name)?;
-        let mut files = Vec::new();
-        for sel in selection(s)? {
-            for (stem, kernel) in build_and_warn(&sel, dtype, &t)? {
-                let lowered = tessera_codegen::lower(&kernel, &t).map_err(|e| e.to_string())?;
-                let path = dir.join(format!("{stem}.{}.stablehlo.mlir", t.name));
-                std::fs::write(&path, &lowered.stablehlo).map_err(|e| e.to_string())?;
-                files.push(path);
-            }
-        }
-        let output = Command::new(&python).arg(&script).arg("--target").arg(t.name).args(&files).output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let mut seen = 0;
-        for line in stdout.lines().filter(|l| l.starts_with('{')) {
-            let Ok(report) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-            seen += 1;
-            let field = |key: &str| match report.get(key) {
-                Some(serde_json::Value::String(s)) => s.clone(),
-                Some(other) => other.to_string(),
-                None => String::new(),
-            };
-            let ok = report.get("ok").and_then(|v| v.as_bool()) == Some(true);
+        let files = emit_for_libtpu(s, dtype, &t, &dir)?;
+        for ((path, _), report) in files.iter().zip(libtpu_compile(&files, &t, false, "check")?) {
+            let ok = report["ok"].as_bool() == Some(true);
             all_ok &= ok;
-            let file = field("file");
-            let kernel = Path::new(&file).file_name().and_then(|f| f.to_str()).and_then(|f| f.split('.').next()).unwrap_or("?").to_string();
             if ok {
-                println!("{:<8} {:<20} {:<5} accept  ({} s)", t.name, kernel, dtype.name(), field("seconds"));
+                println!("{:<8} {:<20} {:<5} accept  ({} s)", t.name, kernel_stem(path), dtype.name(), report["seconds"]);
             } else {
-                println!("{:<8} {:<20} {:<5} REJECT  {}", t.name, kernel, dtype.name(), field("error"));
+                println!("{:<8} {:<20} {:<5} REJECT  {}", t.name, kernel_stem(path), dtype.name(), report["error"].as_str().unwrap_or("?"));
             }
-        }
-        if seen != files.len() {
-            all_ok = false;
-            eprintln!("tpu_compile.py reported {seen} of {} kernels for {}:\n{}", files.len(), t.name, String::from_utf8_lossy(&output.stderr));
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(all_ok)
+}
+
+fn cost(s: &Select, targets: &[String]) -> CliResult<bool> {
+    let dtype = dtype(s)?;
+    let dir = std::env::temp_dir().join(format!("tessera-cost-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    println!("libtpu's static estimate (compile-only, one TensorCore) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
+    println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us");
+    let mut all_ok = true;
+    for name in targets {
+        let t = target(name)?;
+        let files = emit_for_libtpu(s, dtype, &t, &dir)?;
+        eprintln!("compiling {} kernels for {} (libtpu, with the static profile)...", files.len(), t.name);
+        for ((path, kernel), report) in files.iter().zip(libtpu_compile(&files, &t, true, "cost")?) {
+            let stem = kernel_stem(path);
+            let Some(p) = tessera_codegen::StaticProfile::from_report(&report) else {
+                if report["ok"].as_bool() == Some(true) {
+                    // Accepted, but the profiler gave nothing: say so, with the IR's model.
+                    let r = tessera_codegen::roofline(kernel, &Default::default(), &t);
+                    let why = report["profile"]["error"].as_str().unwrap_or("libtpu gave no static profile for the custom call");
+                    println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (IR model): {}", t.name, stem, dtype.name(), "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us), why.lines().next().unwrap_or("").chars().take(160).collect::<String>());
+                } else {
+                    all_ok = false;
+                    println!("{:<8} {:<44} {:<5} REJECT  {}", t.name, stem, dtype.name(), report["error"].as_str().unwrap_or("?").lines().next().unwrap_or(""));
+                }
+                continue;
+            };
+            let r = tessera_codegen::roofline(kernel, &p, &t);
+            let bound = if r.blind { format!("{} (libtpu's estimate is below the MXU floor: it cannot see prefetch-driven trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
+            println!(
+                "{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}",
+                t.name,
+                stem,
+                dtype.name(),
+                p.cycles,
+                p.outside_cycles,
+                p.bundles,
+                p.vector_spills,
+                p.scalar_spills,
+                p.vmem_bytes as f64 / (1 << 20) as f64,
+                r.estimate_us,
+                r.mxu_us,
+                r.hbm_us,
+                r.time_us
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));
     Ok(all_ok)
 }

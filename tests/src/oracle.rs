@@ -17,6 +17,8 @@ pub struct Verdict {
     pub target: String,
     pub ok: bool,
     pub error: String,
+    /// libtpu's static profile ([`profile`] only).
+    pub profile: Option<tessera_codegen::StaticProfile>,
 }
 
 /// Whether the oracle tier is enabled (`TESSERA_TPU_ORACLE=1`, set by `scripts/test.sh`).
@@ -40,6 +42,15 @@ pub fn available() -> bool {
 
 /// Compiles each `(name, stablehlo text)` for `target` (`v5e`, `v6e`, `tpu7x`, `v5p`).
 pub fn compile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
+    run_oracle(modules, target, false)
+}
+
+/// [`compile`] with libtpu's static LLO profile of each module (`tpu_compile.py --profile`).
+pub fn profile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
+    run_oracle(modules, target, true)
+}
+
+fn run_oracle(modules: &[(String, String)], target: &str, profile: bool) -> Vec<Verdict> {
     if modules.is_empty() {
         return Vec::new();
     }
@@ -63,6 +74,7 @@ pub fn compile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
         .arg(target)
         .env("TPU_COMPILE_PYTHON", &python)
         .args(&files)
+        .args(profile.then_some("--profile"))
         .output()
         .expect("run tpu_compile.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -72,7 +84,7 @@ pub fn compile(modules: &[(String, String)], target: &str) -> Vec<Verdict> {
         let file = v["file"].as_str().unwrap_or_default();
         let stem = Path::new(file).file_name().and_then(|f| f.to_str()).unwrap_or_default().trim_end_matches(".stablehlo.mlir");
         let i: usize = stem.trim_start_matches('m').parse().expect("oracle echoes the file name");
-        verdicts.push(Verdict { name: modules[i].0.clone(), target: target.to_string(), ok: v["ok"].as_bool() == Some(true), error: v["error"].as_str().unwrap_or_default().to_string() });
+        verdicts.push(Verdict { name: modules[i].0.clone(), target: target.to_string(), ok: v["ok"].as_bool() == Some(true), error: v["error"].as_str().unwrap_or_default().to_string(), profile: tessera_codegen::StaticProfile::from_report(&v) });
     }
     assert_eq!(verdicts.len(), modules.len(), "the oracle answered {} of {} modules; stderr:\n{}", verdicts.len(), modules.len(), String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
@@ -120,7 +132,7 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
         .map(|((name, target, _), key)| {
             let text = std::fs::read_to_string(dir.join(key)).ok()?;
             let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-            Some(Verdict { name: name.clone(), target: target.clone(), ok: v["ok"].as_bool()?, error: v["error"].as_str().unwrap_or_default().to_string() })
+            Some(Verdict { name: name.clone(), target: target.clone(), ok: v["ok"].as_bool()?, error: v["error"].as_str().unwrap_or_default().to_string(), profile: None })
         })
         .collect();
     let mut targets: Vec<&str> = jobs.iter().zip(&out).filter(|(_, v)| v.is_none()).map(|((_, t, _), _)| t.as_str()).collect();

@@ -330,7 +330,7 @@ mod avx512 {
             let mut i0 = 0;
             while i0 < m {
                 let h = MR.min(m - i0);
-                if a.cs == 1 && h == MR && kc % 2 == 0 {
+                if a.cs == 1 && h == MR && kc.is_multiple_of(2) {
                     // Row-major A: a k pair is one u32 in memory; transpose rows into the panel.
                     for i in 0..MR {
                         // SAFETY: `kc` contiguous elements of row i0 + i inside A's box.

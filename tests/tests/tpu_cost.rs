@@ -1,0 +1,98 @@
+//! The static cost tier (enabled by `TESSERA_TPU_ORACLE=1`): libtpu's static LLO profile of
+//! a sample of library kernels, pinned in `tests/verdicts/cost.json` within a band, so a
+//! code-generation change that costs cycles, bundles, spills or VMEM fails here with the
+//! delta. The sample (bf16, each op's first case, v5e and v6e) keeps the tier to ~30 s of
+//! compiles; `tessera cost --all` gives the whole table.
+//!
+//! A kernel libtpu accepts but its static profiler aborts on (flash attention bf16 on v5e,
+//! libtpu 0.0.52: an LLO type check inside the profiler) is pinned as all zeros.
+//!
+//! After an intended change: `TESSERA_TPU_ORACLE=1 TESSERA_COST_BLESS=1 cargo test --release
+//! -p tessera-tests --test tpu_cost` rewrites the file (review its diff like a snapshot's).
+
+use std::collections::BTreeMap;
+
+use tessera_codegen::StaticProfile;
+use tessera_dsl::{DType, Target};
+use tessera_kernels::library;
+use tessera_tests::oracle;
+
+/// (op, case) pairs: a matmul (MXU-bound), a row norm (HBM-bound), flash attention (VPU
+/// and spill-heavy: where issue 14's work lands), gmm (prefetch-driven: the estimate is blind).
+const SAMPLE: [(&str, &str); 4] = [("matmul", "default"), ("rmsnorm", "default"), ("flash_attention_fwd", "causal"), ("gmm", "default")];
+const TARGETS: [Target; 2] = [Target::V5E, Target::V6E];
+
+/// Relative band on cycles and bundles; spills get an absolute slack too (a few
+/// spill slots move with any scheduling change).
+const BAND: f64 = 0.02;
+const SPILL_SLACK: u64 = 16;
+
+fn pins_path() -> std::path::PathBuf {
+    oracle::repo().join("tests/verdicts/cost.json")
+}
+
+#[test]
+fn library_kernels_cost_what_is_pinned() {
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 (scripts/test.sh does) to compile with libtpu");
+        return;
+    }
+    let mut measured: BTreeMap<String, StaticProfile> = BTreeMap::new();
+    for target in TARGETS {
+        let mut modules = Vec::new();
+        for (name, case_name) in SAMPLE {
+            let op = library().find(|op| op.name == name).unwrap_or_else(|| panic!("no op {name}"));
+            let case = op.cases.iter().find(|c| c.name == case_name).unwrap_or_else(|| panic!("{name} has no case {case_name}"));
+            let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+            let plan = op.plan_for(&op.types(&shapes, DType::BF16), &op.case_statics(case).unwrap(), &target).unwrap();
+            for launch in plan.launches {
+                let lowered = tessera_codegen::lower(&launch.kernel, &target).unwrap();
+                modules.push((format!("{}/{name}-{case_name}-{}-bf16", target.name, launch.kernel.name), lowered.stablehlo));
+            }
+        }
+        for v in oracle::profile(&modules, target.name) {
+            assert!(v.ok, "{}: libtpu rejects it: {}", v.name, v.error);
+            // Accepted, but libtpu's profiler aborts on it (it does on some kernels): pinned
+            // as all zeros, so a kernel it starts to profile shows up here too.
+            let p = v.profile.unwrap_or_default();
+            eprintln!("{:<56} cycles {:>9} (+{} outside)  bundles {:>6}  spills {}v/{}s  VMEM {:.2} MiB", v.name, p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, p.vmem_bytes as f64 / (1 << 20) as f64);
+            measured.insert(v.name, p);
+        }
+    }
+    let version = oracle::libtpu_version();
+    let to_json = |p: &StaticProfile| serde_json::json!({"cycles": p.cycles, "outside_cycles": p.outside_cycles, "bundles": p.bundles, "vector_spills": p.vector_spills, "scalar_spills": p.scalar_spills, "vmem_bytes": p.vmem_bytes});
+    if std::env::var_os("TESSERA_COST_BLESS").is_some() {
+        let kernels: serde_json::Map<String, serde_json::Value> = measured.iter().map(|(k, p)| (k.clone(), to_json(p))).collect();
+        let doc = serde_json::json!({"libtpu": version, "kernels": kernels});
+        std::fs::write(pins_path(), serde_json::to_string_pretty(&doc).unwrap() + "\n").unwrap();
+        eprintln!("wrote {}", pins_path().display());
+        return;
+    }
+    let pins: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(pins_path()).expect("tests/verdicts/cost.json")).expect("cost.json is JSON");
+    if pins["libtpu"].as_str() != Some(version.as_str()) {
+        eprintln!("skipped: the pins are for libtpu {} and this is {version}; bless them (see the file's docs)", pins["libtpu"]);
+        return;
+    }
+    let mut failures = Vec::new();
+    for (name, p) in &measured {
+        let Some(pin) = pins["kernels"].get(name) else {
+            failures.push(format!("{name}: not pinned (bless to add it)"));
+            continue;
+        };
+        let pinned = |key: &str| pin[key].as_u64().unwrap_or(0);
+        let mut check = |key: &str, got: u64, slack: u64| {
+            let want = pinned(key);
+            let allowed = (want as f64 * BAND).ceil() as u64 + slack;
+            if got.abs_diff(want) > allowed {
+                failures.push(format!("{name}: {key} {got}, pinned {want} ({:+} = {:+.1}%; band ±{allowed})", got as i64 - want as i64, (got as f64 / want.max(1) as f64 - 1.0) * 100.0));
+            }
+        };
+        check("cycles", p.cycles, 0);
+        check("outside_cycles", p.outside_cycles, 0);
+        check("bundles", p.bundles, 0);
+        check("vector_spills", p.vector_spills, SPILL_SLACK);
+        check("scalar_spills", p.scalar_spills, SPILL_SLACK);
+        check("vmem_bytes", p.vmem_bytes, 0);
+    }
+    assert!(failures.is_empty(), "static cost moved outside its band (if intended, bless: see this file's docs):\n{}", failures.join("\n"));
+}
