@@ -177,7 +177,10 @@ pub(crate) fn split_nonfinite(v: Value, r: f32) -> (Value, Value) {
 /// NaN), so +inf terms land on digit 0, -inf on digit 1 and NaN at `r^2` and above.
 #[tpu_fn]
 pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: f32) -> Value {
-    let code = dot(select(keep, select(p > 0.0, 1.0, r * r), 0.0).cast(bf16), class);
+    // The weights' code by arithmetic, not a select of constants: libtpu's v5e lowering fuses
+    // that select into a masked bf16 matmul which its own LLO type check rejects.
+    let weight = (r * r + (1.0 - r * r) * (p > 0.0).cast(f32)) * keep.cast(f32);
+    let code = dot(weight.cast(bf16), class);
     let nan = code >= r * r;
     let digits = select(nan, 0.0, code).cast(i32);
     let plus = (digits & ((r as i32) - 1)) != 0;
