@@ -369,3 +369,40 @@ fn misuse_is_a_builder_error_with_the_line() {
     let i = ty(DType::I32, &[8, 128]);
     expect_err(round_int(i.clone(), i), "op-dtype", &["round", "cast to f32"]);
 }
+
+/// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the kernels above, in every dtype they were
+/// run in, verify and compile for v5e, v6e and tpu7x.
+#[test]
+fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
+    use tessera_dsl::Target;
+    use tessera_tests::oracle;
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 (scripts/test.sh does) to compile with libtpu");
+        return;
+    }
+    let mut kernels: Vec<Kernel> = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let t = ty(dtype, &[16, 256]);
+        kernels.push(float_math(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t).unwrap());
+    }
+    for dtype in [DType::I32, DType::I8] {
+        let t = ty(dtype, &[64, 256]);
+        kernels.push(int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone()).unwrap());
+        kernels.push(int4_unpack(t.clone(), t.clone(), t).unwrap());
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        let (r, c) = (16, 256);
+        kernels.push(arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap());
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let modules: Vec<(String, String)> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
+                (format!("{}-{i}", k.name), lowered.stablehlo)
+            })
+            .collect();
+        oracle::assert_accepted(&modules, target.name);
+    }
+}
