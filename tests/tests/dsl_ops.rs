@@ -109,7 +109,7 @@ fn sign_ref(x: f64) -> f64 {
 fn float_inputs(n: usize) -> Vec<f32> {
     let mut xs = vec![
         0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 1e-8, -1e-8, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, -0.49999997, 0.49999997, 8388607.5, -8388607.5, 1e7, -1.0,
-        -0.9999999, -1.0000001, -2.0, 88.0, 89.0, -88.0, -104.0, 1e4, -1e4, 3.0e6, 1e30, -1e30, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.0, 3.14159274, -3.14159274,
+        -0.9999999, -1.0000001, -2.0, 88.0, 89.0, -88.0, -104.0, 1e4, -1e4, 3.0e6, 1e30, -1e30, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.0, std::f32::consts::PI, -std::f32::consts::PI,
     ];
     let mut s: u32 = 7;
     while xs.len() < n {
@@ -127,7 +127,8 @@ fn float_inputs(n: usize) -> Vec<f32> {
 
 #[test]
 fn float_math_matches_std_on_every_backend() {
-    let refs: [(&str, fn(f64) -> f64); 8] = [
+    type Reference = (&'static str, fn(f64) -> f64);
+    let refs: [Reference; 8] = [
         ("log1p", f64::ln_1p),
         ("expm1", f64::exp_m1),
         ("sin", f64::sin),
@@ -405,4 +406,29 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
             .collect();
         oracle::assert_accepted(&modules, target.name);
     }
+}
+
+/// IR edited after `finish()` so that a shift takes floats (and a rounding op an integer):
+/// the verifier calls it `malformed-ir`, and no backend panics or runs it.
+#[test]
+fn hand_edited_ir_with_ill_typed_new_ops_is_refused() {
+    let t = ty(DType::I32, &[32, 128]);
+    let mut k = int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t).unwrap();
+    for v in &mut k.values {
+        if v.ty.dtype == DType::I32 && v.ty.rank() == 2 {
+            v.ty.dtype = DType::F32;
+        }
+    }
+    for r in &mut k.refs {
+        r.dtype = DType::F32;
+    }
+    let e = tessera_dsl::verify::verify(&k, &tessera_dsl::Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "malformed-ir", "{e}");
+    assert!(e.to_string().contains("shifts take integers"), "{e}");
+    let x = Array::from_f32(&[32, 128], vec![1.0; 32 * 128]);
+    for be in backends() {
+        let r = exec::run(be.executor(), &k, &[&x, &x]);
+        assert!(r.is_err(), "{be:?} ran an ill-typed shift");
+    }
+    assert!(tessera_codegen::lower(&k, &tessera_dsl::Target::V5E).is_err());
 }

@@ -932,7 +932,7 @@ impl<'a, 'b> Lower<'a, 'b> {
             Inst::Binary(op, a, bb) => {
                 let av = self.eval(*a, at)?;
                 let bv = self.eval(*bb, at)?;
-                let r = if op.is_shift() {
+                let r = if op.is_shift() && class(k.ty(*a).dtype) == Class::I {
                     vx::shift_lanes(&mut self.b, *op, av, bv, ty.dtype.bits() as u32)
                 } else {
                     self.binary_vec(*op, class(k.ty(*a).dtype), av, bv)?
@@ -1146,7 +1146,7 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             Inst::Binary(op, a, bb) => {
                 let (av, bv) = (self.scalar(*a)?, self.scalar(*bb)?);
-                let r = if op.is_shift() {
+                let r = if op.is_shift() && class(k.ty(*a).dtype) == Class::I {
                     vx::shift_scalar(&mut self.b, *op, av, bv, dt.bits() as u32)
                 } else {
                     self.binary_scalar(*op, class(k.ty(*a).dtype), av, bv)?
