@@ -255,27 +255,6 @@ impl UnaryOp {
         matches!(self, UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Rsqrt | UnaryOp::Sqrt | UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos)
     }
 
-    /// Every unary op, in declaration order (for sweeps and tests).
-    pub const ALL: [UnaryOp; 17] = [
-        UnaryOp::Neg,
-        UnaryOp::Abs,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Tanh,
-        UnaryOp::Erf,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Not,
-        UnaryOp::Log1p,
-        UnaryOp::Expm1,
-        UnaryOp::Sin,
-        UnaryOp::Cos,
-        UnaryOp::Floor,
-        UnaryOp::Ceil,
-        UnaryOp::Round,
-        UnaryOp::Sign,
-    ];
-
     pub fn float_only(self) -> bool {
         !matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Not)
     }
