@@ -483,6 +483,16 @@ impl Lower<'_> {
             UnaryOp::Rsqrt => "math.rsqrt",
             UnaryOp::Abs if float => "math.absf",
             UnaryOp::Abs => "math.absi",
+            // As Pallas lowers lax.log1p / sin / cos / floor / ceil / round (ROUND_TO_EVEN).
+            UnaryOp::Log1p => "math.log1p",
+            // libtpu 0.0.52 has no `math.expm1` ("failed to legalize", every generation).
+            UnaryOp::Expm1 => return Ok(self.expm1(&xv, &t)),
+            UnaryOp::Sin => "math.sin",
+            UnaryOp::Cos => "math.cos",
+            UnaryOp::Floor => "math.floor",
+            UnaryOp::Ceil => "math.ceil",
+            UnaryOp::Round => "math.roundeven",
+            UnaryOp::Sign => return Ok(self.sign(&xv, &t)),
             // Pallas writes -x as 0 - x; do the same for floats and ints.
             UnaryOp::Neg => {
                 let zero = self.constant(if float { Scalar::Float(0.0) } else { Scalar::Int(0) }, &t);
@@ -499,6 +509,86 @@ impl Lower<'_> {
         };
         let attrs = if name == "math.absi" { "" } else { FASTMATH };
         Ok(self.t.op1(name, &[&xv], attrs, xv.ty.clone()))
+    }
+
+    /// `sign(x)` as selects on comparisons: `x > 0 ? 1 : x < 0 ? -1 : x == x ? 0 : x`
+    /// (both zeros give +0, NaN stays NaN), in the value's own dtype.
+    fn sign(&mut self, x: &Ssa, t: &Type) -> Ssa {
+        let bool_t = ty(&t.with_dtype(DType::Bool));
+        let zero = self.constant(Scalar::Float(0.0), t);
+        let one = self.constant(Scalar::Float(1.0), t);
+        let minus_one = self.constant(Scalar::Float(-1.0), t);
+        let cmp = |s: &mut Self, p: i64| s.t.op1("arith.cmpf", &[x, &zero], &format!("{FASTMATH}, predicate = {p} : i64"), bool_t.clone());
+        let (pos, neg) = (cmp(self, 2), cmp(self, 4));
+        let ordered = self.t.op1("arith.cmpf", &[x, x], &format!("{FASTMATH}, predicate = 1 : i64"), bool_t.clone());
+        let z = self.t.op1("arith.select", &[&ordered, &zero, x], "", x.ty.clone());
+        let n = self.t.op1("arith.select", &[&neg, &minus_one, &z], "", x.ty.clone());
+        self.t.op1("arith.select", &[&pos, &one, &n], "", x.ty.clone())
+    }
+
+    /// `expm1(x)` from `exp` and `log` (Kahan's formulation, accurate near 0 without a
+    /// polynomial): `u = exp(x)`, then `x` where `u == 1`, `-1` where `u - 1 == -1`, `u`
+    /// where it overflowed, else `(u - 1) * (x / log(u))`; in f32 (bf16 goes through f32,
+    /// as the interpreter computes it, rounded once at the end). NaN propagates.
+    fn expm1(&mut self, x: &Ssa, t: &Type) -> Ssa {
+        let f = t.with_dtype(DType::F32);
+        let xf = if t.dtype == DType::BF16 { self.convert(x.clone(), DType::BF16, DType::F32, t) } else { x.clone() };
+        let bool_t = ty(&f.with_dtype(DType::Bool));
+        let u = self.t.op1("math.exp", &[&xf], FASTMATH, xf.ty.clone());
+        let one = self.constant(Scalar::Float(1.0), &f);
+        let d = self.arith2("arith.subf", &u, &one);
+        let l = self.t.op1("math.log", &[&u], FASTMATH, xf.ty.clone());
+        let q = self.arith2("arith.divf", &xf, &l);
+        let r = self.arith2("arith.mulf", &d, &q);
+        let zero = self.constant(Scalar::Float(0.0), &f);
+        let minus_one = self.constant(Scalar::Float(-1.0), &f);
+        let inf = self.constant(Scalar::Float(f64::INFINITY), &f);
+        let is = |s: &mut Self, a: &Ssa, b: &Ssa| s.t.op1("arith.cmpf", &[a, b], &format!("{FASTMATH}, predicate = 1 : i64"), bool_t.clone());
+        let (tiny, low, high) = (is(self, &d, &zero), is(self, &d, &minus_one), is(self, &u, &inf));
+        let r = self.t.op1("arith.select", &[&tiny, &xf, &r], "", xf.ty.clone());
+        let r = self.t.op1("arith.select", &[&low, &minus_one, &r], "", xf.ty.clone());
+        let r = self.t.op1("arith.select", &[&high, &u, &r], "", xf.ty.clone());
+        if t.dtype == DType::BF16 { self.convert(r, DType::F32, DType::BF16, &f) } else { r }
+    }
+
+    /// The constant a value is, seen through a broadcast (a weak literal's splat).
+    fn splat_const(&self, v: Value) -> Option<Scalar> {
+        if let ValueDef::Result(i, 0) = self.k.value(v).def {
+            if let Inst::Broadcast(x) = self.k.inst(i).inst {
+                return self.k.as_const(x);
+            }
+        }
+        self.k.as_const(v)
+    }
+
+    /// `arith.shli` / `shrsi` / `shrui` (as Pallas lowers lax's shifts), with the IR's
+    /// meaning for amounts outside `0..bits` made explicit, since MLIR leaves them
+    /// undefined: 0 for `shl` and `shr_logical`, the sign fill (a shift by `bits - 1`) for
+    /// `shr`. A constant amount in range needs no guard.
+    fn shift(&mut self, op: BinaryOp, a: Value, b: Value) -> Ssa {
+        let t = self.ty(a).clone();
+        let bits = t.dtype.bits() as i64;
+        let name = match op {
+            BinaryOp::Shl => "arith.shli",
+            BinaryOp::Shr => "arith.shrsi",
+            _ => "arith.shrui",
+        };
+        let in_range = matches!(self.splat_const(b), Some(Scalar::Int(c)) if (0..bits).contains(&c));
+        let (av, bv) = (self.v(a), self.v(b));
+        if in_range {
+            return self.t.op1(name, &[&av, &bv], "", av.ty.clone());
+        }
+        // Unsigned `n < bits` is false for negative amounts too.
+        let width = self.constant(Scalar::Int(bits), &t);
+        let ok = self.t.op1("arith.cmpi", &[&bv, &width], "predicate = 6 : i64", ty(&t.with_dtype(DType::Bool)));
+        if op == BinaryOp::Shr {
+            let fill = self.constant(Scalar::Int(bits - 1), &t);
+            let n = self.t.op1("arith.select", &[&ok, &bv, &fill], "", bv.ty.clone());
+            return self.t.op1(name, &[&av, &n], "", av.ty.clone());
+        }
+        let shifted = self.t.op1(name, &[&av, &bv], "", av.ty.clone());
+        let zero = self.constant(Scalar::Int(0), &t);
+        self.t.op1("arith.select", &[&ok, &shifted, &zero], "", av.ty.clone())
     }
 
     /// A two-operand arith op with the attributes Mosaic's stable form carries.
@@ -532,6 +622,7 @@ impl Lower<'_> {
             (BinaryOp::And, _) => "arith.andi",
             (BinaryOp::Or, _) => "arith.ori",
             (BinaryOp::Xor, _) => "arith.xori",
+            (BinaryOp::Shl | BinaryOp::Shr | BinaryOp::ShrLogical, _) => return self.shift(op, a, b),
         };
         let (a, b) = (self.v(a), self.v(b));
         self.arith2(name, &a, &b)

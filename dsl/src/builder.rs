@@ -539,9 +539,17 @@ impl KernelBuilder {
         let ok = match op {
             BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => !t.dtype.is_float(),
             BinaryOp::Pow => t.dtype.is_float(),
+            BinaryOp::Shl | BinaryOp::Shr | BinaryOp::ShrLogical => t.dtype.is_int(),
             _ => t.dtype != DType::Bool,
         };
-        if !ok {
+        if !ok && op.is_shift() {
+            self.fail(
+                format!("instruction `{}`", op.name()),
+                "op-dtype",
+                format!("`{}` shifts integers, and its operands are {t}", op.name()),
+                "shift i32 or i8 values (the amount has the value's dtype; a literal amount takes it): e.g. `(x.cast(i32) >> 4) & 15`",
+            );
+        } else if !ok {
             self.fail(format!("instruction `{}`", op.name()), "op-dtype", format!("`{}` is not defined for {}", op.name(), t.dtype), "cast the operands to a dtype the op supports");
         }
         self.push1(Inst::Binary(op, a, b), t)
@@ -634,6 +642,47 @@ impl KernelBuilder {
         let mut shape = t.shape.clone();
         shape[axis] = 1;
         self.push1(Inst::Reduce { op, axis, x }, Type::vector(t.dtype, &shape))
+    }
+
+    /// The index (i32) of the largest element along `axis`, keeping it with size 1: the
+    /// first one on ties, the first NaN if there is one (`torch.argmax`). Built from
+    /// ops every backend has: `m = max(x)`, then the smallest index where `x == m` or
+    /// `x` is NaN (`max` propagates NaN, so then only NaNs match).
+    pub fn argmax(&mut self, x: Value, axis: usize) -> Value {
+        self.arg_reduce(ReduceOp::Max, "argmax", x, axis)
+    }
+
+    /// The index (i32) of the smallest element along `axis` (first on ties, NaN wins, as
+    /// `torch.argmin`); see [`Self::argmax`].
+    pub fn argmin(&mut self, x: Value, axis: usize) -> Value {
+        self.arg_reduce(ReduceOp::Min, "argmin", x, axis)
+    }
+
+    fn arg_reduce(&mut self, op: ReduceOp, name: &str, x: Value, axis: usize) -> Value {
+        let t = self.ty(x).clone();
+        if axis >= t.rank() {
+            let help = if t.rank() == 0 { "take it of a vector (a scalar has no axes)".to_string() } else { format!("use an axis below {}", t.rank()) };
+            self.fail(format!("instruction `{name}`"), "reduce-axis", format!("axis {axis} of {t}"), help);
+            return self.poison(t.with_dtype(DType::I32));
+        }
+        if t.dtype == DType::Bool {
+            self.fail(format!("instruction `{name}`"), "op-dtype", format!("`{name}` of {t}"), "cast the bools to i32 first: .cast(i32)");
+            let mut shape = t.shape.clone();
+            shape[axis] = 1;
+            return self.poison(Type::vector(DType::I32, &shape));
+        }
+        let m = self.reduce(op, x, axis);
+        let hit = self.cmp(CmpOp::Eq, x, m);
+        let hit = if t.dtype.is_float() {
+            let nan = self.cmp(CmpOp::Ne, x, x);
+            self.binary(BinaryOp::Or, hit, nan)
+        } else {
+            hit
+        };
+        let index = self.iota(DType::I32, &t.shape, axis);
+        let n = i64::try_from(t.shape[axis]).unwrap_or(i64::MAX).min(i32::MAX as i64);
+        let masked = self.select(hit, index, Arg::Int(n));
+        self.reduce(ReduceOp::Min, masked, axis)
     }
 
     /// Matrix product with f32 accumulation (i32 for integer inputs).

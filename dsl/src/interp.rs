@@ -939,6 +939,33 @@ pub fn fmin(x: f32, y: f32) -> f32 {
     }
 }
 
+/// `jnp.sign`: -1, 0 or 1; both zeros give +0 and NaN stays NaN.
+pub fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else if x == 0.0 {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// A shift of a `bits`-wide integer held sign-extended in an i32, with XLA's meaning for
+/// an amount outside `0..bits`: 0 for `shl` and `shr_logical`, the sign fill for `shr`.
+pub fn shift(op: BinaryOp, x: i32, n: i32, bits: u32) -> i32 {
+    let in_range = (n as u32) < bits;
+    let mask = if bits >= 32 { u32::MAX } else { (1u32 << bits) - 1 };
+    match op {
+        BinaryOp::Shl if in_range => ((x as u32) << n) as i32,
+        BinaryOp::Shr if in_range => x >> n,
+        BinaryOp::Shr => x >> 31,
+        BinaryOp::ShrLogical if in_range => ((x as u32 & mask) >> n) as i32,
+        _ => 0,
+    }
+}
+
 /// f64 evaluation rounded once to f32.
 fn via_f64(x: f32, f: impl Fn(f64) -> f64) -> f32 {
     f(x as f64) as f32
@@ -1746,6 +1773,14 @@ impl<'k, 'h> Machine<'k, 'h> {
                 Erf => map(v, |x| via_f64(x, libm::erf)),
                 Sqrt => map(v, |x| via_f64(x, f64::sqrt)),
                 Rsqrt => map(v, |x| via_f64(x, |y| 1.0 / y.sqrt())),
+                Log1p => map(v, |x| via_f64(x, f64::ln_1p)),
+                Expm1 => map(v, |x| via_f64(x, f64::exp_m1)),
+                Sin => map(v, |x| via_f64(x, f64::sin)),
+                Cos => map(v, |x| via_f64(x, f64::cos)),
+                Floor => map(v, f32::floor),
+                Ceil => map(v, f32::ceil),
+                Round => map(v, f32::round_ties_even),
+                Sign => map(v, sign),
                 Not => return Err(self.malformed(d, "`not` of a float")),
             }),
             Buf::I(v) => Buf::I(match op {
@@ -1774,7 +1809,7 @@ impl<'k, 'h> Machine<'k, 'h> {
                 Max => zip_map(a, b, fmax),
                 Min => zip_map(a, b, fmin),
                 Pow => zip_map(a, b, |x, y| (x as f64).powf(y as f64) as f32),
-                And | Or | Xor => return Err(bad()),
+                And | Or | Xor | Shl | Shr | ShrLogical => return Err(bad()),
             }),
             (Buf::I(a), Buf::I(b)) => Buf::I(match op {
                 Add => zip_map(a, b, i32::wrapping_add),
@@ -1787,6 +1822,11 @@ impl<'k, 'h> Machine<'k, 'h> {
                 And => zip_map(a, b, |x, y| x & y),
                 Or => zip_map(a, b, |x, y| x | y),
                 Xor => zip_map(a, b, |x, y| x ^ y),
+                // i8 values are held sign-extended; `normalize` wraps the result back.
+                Shl | Shr | ShrLogical => {
+                    let bits = d.results.first().map_or(32, |&r| self.k.ty(r).dtype.bits()) as u32;
+                    zip_map(a, b, |x, n| shift(op, x, n, bits))
+                }
                 Pow => return Err(bad()),
             }),
             (Buf::B(a), Buf::B(b)) => Buf::B(match op {

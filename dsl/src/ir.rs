@@ -213,6 +213,18 @@ pub enum UnaryOp {
     Rsqrt,
     /// Logical/bitwise not (bool or integer).
     Not,
+    /// `ln(1 + x)`, accurate near 0.
+    Log1p,
+    /// `exp(x) - 1`, accurate near 0.
+    Expm1,
+    Sin,
+    Cos,
+    Floor,
+    Ceil,
+    /// Round to the nearest integer, ties to even (`torch.round`, `jnp.round`).
+    Round,
+    /// -1, 0 or 1 by the sign of `x`; `sign(±0) = +0`, `sign(NaN) = NaN` (`jnp.sign`).
+    Sign,
 }
 
 impl UnaryOp {
@@ -227,12 +239,20 @@ impl UnaryOp {
             UnaryOp::Sqrt => "sqrt",
             UnaryOp::Rsqrt => "rsqrt",
             UnaryOp::Not => "not",
+            UnaryOp::Log1p => "log1p",
+            UnaryOp::Expm1 => "expm1",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Floor => "floor",
+            UnaryOp::Ceil => "ceil",
+            UnaryOp::Round => "round",
+            UnaryOp::Sign => "sign",
         }
     }
 
     /// Transcendental ops count toward the cost estimate's `transcendentals`.
     pub fn is_transcendental(self) -> bool {
-        matches!(self, UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Rsqrt | UnaryOp::Sqrt)
+        matches!(self, UnaryOp::Exp | UnaryOp::Log | UnaryOp::Tanh | UnaryOp::Erf | UnaryOp::Rsqrt | UnaryOp::Sqrt | UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos)
     }
 
     pub fn float_only(self) -> bool {
@@ -253,6 +273,16 @@ pub enum BinaryOp {
     And,
     Or,
     Xor,
+    /// `x << n` on integers. An amount outside `0..bits` (negative, or at least the
+    /// dtype's width: 32 for i32, 8 for i8) gives 0, as `jax.lax.shift_left` (XLA).
+    Shl,
+    /// `x >> n`, arithmetic (sign-filling) on the signed integer dtypes. An amount
+    /// outside `0..bits` gives the sign fill: -1 for negative `x`, else 0 (XLA's
+    /// `shift_right_arithmetic`).
+    Shr,
+    /// `x >> n`, logical (zero-filling): the bits are read as unsigned. An amount outside
+    /// `0..bits` gives 0 (XLA's `shift_right_logical`).
+    ShrLogical,
 }
 
 impl BinaryOp {
@@ -269,7 +299,15 @@ impl BinaryOp {
             BinaryOp::And => "and",
             BinaryOp::Or => "or",
             BinaryOp::Xor => "xor",
+            BinaryOp::Shl => "shl",
+            BinaryOp::Shr => "shr",
+            BinaryOp::ShrLogical => "shr_logical",
         }
+    }
+
+    /// Shifts: integer-only, with the out-of-range amounts defined as XLA does.
+    pub fn is_shift(self) -> bool {
+        matches!(self, BinaryOp::Shl | BinaryOp::Shr | BinaryOp::ShrLogical)
     }
 
     pub fn is_bitwise(self) -> bool {

@@ -126,8 +126,8 @@ rules! {
     // ---- the body (verify/body.rs) ----
     "matmul-dtype", Tpu, [V], "f32, bf16 native everywhere; int8 native on v5e/v5p/v6e, compiles on tpu7x (warning matmul-emulated); int32 nowhere", "a dot's operands are of a dtype the generation's compiler multiplies",
         "pair matmul-dtype: int8 x int8 accepted, int32 x int32 rejected (`Bad lhs/rhs type`); bf16 x f32 accepted";
-    "vector-op-dtype", Tpu, [V], SAME, "int8 vectors take no arithmetic (add, sub, mul, div, rem, min, max, neg, abs, min/max-selects; bitwise ops, compares, selects and casts are fine); bf16 vectors take no `rem`",
-        "pair vector-op-dtype: int8 xor accepted, int8 add rejected (`Only vector<i16> and vector<i32> are supported`); int8 max: `failed to legalize arith.maxsi`; bf16 rem: `failed to legalize arith.remf` (probe op-all/rem-bf16), f32 rem compiles";
+    "vector-op-dtype", Tpu, [V], SAME, "int8 vectors take no arithmetic (add, sub, mul, div, rem, min, max, neg, abs, min/max-selects; bitwise ops, shifts, compares, selects and casts are fine); bf16 vectors take no `rem`",
+        "pair vector-op-dtype: int8 xor accepted, int8 add rejected (`Only vector<i16> and vector<i32> are supported`); int8 max: `failed to legalize arith.maxsi`; bf16 rem: `failed to legalize arith.remf` (probe op-all/rem-bf16), f32 rem compiles; pair int8-shift: an int8 shift compiles, an int8 mul is rejected (probes op-more/*-i8 shift every way)";
     "reduce-dtype", Tpu, [V], SAME, "reductions take 32-bit and 16-bit vectors, not int8",
         "pair reduce-dtype: an i32 row sum accepted, an int8 row sum rejected (`Unsupported element type for the selected reduction`)";
     "vector-offset-align", Tpu, [V], SAME, "a dynamic offset of a vector load or store is provably aligned: last dim to 128, second-to-last to 8 (int8: 32; 32-bit types in a ref one lane tile wide or one row: any), rank 1 to 128 * (32 / bits)",

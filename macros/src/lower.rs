@@ -35,9 +35,25 @@ enum Var {
 }
 
 const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait"];
-const UNARY_METHODS: &[(&str, &str)] = &[("exp", "Exp"), ("log", "Log"), ("tanh", "Tanh"), ("erf", "Erf"), ("sqrt", "Sqrt"), ("rsqrt", "Rsqrt"), ("abs", "Abs")];
-const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, max(b), min(b), pow(b), \
-cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), t(), reshape([dims]), broadcast_to([dims])";
+const UNARY_METHODS: &[(&str, &str)] = &[
+    ("exp", "Exp"),
+    ("log", "Log"),
+    ("tanh", "Tanh"),
+    ("erf", "Erf"),
+    ("sqrt", "Sqrt"),
+    ("rsqrt", "Rsqrt"),
+    ("abs", "Abs"),
+    ("log1p", "Log1p"),
+    ("expm1", "Expm1"),
+    ("sin", "Sin"),
+    ("cos", "Cos"),
+    ("floor", "Floor"),
+    ("ceil", "Ceil"),
+    ("round", "Round"),
+    ("sign", "Sign"),
+];
+const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, log1p, expm1, sin, cos, floor, ceil, round, sign, \
+max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
 ds(start, len) inside ref indices; any other function called with IR values is a `#[tpu_fn]` fragment";
@@ -339,7 +355,8 @@ impl<'a> Lowerer<'a> {
             BinOp::Le(_) => K::Cmp(quote!(Le)),
             BinOp::Gt(_) => K::Cmp(quote!(Gt)),
             BinOp::Ge(_) => K::Cmp(quote!(Ge)),
-            BinOp::Shl(_) | BinOp::Shr(_) => return err(b.op, "shifts are not supported on IR values"),
+            BinOp::Shl(_) => K::Bin(quote!(Shl)),
+            BinOp::Shr(_) => K::Bin(quote!(Shr)),
             _ => return err(b, "compound assignment is a statement; write it on its own line"),
         };
         let l = self.arg(&b.left)?;
@@ -367,9 +384,14 @@ impl<'a> Lowerer<'a> {
             return Ok(quote!({ let __x = #x; __b.unary(::tessera_dsl::UnaryOp::#op, __x) }));
         }
         match name.as_str() {
-            "max" | "min" | "pow" => {
+            "max" | "min" | "pow" | "shr_logical" => {
                 arity(1)?;
-                let op = format_ident!("{}", if name == "max" { "Max" } else if name == "min" { "Min" } else { "Pow" });
+                let op = format_ident!("{}", match name.as_str() {
+                    "max" => "Max",
+                    "min" => "Min",
+                    "pow" => "Pow",
+                    _ => "ShrLogical",
+                });
                 let l = self.arg(&m.receiver)?;
                 let r = self.arg(args[0])?;
                 Ok(quote!({ let __l = #l; let __r = #r; __b.binary(::tessera_dsl::BinaryOp::#op, __l, __r) }))
@@ -386,6 +408,13 @@ impl<'a> Lowerer<'a> {
                 let x = self.value(&m.receiver)?;
                 let axis = self.static_usize(args[0], "a reduction axis")?;
                 Ok(quote!({ let __x = #x; __b.reduce(::tessera_dsl::ReduceOp::#op, __x, #axis) }))
+            }
+            "argmax" | "argmin" => {
+                arity(1)?;
+                let f = format_ident!("{}", name);
+                let x = self.value(&m.receiver)?;
+                let axis = self.static_usize(args[0], "an argmax/argmin axis")?;
+                Ok(quote!({ let __x = #x; __b.#f(__x, #axis) }))
             }
             "t" => {
                 arity(0)?;
@@ -480,7 +509,7 @@ impl<'a> Lowerer<'a> {
                 }))
             }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
-            "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" => {
+            "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" | "log1p" | "expm1" | "sin" | "cos" | "floor" | "ceil" | "round" | "sign" => {
                 let hint = if matches!(name.as_str(), "max" | "min" | "pow") { format!("write `a.{name}(b)`") } else { format!("write `x.{name}()`") };
                 err(f, format!("`{name}` is a method on IR values: {hint}; {BUILTINS_HELP}"))
             }
@@ -675,7 +704,8 @@ impl<'a> Lowerer<'a> {
                     BinOp::BitAndAssign(_) => Some(quote!(And)),
                     BinOp::BitOrAssign(_) => Some(quote!(Or)),
                     BinOp::BitXorAssign(_) => Some(quote!(Xor)),
-                    BinOp::ShlAssign(_) | BinOp::ShrAssign(_) => return err(b.op, "shifts are not supported in kernel bodies"),
+                    BinOp::ShlAssign(_) => Some(quote!(Shl)),
+                    BinOp::ShrAssign(_) => Some(quote!(Shr)),
                     _ => None,
                 };
                 match op {

@@ -217,10 +217,16 @@ impl Gen<'_> {
                 V { v: b.binary(op, x.v, y.v), inexact: x.inexact || y.inexact }
             }
             4 => V { v: b.unary(UnaryOp::Neg, x.v), ..x },
-            5 => V { v: b.unary(UnaryOp::Abs, x.v), ..x },
+            5 => {
+                // Abs, or (on exact values only in fast mode: they jump at integers and 0)
+                // the rounding ops and sign.
+                let ops = [UnaryOp::Abs, UnaryOp::Floor, UnaryOp::Ceil, UnaryOp::Round, UnaryOp::Sign];
+                let op = if smooth && x.inexact { UnaryOp::Abs } else { ops[self.rng.gen_range(0..ops.len())] };
+                V { v: b.unary(op, x.v), ..x }
+            }
             6 => {
-                let ops = [UnaryOp::Tanh, UnaryOp::Erf, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Rsqrt];
-                let op = ops[self.rng.gen_range(0..if smooth { 2 } else { 6 })];
+                let ops = [UnaryOp::Tanh, UnaryOp::Erf, UnaryOp::Sin, UnaryOp::Cos, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Rsqrt, UnaryOp::Log1p, UnaryOp::Expm1];
+                let op = ops[self.rng.gen_range(0..if smooth { 4 } else { ops.len() })];
                 V { v: b.unary(op, x.v), inexact: true }
             }
             7 => {
@@ -250,8 +256,11 @@ impl Gen<'_> {
                 // Through the integers and back.
                 let i = b.cast(x.v, DType::I32);
                 let c = b.i32(self.rng.gen_range(-3..4));
-                let ops = [tessera_dsl::BinaryOp::Add, tessera_dsl::BinaryOp::Mul, tessera_dsl::BinaryOp::Div, tessera_dsl::BinaryOp::Rem, tessera_dsl::BinaryOp::Max, tessera_dsl::BinaryOp::Xor];
-                let j = b.binary(ops[self.rng.gen_range(0..6)], i, c);
+                use tessera_dsl::BinaryOp as B;
+                // Shifts by -3..4: negative amounts take the out-of-range rule.
+                let ops = [B::Add, B::Mul, B::Div, B::Rem, B::Max, B::Xor, B::And, B::Or, B::Shl, B::Shr, B::ShrLogical];
+                let j = b.binary(ops[self.rng.gen_range(0..ops.len())], i, c);
+                let j = if self.rng.gen_bool(0.2) { b.unary(UnaryOp::Not, j) } else { j };
                 let j = if self.rng.gen_bool(0.3) { b.cast(j, DType::I8) } else { j };
                 V { v: b.cast(j, dt), inexact: false }
             }
@@ -259,6 +268,12 @@ impl Gen<'_> {
                 // A reduction broadcast back.
                 let shape = b.ty(x.v).shape.clone();
                 let axis = self.rng.gen_range(0..shape.len());
+                if !(smooth && x.inexact) && self.rng.gen_bool(0.25) {
+                    // An index (ties and NaNs make it jump, hence exact values only in fast mode).
+                    let r = if self.rng.gen_bool(0.5) { b.argmax(x.v, axis) } else { b.argmin(x.v, axis) };
+                    let r = b.cast(r, dt);
+                    return V { v: b.broadcast(r, &shape), ..x };
+                }
                 let op = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min][self.rng.gen_range(0..3)];
                 let r = b.reduce(op, x.v, axis);
                 V { v: b.broadcast(r, &shape), ..x }

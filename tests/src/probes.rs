@@ -84,6 +84,7 @@ const FAMILIES: &[Family] = &[
     ("misc", misc),
     ("rank1-ops", rank1_ops),
     ("semantic", semantic),
+    ("op-more", op_more),
 ];
 
 fn tiling_rows(s: &mut Sweep) {
@@ -534,6 +535,39 @@ fn op_all(s: &mut Sweep) {
                 let c = b.cmp(op, x, y);
                 b.cast(c, DType::I32)
             }));
+        }
+    }
+}
+
+/// The ops added for kernel authors (issue 16): float math, shifts (by a literal, in range,
+/// and by a vector of amounts, which takes the out-of-range guard), argmax/argmin.
+fn op_more(s: &mut Sweep) {
+    use UnaryOp::*;
+    for dtype in [DType::F32, DType::BF16] {
+        for op in [Log1p, Expm1, Sin, Cos, Floor, Ceil, Round, Sign] {
+            s.add(format!("{}-{dtype}", op.name()), kit::elementwise("p", dtype, 16, 256, |b, x, _| b.unary(op, x)));
+        }
+    }
+    for dtype in [DType::I32, DType::I8] {
+        let rows = if dtype == DType::I8 { 32 } else { 16 };
+        for op in [BinaryOp::Shl, BinaryOp::Shr, BinaryOp::ShrLogical] {
+            s.add(format!("{}-const-{dtype}", op.name()), kit::elementwise("p", dtype, rows, 256, |b, x, _| b.binary(op, x, 3)));
+            s.add(format!("{}-vector-{dtype}", op.name()), kit::elementwise("p", dtype, rows, 256, |b, x, y| b.binary(op, x, y)));
+        }
+        // int4 unpacking: the low and high nibbles of each byte, sign-extended.
+        s.add(format!("int4-unpack-{dtype}"), kit::elementwise("p", dtype, rows, 256, |b, x, _| {
+            let lo = b.binary(BinaryOp::Shl, x, 4);
+            let lo = b.binary(BinaryOp::Shr, lo, 4);
+            let hi = b.binary(BinaryOp::Shr, x, 4);
+            let m = b.binary(BinaryOp::And, hi, 15);
+            let n = b.unary(UnaryOp::Not, m);
+            b.binary(BinaryOp::Xor, lo, n)
+        }));
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        for axis in [0, 1] {
+            s.add(format!("argmax{axis}-{dtype}"), kit::elementwise("p", dtype, 16, 256, |b, x, _| b.argmax(x, axis)));
+            s.add(format!("argmin{axis}-{dtype}"), kit::elementwise("p", dtype, 16, 256, |b, x, _| b.argmin(x, axis)));
         }
     }
 }

@@ -489,7 +489,22 @@ fn transcendental_ulp_bounds() {
     }
     let n = xs.len().div_ceil(1024) * 1024;
     xs.resize(n, 0.25);
-    let bounds = [(UnaryOp::Exp, 2u32), (UnaryOp::Log, 2), (UnaryOp::Tanh, 3), (UnaryOp::Erf, 3), (UnaryOp::Sqrt, 0), (UnaryOp::Rsqrt, 0)];
+    let bounds = [
+        (UnaryOp::Exp, 2u32),
+        (UnaryOp::Log, 2),
+        (UnaryOp::Tanh, 3),
+        (UnaryOp::Erf, 3),
+        (UnaryOp::Sqrt, 0),
+        (UnaryOp::Rsqrt, 0),
+        (UnaryOp::Log1p, 0),
+        (UnaryOp::Expm1, 0),
+        (UnaryOp::Sin, 0),
+        (UnaryOp::Cos, 0),
+        (UnaryOp::Floor, 0),
+        (UnaryOp::Ceil, 0),
+        (UnaryOp::Round, 0),
+        (UnaryOp::Sign, 0),
+    ];
     let ulps = |a: f32, b: f32| -> u32 {
         if a.is_nan() && b.is_nan() || a == b {
             return 0;

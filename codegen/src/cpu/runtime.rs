@@ -774,3 +774,15 @@ pub extern "C" fn helper_tanh(x: f32) -> f32 {
 pub extern "C" fn helper_erf(x: f32) -> f32 {
     libm::erf(x as f64) as f32
 }
+pub extern "C" fn helper_log1p(x: f32) -> f32 {
+    (x as f64).ln_1p() as f32
+}
+pub extern "C" fn helper_expm1(x: f32) -> f32 {
+    (x as f64).exp_m1() as f32
+}
+pub extern "C" fn helper_sin(x: f32) -> f32 {
+    (x as f64).sin() as f32
+}
+pub extern "C" fn helper_cos(x: f32) -> f32 {
+    (x as f64).cos() as f32
+}

@@ -91,6 +91,14 @@ impl Multiples {
                         _ => 0,
                     },
                     BinaryOp::Pow => 0,
+                    // By an amount in range: `x << c` is `x * 2^c`, `x >> c` divides a
+                    // multiple of `2^ta` by `2^c` exactly (as unsigned bits too).
+                    BinaryOp::Shl | BinaryOp::Shr | BinaryOp::ShrLogical => match k.as_const(*b) {
+                        Some(Scalar::Int(c)) if (0..k.ty(r).dtype.bits() as i64).contains(&c) => {
+                            if *op == BinaryOp::Shl { ta.saturating_add(c as u8) } else { ta.saturating_sub(c as u8) }
+                        }
+                        _ => 0,
+                    },
                 }
             }
             Inst::Select { on_true, on_false, .. } => self.get(*on_true).min(self.get(*on_false)),

@@ -58,6 +58,13 @@ impl Verifier<'_> {
                 }
                 Inst::For { body, .. } if body.index() >= k.blocks.len() => return bad(format!("{} names block {} of {}", name(), body.index(), k.blocks.len())),
                 Inst::ProgramId(a) | Inst::NumPrograms(a) if *a >= k.grid.len() => return bad(format!("{} reads grid axis {a} of {}", name(), k.grid.len())),
+                // What the compiled backends' shift and rounding lowerings rely on.
+                Inst::Binary(op, a, b) if op.is_shift() && !(k.ty(*a).dtype.is_int() && k.ty(*b).dtype == k.ty(*a).dtype) => {
+                    return bad(format!("{} shifts {} by {}; shifts take integers of one dtype", name(), k.ty(*a), k.ty(*b)))
+                }
+                Inst::Unary(op @ (UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign), x) if !k.ty(*x).dtype.is_float() => {
+                    return bad(format!("{} applies `{}` to {}, a float op", name(), op.name(), k.ty(*x)))
+                }
                 _ => {}
             }
         }

@@ -33,6 +33,14 @@ pub fn pairs() -> Vec<Pair> {
         },
         Pair {
             rule: "vector-op-dtype",
+            edge: "int8-shift",
+            differs: "int8 vectors shifted right (arithmetic, by a vector of amounts) vs multiplied",
+            targets: ALL_TARGETS,
+            inside: |_| kit::elementwise("p", DType::I8, 32, 128, |b, x, y| b.binary(BinaryOp::Shr, x, y)),
+            outside: |_| kit::elementwise("p", DType::I8, 32, 128, |b, x, y| b.mul(x, y)),
+        },
+        Pair {
+            rule: "vector-op-dtype",
             edge: "bf16-rem",
             differs: "the remainder of f32 vectors vs of bf16 vectors",
             targets: ALL_TARGETS,

@@ -63,6 +63,10 @@ pub struct Helpers {
     pub tanh: FuncRef,
     pub erf: FuncRef,
     pub dot_bf16: FuncRef,
+    pub log1p: FuncRef,
+    pub expm1: FuncRef,
+    pub sin: FuncRef,
+    pub cos: FuncRef,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -432,6 +436,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         let own = match &k.inst(i).inst {
             Inst::Unary(UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Not, _) => 1,
             Inst::Binary(B::Add | B::Sub | B::Mul | B::Max | B::Min | B::And | B::Or | B::Xor, ..) => 1,
+            Inst::Unary(UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round, _) => 1,
+            Inst::Unary(UnaryOp::Sign, _) => 3,
             Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Broadcast(_) => 1,
             Inst::Load { .. } | Inst::Const(_) | Inst::Iota { .. } => 0,
             _ => return None,
@@ -926,7 +932,11 @@ impl<'a, 'b> Lower<'a, 'b> {
             Inst::Binary(op, a, bb) => {
                 let av = self.eval(*a, at)?;
                 let bv = self.eval(*bb, at)?;
-                let r = self.binary_vec(*op, class(k.ty(*a).dtype), av, bv)?;
+                let r = if op.is_shift() && class(k.ty(*a).dtype) == Class::I {
+                    vx::shift_lanes(&mut self.b, *op, av, bv, ty.dtype.bits() as u32)
+                } else {
+                    self.binary_vec(*op, class(k.ty(*a).dtype), av, bv)?
+                };
                 self.norm(r, ty.dtype)
             }
             Inst::Cmp(op, a, bb) => {
@@ -1012,6 +1022,14 @@ impl<'a, 'b> Lower<'a, 'b> {
             (Class::F, Log) if self.exact => vx::per_lane(b, self.h.log, &[x], F32X4),
             (Class::F, Tanh) if self.exact => vx::per_lane(b, self.h.tanh, &[x], F32X4),
             (Class::F, Erf) if self.exact => vx::per_lane(b, self.h.erf, &[x], F32X4),
+            (Class::F, Log1p) => vx::per_lane(b, self.h.log1p, &[x], F32X4),
+            (Class::F, Expm1) => vx::per_lane(b, self.h.expm1, &[x], F32X4),
+            (Class::F, Sin) => vx::per_lane(b, self.h.sin, &[x], F32X4),
+            (Class::F, Cos) => vx::per_lane(b, self.h.cos, &[x], F32X4),
+            (Class::F, Floor) => b.ins().floor(x),
+            (Class::F, Ceil) => b.ins().ceil(x),
+            (Class::F, Round) => b.ins().nearest(x),
+            (Class::F, Sign) => vx::sign(b, x),
             (Class::F, Exp) => vx::exp(b, x),
             (Class::F, Log) => vx::log(b, x),
             (Class::F, Tanh) => vx::tanh(b, x),
@@ -1128,7 +1146,11 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             Inst::Binary(op, a, bb) => {
                 let (av, bv) = (self.scalar(*a)?, self.scalar(*bb)?);
-                let r = self.binary_scalar(*op, class(k.ty(*a).dtype), av, bv)?;
+                let r = if op.is_shift() && class(k.ty(*a).dtype) == Class::I {
+                    vx::shift_scalar(&mut self.b, *op, av, bv, dt.bits() as u32)
+                } else {
+                    self.binary_scalar(*op, class(k.ty(*a).dtype), av, bv)?
+                };
                 self.norm_scalar(r, dt)
             }
             Inst::Cmp(op, a, bb) => {
@@ -1164,7 +1186,10 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let q = self.b.ins().fdiv(one, s);
                 self.b.ins().fdemote(F32, q)
             }
-            (Class::F, Exp | Log | Tanh | Erf) => {
+            (Class::F, Floor) => self.b.ins().floor(x),
+            (Class::F, Ceil) => self.b.ins().ceil(x),
+            (Class::F, Round) => self.b.ins().nearest(x),
+            (Class::F, Exp | Log | Tanh | Erf | Log1p | Expm1 | Sin | Cos | Sign) => {
                 let v = self.b.ins().splat(F32X4, x);
                 let r = self.unary_vec(op, Class::F, v)?;
                 self.b.ins().extractlane(r, 0)

@@ -56,7 +56,7 @@ fn isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
 
 /// The helpers compiled code calls, by symbol name: (name, address) in the order of
 /// [`Helpers`]' fields.
-pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 12] {
+pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 16] {
     [
         ("tessera_fail_slice", rt::helper_fail_slice as *const u8),
         ("tessera_dma", rt::helper_dma as *const u8),
@@ -70,6 +70,10 @@ pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 12] {
         ("tessera_tanh", rt::helper_tanh as *const u8),
         ("tessera_erf", rt::helper_erf as *const u8),
         ("tessera_dot_bf16", if exact { rt::helper_dot_bf16_exact as *const u8 } else { rt::helper_dot_bf16 as *const u8 }),
+        ("tessera_log1p", rt::helper_log1p as *const u8),
+        ("tessera_expm1", rt::helper_expm1 as *const u8),
+        ("tessera_sin", rt::helper_sin as *const u8),
+        ("tessera_cos", rt::helper_cos as *const u8),
     ]
 }
 
@@ -96,7 +100,7 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
     let sig_f = sig(module, &[F32], Some(F32));
     let sig_step = sig(module, &[ptr], Some(I32));
     let err = |e: cranelift_module::ModuleError| Unsupported(format!("cranelift: {e}"));
-    let sigs = [&sig_fail, &sig_dma, &sig_dot, &sig_dot, &sig_ff, &sig_ff, &sig_if, &sig_f, &sig_f, &sig_f, &sig_f, &sig_dot];
+    let sigs = [&sig_fail, &sig_dma, &sig_dot, &sig_dot, &sig_ff, &sig_ff, &sig_if, &sig_f, &sig_f, &sig_f, &sig_f, &sig_dot, &sig_f, &sig_f, &sig_f, &sig_f];
     let syms = helper_symbols(exact);
     let mut ids = Vec::new();
     for ((name, _), s) in syms.iter().zip(sigs) {
@@ -116,7 +120,7 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
             refs.push(r);
             table.push((r, addr));
         }
-        let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10], dot_bf16: refs[11] };
+        let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10], dot_bf16: refs[11], log1p: refs[12], expm1: refs[13], sin: refs[14], cos: refs[15] };
         let l = Lower::new(k, layouts, b, h, exact)?;
         l.lower(module.target_config())?
     };

@@ -14,6 +14,9 @@
 //! | sqrt | exact | the hardware's correctly rounded `sqrt` |
 //! | rsqrt | exact | per lane in f64, as the interpreter |
 //! | pow | exact | per lane through the host's f64 `pow`, as the interpreter (not vectorised) |
+//! | log1p, expm1, sin, cos | exact | per lane through the host's f64 `ln_1p`, `exp_m1`, `sin`, `cos`, rounded once, as the interpreter (not vectorised: a call per lane) |
+//! | floor, ceil, round | exact | the hardware's `roundps` (`floor`, `ceil`, `nearest`: ties to even) |
+//! | sign | exact | compares and selects (both zeros give +0, NaN stays NaN) |
 //!
 //! Special values follow the interpreter: NaN in, NaN out; `exp(-inf) = 0`, `exp(inf) = inf`,
 //! `log(0) = -inf`, `log(x < 0) = NaN`, `tanh(±inf) = ±1`, signed zeros kept.
@@ -361,6 +364,59 @@ pub fn idiv_scalar(b: &mut FunctionBuilder, x: Value, y: Value, rem: bool) -> Va
         let q = b.ins().select(ism1, neg, q);
         b.ins().select(is0, zero, q)
     }
+}
+
+/// A shift per lane (amounts differ per lane; Cranelift's vector shifts take one amount)
+/// with the interpreter's rules for `bits`-wide integers held sign-extended in i32 lanes:
+/// see [`shift_scalar`].
+pub fn shift_lanes(b: &mut FunctionBuilder, op: tessera_dsl::BinaryOp, x: Value, y: Value, bits: u32) -> Value {
+    let mut out = isplat(b, 0);
+    for lane in 0..4u8 {
+        let xl = b.ins().extractlane(x, lane);
+        let yl = b.ins().extractlane(y, lane);
+        let r = shift_scalar(b, op, xl, yl, bits);
+        out = b.ins().insertlane(out, r, lane);
+    }
+    out
+}
+
+/// `x << n`, `x >> n` (arithmetic) or logical `x >> n` of a `bits`-wide integer (8 or 32)
+/// held sign-extended in an i32, as `tessera_dsl::interp::shift`: an amount outside
+/// `0..bits` gives 0 (the sign fill for the arithmetic shift), where Cranelift's own
+/// shifts would take it modulo 32. The caller wraps i8 results.
+pub fn shift_scalar(b: &mut FunctionBuilder, op: tessera_dsl::BinaryOp, x: Value, n: Value, bits: u32) -> Value {
+    use tessera_dsl::BinaryOp;
+    let ok = b.ins().icmp_imm_s(IntCC::UnsignedLessThan, n, bits as i64);
+    let zero = b.ins().iconst(I32, 0);
+    match op {
+        BinaryOp::Shl => {
+            let r = b.ins().ishl(x, n);
+            b.ins().select(ok, r, zero)
+        }
+        BinaryOp::Shr => {
+            let fill = b.ins().iconst(I32, 31);
+            let n = b.ins().select(ok, n, fill);
+            b.ins().sshr(x, n)
+        }
+        _ => {
+            let x = if bits < 32 { b.ins().band_imm_s(x, (1i64 << bits) - 1) } else { x };
+            let r = b.ins().ushr(x, n);
+            b.ins().select(ok, r, zero)
+        }
+    }
+}
+
+/// `sign(x)` on f32 lanes: -1, 0 or 1; both zeros give +0, NaN stays NaN.
+pub fn sign(b: &mut FunctionBuilder, x: Value) -> Value {
+    let zero = fsplat(b, 0.0);
+    let one = fsplat(b, 1.0);
+    let minus_one = fsplat(b, -1.0);
+    let pos = b.ins().fcmp(FloatCC::GreaterThan, x, zero);
+    let neg = b.ins().fcmp(FloatCC::LessThan, x, zero);
+    let nan = b.ins().fcmp(FloatCC::Unordered, x, x);
+    let r = vselect(b, nan, x, zero);
+    let r = vselect(b, neg, minus_one, r);
+    vselect(b, pos, one, r)
 }
 
 /// Lane 0 of a vector op applied to a splat: scalar math with exactly the vector's numerics.

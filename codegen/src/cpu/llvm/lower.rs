@@ -344,10 +344,21 @@ fn translate_inst(tx: &mut Tx<'_>, inst: ir::Inst, block: ir::Block) -> R<()> {
                 _ => "ashr",
             };
             let amt = f.dfg.resolve_aliases(args[1]);
-            let k: i64 = *tx.consts.get(&amt).ok_or_else(|| Unsupported("llvm: a shift by a non-constant amount".into()))?;
-            let k = k.rem_euclid(t.lane_bits() as i64);
             let a = tx.op(args[0])?;
-            tx.emit(format!("{r} = {name} {} {a}, {}", lty(t)?, int_splat(t, k)?));
+            if let Some(&k) = tx.consts.get(&amt) {
+                let k = k.rem_euclid(t.lane_bits() as i64);
+                tx.emit(format!("{r} = {name} {} {a}, {}", lty(t)?, int_splat(t, k)?));
+            } else {
+                // Cranelift takes the amount modulo the lane width; LLVM makes an amount
+                // at least that wide poison, so mask it. Scalars only: a vector shift's
+                // amount is a scalar, which LLVM would need splatted.
+                if t.is_vector() || tx.ty(args[1]) != t {
+                    return Err(Unsupported("llvm: a vector shift by a non-constant amount".into()));
+                }
+                let m = tx.fresh();
+                tx.emit(format!("{m} = and {} {}, {}", lty(t)?, tx.op(args[1])?, t.lane_bits() - 1));
+                tx.emit(format!("{r} = {name} {} {a}, {m}", lty(t)?));
+            }
             set(tx, r);
         }
         (Opcode::Ineg, _) => {
@@ -383,11 +394,13 @@ fn translate_inst(tx: &mut Tx<'_>, inst: ir::Inst, block: ir::Block) -> R<()> {
             let s = tx.intrinsic(name, t, &[(t, a), (t, b)], "")?;
             set(tx, s);
         }
-        (Opcode::Fabs | Opcode::Sqrt | Opcode::Floor, _) => {
+        (Opcode::Fabs | Opcode::Sqrt | Opcode::Floor | Opcode::Ceil | Opcode::Nearest, _) => {
             let t = rty.unwrap();
             let name = match op {
                 Opcode::Fabs => "fabs",
                 Opcode::Sqrt => "sqrt",
+                Opcode::Ceil => "ceil",
+                Opcode::Nearest => "roundeven",
                 _ => "floor",
             };
             let x = tx.op(args[0])?;

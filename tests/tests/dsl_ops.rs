@@ -1,0 +1,434 @@
+//! The ops added for kernel authors (issue 16 item 4), written with `#[tpu_kernel]`:
+//! float math (`log1p expm1 sin cos floor ceil round sign`), integer shifts and bitwise
+//! ops (`<< >> shr_logical & | ^ !`, int4 unpacking), `argmax` / `argmin`. Each runs on
+//! the interpreter, the Cranelift JIT (and LLVM with the feature) and is checked against
+//! a reference written here from std's f64 math and plain integer arithmetic; the
+//! compiled backends must also match the interpreter bit for bit (their new ops are
+//! exact: `cpu::cranelift::vector`'s table) and compile everything (no fallback).
+
+use half::bf16;
+use tessera_codegen::cpu::{cache_stats, Backend};
+use tessera_dsl::interp::Array;
+use tessera_dsl::{exec, DType, Kernel, KernelError, Type};
+use tessera_macros::tpu_kernel;
+
+fn backends() -> Vec<Backend> {
+    let mut v = vec![Backend::Interp, Backend::Jit];
+    if cfg!(feature = "llvm") {
+        v.push(Backend::Llvm);
+    }
+    v
+}
+
+/// Runs `k` on every backend: the interpreter's outputs, after checking that each compiled
+/// backend gives the same bits and compiled it.
+fn run_all(k: &Kernel, inputs: &[&Array]) -> Vec<Array> {
+    let want = exec::run(Backend::Interp.executor(), k, inputs).unwrap_or_else(|e| panic!("interp: {e}"));
+    for be in backends().into_iter().skip(1) {
+        let before = cache_stats().fallbacks;
+        let got = exec::run(be.executor(), k, inputs).unwrap_or_else(|e| panic!("{be:?}: {e}"));
+        assert_eq!(cache_stats().fallbacks, before, "{be:?} fell back to the interpreter for `{}`", k.name);
+        for (w, g) in want.iter().zip(&got) {
+            assert_eq!(bits(w), bits(g), "{be:?} differs from the interpreter on `{}`", k.name);
+        }
+    }
+    want
+}
+
+/// An array's elements as comparable bits (NaNs canonical).
+fn bits(a: &Array) -> Vec<u64> {
+    let f = |x: f32| if x.is_nan() { u64::MAX } else { x.to_bits() as u64 };
+    if let Some(v) = a.as_f32() {
+        v.iter().map(|&x| f(x)).collect()
+    } else if let Some(v) = a.as_bf16() {
+        v.iter().map(|&x| f(x.to_f32())).collect()
+    } else if let Some(v) = a.as_i32() {
+        v.iter().map(|&x| x as u32 as u64).collect()
+    } else if let Some(v) = a.as_i8() {
+        v.iter().map(|&x| x as u8 as u64).collect()
+    } else {
+        a.as_bool().unwrap().iter().map(|&x| x as u64).collect()
+    }
+}
+
+fn ty(dtype: DType, shape: &[usize]) -> Type {
+    Type { dtype, shape: shape.to_vec() }
+}
+
+#[tpu_kernel(grid = [r / 8], x = block([8, c], |i| [i, 0]),
+             (o_log1p, o_expm1, o_sin, o_cos, o_floor, o_ceil, o_round, o_sign) = block([8, c], |i| [i, 0]))]
+fn float_math(
+    x: In<r, c>,
+    o_log1p: Out<r, c>,
+    o_expm1: Out<r, c>,
+    o_sin: Out<r, c>,
+    o_cos: Out<r, c>,
+    o_floor: Out<r, c>,
+    o_ceil: Out<r, c>,
+    o_round: Out<r, c>,
+    o_sign: Out<r, c>,
+) {
+    let v = x[..];
+    o_log1p[..] = v.log1p();
+    o_expm1[..] = v.expm1();
+    o_sin[..] = v.sin();
+    o_cos[..] = v.cos();
+    o_floor[..] = v.floor();
+    o_ceil[..] = v.ceil();
+    o_round[..] = v.round();
+    o_sign[..] = v.sign();
+}
+
+/// Round half to even, from `trunc` and the fraction (not `round_ties_even`).
+fn round_even(x: f64) -> f64 {
+    let t = x.trunc();
+    let frac = (x - t).abs();
+    if frac > 0.5 || (frac == 0.5 && t % 2.0 != 0.0) {
+        t + x.signum()
+    } else if x.is_nan() || x.is_infinite() {
+        x
+    } else {
+        t.copysign(x)
+    }
+}
+
+fn sign_ref(x: f64) -> f64 {
+    if x.is_nan() {
+        x
+    } else if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
+/// Edge values plus a sweep: zeros, tiny and huge magnitudes, halves (for rounding),
+/// infinities, NaN, values near -1 (log1p) and large (sin, cos).
+fn float_inputs(n: usize) -> Vec<f32> {
+    let mut xs = vec![
+        0.0, -0.0, 1e-45, -1e-45, 1e-30, -1e-30, 1e-8, -1e-8, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, -0.49999997, 0.49999997, 8388607.5, -8388607.5, 1e7, -1.0,
+        -0.9999999, -1.0000001, -2.0, 88.0, 89.0, -88.0, -104.0, 1e4, -1e4, 3.0e6, 1e30, -1e30, f32::MAX, f32::MIN, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.0, std::f32::consts::PI, -std::f32::consts::PI,
+    ];
+    let mut s: u32 = 7;
+    while xs.len() < n {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let u = (s >> 8) as f32 / (1u32 << 24) as f32;
+        xs.push(match xs.len() % 3 {
+            0 => u * 20.0 - 10.0,
+            1 => (u * 200.0 - 100.0).round() / 2.0, // halves
+            _ => f32::from_bits(s),
+        });
+    }
+    xs.truncate(n);
+    xs
+}
+
+#[test]
+fn float_math_matches_std_on_every_backend() {
+    type Reference = (&'static str, fn(f64) -> f64);
+    let refs: [Reference; 8] = [
+        ("log1p", f64::ln_1p),
+        ("expm1", f64::exp_m1),
+        ("sin", f64::sin),
+        ("cos", f64::cos),
+        ("floor", f64::floor),
+        ("ceil", f64::ceil),
+        ("round", round_even),
+        ("sign", sign_ref),
+    ];
+    let (r, c) = (16, 256);
+    let xs = float_inputs(r * c);
+    for dtype in [DType::F32, DType::BF16] {
+        let t = ty(dtype, &[r, c]);
+        let k = float_math(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t).unwrap();
+        let x = Array::from_f32_in(dtype, &[r, c], xs.clone());
+        let outs = run_all(&k, &[&x]);
+        let inputs: Vec<f32> = x.to_f64_vec().iter().map(|&v| v as f32).collect();
+        for ((name, f), out) in refs.iter().zip(&outs) {
+            let got = out.to_f64_vec();
+            for (i, (&xi, &g)) in inputs.iter().zip(&got).enumerate() {
+                let exact = f(xi as f64);
+                // Correctly rounded to f32; bf16 is the f32 result rounded again (the
+                // interpreter's bf16 arithmetic rounds each op's f32 result), so within
+                // one bf16 ulp of the exact value's bf16.
+                let want = exact as f32;
+                let ok = match dtype {
+                    DType::F32 => want.to_bits() == (g as f32).to_bits() || (want.is_nan() && g.is_nan()),
+                    _ => {
+                        let w = bf16::from_f64(exact);
+                        let gb = bf16::from_f64(g);
+                        w == gb || (w.is_nan() && gb.is_nan()) || (w.to_bits() as i32 - gb.to_bits() as i32).abs() == 1 && !w.is_infinite()
+                    }
+                };
+                assert!(ok, "{name}({xi:e}) in {dtype}: got {g:e}, want {exact:e} (element {i})");
+            }
+        }
+        // The special values torch / jnp give.
+        let at = |out: &Array, x: f32| out.to_f64_vec()[inputs.iter().position(|&v| v.to_bits() == x.to_bits()).unwrap()];
+        assert!(at(&outs[7], f32::NAN).is_nan(), "sign(NaN) is NaN");
+        assert_eq!(at(&outs[7], -0.0).to_bits(), 0.0f64.to_bits(), "sign(-0) is +0");
+        assert_eq!(at(&outs[6], 2.5), 2.0);
+        assert_eq!(at(&outs[6], -0.5).to_bits(), (-0.0f64).to_bits(), "round(-0.5) is -0");
+        assert!(at(&outs[0], -1.0).is_infinite() && at(&outs[0], -2.0).is_nan());
+        assert_eq!(at(&outs[1], f32::NEG_INFINITY), -1.0);
+    }
+}
+
+#[tpu_kernel(grid = [r / 32], (x, n) = block([32, c], |i| [i, 0]),
+             (o_shl, o_shr, o_shrl, o_bits) = block([32, c], |i| [i, 0]))]
+fn int_ops(x: In<r, c>, n: In<r, c>, o_shl: Out<r, c>, o_shr: Out<r, c>, o_shrl: Out<r, c>, o_bits: Out<r, c>) {
+    let v = x[..];
+    let s = n[..];
+    o_shl[..] = v << s;
+    o_shr[..] = v >> s;
+    o_shrl[..] = v.shr_logical(s);
+    let mut w = (v & s) | (!v ^ s);
+    w <<= 1;
+    o_bits[..] = w;
+}
+
+/// Four signed nibbles per i32 from packed bytes, as an int4 weight loader would.
+#[tpu_kernel(grid = [r / 32], x = block([32, c], |i| [i, 0]), (lo, hi) = block([32, c], |i| [i, 0]))]
+fn int4_unpack(x: In<r, c>, lo: Out<r, c>, hi: Out<r, c>) {
+    let p = x[..];
+    lo[..] = (p << 4) >> 4;
+    hi[..] = p >> 4;
+}
+
+/// XLA's shifts of a `bits`-wide integer, from std's checked shifts.
+fn shl_ref(x: i64, n: i64, bits: u32) -> i64 {
+    if bits == 8 {
+        u32::try_from(n).ok().and_then(|n| (x as i8).checked_shl(n)).map_or(0, |v| v as i64)
+    } else {
+        u32::try_from(n).ok().and_then(|n| (x as i32).checked_shl(n)).map_or(0, |v| v as i64)
+    }
+}
+fn shr_ref(x: i64, n: i64, bits: u32) -> i64 {
+    let fill = if x < 0 { -1 } else { 0 };
+    if bits == 8 {
+        u32::try_from(n).ok().and_then(|n| (x as i8).checked_shr(n)).map_or(fill, |v| v as i64)
+    } else {
+        u32::try_from(n).ok().and_then(|n| (x as i32).checked_shr(n)).map_or(fill, |v| v as i64)
+    }
+}
+fn shrl_ref(x: i64, n: i64, bits: u32) -> i64 {
+    if bits == 8 {
+        u32::try_from(n).ok().and_then(|n| (x as u8).checked_shr(n)).map_or(0, |v| v as i8 as i64)
+    } else {
+        u32::try_from(n).ok().and_then(|n| (x as u32).checked_shr(n)).map_or(0, |v| v as i32 as i64)
+    }
+}
+
+#[test]
+fn shifts_and_bitwise_match_reference_on_every_backend() {
+    let (r, c) = (32, 128);
+    let len = r * c;
+    let mut s: u32 = 99;
+    let mut rnd = || {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        s
+    };
+    for dtype in [DType::I32, DType::I8] {
+        let bits = dtype.bits() as u32;
+        let xs: Vec<i64> = (0..len)
+            .map(|i| match i % 5 {
+                0 => [0, 1, -1, i64::from(i32::MIN), i64::from(i32::MAX), -128, 127, 0x55][i / 5 % 8],
+                _ => rnd() as i32 as i64,
+            })
+            .map(|x| if bits == 8 { x as i8 as i64 } else { x as i32 as i64 })
+            .collect();
+        // Every amount from -2 to 40 (in and out of range for both widths), then extremes.
+        let ns: Vec<i64> = (0..len).map(|i| if i % 11 == 10 { [i64::from(i32::MIN), i64::from(i32::MAX), 127, -128][i / 11 % 4] } else { (i % 43) as i64 - 2 }).collect();
+        let ns: Vec<i64> = ns.into_iter().map(|n| if bits == 8 { n as i8 as i64 } else { n }).collect();
+        let arr = |v: &[i64]| if bits == 8 { Array::from_i8(&[r, c], v.iter().map(|&x| x as i8).collect()) } else { Array::from_i32(&[r, c], v.iter().map(|&x| x as i32).collect()) };
+        let t = ty(dtype, &[r, c]);
+        let k = int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone()).unwrap();
+        let outs = run_all(&k, &[&arr(&xs), &arr(&ns)]);
+        let got: Vec<Vec<i64>> = outs.iter().map(|o| o.to_f64_vec().iter().map(|&v| v as i64).collect()).collect();
+        let wrap = |v: i64| if bits == 8 { v as i8 as i64 } else { v as i32 as i64 };
+        for i in 0..len {
+            let (x, n) = (xs[i], ns[i]);
+            assert_eq!(got[0][i], shl_ref(x, n, bits), "{dtype}: {x} << {n}");
+            assert_eq!(got[1][i], shr_ref(x, n, bits), "{dtype}: {x} >> {n}");
+            assert_eq!(got[2][i], shrl_ref(x, n, bits), "{dtype}: {x}.shr_logical({n})");
+            let w = wrap((x & n) | (!x ^ n));
+            assert_eq!(got[3][i], shl_ref(w, 1, bits), "{dtype}: ((x & n) | (!x ^ n)) << 1 at x = {x}, n = {n}");
+        }
+        // Nibbles of every byte value.
+        let bytes: Vec<i64> = (0..len).map(|i| wrap((i % 256) as i64 - 128)).collect();
+        let k = int4_unpack(t.clone(), t.clone(), t.clone()).unwrap();
+        let outs = run_all(&k, &[&arr(&bytes)]);
+        let (lo, hi) = (outs[0].to_f64_vec(), outs[1].to_f64_vec());
+        for i in 0..len {
+            let b = bytes[i];
+            if bits == 8 {
+                let u = b as u8;
+                let nib = |v: u8| if v >= 8 { v as i64 - 16 } else { v as i64 };
+                assert_eq!(lo[i] as i64, nib(u & 15), "low nibble of {b}");
+                assert_eq!(hi[i] as i64, nib(u >> 4), "high nibble of {b}");
+            }
+        }
+    }
+}
+
+#[tpu_kernel(grid = [1], x = block([r, c], |i| [0, 0]), (amax, amin) = block([1, c], |i| [0, 0]), (rmax, rmin) = block([r, 1], |i| [0, 0]))]
+fn arg_reduce(x: In<r, c>, amax: Out<1, c>, amin: Out<1, c>, rmax: Out<r, 1>, rmin: Out<r, 1>) {
+    let v = x[..];
+    amax[..] = v.argmax(0);
+    amin[..] = v.argmin(0);
+    rmax[..] = v.argmax(1);
+    rmin[..] = v.argmin(1);
+}
+
+/// torch's argmax / argmin along `axis` of a row-major [r, c]: the first index of the
+/// extreme, where any NaN is the extreme.
+fn arg_ref(x: &[f64], r: usize, c: usize, axis: usize, max: bool) -> Vec<i64> {
+    let (outer, len) = if axis == 0 { (c, r) } else { (r, c) };
+    (0..outer)
+        .map(|o| {
+            let at = |j: usize| if axis == 0 { x[j * c + o] } else { x[o * c + j] };
+            let mut best = 0;
+            for j in 1..len {
+                let (b, v) = (at(best), at(j));
+                if b.is_nan() {
+                    break;
+                }
+                if v.is_nan() || (max && v > b) || (!max && v < b) {
+                    best = j;
+                }
+            }
+            best as i64
+        })
+        .collect()
+}
+
+#[test]
+fn argmax_argmin_match_torch_rules_on_every_backend() {
+    let (r, c) = (8, 128);
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        // Few distinct values, so ties are common; NaNs in some rows and columns.
+        let mut s: u32 = 5;
+        let xs: Vec<f64> = (0..r * c)
+            .map(|i| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let v = ((s >> 20) % 7) as f64 - 3.0;
+                if dtype.is_float() && (i % 37 == 5 || i % 128 == 77) {
+                    f64::NAN
+                } else if dtype.is_float() && i % 41 == 0 {
+                    -0.0
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let x = match dtype {
+            DType::I32 => Array::from_i32(&[r, c], xs.iter().map(|&v| v as i32).collect()),
+            d => Array::from_f32_in(d, &[r, c], xs.iter().map(|&v| v as f32).collect()),
+        };
+        let k = arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap();
+        let outs = run_all(&k, &[&x]);
+        let got: Vec<Vec<i64>> = outs.iter().map(|o| o.to_f64_vec().iter().map(|&v| v as i64).collect()).collect();
+        assert_eq!(got[0], arg_ref(&xs, r, c, 0, true), "{dtype} argmax(0)");
+        assert_eq!(got[1], arg_ref(&xs, r, c, 0, false), "{dtype} argmin(0)");
+        assert_eq!(got[2], arg_ref(&xs, r, c, 1, true), "{dtype} argmax(1)");
+        assert_eq!(got[3], arg_ref(&xs, r, c, 1, false), "{dtype} argmin(1)");
+    }
+}
+
+#[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 128], || [0, 0]))]
+fn shift_float(x: In<8, 128>, out: Out<8, 128>) {
+    out[..] = x[..] << 2;
+}
+
+#[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 1], || [0, 0]))]
+fn argmax_bad_axis(x: In<8, 128>, out: Out<8, 1>) {
+    out[..] = x[..].argmax(2);
+}
+
+#[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 128], || [0, 0]))]
+fn round_int(x: In<8, 128>, out: Out<8, 128>) {
+    out[..] = x[..].round();
+}
+
+fn expect_err(r: Result<Kernel, KernelError>, rule: &str, words: &[&str]) {
+    let e = r.expect_err("the builder must refuse this kernel");
+    assert_eq!(e.rule, rule, "{e}");
+    assert!(e.loc.as_ref().is_some_and(|l| l.file.ends_with("dsl_ops.rs") && l.line > 0), "no source line: {e}");
+    let text = e.to_string();
+    for w in words {
+        assert!(text.contains(w), "`{w}` missing from: {text}");
+    }
+}
+
+#[test]
+fn misuse_is_a_builder_error_with_the_line() {
+    let f = ty(DType::F32, &[8, 128]);
+    expect_err(shift_float(f.clone(), f.clone()), "op-dtype", &["shift", "f32", "i32"]);
+    expect_err(argmax_bad_axis(f.clone(), ty(DType::I32, &[8, 1])), "reduce-axis", &["axis 2", "below 2"]);
+    let i = ty(DType::I32, &[8, 128]);
+    expect_err(round_int(i.clone(), i), "op-dtype", &["round", "cast to f32"]);
+}
+
+/// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the kernels above, in every dtype they were
+/// run in, verify and compile for v5e, v6e and tpu7x.
+#[test]
+fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
+    use tessera_dsl::Target;
+    use tessera_tests::oracle;
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 (scripts/test.sh does) to compile with libtpu");
+        return;
+    }
+    let mut kernels: Vec<Kernel> = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let t = ty(dtype, &[16, 256]);
+        kernels.push(float_math(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t).unwrap());
+    }
+    for dtype in [DType::I32, DType::I8] {
+        let t = ty(dtype, &[64, 256]);
+        kernels.push(int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone()).unwrap());
+        kernels.push(int4_unpack(t.clone(), t.clone(), t).unwrap());
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        let (r, c) = (16, 256);
+        kernels.push(arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap());
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let modules: Vec<(String, String)> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
+                (format!("{}-{i}", k.name), lowered.stablehlo)
+            })
+            .collect();
+        oracle::assert_accepted(&modules, target.name);
+    }
+}
+
+/// IR edited after `finish()` so that a shift takes floats (and a rounding op an integer):
+/// the verifier calls it `malformed-ir`, and no backend panics or runs it.
+#[test]
+fn hand_edited_ir_with_ill_typed_new_ops_is_refused() {
+    let t = ty(DType::I32, &[32, 128]);
+    let mut k = int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t).unwrap();
+    for v in &mut k.values {
+        if v.ty.dtype == DType::I32 && v.ty.rank() == 2 {
+            v.ty.dtype = DType::F32;
+        }
+    }
+    for r in &mut k.refs {
+        r.dtype = DType::F32;
+    }
+    let e = tessera_dsl::verify::verify(&k, &tessera_dsl::Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "malformed-ir", "{e}");
+    assert!(e.to_string().contains("shifts take integers"), "{e}");
+    let x = Array::from_f32(&[32, 128], vec![1.0; 32 * 128]);
+    for be in backends() {
+        let r = exec::run(be.executor(), &k, &[&x, &x]);
+        assert!(r.is_err(), "{be:?} ran an ill-typed shift");
+    }
+    assert!(tessera_codegen::lower(&k, &tessera_dsl::Target::V5E).is_err());
+}
