@@ -313,17 +313,7 @@ fn run(t: &Table, s: &Select, seed: u64, target_name: &str, backend_name: &str) 
         let fell_back = after.fallbacks > before.fallbacks;
         let shape_txt: Vec<String> = sel.shapes.iter().map(|s| dims(s)).collect();
         let worst = r.worst();
-        let mut verdict = if r.passed() {
-            "ok".to_string()
-        } else if worst.nan_count > 0 {
-            format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
-        } else if worst.mismatches > 0 {
-            format!("FAIL: {} integer output elements differ", worst.mismatches)
-        } else if worst.nonfinite > 0 {
-            format!("FAIL: {} output elements infinite where the reference is finite, or the other way", worst.nonfinite)
-        } else {
-            "FAIL: error above tolerance".to_string()
-        };
+        let mut verdict = verdict(&r);
         if fell_back {
             verdict.push_str(" (some kernels ran on the interpreter: the compiler refused them)");
         }
@@ -398,4 +388,20 @@ fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
         }
     }
     Ok(all_ok)
+}
+
+/// `ok`, or what made a run against the reference fail.
+pub(crate) fn verdict(r: &harness::Report) -> String {
+    let worst = r.worst();
+    if r.passed() {
+        "ok".to_string()
+    } else if worst.nan_count > 0 {
+        format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
+    } else if worst.mismatches > 0 {
+        format!("FAIL: {} integer output elements differ", worst.mismatches)
+    } else if worst.nonfinite > 0 {
+        format!("FAIL: {} output elements infinite where the reference is finite, or the other way", worst.nonfinite)
+    } else {
+        format!("FAIL: error {:.2e} above the tolerance {:.1e} (max |got - want| / max |want|)", worst.scaled_err, worst.tolerance)
+    }
 }

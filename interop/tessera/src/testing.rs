@@ -22,7 +22,7 @@ use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Kernel, KernelError, Target};
 
-use crate::{allclose, Tolerance};
+use crate::{allclose, Op, Tolerance};
 
 pub use insta;
 pub use proptest;
@@ -80,6 +80,7 @@ macro_rules! assert_snapshots {
 /// shrunk to a minimal case and reported with the backend and the mismatching elements.
 ///
 /// The number of cases is `PROPTEST_CASES`, default 8 (each new shape is a JIT compile).
+#[track_caller]
 pub fn assert_numerics<S>(strategy: S, kernel: impl Fn(&S::Value) -> Result<(Kernel, Vec<Array>), KernelError>, reference: impl Fn(&S::Value, &[Array]) -> Vec<Vec<f64>>)
 where
     S: Strategy,
@@ -116,6 +117,7 @@ where
 /// and, for operands declared in `#[tpu_kernel]`, `--> file:line:col` of the declaration);
 /// with `TESSERA_TPU_ORACLE=1` also compiles it with libtpu for each target and fails on a
 /// rejection, or when the TPU compiler is not there.
+#[track_caller]
 pub fn assert_verifies(kernel: impl Fn(&Target) -> Result<Kernel, KernelError>, targets: &[Target]) {
     for t in targets {
         let k = built(&kernel, t);
@@ -128,5 +130,34 @@ pub fn assert_verifies(kernel: impl Fn(&Target) -> Result<Kernel, KernelError>, 
                 panic!("libtpu rejected `{}` for {t}:\n{}", v.stem, v.error);
             }
         }
+    }
+}
+
+/// Checks op `op` (an entry of your table, with its own independent `reference`) with
+/// `statics` on every CPU backend of this build, for `(shapes, dtype)` cases drawn from
+/// `strategy` (one shape per tensor input; random inputs as `tessera run` draws them),
+/// kernels built for `target`: the same check as `tessera run`, shrunk to a minimal case
+/// on failure.
+#[track_caller]
+pub fn assert_op_numerics<S>(op: &Op, statics: &str, target: &Target, strategy: S)
+where
+    S: Strategy<Value = (Vec<Vec<usize>>, DType)>,
+{
+    let statics = op.statics(statics).unwrap_or_else(|e| panic!("{e}"));
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
+    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+    let result = runner.run(&strategy, |(shapes, dtype)| {
+        for backend in crate::backends() {
+            let r = tessera_kernels::harness::run_case(op, &statics, &shapes, dtype, target, 0, backend.executor()).map_err(|e| TestCaseError::fail(format!("on {backend}:\n{e}")))?;
+            if !r.passed() {
+                return Err(TestCaseError::fail(format!("on {backend}: {}", crate::cli::verdict(&r))));
+            }
+        }
+        Ok(())
+    });
+    match result {
+        Ok(()) => {}
+        Err(TestError::Fail(why, case)) => panic!("op `{}` differs from its reference\n  minimal failing case (shapes, dtype): {case:?}\n  {why}", op.name),
+        Err(TestError::Abort(why)) => panic!("op `{}`: the numerics check stopped: {why}", op.name),
     }
 }
