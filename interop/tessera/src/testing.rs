@@ -126,7 +126,7 @@ pub fn assert_verifies(kernel: impl Fn(&Target) -> Result<Kernel, KernelError>, 
         }
         if oracle_enabled() {
             let verdicts = crate::tpu_compile(&[(k.name.clone(), k)], t).unwrap_or_else(|e| panic!("TESSERA_TPU_ORACLE=1: {e}"));
-            for v in verdicts.iter().filter(|v| !v.ok) {
+            if let Some(v) = verdicts.iter().find(|v| !v.ok) {
                 panic!("libtpu rejected `{}` for {t}:\n{}", v.stem, v.error);
             }
         }
