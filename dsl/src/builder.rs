@@ -132,7 +132,10 @@ impl KernelBuilder {
         self.k.vmem_limit_bytes = Some(bytes);
     }
 
-    fn add_ref(&mut self, decl: RefDecl) -> RefId {
+    /// Declares an operand; it records the current source location (the macro sets it to
+    /// the attribute argument that declared the operand) so verifier errors point there.
+    fn add_ref(&mut self, mut decl: RefDecl) -> RefId {
+        decl.loc = self.loc.clone();
         if self.k.refs.iter().any(|r| r.name == decl.name) {
             self.fail(format!("operand `{}`", decl.name), "duplicate-operand", "two operands have this name", "rename one of them");
         }
@@ -153,32 +156,32 @@ impl KernelBuilder {
     /// A scalar-prefetch operand: an int32 array placed in SMEM before the grid runs,
     /// readable by the body and by index maps ([`IndexExpr::Prefetch`]).
     pub fn prefetch(&mut self, name: &str, shape: &[usize]) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Prefetch, dtype: DType::I32, shape: shape.to_vec(), memory: MemorySpace::Smem, block: None })
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Prefetch, dtype: DType::I32, shape: shape.to_vec(), memory: MemorySpace::Smem, block: None, loc: None })
     }
 
     /// A blocked input in VMEM.
     pub fn input(&mut self, name: &str, dtype: DType, shape: &[usize], block: BlockSpec) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Input, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block) })
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Input, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block), loc: None })
     }
 
     /// A blocked output in VMEM.
     pub fn output(&mut self, name: &str, dtype: DType, shape: &[usize], block: BlockSpec) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Output, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block) })
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Output, dtype, shape: shape.to_vec(), memory: MemorySpace::Vmem, block: Some(block), loc: None })
     }
 
     /// An operand the kernel sees whole, in `memory` (SMEM tables, ANY/HBM for manual DMA).
     pub fn unblocked(&mut self, kind: RefKind, name: &str, dtype: DType, shape: &[usize], memory: MemorySpace) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind, dtype, shape: shape.to_vec(), memory, block: None })
+        self.add_ref(RefDecl { name: name.into(), kind, dtype, shape: shape.to_vec(), memory, block: None, loc: None })
     }
 
     /// A scratch buffer that lives across grid steps.
     pub fn scratch(&mut self, name: &str, dtype: DType, shape: &[usize], memory: MemorySpace) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype, shape: shape.to_vec(), memory, block: None })
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype, shape: shape.to_vec(), memory, block: None, loc: None })
     }
 
     /// `n` DMA semaphores (Pallas `SemaphoreType.DMA((n,))`), a scratch operand.
     pub fn semaphores(&mut self, name: &str, n: usize) -> RefId {
-        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype: DType::I32, shape: vec![n], memory: MemorySpace::Semaphore, block: None })
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype: DType::I32, shape: vec![n], memory: MemorySpace::Semaphore, block: None, loc: None })
     }
 
     pub fn ref_decl(&self, r: RefId) -> &RefDecl {

@@ -36,6 +36,15 @@ impl KernelError {
         self.loc = loc;
         self
     }
+
+    /// [`Self::at`] unless the error already has a location (an instruction's is closer).
+    pub fn or_at(self, loc: &Option<SourceLoc>) -> Self {
+        if self.loc.is_some() {
+            self
+        } else {
+            self.at(loc.clone())
+        }
+    }
 }
 
 impl fmt::Display for KernelError {

@@ -181,6 +181,9 @@ pub struct RefDecl {
     /// How the array is blocked. `None` means the kernel sees the whole array (scratch,
     /// scalar prefetch, SMEM tables and ANY/HBM operands).
     pub block: Option<BlockSpec>,
+    /// Where the user declared the operand (the `#[tpu_kernel]` argument), if known:
+    /// verifier errors about the operand carry it.
+    pub loc: Option<SourceLoc>,
 }
 
 impl RefDecl {

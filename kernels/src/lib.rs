@@ -70,8 +70,13 @@ pub fn run1(exec: &dyn Executor, name: &str, inputs: &[&Array], statics: &str, t
 
 /// The op table as markdown (`tessera table --ops`): the docs' op lists are this text.
 pub fn op_table_markdown() -> String {
+    op_table_markdown_of(library())
+}
+
+/// [`op_table_markdown`] of any table (a user crate's ops beside the library's).
+pub fn op_table_markdown_of<'a>(ops: impl IntoIterator<Item = &'a Op>) -> String {
     let mut out = String::from("| op | schema | what | backward |\n|---|---|---|---|\n");
-    for op in library() {
+    for op in ops {
         let backward = match (op.backward, op.alias_of) {
             (Some(b), _) => format!("`{}`", b.op),
             (None, Some((of, _))) => format!("through `{of}`"),

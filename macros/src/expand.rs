@@ -271,6 +271,10 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
     let prefetch: HashMap<String, Ident> = refs.iter().filter(|r| r.kind == RefKind::Prefetch).map(|r| (r.name.to_string(), format_ident!("__ref_{}", r.name))).collect();
     for r in refs {
         let (var, ty, name) = (format_ident!("__ref_{}", r.name), format_ident!("__ty_{}", r.name), r.name.to_string());
+        // The operand's source location is the attribute argument that declared it (its
+        // name there), else its parameter: verifier errors about it point at that.
+        let declared = attr.blocks.iter().map(|(k, _)| k).chain(attr.scratch.iter().map(|(k, _)| k)).find(|k| *k == &r.name).unwrap_or(&r.name);
+        out.extend(crate::lower::at(declared.span()));
         let decl = match (r.kind, r.place) {
             (RefKind::Prefetch, _) => quote!(__b.prefetch(#name, &#ty.shape)),
             (RefKind::Input, Place::Smem) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),

@@ -8,6 +8,7 @@
 use proc_macro::TokenStream;
 
 mod attr;
+mod dsl_path;
 mod expand;
 mod fragment;
 mod index_map;
@@ -42,7 +43,7 @@ pub fn tpu_kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return e.to_compile_error().into(),
     };
     match expand::expand(attr, func) {
-        Ok(t) => t.into(),
+        Ok(t) => dsl_path::resolve(t).into(),
         Err(e) => e.to_compile_error().into(),
     }
 }
@@ -67,7 +68,7 @@ pub fn tpu_fn(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return e.to_compile_error().into(),
     };
     match fragment::expand(func) {
-        Ok(t) => t.into(),
+        Ok(t) => dsl_path::resolve(t).into(),
         Err(e) => e.to_compile_error().into(),
     }
 }

@@ -89,7 +89,7 @@ fn err<T>(tokens: impl ToTokens, msg: impl std::fmt::Display) -> syn::Result<T> 
 }
 
 /// `__b.at(file!(), line!(), column!())` carrying `span`, so the IR records the user's line.
-fn at(span: Span) -> TokenStream {
+pub(crate) fn at(span: Span) -> TokenStream {
     let loc = quote_spanned!(span=> ::core::file!(), ::core::line!(), ::core::column!());
     quote!(__b.at(#loc);)
 }

@@ -40,7 +40,8 @@ pub fn verify(k: &Kernel, target: &Target) -> Result<()> {
     v.grid()?;
     v.has_output()?;
     for r in &k.refs {
-        v.operand(r)?;
+        // Block-spec, tiling, bounds and index-map errors point at the operand's declaration.
+        v.operand(r).map_err(|e| e.or_at(&r.loc))?;
     }
     v.hbm()?;
     v.output_revisits()?;
@@ -81,6 +82,11 @@ pub(crate) struct Verifier<'a> {
 impl Verifier<'_> {
     pub(crate) fn err(&self, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
         KernelError::new(&self.k.name, subject, rule, message, help)
+    }
+
+    /// [`Self::err`] about operand `r`, at its declaration.
+    pub(crate) fn err_at(&self, r: &RefDecl, subject: impl Into<String>, rule: &'static str, message: impl Into<String>, help: impl Into<String>) -> KernelError {
+        self.err(subject, rule, message, help).at(r.loc.clone())
     }
 }
 

@@ -231,7 +231,7 @@ impl Verifier<'_> {
                     continue;
                 }
                 if g.semantics == Semantics::Parallel {
-                    return Err(self.err(
+                    return Err(self.err_at(r,
                         &subject,
                         "reduction-axis-semantics",
                         format!("grid dim {d} is `parallel` but the output's index map does not depend on it, so steps along it write the same block"),
@@ -239,7 +239,7 @@ impl Verifier<'_> {
                     ));
                 }
                 if let Some(later) = (d + 1..used.len()).find(|&e| used[e] && self.k.grid[e].extent > 1) {
-                    return Err(self.err(
+                    return Err(self.err_at(r,
                         &subject,
                         "reduction-axis-order",
                         format!("reduction grid dim {d} comes before dim {later}, which the output's index map uses, so each output block is visited in separate runs"),

@@ -11,12 +11,8 @@
 //! In Python, `tessera.register_ops(tessera_example)` then registers every op of the module
 //! as `torch.ops.tpu.<name>`, the way the library registers its own.
 
-use pyo3::prelude::*;
-use tessera_dsl::{KernelError, Target, Type};
-use tessera_kernels::blocks::{row_tiles, RowTiles};
-use tessera_macros::tpu_kernel;
-use tessera_torch::plan::single;
-use tessera_torch::{Call, Input, Kind, Op, Output, Plan};
+use tessera::kernels::blocks::{row_tiles, RowTiles};
+use tessera::{single, tpu_kernel, Array, Call, Input, Kind, KernelError, Op, Output, Plan, Statics, Target, Type};
 
 // ---- 1. the kernel ------------------------------------------------------------------------------
 
@@ -55,16 +51,28 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("scale", scale)?], &[Some(out_shape)]))
 }
 
+/// The independent reference, in plain f64 loops: `x * sigmoid(beta * x) * scale` per row.
+pub fn reference(x: &[f64], scale: &[f64], beta: f64) -> Vec<f64> {
+    let n = scale.len();
+    x.iter().enumerate().map(|(i, &v)| v / (1.0 + (-beta * v).exp()) * scale[i % n]).collect()
+}
+
+fn reference_entry(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), s.f64("beta").unwrap_or(1.0))]
+}
+
 /// This crate's ops.
 pub const OPS: &[Op] = &[Op {
                              name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] (or [1, n]) broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
                              inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+                             cases: &[tessera::Case { name: "default", statics: "beta=1.702", shapes: &[&[512, 1024], &[1024]] }], reference: Some(reference_entry),
                              ..Op::EMPTY
                          }];
 
 // ---- 3. the Python module -------------------------------------------------------------------------
 
-#[pymodule]
-fn tessera_example(m: &Bound<'_, PyModule>) -> PyResult<()> {
+#[cfg(feature = "python")]
+#[pyo3::pymodule]
+fn tessera_example(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     tessera_torch::init_module(m, OPS)
 }

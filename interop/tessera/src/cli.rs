@@ -1,0 +1,457 @@
+//! The `tessera` command line (`list / run / emit / check / cost / table`) over an op table: the
+//! library's, and a user crate's beside it. The `tessera` binary is `main(&[])`; a user
+//! crate's binary is `fn main() -> ExitCode { tessera::cli::main(my_crate::OPS) }`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use tessera_codegen::cpu::{self, Backend};
+use tessera_dsl::{DType, Kernel, Target};
+use tessera_kernels::{harness, library, Case, Op, Statics};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: TPU kernels in Rust. Emit Mosaic, run on the CPU, check with the real TPU compiler.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Every op (this binary's, then the library's) with its schema, cases and backward.
+    List,
+    /// Write `<kernel>.stablehlo.mlir` and `<kernel>.mosaic.mlir` for a target.
+    Emit {
+        #[command(flatten)]
+        select: Select,
+        #[arg(long, default_value = "v5e")]
+        target: String,
+        #[arg(long, default_value = "out")]
+        out: PathBuf,
+    },
+    /// Run ops on a CPU backend with random inputs against their independent references.
+    Run {
+        #[command(flatten)]
+        select: Select,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Target whose default block sizes to use.
+        #[arg(long, default_value = "v5e")]
+        target: String,
+        /// CPU backend: `interp` (the reference interpreter), `jit` (Cranelift) or `llvm`.
+        #[arg(long, default_value = "jit")]
+        backend: String,
+    },
+    /// A markdown table of every library kernel's VMEM use, grid and flops per
+    /// generation at default shapes and blocks (what the kernels' README shows), or with
+    /// `--ops` the op table (name, schema, backward; what the torch package's README shows).
+    Table {
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long)]
+        ops: bool,
+    },
+    /// Compile every emitted kernel with the real TPU compiler (compile-only; needs the
+    /// project venv with jax, jaxlib and libtpu: `scripts/setup-venv.sh`).
+    Check {
+        #[command(flatten)]
+        select: Select,
+        /// Targets to compile for (repeatable).
+        #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
+        targets: Vec<String>,
+    },
+    /// libtpu's static cost of each kernel (compile-only, as `check`): estimated cycles,
+    /// bundles, spills and VMEM, beside a roofline time from the IR's flops and HBM bytes.
+    Cost {
+        #[command(flatten)]
+        select: Select,
+        /// Targets to estimate for (repeatable).
+        #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
+        targets: Vec<String>,
+    },
+}
+
+#[derive(Args)]
+struct Select {
+    /// Library op name (see `tessera list`).
+    kernel: Option<String>,
+    /// Every library op (each of its cases, except the `alt` shape sets).
+    #[arg(long, conflicts_with = "kernel")]
+    all: bool,
+    /// One case of the op (see `tessera list`); default: every case of a named op but
+    /// the `alt` shape sets.
+    #[arg(long)]
+    case: Option<String>,
+    /// Override static arguments, e.g. `--statics "causal=True, soft_cap=30.0"`.
+    #[arg(long)]
+    statics: Option<String>,
+    /// Override an input's shape, e.g. `--shape x=512x256` (repeatable).
+    #[arg(long = "shape", value_name = "NAME=DxD")]
+    shapes: Vec<String>,
+    /// Element type of the inputs.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+}
+
+type CliResult<T> = Result<T, String>;
+
+/// The ops a command sees: the caller's, then the library's.
+struct Table {
+    ops: Vec<&'static Op>,
+    /// How many of `ops` are the caller's (they come first).
+    own: usize,
+}
+
+impl Table {
+    fn new(own: &'static [Op]) -> CliResult<Table> {
+        for op in own {
+            if let Some(dup) = tessera_kernels::find(op.name) {
+                return Err(format!("op `{}` of this binary has the name of a library op ({}{}); rename it", op.name, dup.name, dup.schema));
+            }
+            if own.iter().filter(|o| o.name == op.name).count() > 1 {
+                return Err(format!("this binary's table has two ops named `{}`; rename one", op.name));
+            }
+        }
+        Ok(Table { ops: own.iter().chain(library()).collect(), own: own.len() })
+    }
+
+    fn find(&self, name: &str) -> Option<&'static Op> {
+        self.ops.iter().copied().find(|op| op.name == name)
+    }
+}
+
+/// Runs the command line (`std::env::args`) over `own` (a user crate's ops; `&[]` for
+/// the library alone) beside the library's ops. Exit codes: 0 all good; 1 a kernel failed
+/// (numerics off, or libtpu rejected it); 2 bad usage or a kernel the verifier rejected.
+pub fn main(own: &'static [Op]) -> ExitCode {
+    let cli = Cli::parse();
+    let result = Table::new(own).and_then(|t| match cli.command {
+        Cmd::List => list(&t),
+        Cmd::Emit { select, target, out } => emit(&t, &select, &target, &out),
+        Cmd::Run { select, seed, target, backend } => run(&t, &select, seed, &target, &backend),
+        Cmd::Check { select, targets } => check(&t, &select, &targets),
+        Cmd::Cost { select, targets } => cost(&t, &select, &targets),
+        Cmd::Table { dtype, ops } => if ops { op_table(&t) } else { table(&t, &dtype) },
+    });
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn list(t: &Table) -> CliResult<bool> {
+    for (i, op) in t.ops.iter().enumerate() {
+        if i == 0 && t.own > 0 {
+            println!("== the ops of this binary ==\n");
+        }
+        if i == t.own && t.own > 0 {
+            println!("== the library's ops ==\n");
+        }
+        println!("{}{}\n    {}", op.name, op.schema, op.doc);
+        if let Some((of, i)) = op.alias_of {
+            println!("    alias: result {i} of {of}");
+        }
+        if let Some(b) = op.backward {
+            println!("    backward: {}", b.op);
+        }
+        for c in op.cases {
+            let shapes: Vec<String> = op.inputs.iter().zip(c.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect();
+            let statics = if c.statics.is_empty() { String::new() } else { format!(" [{}]", c.statics) };
+            println!("    case {:<16} {}{statics}", c.name, shapes.join(" "));
+        }
+        println!();
+    }
+    Ok(true)
+}
+
+fn dims(shape: &[usize]) -> String {
+    shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
+}
+
+fn target(name: &str) -> CliResult<Target> {
+    Target::by_name(name).ok_or_else(|| format!("unknown target `{name}`; choose one of: {}", Target::ALL.map(|t| t.name).join(", ")))
+}
+
+/// One op case to run or lower: the op, the case, its statics and input shapes (the
+/// case's, overridden by `--shape` / `--statics`).
+struct Selected {
+    op: &'static Op,
+    case: &'static Case,
+    statics: Statics,
+    shapes: Vec<Vec<usize>>,
+}
+
+/// A case whose name ends in `alt` repeats another at other shapes (the libtpu tier
+/// compiles them too); `--all` and a bare op name skip them.
+fn is_alt(c: &Case) -> bool {
+    c.name.ends_with("alt")
+}
+
+fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
+    let ops: Vec<&'static Op> = match (&s.kernel, s.all) {
+        (Some(name), _) => vec![t.find(name).ok_or_else(|| format!("unknown op `{name}`; `list` shows the ops"))?],
+        (None, true) => t.ops.iter().copied().filter(|op| op.alias_of.is_none()).collect(),
+        (None, false) => return Err("name an op or pass --all".into()),
+    };
+    // Every --shape is used as given or refused: parsed once, one per input name, and
+    // (with --all) naming an input of some op.
+    let mut specs: Vec<(&str, &str, Vec<usize>)> = Vec::new();
+    for spec in &s.shapes {
+        let (name, d) = spec.split_once('=').ok_or_else(|| format!("--shape `{spec}`: expected NAME=DxD, e.g. x=512x256"))?;
+        let parsed: Result<Vec<usize>, _> = d.split('x').map(str::parse).collect();
+        let parsed = parsed.map_err(|_| format!("--shape `{spec}`: dims must be non-negative integers separated by `x`"))?;
+        if let Some((_, first, _)) = specs.iter().find(|(n, _, _)| *n == name) {
+            return Err(format!("--shape `{spec}`: `{name}` already has a shape (`{first}`); give each input one --shape"));
+        }
+        if s.all && !ops.iter().any(|op| op.inputs.iter().any(|i| i.name == name)) {
+            return Err(format!("--shape `{spec}`: no selected op has an input `{name}`"));
+        }
+        specs.push((name, spec.as_str(), parsed));
+    }
+    let mut out = Vec::new();
+    for op in ops {
+        let source = op.alias_of.and_then(|(of, _)| t.find(of)).unwrap_or(op);
+        let cases: Vec<&'static Case> = match &s.case {
+            Some(name) => vec![source.case(name).ok_or_else(|| format!("`{}` has no case `{name}` (cases: {})", op.name, source.cases.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")))?],
+            None => source.cases.iter().filter(|c| !is_alt(c)).collect(),
+        };
+        for case in cases {
+            let mut assignments = case.statics.to_string();
+            if let Some(extra) = &s.statics {
+                assignments = format!("{assignments}, {extra}");
+            }
+            let statics = op.statics(&assignments).map_err(|e| e.to_string())?;
+            let mut shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+            for (name, spec, parsed) in &specs {
+                match op.inputs.iter().position(|i| i.name == *name) {
+                    Some(i) if i < shapes.len() => shapes[i] = parsed.clone(),
+                    Some(_) => return Err(format!("--shape `{spec}`: case `{}` of `{}` does not pass `{name}`", case.name, op.name)),
+                    None if s.all => {} // another op's input
+                    None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", op.name, op.inputs.iter().map(|i| i.name).collect::<Vec<_>>().join(", "))),
+                }
+            }
+            out.push(Selected { op, case, statics, shapes });
+        }
+    }
+    Ok(out)
+}
+
+fn dtype(s: &Select) -> CliResult<DType> {
+    match DType::parse(&s.dtype) {
+        Some(d @ (DType::F32 | DType::BF16)) => Ok(d),
+        _ => Err(format!("--dtype `{}`: the library kernels take f32 or bf16", s.dtype)),
+    }
+}
+
+/// The name a case's kernels are written and reported under: the op, `_<case>` unless it
+/// is the `default` case, and `-<kernel>` for ops of several kernels.
+fn stem(sel: &Selected) -> String {
+    if sel.case.name == "default" { sel.op.name.to_string() } else { format!("{}_{}", sel.op.name, sel.case.name) }
+}
+
+/// The kernels of a case's plan for float inputs of `dtype`, each with its file stem.
+fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let plan = sel.op.plan_for(&sel.op.types(&sel.shapes, dtype), &sel.statics, target).map_err(|e| e.to_string())?;
+    let single = plan.launches.len() == 1;
+    let base = stem(sel);
+    Ok(plan.launches.into_iter().map(|l| (if single { base.clone() } else { format!("{base}-{}", l.kernel.name) }, l.kernel)).collect())
+}
+
+/// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
+/// stderr, for the commands that compile or run it.
+fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let kernels = build(sel, dtype, target)?;
+    for (_, kernel) in &kernels {
+        for w in tessera_dsl::verify::warnings(kernel, target) {
+            eprintln!("{w} (on {target})");
+        }
+    }
+    Ok(kernels)
+}
+
+fn emit(t: &Table, s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
+    let target = target(target_name)?;
+    let dtype = dtype(s)?;
+    // An alias op (`flash_attention`) emits the kernels of the op it is an alias of (its
+    // plan is that op's), under its own name.
+    let mut kernels = Vec::new();
+    for sel in selection(t, s)? {
+        kernels.extend(build_and_warn(&sel, dtype, &target)?);
+    }
+    if kernels.is_empty() {
+        return Err("the selection has no kernels to emit".into());
+    }
+    let emitted = crate::emit(kernels, &target, out).map_err(|e| e.to_string())?;
+    println!("{:<44} {:<16} {:>10} {:>10} {:>10} {:>14} {:>8}", "kernel", "grid", "vmem MiB", "need MiB", "limit MiB", "GFLOP", "ms");
+    for e in emitted {
+        let grid: Vec<String> = e.kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+        let l = &e.lowered;
+        println!(
+            "{:<44} {:<16} {:>10.2} {:>10.2} {:>10.2} {:>14.3} {:>8.2}",
+            e.stem,
+            grid.join("x"),
+            l.vmem_bytes as f64 / (1 << 20) as f64,
+            l.vmem_need as f64 / (1 << 20) as f64,
+            l.vmem_limit_bytes as f64 / (1 << 20) as f64,
+            l.cost.flops as f64 / 1e9,
+            e.lower_ms
+        );
+    }
+    println!("wrote {}", out.display());
+    Ok(true)
+}
+
+fn run(t: &Table, s: &Select, seed: u64, target_name: &str, backend_name: &str) -> CliResult<bool> {
+    let target = target(target_name)?;
+    let dtype = dtype(s)?;
+    let backend = Backend::parse(backend_name).ok_or_else(|| format!("--backend `{backend_name}`: choose interp, jit or llvm"))?;
+    let exec = crate::executor(backend).map_err(|e| format!("--backend {backend}: {e}"))?;
+    let mut all_ok = true;
+    println!("backend: {backend}");
+    println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms", "compile ms");
+    for sel in selection(t, s)? {
+        build_and_warn(&sel, dtype, &target)?;
+        let before = cpu::cache_stats();
+        let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, exec).map_err(|e| e.to_string())?;
+        let after = cpu::cache_stats();
+        let compile_ms = after.compile_time.saturating_sub(before.compile_time).as_secs_f64() * 1e3;
+        let fell_back = after.fallbacks > before.fallbacks;
+        let shape_txt: Vec<String> = sel.shapes.iter().map(|s| dims(s)).collect();
+        let worst = r.worst();
+        let mut verdict = verdict(&r);
+        if fell_back {
+            verdict.push_str(" (some kernels ran on the interpreter: the compiler refused them)");
+        }
+        all_ok &= r.passed();
+        println!(
+            "{:<40} {:<40} {:<5} {:>12} {:>10.2e} {:>10.1e} {:>10.2} {:>10.2}  {verdict}",
+            stem(&sel),
+            shape_txt.join(","),
+            dtype.name(),
+            dims(&r.grid),
+            worst.scaled_err,
+            worst.tolerance,
+            r.run_time.as_secs_f64() * 1e3,
+            compile_ms
+        );
+    }
+    if backend != Backend::Interp {
+        let st = cpu::cache_stats();
+        println!("{backend}: {} kernels compiled in {:.1} ms, {} cache hits, {} fallbacks to the interpreter", st.misses, st.compile_time.as_secs_f64() * 1e3, st.hits, st.fallbacks);
+    }
+    Ok(all_ok)
+}
+
+fn table(t: &Table, dtype_name: &str) -> CliResult<bool> {
+    let select = Select { kernel: None, all: true, case: None, statics: None, shapes: vec![], dtype: dtype_name.to_string() };
+    let dtype = dtype(&select)?;
+    println!("| kernel | default inputs ({dtype_name}) | {} |", Target::ALL.map(|t| format!("{t}: grid, VMEM MiB, GFLOP")).join(" | "));
+    println!("|---|---|{}", "---|".repeat(Target::ALL.len()));
+    for sel in selection(t, &select)? {
+        let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+        for target in Target::ALL {
+            for (i, (stem, kernel)) in build(&sel, dtype, &target)?.into_iter().enumerate() {
+                let lowered = tessera_codegen::lower(&kernel, &target).map_err(|e| e.to_string())?;
+                let grid: Vec<String> = kernel.grid.iter().map(|g| g.extent.to_string()).collect();
+                let cell = format!("{}, {:.2}, {:.3}", grid.join("x"), lowered.vmem_bytes as f64 / (1 << 20) as f64, lowered.cost.flops as f64 / 1e9);
+                match rows.get_mut(i) {
+                    Some(row) => row.1.push(cell),
+                    None => rows.push((stem, vec![cell])),
+                }
+            }
+        }
+        let inputs: Vec<String> = sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect();
+        for (stem, cells) in rows {
+            println!("| `{stem}` | {} | {} |", inputs.join(" "), cells.join(" | "));
+        }
+    }
+    Ok(true)
+}
+
+/// The op table as markdown: what `torch.ops.tpu.*` and the CLI serve.
+fn op_table(t: &Table) -> CliResult<bool> {
+    print!("{}", tessera_kernels::op_table_markdown_of(t.ops.iter().copied()));
+    Ok(true)
+}
+
+fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
+    let dtype = dtype(s)?;
+    let mut all_ok = true;
+    for name in targets {
+        let target = target(name)?;
+        let mut kernels = Vec::new();
+        for sel in selection(t, s)? {
+            kernels.extend(build_and_warn(&sel, dtype, &target)?);
+        }
+        for v in crate::tpu_compile(&kernels, &target).map_err(|e| e.to_string())? {
+            all_ok &= v.ok;
+            if v.ok {
+                println!("{:<8} {:<20} {:<5} accept  ({:.2} s)", target.name, v.stem, dtype.name(), v.seconds);
+            } else {
+                println!("{:<8} {:<20} {:<5} REJECT  {}", target.name, v.stem, dtype.name(), v.error);
+            }
+        }
+    }
+    Ok(all_ok)
+}
+
+fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
+    let dtype = dtype(s)?;
+    let targets: Vec<Target> = targets.iter().map(|n| target(n)).collect::<CliResult<_>>()?;
+    let mut per_target = Vec::new();
+    for target in &targets {
+        let mut kernels = Vec::new();
+        for sel in selection(t, s)? {
+            kernels.extend(build_and_warn(&sel, dtype, target)?);
+        }
+        per_target.push(kernels);
+    }
+    println!("libtpu's static estimate (compile-only, one TensorCore) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
+    println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us");
+    let mut all_ok = true;
+    for (target, kernels) in targets.iter().zip(&per_target) {
+        eprintln!("compiling {} kernels for {} (libtpu, with the static profile)...", kernels.len(), target.name);
+        for ((_, kernel), v) in kernels.iter().zip(crate::tpu_profile(kernels, target).map_err(|e| e.to_string())?) {
+            let head = format!("{:<8} {:<44} {:<5}", target.name, v.stem, dtype.name());
+            if !v.ok {
+                all_ok = false;
+                println!("{head} REJECT  {}", v.error.lines().next().unwrap_or(""));
+                continue;
+            }
+            let Some(p) = v.profile else {
+                // Accepted, but the profiler gave nothing: say so, with the IR's model.
+                let r = tessera_codegen::roofline(kernel, &Default::default(), target);
+                let why: String = v.profile_note.lines().next().unwrap_or("").chars().take(160).collect();
+                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us));
+                continue;
+            };
+            let r = tessera_codegen::roofline(kernel, &p, target);
+            let bound = if r.blind { format!("{} (libtpu's estimate is below the MXU floor: it cannot see prefetch-driven trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
+            let mib = p.vmem_bytes as f64 / (1 << 20) as f64;
+            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
+        }
+    }
+    println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));
+    Ok(all_ok)
+}
+
+/// `ok`, or what made a run against the reference fail.
+pub(crate) fn verdict(r: &harness::Report) -> String {
+    let worst = r.worst();
+    if r.passed() {
+        "ok".to_string()
+    } else if worst.nan_count > 0 {
+        format!("FAIL: {} NaN output elements (blocks never written?)", worst.nan_count)
+    } else if worst.mismatches > 0 {
+        format!("FAIL: {} integer output elements differ", worst.mismatches)
+    } else if worst.nonfinite > 0 {
+        format!("FAIL: {} output elements infinite where the reference is finite, or the other way", worst.nonfinite)
+    } else {
+        format!("FAIL: error {:.2e} above the tolerance {:.1e} (max |got - want| / max |want|)", worst.scaled_err, worst.tolerance)
+    }
+}

@@ -1,0 +1,115 @@
+//! Compiling kernels with the real TPU compiler: libtpu, compile-only, driven by
+//! `interop/python/tpu_compile.py` in a child process of the project venv's Python. Emission
+//! itself never needs Python; only this check does.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tessera_dsl::{Kernel, Target};
+
+use crate::Error;
+
+/// The oracle script ships inside the crate so a check works from any directory.
+const TPU_COMPILE_PY: &str = include_str!("../../python/tpu_compile.py");
+
+/// The Python that runs the TPU compiler: `$TESSERA_PYTHON`, else the Tessera checkout's
+/// `.venv/bin/python` (made by `scripts/setup-venv.sh`).
+pub fn python() -> PathBuf {
+    std::env::var_os("TESSERA_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        // interop/tessera -> the checkout's root.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).unwrap_or(Path::new("."));
+        root.join(".venv/bin/python")
+    })
+}
+
+/// The Python of [`python`] if it exists and has jax, jaxlib and libtpu; otherwise an
+/// error saying what is missing and how to get it.
+pub fn tpu_ready() -> Result<PathBuf, Error> {
+    let py = python();
+    if !py.exists() {
+        return Err(Error::Tpu(format!("the TPU compiler check needs Python with jax and libtpu: {} not found; create the venv with scripts/setup-venv.sh or set TESSERA_PYTHON to a Python that has them", py.display())));
+    }
+    let probe = "import importlib.util as u; print(' '.join(m for m in ('jax', 'jaxlib', 'libtpu') if u.find_spec(m) is None))";
+    let out = Command::new(&py).args(["-c", probe]).output().map_err(|e| Error::Tpu(format!("cannot run {}: {e}", py.display())))?;
+    let missing = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() || !missing.is_empty() {
+        let what = if missing.is_empty() { String::from_utf8_lossy(&out.stderr).trim().to_string() } else { format!("it has no {missing}") };
+        return Err(Error::Tpu(format!("the TPU compiler check needs jax, jaxlib and libtpu in {}: {what}; run scripts/setup-venv.sh or set TESSERA_PYTHON to a Python that has them", py.display())));
+    }
+    Ok(py)
+}
+
+/// libtpu's verdict on one kernel for one target.
+#[derive(Clone, Debug)]
+pub struct Verdict {
+    pub stem: String,
+    pub target: Target,
+    pub ok: bool,
+    /// The compiler's message when it refused the kernel.
+    pub error: String,
+    pub seconds: f64,
+    /// libtpu's static LLO profile ([`tpu_profile`] only; `None` where the profiler gave
+    /// none, with the reason in `profile_note`).
+    pub profile: Option<tessera_codegen::StaticProfile>,
+    pub profile_note: String,
+}
+
+/// Verifies and lowers every `(stem, kernel)` for `target` and compiles the StableHLO
+/// modules with libtpu (compile-only: no TPU needed). A refused kernel is a [`Verdict`]
+/// with `ok == false`; an `Err` means the compiler could not be run, or a kernel failed
+/// Tessera's own verifier first.
+pub fn tpu_compile(kernels: &[(String, Kernel)], target: &Target) -> Result<Vec<Verdict>, Error> {
+    compile(kernels, target, false)
+}
+
+/// [`tpu_compile`] with libtpu's static LLO profile of each kernel (estimated cycles,
+/// bundles, spills, VMEM: `tessera cost`, DESIGN.md §9).
+pub fn tpu_profile(kernels: &[(String, Kernel)], target: &Target) -> Result<Vec<Verdict>, Error> {
+    compile(kernels, target, true)
+}
+
+fn compile(kernels: &[(String, Kernel)], target: &Target, profile: bool) -> Result<Vec<Verdict>, Error> {
+    let python = tpu_ready()?;
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!("tessera-check-{}-{}", std::process::id(), CALLS.fetch_add(1, Ordering::Relaxed)));
+    let result = compile_in(&dir, &python, kernels, target, profile);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn compile_in(dir: &Path, python: &Path, kernels: &[(String, Kernel)], target: &Target, profile: bool) -> Result<Vec<Verdict>, Error> {
+    let io = |e: std::io::Error| Error::Io(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let script = dir.join("tpu_compile.py");
+    std::fs::write(&script, TPU_COMPILE_PY).map_err(io)?;
+    let mut stems = HashMap::new();
+    let mut files = Vec::new();
+    for (i, (stem, kernel)) in kernels.iter().enumerate() {
+        let lowered = tessera_codegen::lower(kernel, target)?;
+        let path = dir.join(format!("{i}.{}.stablehlo.mlir", target.name));
+        std::fs::write(&path, &lowered.stablehlo).map_err(io)?;
+        stems.insert(path.display().to_string(), stem.clone());
+        files.push(path);
+    }
+    let output = Command::new(python).env("TPU_COMPILE_PYTHON", python).arg(&script).arg("--target").arg(target.name).args(&files).args(profile.then_some("--profile")).output().map_err(|e| Error::Tpu(format!("cannot run {}: {e}", python.display())))?;
+    let mut verdicts = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with('{')) {
+        let Ok(report) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let Some(stem) = report.get("file").and_then(|f| f.as_str()).and_then(|f| stems.get(f)) else { continue };
+        verdicts.push(Verdict {
+            stem: stem.clone(),
+            target: *target,
+            ok: report.get("ok").and_then(|v| v.as_bool()) == Some(true),
+            error: report.get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            seconds: report.get("seconds").and_then(|v| v.as_f64()).unwrap_or_default(),
+            profile: tessera_codegen::StaticProfile::from_report(&report),
+            profile_note: report["profile"]["error"].as_str().unwrap_or(if profile { "libtpu gave no static profile for the custom call" } else { "" }).to_string(),
+        });
+    }
+    if verdicts.len() != files.len() {
+        return Err(Error::Tpu(format!("tpu_compile.py reported {} of {} kernels for {target}:\n{}", verdicts.len(), files.len(), String::from_utf8_lossy(&output.stderr))));
+    }
+    Ok(verdicts)
+}
