@@ -532,3 +532,23 @@ def test_column_sums_fuse_with_their_producers():
     s = fusion.stats()
     # Both sums run over the same 1000 rows of 96 (the reshape keeps the rows): one kernel.
     assert s["kernels_launched"] == 1 and s["eager_reasons"] == {"op:view": 1}, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rounding_sign_and_trig_fuse_and_match_torch(dtype):
+    # Ties (0.5, 1.5, -2.5: to even, as torch.round), signed zeros, infinities and NaN
+    # (torch.sign(nan) is 0), and values away from integers for the transcendental ones.
+    special = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.0, -0.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan"), 3.75, -3.25, 1e-3]
+    x = torch.cat([torch.tensor(special), torch.randn(112) * 8]).reshape(8, 16).to(dtype)
+    exact = {"floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "sign": torch.sign}
+    smooth = {"sin": torch.sin, "cos": torch.cos, "log1p": lambda t: torch.log1p(t.abs()), "expm1": lambda t: torch.expm1(t.clamp(-20, 20))}
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        got = {name: f(x) for name, f in {**exact, **smooth}.items()}
+    for name, f in exact.items():
+        torch.testing.assert_close(got[name], f(x), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+    for name, f in smooth.items():
+        tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-6
+        torch.testing.assert_close(got[name], f(x), rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{name}: {m}")
+    s = fusion.stats()
+    assert s["kernels_launched"] >= 1 and not any(k.startswith("op:") and k[3:] in exact.keys() | smooth.keys() for k in s["eager_reasons"]), s

@@ -39,7 +39,8 @@ def _no_churn_limit():
         os.environ["TESSERA_FUSION_SHAPES"] = old
 
 
-UNARY = ["tanh", "sigmoid", "relu", "neg", "abs", "silu", "gelu", "exp_tanh", "log1p_abs", "rsqrt_abs"]
+UNARY = ["tanh", "sigmoid", "relu", "neg", "abs", "silu", "gelu", "exp_tanh", "log1p_abs", "rsqrt_abs",
+         "sin", "cos", "log1p_abs1", "expm1_tanh"]
 BINARY = ["add", "sub", "mul", "maximum", "minimum", "div_abs"]
 ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 
@@ -75,6 +76,10 @@ def unary(name, x):
         return torch.log(x.abs() + 1)
     if name == "rsqrt_abs":
         return torch.rsqrt(x.abs() + 1)
+    if name == "log1p_abs1":
+        return torch.log1p(x.abs())
+    if name == "expm1_tanh":
+        return torch.expm1(torch.tanh(x))
     if name == "gelu":
         return torch.nn.functional.gelu(x)
     if name == "silu":

@@ -58,8 +58,9 @@ pub fn emit(kernels: Vec<(String, Kernel)>, target: &Target, dir: &Path) -> Resu
     Ok(out)
 }
 
-/// [`emit`] of one kernel, under its own name.
+/// [`emit`] of one kernel, under its own name, into `<dir>/<target>/` (the modules differ by
+/// target, so emitting for several targets into one `dir` keeps each).
 pub fn emit_kernel(kernel: &Kernel, target: &Target, dir: &Path) -> Result<Emitted, Error> {
-    let mut v = emit(vec![(kernel.name.clone(), kernel.clone())], target, dir)?;
+    let mut v = emit(vec![(kernel.name.clone(), kernel.clone())], target, &dir.join(target.name))?;
     Ok(v.remove(0))
 }

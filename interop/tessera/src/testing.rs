@@ -38,8 +38,12 @@ pub fn float_dtypes() -> impl Strategy<Value = DType> {
     prop::sample::select(vec![DType::F32, DType::BF16])
 }
 
+#[track_caller]
 fn built(kernel: &impl Fn(&Target) -> Result<Kernel, KernelError>, target: &Target) -> Kernel {
-    kernel(target).unwrap_or_else(|e| panic!("building the kernel for {target}:\n{e}"))
+    match kernel(target) {
+        Ok(k) => k,
+        Err(e) => panic!("building the kernel for {target}:\n{e}"),
+    }
 }
 
 /// The texts [`assert_snapshots!`](crate::assert_snapshots) records for each target, named
@@ -125,10 +129,18 @@ pub fn assert_verifies(kernel: impl Fn(&Target) -> Result<Kernel, KernelError>, 
             panic!("{e}");
         }
         if oracle_enabled() {
-            let verdicts = crate::tpu_compile(&[(k.name.clone(), k)], t).unwrap_or_else(|e| panic!("TESSERA_TPU_ORACLE=1: {e}"));
-            if let Some(v) = verdicts.iter().find(|v| !v.ok) {
-                panic!("libtpu rejected `{}` for {t}:\n{}", v.stem, v.error);
+            let verdicts = match crate::tpu_compile(&[(k.name.clone(), k)], t) {
+                Ok(v) => v,
+                Err(e) => panic!("TESSERA_TPU_ORACLE=1: {e}"),
+            };
+            for v in &verdicts {
+                if !v.ok {
+                    panic!("libtpu rejected `{}` for {t}:\n{}", v.stem, v.error);
+                }
+                eprintln!("libtpu accepts `{}` for {t} ({:.2} s)", v.stem, v.seconds);
             }
+        } else {
+            eprintln!("`{}` verifies for {t} (libtpu not run: set TESSERA_TPU_ORACLE=1)", k.name);
         }
     }
 }

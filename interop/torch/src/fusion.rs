@@ -88,6 +88,14 @@ impl FusionGraph {
                     "silu" => Unary::Silu,
                     "gelu" => Unary::Gelu,
                     "reciprocal" => Unary::Reciprocal,
+                    "sin" => Unary::Sin,
+                    "cos" => Unary::Cos,
+                    "log1p" => Unary::Log1p,
+                    "expm1" => Unary::Expm1,
+                    "floor" => Unary::Floor,
+                    "ceil" => Unary::Ceil,
+                    "round" => Unary::Round,
+                    "sign" => Unary::Sign,
                     _ => return Err(unknown(kind, name)),
                 };
                 g.unary(op, node(0)?)

@@ -106,6 +106,18 @@ impl Gen<'_> {
                 let b = &mut self.b;
                 match op {
                     Unary::Neg => b.unary(UnaryOp::Neg, x),
+                    Unary::Sin => b.unary(UnaryOp::Sin, x),
+                    Unary::Cos => b.unary(UnaryOp::Cos, x),
+                    Unary::Log1p => b.unary(UnaryOp::Log1p, x),
+                    Unary::Expm1 => b.unary(UnaryOp::Expm1, x),
+                    Unary::Floor => b.unary(UnaryOp::Floor, x),
+                    Unary::Ceil => b.unary(UnaryOp::Ceil, x),
+                    Unary::Round => b.unary(UnaryOp::Round, x),
+                    Unary::Sign => {
+                        let s = b.unary(UnaryOp::Sign, x);
+                        let nan = b.cmp(tessera_dsl::CmpOp::Ne, x, x);
+                        b.select(nan, 0.0, s)
+                    }
                     Unary::Abs => b.unary(UnaryOp::Abs, x),
                     Unary::Exp => b.unary(UnaryOp::Exp, x),
                     Unary::Log => b.unary(UnaryOp::Log, x),

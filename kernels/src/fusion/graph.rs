@@ -36,6 +36,16 @@ pub enum Unary {
     /// The exact (erf) GELU, torch's default.
     Gelu,
     Reciprocal,
+    Sin,
+    Cos,
+    Log1p,
+    Expm1,
+    Floor,
+    Ceil,
+    /// Ties to even, as `torch.round`.
+    Round,
+    /// `torch.sign`: -1, 0 or 1, and 0 for NaN (torch's, unlike the IR's NaN).
+    Sign,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

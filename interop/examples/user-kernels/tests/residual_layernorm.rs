@@ -19,6 +19,7 @@ fn verifies_compiles_and_emits() {
     let dir = std::env::temp_dir().join(format!("user-kernels-emit-{}", std::process::id()));
     let e = tessera::emit_kernel(&kernel(256, 1024, DType::F32)(&Target::V6E).unwrap(), &Target::V6E, &dir).unwrap();
     assert!(std::fs::read_to_string(&e.stablehlo).unwrap().contains("@tpu_custom_call"));
+    assert!(e.stablehlo.starts_with(dir.join("v6e")), "one folder per target: {}", e.stablehlo.display());
 }
 
 #[test]

@@ -222,7 +222,8 @@ def _has_bool_tensor(args, st):
 
 # ---- op table: aten overload -> how to record it ------------------------------------------------
 
-_UNARY = {"neg", "abs", "exp", "log", "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "silu", "reciprocal"}
+_UNARY = {"neg", "abs", "exp", "log", "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "silu", "reciprocal",
+          "sin", "cos", "log1p", "expm1", "floor", "ceil", "round", "sign"}
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "maximum", "minimum": "minimum", "pow": "pow"}
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _ROW = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "_softmax": "softmax", "_log_softmax": "log_softmax"}
