@@ -205,8 +205,8 @@ rules! {
     "slice-out-of-bounds", Semantic, [I], SAME, "dynamic slices and semaphore indices are inside their arrays at run time", "semantic: data-dependent, known only at run time";
     "dma-wait-without-start", Semantic, [I], SAME, "a dma_wait completes a started copy", "semantic: on a device the wait hangs";
     "dma-wait-mismatch", Semantic, [I], SAME, "a dma_wait's descriptor moves as many bytes as the copy it completes", "semantic: on a device the semaphore count goes wrong";
-    "parallel-revisit", Semantic, [I], SAME, "no output block is written by two grid steps that differ in a `parallel` dim",
-        "semantic: data-dependent index maps (scalar prefetch) make it known only at run time; such steps may run on different cores (megacore) or CPU threads and race";
+    "parallel-revisit", Semantic, [V, I], SAME, "no output block is written by two grid steps that differ in a `parallel` dim",
+        "semantic: libtpu compiles the race; the verifier walks index maps without scalar prefetch (grids up to 2^13 steps), the interpreter and compiled backends the rest at run time; such steps may run on different cores (megacore) or CPU threads and race";
     "host-memory", Semantic, [I], SAME, "a run's outputs fit the host's memory",
         "semantic: host-side; the allocation is fallible, so a too-large shape is this error, never an abort";
     "dma-unwaited", Semantic, [I], SAME, "every started copy is waited for (by the end of its grid step unless every grid dim is arbitrary)", "semantic: on a device the copy races the next step";

@@ -162,6 +162,26 @@ pub fn all() -> Vec<Broken> {
             kernel: matmul("parallel_reduction_axis", DType::F32, [512, 512, 512], [128, 128, 128], [P, P, P], None),
         },
         Broken {
+            // The pipeline's Pallas trick `|i, p, j| [i, j * p]` left on all-parallel
+            // semantics: at p = 0 every j writes block [i, 0] (the new-user trial's log-softmax).
+            name: "parallel_revisit_static",
+            rule: "parallel-revisit",
+            subject: "output `out`",
+            mentions: &["grid steps [0, 0, 0] and [0, 0, 1]", "grid dim 2", "mark grid dim 2 `arbitrary`"],
+            target: v5e,
+            libtpu_rejects: None,
+            kernel: {
+                let mut b = KernelBuilder::new("parallel_revisit_static");
+                b.grid(&[(4, P), (2, P), (4, P)]);
+                let x = b.input("x", DType::F32, &[512, 512], spec(&[128, 128], vec![I::Grid(0), I::Grid(2)]));
+                let jp = I::Bin(tessera_dsl::IndexOp::Mul, Box::new(I::Grid(2)), Box::new(I::Grid(1)));
+                let o = b.output("out", DType::F32, &[512, 512], spec(&[128, 128], vec![I::Grid(0), jp]));
+                let v = b.load(x, &[]);
+                b.store(o, &[], v);
+                b.finish()
+            },
+        },
+        Broken {
             name: "output_not_covered",
             rule: "output-coverage",
             subject: "output `out`",

@@ -11,6 +11,10 @@ use crate::types::{DType, MemorySpace, Semantics};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The largest grid whose output index maps the verifier walks for `parallel-revisit` (a
+/// fraction of a millisecond); larger grids are checked by every CPU backend at run time.
+pub const STATIC_REVISIT_STEPS: usize = 1 << 13;
+
 impl Verifier<'_> {
     /// A kernel writes at least one output: a custom call with no results is refused by
     /// Mosaic (`expected named operation to have at least 1 result`), and its work is lost.
@@ -247,7 +251,36 @@ impl Verifier<'_> {
                     ));
                 }
             }
+            self.parallel_revisit(r, b)?;
         }
         Ok(())
+    }
+
+    /// `parallel-revisit` before any run, for an output whose index map reads no scalar
+    /// prefetch: the interpreter's own check (an output block entered by two grid steps that
+    /// differ in a `parallel` dim), walking the steps in its order without running the body.
+    /// Grids above [`STATIC_REVISIT_STEPS`] steps are left to the run-time check.
+    fn parallel_revisit(&self, r: &RefDecl, b: &BlockSpec) -> Result<()> {
+        let k = self.k;
+        let steps = k.grid.iter().try_fold(1usize, |n, g| n.checked_mul(g.extent));
+        if !steps.is_some_and(|n| n <= STATIC_REVISIT_STEPS) || k.grid.iter().all(|g| g.semantics != Semantics::Parallel) {
+            return Ok(());
+        }
+        let mut first: std::collections::HashMap<Vec<i64>, Vec<usize>> = std::collections::HashMap::new();
+        let mut step = vec![0usize; k.grid.len()];
+        loop {
+            let at: Vec<i64> = step.iter().map(|&s| s as i64).collect();
+            // A map that does not evaluate here is the index-map rules' business.
+            let Some(index) = b.index_map.iter().map(|e| super::eval_static(e, &at)).collect::<Option<Vec<i64>>>() else { return Ok(()) };
+            let seen = first.entry(index.clone()).or_insert_with(|| step.clone());
+            if let Some(d) = (0..step.len()).find(|&d| k.grid[d].semantics == Semantics::Parallel && seen[d] != step[d]) {
+                let index: Vec<usize> = index.iter().map(|&i| i.max(0) as usize).collect();
+                return Err(crate::interp::parallel_revisit(k, r, &index, seen, &step, d).at(r.loc.clone()));
+            }
+            // Row-major, the last grid dim fastest, as the pipeline runs.
+            let Some(d) = (0..step.len()).rev().find(|&d| step[d] + 1 < k.grid[d].extent) else { return Ok(()) };
+            step[d] += 1;
+            step[d + 1..].fill(0);
+        }
     }
 }
