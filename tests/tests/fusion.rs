@@ -152,6 +152,15 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                             Unary::Silu => x / (1.0 + (-x).exp()),
                             Unary::Gelu => 0.5 * x * (1.0 + erf(x / 2f64.sqrt())),
                             Unary::Reciprocal => 1.0 / x,
+                            Unary::Sin => x.sin(),
+                            Unary::Cos => x.cos(),
+                            Unary::Log1p => x.ln_1p(),
+                            Unary::Expm1 => x.exp_m1(),
+                            Unary::Floor => x.floor(),
+                            Unary::Ceil => x.ceil(),
+                            Unary::Round => x.round_ties_even(),
+                            // torch.sign: 0 for NaN.
+                            Unary::Sign => if x.is_nan() || x == 0.0 { 0.0 } else { x.signum() },
                         }
                     },
                     &vals,
@@ -295,7 +304,7 @@ fn random_graph_sized(seed: u64, big: bool) -> Random {
             0 => g.binary([Binary::Add, Binary::Sub, Binary::Mul, Binary::Maximum, Binary::Minimum][rng.gen_range(0..5)], Operand::Node(x), Operand::Node(y)),
             1 => g.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(rng.gen_range(-2.0..2.0))),
             2 => g.binary(Binary::Add, Operand::Scalar(0.5), Operand::Node(x)),
-            3 => g.unary([Unary::Neg, Unary::Abs, Unary::Tanh, Unary::Sigmoid, Unary::Relu, Unary::Silu, Unary::Gelu, Unary::Erf][rng.gen_range(0..8)], x),
+            3 => g.unary([Unary::Neg, Unary::Abs, Unary::Tanh, Unary::Sigmoid, Unary::Relu, Unary::Silu, Unary::Gelu, Unary::Erf, Unary::Sin, Unary::Cos][rng.gen_range(0..10)], x),
             // Well-conditioned uses of exp, log, sqrt, rsqrt, div.
             4 => g.unary(Unary::Tanh, x).and_then(|t| g.unary(Unary::Exp, t)),
             5 => g.unary(Unary::Abs, x).and_then(|t| g.binary(Binary::Add, Operand::Node(t), Operand::Scalar(1.0))).and_then(|t| g.unary([Unary::Log, Unary::Sqrt, Unary::Rsqrt, Unary::Reciprocal][rng.gen_range(0..4)], t)),
