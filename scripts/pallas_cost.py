@@ -18,6 +18,7 @@ profiler aborts on some kernels; a crash is that case's error, not the run's).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,12 +74,8 @@ def build(kernel, p):
 def child(target, case):
     """Runs in a fresh process: flags set before jax is imported."""
     work = tempfile.mkdtemp(prefix="pallas-cost-")
-    llo, prof = os.path.join(work, "llo"), os.path.join(work, "profile")
-    os.makedirs(llo)
-    os.makedirs(prof)
-    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                      f" --xla_jf_dump_to={llo} --xla_jf_dump_llo_text"
-                                      f" --xla_jf_dump_static_llo_profile_to={prof}").strip()
+    llo, prof, flags = tpu_compile.profile_dirs(work)
+    tpu_compile.add_libtpu_flags(flags)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
@@ -92,7 +89,6 @@ def child(target, case):
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
     jax.jit(f).lower(*args).compile()
     result = tpu_compile.read_profile(llo, prof)
-    import shutil
     shutil.rmtree(work, ignore_errors=True)
     return result
 

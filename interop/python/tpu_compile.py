@@ -148,6 +148,21 @@ def read_profile(llo_dir, profile_dir):
     return {"ops": ops}
 
 
+def profile_dirs(base):
+    """Fresh `llo` and `profile` folders under `base`, and the libtpu flags that dump a
+    compile's final bundles and static profile into them (read back by read_profile)."""
+    llo, prof = os.path.join(base, "llo"), os.path.join(base, "profile")
+    os.makedirs(llo)
+    os.makedirs(prof)
+    flags = (f"--xla_jf_dump_to={llo} --xla_jf_dump_llo_text"
+             f" --xla_jf_dump_static_llo_profile_to={prof}")
+    return llo, prof, flags
+
+
+def add_libtpu_flags(flags):
+    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + flags).strip()
+
+
 def clear_dir(d):
     for f in os.listdir(d):
         p = os.path.join(d, f)
@@ -168,12 +183,9 @@ def worker_main(target):
     if os.environ.get("TPU_COMPILE_PROFILE"):
         # libtpu reads its flags once, at import: this worker's own dump directories.
         base = tempfile.mkdtemp(prefix=f"llo-{target}-", dir=os.environ["TPU_COMPILE_PROFILE"])
-        profile = (os.path.join(base, "llo"), os.path.join(base, "profile"))
-        for d in profile:
-            os.makedirs(d)
-        os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                          f" --xla_jf_dump_to={profile[0]} --xla_jf_dump_llo_text"
-                                          f" --xla_jf_dump_static_llo_profile_to={profile[1]}").strip()
+        llo, prof, flags = profile_dirs(base)
+        profile = (llo, prof)
+        add_libtpu_flags(flags)
     try:
         import numpy as np
         from jax.experimental import topologies
@@ -361,6 +373,7 @@ class Worker:
 
 class Pool:
     def __init__(self, mosaic_dump=None, profile=False):
+        self.mosaic_dump = mosaic_dump
         self.env = dict(os.environ)
         self.profile_dir = None
         if profile:
@@ -394,9 +407,7 @@ class Pool:
             # (DESIGN.md section 9): the verdict comes from a plain compile, and the
             # profile says why it is missing.
             if self.plain is None:
-                env = {k: v for k, v in self.env.items() if k != "TPU_COMPILE_PROFILE"}
-                self.plain = Pool.__new__(Pool)
-                self.plain.env, self.plain.profile_dir, self.plain.workers, self.plain.plain = env, None, {}, None
+                self.plain = Pool(self.mosaic_dump)
             ok, err2, secs2, _ = self.plain.compile(target, req, timeout)
             return ok, (err2 if not ok else None), secs + secs2, {"ops": None, "error": "libtpu's static profiler aborted: " + err}
         return ok, err, secs, prof

@@ -267,6 +267,7 @@ impl Verifier<'_> {
             return Ok(());
         }
         let mut first: std::collections::HashMap<Vec<i64>, Vec<usize>> = std::collections::HashMap::new();
+        let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
         let mut step = vec![0usize; k.grid.len()];
         loop {
             let at: Vec<i64> = step.iter().map(|&s| s as i64).collect();
@@ -278,9 +279,9 @@ impl Verifier<'_> {
                 return Err(crate::interp::parallel_revisit(k, r, &index, seen, &step, d).at(r.loc.clone()));
             }
             // Row-major, the last grid dim fastest, as the pipeline runs.
-            let Some(d) = (0..step.len()).rev().find(|&d| step[d] + 1 < k.grid[d].extent) else { return Ok(()) };
-            step[d] += 1;
-            step[d + 1..].fill(0);
+            if !crate::interp::next_index(&mut step, &extents) {
+                return Ok(());
+            }
         }
     }
 }
