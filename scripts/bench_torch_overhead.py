@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""Per-call overhead of a Tessera torch op on a small tensor, next to the stock op.
+"""Per-call overhead of a Tessera torch op on a small tensor: before and after the CPU path
+through libtorch's stable ABI, in one run, next to the stock op.
 
-RMSNorm on an 8x128 float32 tensor, three timings in one run, median per call over
-`--reps` repetitions of `--calls` calls each:
-  - stock:   torch.nn.functional.rms_norm (PyTorch's CPU kernel)
-  - tessera: torch.ops.tpu.rmsnorm (dispatcher -> Python kernel -> Rust plan -> interpreter)
-  - kernel:  the same plan executed natively on the interpreter, nothing around it
-The overhead is tessera - kernel: what the torch op adds above the kernel's own time.
-Its parts, also timed: the dispatcher calling a Python kernel that does nothing (registered
-the same way, a floor for any Python-registered op), and `_native.run` called directly (the
-native call: tensor attributes, plan lookup, output allocation, the kernel).
+RMSNorm on an 8x128 float32 tensor, median per call over `--reps` repetitions of `--calls`
+calls each, in grad mode (the default) and under inference_mode:
+  - stock:   torch.nn.functional.rms_norm (PyTorch's CPU kernels)
+  - after:   torch.ops.tpu.rmsnorm as registered (dispatcher -> autograd fast path or CPU
+             kernel -> `_native.call_cpu`: tensors read and results allocated through
+             libtorch's stable C ABI, interop/torch/src/dispatch.rs)
+  - before:  the same op as it was registered before (`tessera_bench::rmsnorm`: a Python
+             CPU kernel calling `_native.run`, which reads every tensor attribute and
+             allocates results through Python, and torch.library.register_autograd's
+             generic autograd kernel)
+  - kernel:  the op's plan executed natively on the CPU backend, nothing around it
+The overhead of a path is its time minus the kernel's. `TESSERA_NATIVE_DISPATCH=1` makes
+"after" the kernels registered from Rust (no Python kernel at all).
 Run: .venv/bin/python scripts/bench_torch_overhead.py
 """
 import argparse
@@ -25,16 +30,20 @@ import tessera  # noqa: E402
 from tessera import _native  # noqa: E402
 
 
-def per_call(fn, calls, reps):
-    for _ in range(calls):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def per_call(fns, calls, reps):
+    """Median seconds per call of each function of `fns` (a dict), their repetitions
+    interleaved so that machine noise hits them alike."""
+    for fn in fns.values():
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
+    samples = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[k].append((time.perf_counter() - start) / calls)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def main():
@@ -47,30 +56,33 @@ def main():
     torch.set_num_threads(1)
     x, w = torch.randn(m, n), torch.randn(n)
     eps = 1e-6
-    stock = per_call(lambda: torch.nn.functional.rms_norm(x, (n,), w, eps), args.calls, args.reps)
-    op = torch.ops.tpu.rmsnorm
-    tess = per_call(lambda: op(x, w, eps), args.calls, args.reps)
-    with torch.inference_mode():
-        tess_inf = per_call(lambda: op(x, w, eps), args.calls, args.reps)
-    lib = torch.library.Library("tessera_bench", "DEF")
-    lib.define("noop(Tensor x, Tensor w, float eps=1e-06) -> Tensor")
-    out = torch.empty(m, n)
-    lib.impl("noop", lambda x, w, eps=1e-6: out, "CPU")
-    noop = torch.ops.tessera_bench.noop
     cpu = torch.device("cpu")
+    lib = torch.library.Library("tessera_bench", "DEF")
+    lib.define("rmsnorm(Tensor x, Tensor weight, float eps=1e-06) -> Tensor")
+    lib.impl("rmsnorm", lambda x, w, eps=1e-6: _native.run("rmsnorm", (eps,), [x, w], cpu, tessera.get_target())[0], "CPU")
+    torch.library.register_autograd("tessera_bench::rmsnorm", lambda ctx, g: (None, None, None), lib=lib)
+    before_op, op = torch.ops.tessera_bench.rmsnorm, torch.ops.tpu.rmsnorm
+    calls = {
+        "stock": lambda: torch.nn.functional.rms_norm(x, (n,), w, eps),
+        "before": lambda: before_op(x, w, eps),
+        "after": lambda: op(x, w, eps),
+    }
+    grad = per_call(calls, args.calls, args.reps)
     with torch.inference_mode():
-        floor = per_call(lambda: noop(x, w, eps), args.calls, args.reps)
-        native = per_call(lambda: _native.run("rmsnorm", (eps,), [x, w], cpu, tessera.get_target()), args.calls, args.reps)
+        inf = per_call(calls, args.calls, args.reps)
+    stock, before, tess, before_inf, tess_inf = grad["stock"], grad["before"], grad["after"], inf["before"], inf["after"]
     kernel = statistics.median(_native.time_plan("rmsnorm", (eps,), [x, w], tessera.get_target(), args.calls) for _ in range(args.reps))
     us = 1e6
-    print(f"rmsnorm {m}x{n} f32, median per call over {args.reps} x {args.calls} calls")
-    print(f"  stock F.rms_norm                 {stock * us:8.2f} us")
-    print(f"  torch.ops.tpu.rmsnorm            {tess * us:8.2f} us   (grad mode)")
-    print(f"  torch.ops.tpu.rmsnorm            {tess_inf * us:8.2f} us   (inference_mode)")
-    print(f"  kernel alone (interpreter)       {kernel * us:8.2f} us")
-    print(f"  parts: dispatcher -> no-op Python kernel {floor * us:6.2f} us, _native.run {native * us:6.2f} us")
-    print(f"  overhead above the kernel        {(tess - kernel) * us:8.2f} us   (grad mode)")
-    print(f"  overhead above the kernel        {(tess_inf - kernel) * us:8.2f} us   (inference_mode)")
+    mode = "kernels registered from Rust" if os.environ.get("TESSERA_NATIVE_DISPATCH") == "1" else "Python kernel -> call_cpu"
+    print(f"rmsnorm {m}x{n} f32, median per call over {args.reps} x {args.calls} calls (after: {mode})")
+    print(f"  stock F.rms_norm          {stock * us:8.2f} us")
+    print(f"  kernel alone              {kernel * us:8.2f} us   (TESSERA_BACKEND={os.environ.get('TESSERA_BACKEND', 'jit')})")
+    print(f"  {'':24}  {'grad mode':>12}  {'inference':>12}")
+    print(f"  {'before: call':24}  {before * us:9.2f} us  {before_inf * us:9.2f} us")
+    print(f"  {'after:  call':24}  {tess * us:9.2f} us  {tess_inf * us:9.2f} us")
+    print(f"  {'before: overhead':24}  {(before - kernel) * us:9.2f} us  {(before_inf - kernel) * us:9.2f} us")
+    print(f"  {'after:  overhead':24}  {(tess - kernel) * us:9.2f} us  {(tess_inf - kernel) * us:9.2f} us")
+    print(f"  overhead after / before   {(tess - kernel) / (before - kernel):9.2f}     {(tess_inf - kernel) / (before_inf - kernel):9.2f}")
 
 
 if __name__ == "__main__":

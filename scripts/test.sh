@@ -8,10 +8,12 @@
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair and all
 #      2,770 probes and evidence kernels judged by libtpu again, about 2 min cold; verdicts cached under
 #      target/tpu-verdicts/ by module text and libtpu version),
-#   3. the PyTorch face: builds and installs the `tessera` package (and the user-kernel
-#      example) into the venv, then runs tests/python with pytest (torch.ops.tpu.* on the
-#      CPU and on the emulated `tpu` device, opcheck, torch.compile, the TorchTPU path,
-#      Llama/MoE blocks, transformers).
+#   3. the PyTorch face: builds the `tessera` wheel (abi3, maturin) and the user-kernel
+#      example's, installs them into a fresh venv with no Rust on PATH, smoke-tests them
+#      (scripts/wheel_smoke.py: every op once, a user kernel, a fused region), then runs
+#      tests/python with pytest against them (torch.ops.tpu.* on the CPU and on the
+#      emulated `tpu` device, opcheck, torch.compile, the TorchTPU path, Llama/MoE blocks,
+#      transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -46,12 +48,29 @@ step "tessera check: every library kernel through libtpu (f32 and bf16)"
 cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype f32
 cargo run --release -q -p tessera-cli --features llvm -- check --all --dtype bf16
 
-step "tessera Python package: build (maturin) and install into .venv"
-# --no-build-isolation: maturin comes from the pinned venv, and the build reuses target/.
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --disable-pip-version-check -q \
-    --no-build-isolation --force-reinstall --no-deps ./interop/torch ./interop/torch/example
+step "tessera wheels: maturin build (abi3) of the package and of the user-kernel example"
+rm -rf target/wheels
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin build --release -q -m interop/torch/Cargo.toml -o target/wheels 2>&1
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin build --release -q -m interop/torch/example/Cargo.toml -o target/wheels 2>&1
 
-step "pytest tests/python (the PyTorch face)"
+step "a fresh venv with no Rust on PATH: install the wheels, smoke-test them, run pytest against them"
+# The fresh venv's own site-packages holds only the two wheels; torch, jax, libtpu,
+# transformers and pytest come from .venv through a .pth that sys.path appends after it
+# (so the wheels win over anything in .venv, and 5 GB of torch is not installed twice).
+WHEEL_VENV="$PWD/target/wheel-venv"
+rm -rf "$WHEEL_VENV"
+"${PYTHON:-python3}" -m venv "$WHEEL_VENV"
+echo "$PWD/.venv/lib/python3.11/site-packages" > "$WHEEL_VENV/lib/python3.11/site-packages/zz_tessera_test_deps.pth"
+NO_RUST_PATH=""
+IFS=: read -ra dirs <<< "$PATH"
+for d in "${dirs[@]}"; do
+    [ -e "$d/cargo" ] || [ -e "$d/rustc" ] || NO_RUST_PATH="${NO_RUST_PATH:+$NO_RUST_PATH:}$d"
+done
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0   # TorchTPU must not claim the `tpu` device here
 export TESSERA_CACHE_DIR="$PWD/target/tessera-cache"   # the emulated device's C++ build
-.venv/bin/python -m pytest -q tests/python
+PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pip install --disable-pip-version-check -q \
+    --no-deps --no-index --ignore-installed target/wheels/*.whl
+PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" scripts/wheel_smoke.py
+
+step "pytest tests/python (the PyTorch face, against the installed wheels)"
+PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pytest -q tests/python

@@ -10,6 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
+mod dispatch;
 mod fusion;
 mod tensor;
 
@@ -20,7 +21,7 @@ use tensor::{check_disjoint, Described, Refused, TensorRef};
 use tessera_dsl::interp::{Array, HostMut, HostRef};
 use tessera_dsl::{Executor, KernelError, Target, Type};
 
-pub use tessera_kernels::op::{Backward, Call, Case, Input, Kind, Op, Output, Static, Statics};
+pub use tessera_kernels::op::{ArgType, Backward, Call, Case, Input, Kind, Op, Output, Static, Statics};
 pub use tessera_kernels::plan::{self, Launch, Operand, Plan};
 use tessera_kernels::plan::{Layout, Source};
 
@@ -84,15 +85,15 @@ const PLAN_CACHE_DEFAULT: usize = 256;
 static PLANS: Mutex<Option<PlanCache>> = Mutex::new(None);
 
 /// A cache capacity from environment variable `var` (a positive integer), or `default`.
-fn capacity_from_env(var: &str, default: usize) -> PyResult<std::num::NonZeroUsize> {
+fn capacity_from_env(var: &str, default: usize) -> Result<std::num::NonZeroUsize, String> {
     let text = match std::env::var(var) {
         Ok(t) => t,
         Err(_) => return Ok(std::num::NonZeroUsize::new(default).expect("defaults are positive")),
     };
-    text.trim().parse::<std::num::NonZeroUsize>().map_err(|_| PyValueError::new_err(format!("tessera: {var}={text:?} is not a positive integer (the number of entries the cache keeps)")))
+    text.trim().parse::<std::num::NonZeroUsize>().map_err(|_| format!("tessera: {var}={text:?} is not a positive integer (the number of entries the cache keeps)"))
 }
 
-fn with_plans<R>(f: impl FnOnce(&mut PlanCache) -> R) -> PyResult<R> {
+fn with_plans<R>(f: impl FnOnce(&mut PlanCache) -> R) -> Result<R, String> {
     // A panic while the lock was held cannot leave the LRU half-updated in a way that
     // matters (entries are immutable Arcs): keep using it.
     let mut guard = PLANS.lock().unwrap_or_else(|e| e.into_inner());
@@ -104,6 +105,12 @@ fn with_plans<R>(f: impl FnOnce(&mut PlanCache) -> R) -> PyResult<R> {
 }
 
 fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> PyResult<Arc<Plan>> {
+    plan_for_call(op, statics, inputs, target).map_err(py_err)
+}
+
+/// [`plan_for`] without Python (the natively dispatched kernels' path).
+fn plan_for_call(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> Result<Arc<Plan>, KernelError> {
+    let cache_err = |m: String| KernelError::new(op.name, "plan cache", "option-value", m, "set TESSERA_PLAN_CACHE to a positive integer");
     let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
     if let Some(p) = with_plans(|c| {
         let found = c.plans.get(&key).cloned();
@@ -111,17 +118,20 @@ fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target:
             c.hits += 1;
         }
         found
-    })? {
+    })
+    .map_err(cache_err)?
+    {
         return Ok(p);
     }
-    let plan = Arc::new(op.plan_for(inputs, statics, target).map_err(py_err)?);
+    let plan = Arc::new(op.plan_for(inputs, statics, target)?);
     for launch in &plan.launches {
-        tessera_dsl::verify::verify(&launch.kernel, target).map_err(py_err)?;
+        tessera_dsl::verify::verify(&launch.kernel, target)?;
     }
     with_plans(|c| {
         c.misses += 1;
         c.plans.put(key, plan.clone());
-    })?;
+    })
+    .map_err(cache_err)?;
     Ok(plan)
 }
 
@@ -137,7 +147,8 @@ fn cache_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
         plans.set_item("hits", c.hits)?;
         plans.set_item("misses", c.misses)?;
         Ok(())
-    })??;
+    })
+    .map_err(PyValueError::new_err)??;
     d.set_item("plans", plans)?;
     let s = tessera_codegen::cpu::cache_stats();
     let code = PyDict::new(py);
@@ -600,6 +611,10 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(set_target, m)?)?;
+    m.add_function(wrap_pyfunction!(register_cpu_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(init_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(call_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(make_plan, m)?)?;
     m.add_function(wrap_pyfunction!(time_plan, m)?)?;
     m.add_function(wrap_pyfunction!(op_cases, m)?)?;
@@ -620,13 +635,93 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// The CPU backend plans run on: `TESSERA_BACKEND` (`jit`, the default; `interp`; `llvm`
 /// in builds with that feature).
 fn backend() -> PyResult<&'static dyn Executor> {
+    cpu_backend().map_err(PyValueError::new_err)
+}
+
+/// [`backend`] without Python.
+fn cpu_backend() -> Result<&'static dyn Executor, String> {
     use tessera_codegen::cpu::Backend;
     let backend = match std::env::var("TESSERA_BACKEND") {
         Err(_) => Backend::Jit,
-        Ok(name) => Backend::parse(&name).ok_or_else(|| PyValueError::new_err(format!("tessera: TESSERA_BACKEND={name:?} is not a CPU backend; use jit, interp or llvm")))?,
+        Ok(name) => Backend::parse(&name).ok_or_else(|| format!("tessera: TESSERA_BACKEND={name:?} is not a CPU backend; use jit, interp or llvm"))?,
     };
     if !backend.available() {
-        return Err(PyValueError::new_err(format!("tessera: TESSERA_BACKEND={backend}: this build has no {backend} backend (build with the `llvm` feature), use jit or interp")));
+        return Err(format!("tessera: TESSERA_BACKEND={backend}: this build has no {backend} backend (build with the `llvm` feature), use jit or interp"));
     }
     Ok(backend.executor())
+}
+
+/// The generation whose blocks natively dispatched calls use (`tessera.set_target`).
+static TARGET: std::sync::RwLock<Target> = std::sync::RwLock::new(Target::V6E);
+
+fn current_target() -> Target {
+    *TARGET.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sets the generation the natively dispatched CPU kernels plan for.
+#[pyfunction]
+fn set_target(name: &str) -> PyResult<()> {
+    *TARGET.write().unwrap_or_else(|e| e.into_inner()) = target_named(name)?;
+    Ok(())
+}
+
+/// Loads libtorch's stable-ABI shim for the CPU kernels ([`call_cpu`]): `libtorch_path` is
+/// the running torch's `libtorch_cpu.so`, `version` its `(major, minor)`.
+#[pyfunction]
+fn init_cpu(libtorch_path: &str, version: (u64, u64)) -> PyResult<()> {
+    if version < (2, 14) {
+        return Err(PyRuntimeError::new_err(format!("tessera needs torch >= 2.14 (found {}.{})", version.0, version.1)));
+    }
+    dispatch::load(libtorch_path, version).map(|_| ()).map_err(PyRuntimeError::new_err)
+}
+
+/// The CPU kernel of op number `slot` (in [`op_table`] order) on the dispatcher's `args`
+/// (schema order, trailing defaults dropped): tensors cross as libtorch handles
+/// (`dispatch.rs`), results come back as new tensors, one or a tuple.
+#[pyfunction]
+fn call_cpu<'py>(py: Python<'py>, slot: usize, args: &Bound<'py, PyTuple>) -> PyResult<Bound<'py, PyAny>> {
+    let shim = dispatch::SHIM.get().ok_or_else(|| PyRuntimeError::new_err("tessera: call_cpu before init_cpu"))?;
+    let op = *table().get(slot).ok_or_else(|| PyValueError::new_err(format!("tessera: no op {slot} in this module")))?;
+    let schema = op.parsed().map_err(py_err)?;
+    let (mut tensors, mut statics) = (Vec::with_capacity(op.inputs.len()), Vec::new());
+    for (i, p) in schema.params.iter().enumerate() {
+        let arg = args.get_item(i).ok();
+        if p.ty != ArgType::Tensor {
+            if let Some(a) = arg {
+                statics.push(static_of(&a)?);
+            }
+            continue;
+        }
+        let t = match arg {
+            Some(a) if !a.is_none() => {
+                // SAFETY: a live object; the GIL is held (`py`).
+                let t = unsafe { dispatch::tensor_from_py(shim, a.as_ptr().cast()) };
+                Some(t.map_err(|m| py_err(KernelError::new(op.name, format!("input `{}`", p.name), "operand-type", m, "pass a torch.Tensor")))?)
+            }
+            _ => None,
+        };
+        tensors.push(t);
+    }
+    let outs = dispatch::run_call(shim, op, tensors, statics).map_err(PyValueError::new_err)?;
+    let mut objects = Vec::with_capacity(outs.len());
+    for o in outs {
+        let handle = o.into_aten().ok_or_else(|| PyRuntimeError::new_err("tessera: a result is not a libtorch tensor"))?;
+        // SAFETY: the GIL is held; `tensor_to_py` returns a new, non-null reference, which
+        // `from_owned_ptr` takes over.
+        let obj = unsafe { dispatch::tensor_to_py(shim, &handle) }.map_err(PyRuntimeError::new_err)?;
+        objects.push(unsafe { Bound::from_owned_ptr(py, obj.cast()) });
+    }
+    if objects.len() == 1 {
+        Ok(objects.pop().expect("one result"))
+    } else {
+        Ok(PyTuple::new(py, objects)?.into_any())
+    }
+}
+
+/// Registers this module's CPU kernels with the dispatcher natively (`dispatch.rs`):
+/// `libtorch_path` is the running torch's `libtorch_cpu.so`, `version` its `(major,
+/// minor)`. `False` when this torch is too old for it (the Python kernels stay).
+#[pyfunction]
+fn register_cpu_kernels(namespace: &str, libtorch_path: &str, version: (u64, u64)) -> PyResult<bool> {
+    dispatch::register(namespace, libtorch_path, version).map_err(PyRuntimeError::new_err)
 }

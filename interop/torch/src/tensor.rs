@@ -21,7 +21,7 @@ use half::bf16;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
-use tessera_dsl::interp::{HostData, HostDataMut, HostMut, HostRef};
+use tessera_dsl::interp::{Array, HostData, HostDataMut, HostMut, HostRef};
 use tessera_dsl::{DType, Type};
 
 /// Why a tensor cannot cross: the message (the caller names the op and operand).
@@ -72,6 +72,15 @@ enum Mem {
     I32(Vec<i32>),
     /// Copied from bytes checked to be 0 or 1.
     Bool(Vec<bool>),
+    /// A row-major copy (of a strided view, narrowed or checked), made natively.
+    Copy(Array),
+}
+
+/// What keeps a [`TensorRef`]'s memory alive: the Python tensor (or its copy), or the
+/// libtorch handle a natively dispatched kernel owns (`dispatch.rs`).
+enum Owner<'py> {
+    Py(#[allow(dead_code)] Bound<'py, PyAny>),
+    Aten(crate::dispatch::AtenTensor),
 }
 
 /// A tensor as the native side sees it (see the module docs for what is checked).
@@ -79,7 +88,7 @@ pub struct TensorRef<'py> {
     pub ty: Type,
     mem: Mem,
     /// Keeps the tensor, or the contiguous / aligned copy `mem` points into, alive.
-    _owner: Bound<'py, PyAny>,
+    owner: Owner<'py>,
 }
 
 impl<'py> TensorRef<'py> {
@@ -174,7 +183,29 @@ impl<'py> Described<'py> {
         } else {
             Mem::Ptr(ptr)
         };
-        Ok(TensorRef { ty, mem, _owner: t })
+        Ok(TensorRef { ty, mem, owner: Owner::Py(t) })
+    }
+}
+
+impl TensorRef<'static> {
+    /// A natively dispatched kernel's tensor whose own memory the kernels use: `ptr` holds
+    /// `ty.num_elements()` contiguous, aligned elements of `ty.dtype` (never bool), alive
+    /// while `handle` is (checked by `dispatch::describe`, or a fresh `empty_strided`).
+    pub fn native(ty: Type, ptr: usize, handle: crate::dispatch::AtenTensor) -> TensorRef<'static> {
+        TensorRef { ty, mem: Mem::Ptr(ptr), owner: Owner::Aten(handle) }
+    }
+
+    /// A natively dispatched kernel's tensor read through a copy.
+    pub fn native_copy(ty: Type, copy: Array, handle: crate::dispatch::AtenTensor) -> TensorRef<'static> {
+        TensorRef { ty, mem: Mem::Copy(copy), owner: Owner::Aten(handle) }
+    }
+
+    /// The libtorch handle of a native result (to hand to the dispatcher).
+    pub fn into_aten(self) -> Option<crate::dispatch::AtenTensor> {
+        match self.owner {
+            Owner::Aten(h) => Some(h),
+            Owner::Py(_) => None,
+        }
     }
 }
 
@@ -185,9 +216,10 @@ impl<'py> TensorRef<'py> {
         let data = match &self.mem {
             Mem::I32(v) => HostData::I32(v),
             Mem::Bool(v) => HostData::Bool(v),
-            // SAFETY: `borrow` checked the facts `slice_of` relies on (contiguous,
+            Mem::Copy(a) => return a.as_host(),
+            // SAFETY: `borrow` (or `dispatch::describe`) checked the facts `slice_of` relies on (contiguous,
             // aligned, non-null host memory of `n` elements of `ty.dtype`; bool and int64
-            // never take this path), and `_owner` keeps the memory alive for `'_`.
+            // never take this path), and `owner` keeps the memory alive for `'_`.
             Mem::Ptr(p) => unsafe {
                 match self.ty.dtype {
                     DType::F32 => HostData::F32(slice_of(*p, n)),
@@ -241,7 +273,7 @@ impl<'py> TensorRef<'py> {
         if ty.num_elements() > 0 && (ptr == 0 || !ptr.is_multiple_of(ty.dtype.bytes())) {
             return Err(pyo3::exceptions::PyRuntimeError::new_err("tessera: torch.empty gave a null or misaligned buffer"));
         }
-        Ok((t.clone(), TensorRef { ty: ty.clone(), mem, _owner: t }))
+        Ok((t.clone(), TensorRef { ty: ty.clone(), mem, owner: Owner::Py(t) }))
     }
 }
 

@@ -119,8 +119,35 @@ def _no_backward(name):
     return backward
 
 
-def register(lib, spec, error_without_backward=True):
-    """Registers op `spec`'s autograd: its declared backward, its composite, or an error."""
+def _impl(lib, spec, backward, setup_context, fast_cpu):
+    """`torch.library.register_autograd`, with a fast path: on CPU tensors none of which
+    needs a gradient (grad mode or not), `fast_cpu(args)` runs the CPU kernel directly
+    instead of torch's generic kernel redispatching below autograd (one Python hop and one
+    dispatcher round trip fewer). Any other key below autograd (a TorchDispatchMode such
+    as DeferAndFuse, a tensor subclass, another device) takes torch's path."""
+    make = getattr(getattr(torch._library, "autograd", None), "make_autograd_impl", None)
+    if fast_cpu is None or make is None:
+        torch.library.register_autograd(spec.qualname, backward, setup_context=setup_context, lib=lib)
+        return
+    op = torch._library.utils.lookup_op(spec.qualname)
+    generic = make(op, torch._library.autograd.Info(backward, setup_context))
+    after_autograd = torch._C._after_autograd_keyset
+    # CPU tensors, or none at all (a None for a required tensor: the CPU kernel names it).
+    direct = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.Undefined)
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def autograd(keyset, *args):
+        if (keyset & after_autograd).highestPriorityTypeId() in direct and not (grad_enabled() and any_requires_grad(*args)):
+            return fast_cpu(args)
+        return generic(keyset, *args)
+
+    autograd.__name__ = f"tessera_{spec.name}_autograd"
+    lib.impl(spec.name, autograd, "Autograd", with_keyset=True)
+
+
+def register(lib, spec, error_without_backward=True, fast_cpu=None):
+    """Registers op `spec`'s autograd: its declared backward, its composite, or an error.
+    `fast_cpu(args)`: the op's CPU kernel, for the path where no gradient is needed."""
     if spec.alias_of is not None:
         return  # a composite of the aliased op: autograd flows through it
     if spec.backward is None:
@@ -128,7 +155,7 @@ def register(lib, spec, error_without_backward=True):
             return
         # Without an autograd kernel, torch's fallback only warns and backprop silently gives
         # no gradient (None) to the op's inputs: make that an error naming the op instead.
-        torch.library.register_autograd(spec.qualname, _no_backward(spec.name), lib=lib)
+        _impl(lib, spec, _no_backward(spec.name), None, fast_cpu)
         return
     setup, backward = COMPOSITES[spec.name] if spec.backward[0] == "composite" else _declared(spec)
-    torch.library.register_autograd(spec.qualname, backward, setup_context=setup, lib=lib)
+    _impl(lib, spec, backward, setup, fast_cpu)

@@ -4,7 +4,12 @@ Everything here is read from the native op table (`_native.op_table()`, one entr
 declared once in `kernels/src`): each op is a FRAGMENT of TorchTPU's `tpu` library
 (TorchTPU owns the namespace) with its explicit schema, and four kernels:
 
-- CPU: the op's plan runs on a CPU backend over the tensors' memory (`_native.run`);
+- CPU: the op's plan runs on a CPU backend over the tensors' memory. The kernel is a
+  one-line Python function handing the dispatcher's arguments to Rust (`_native.call_cpu`),
+  which reads the tensors and allocates the results through libtorch's stable C ABI
+  (`interop/torch/src/dispatch.rs`); errors are `ValueError`s. `TESSERA_NATIVE_DISPATCH=1`
+  registers the kernels from Rust instead (no Python in the call at all; errors are then
+  the `RuntimeError`s a C++ kernel can raise);
 - PrivateUse1 (`tpu`): the plan is walked launch by launch through a kernel runner
   (`tessera._tpu`): TorchTPU's `register_custom_kernel`/`call_custom_kernel` on a real
   TorchTPU device, the emulator on the emulated host-memory device;
@@ -27,12 +32,42 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 _target = os.environ.get("TESSERA_TARGET", "v6e")
 
 
+# Extension modules whose CPU kernels are registered natively: they read the target
+# from their own Rust state, set with the Python one.
+_NATIVE_CPU = []
+
+
 def set_target(name: str) -> None:
     """The TPU generation whose blocks the kernels use (`v5e`, `v5p`, `v6e`, `tpu7x`)."""
     global _target
     if name not in ("v5e", "v5p", "v6e", "tpu7x"):
         raise ValueError(f"tessera: unknown TPU target {name!r}; use v5e, v5p, v6e or tpu7x")
     _target = name
+    for native in _NATIVE_CPU:
+        native.set_target(name)
+
+
+def _libtorch_cpu():
+    """The path of the running torch's libtorch_cpu shared library."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if os.path.exists(os.path.join(lib, name)):
+            return os.path.join(lib, name)
+    raise RuntimeError(f"tessera: no libtorch_cpu library under {lib}")
+
+
+def _register_cpu(native, specs):
+    """Registers the CPU kernel of every op of `native` (see the module docs)."""
+    path = _libtorch_cpu()
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    native.init_cpu(path, version)
+    native.set_target(_target)
+    _NATIVE_CPU.append(native)
+    native_dispatch = os.environ.get("TESSERA_NATIVE_DISPATCH") == "1" and native.register_cpu_kernels(NAMESPACE, path, version)
+    for slot, spec in enumerate(specs):
+        spec.slot = None if native_dispatch else slot
+        if spec.alias_of is None and not native_dispatch:
+            _LIB.impl(spec.name, _cpu_kernel(spec, slot), "CPU")
 
 
 def get_target() -> str:
@@ -93,20 +128,15 @@ def _prepare(t, op=None, name=None):
 SPECS = {}
 
 
-def _cpu_kernel(spec):
-    name, single, tensor_idx, static_idx, defaults = spec.name, spec.single, spec.tensor_idx, spec.static_idx, spec.defaults
-    run = spec.native.run
-    cpu = torch.device("cpu")
+def _cpu_kernel(spec, slot):
+    call = spec.native.call_cpu
 
     def cpu_impl(*args):
-        # Kept minimal: this is the per-call path (contiguity and int64 are handled natively).
-        args = args + defaults[len(args):]
-        tensors = [args[i] for i in tensor_idx]
-        statics = tuple(args[i] for i in static_idx)
-        out = run(name, statics, tensors, cpu, _target)
-        return out[0] if single else tuple(out)
+        # The whole per-call path: the dispatcher's arguments straight to Rust (slot `slot`
+        # of the module's table), which reads the tensors through libtorch's stable ABI.
+        return call(slot, args)
 
-    cpu_impl.__name__ = f"tessera_{name}_cpu"
+    cpu_impl.__name__ = f"tessera_{spec.name}_cpu"
     return cpu_impl
 
 
@@ -153,13 +183,16 @@ def register_ops(native, fakes=None):
         if spec.alias_of is not None:
             _LIB.impl(spec.name, _alias_kernel(spec), "CompositeImplicitAutograd")
             continue
-        _LIB.impl(spec.name, _cpu_kernel(spec), "CPU")
         _LIB.impl(spec.name, _tpu_kernel(spec), "PrivateUse1")
         given = (fakes.get(spec.name) if isinstance(fakes, dict) else getattr(fakes, spec.name, None)) if fakes is not None else None
         torch.library.register_fake(spec.qualname, given or _fake.make_fake(spec), lib=_LIB)
+    _register_cpu(native, specs)
     for spec in specs:
         # A user module's op without a declared backward may get its own autograd later.
-        _autograd.register(_LIB, spec, error_without_backward=native is _native)
+        # The autograd kernel's no-gradient CPU path calls the Python-registered CPU kernel's
+        # Rust directly (not under TESSERA_NATIVE_DISPATCH=1, whose kernel is the dispatcher's).
+        fast_cpu = (lambda args, call=native.call_cpu, slot=spec.slot: call(slot, args)) if spec.alias_of is None and spec.slot is not None else None
+        _autograd.register(_LIB, spec, error_without_backward=native is _native, fast_cpu=fast_cpu)
 
 
 register_ops(_native)
