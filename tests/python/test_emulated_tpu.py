@@ -406,3 +406,22 @@ def test_refuses_when_torch_tpu_is_loaded(tpu):
     assert result.returncode == 0, result.stderr
     assert "refused: TorchTPU (torch_tpu) is loaded" in result.stdout
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
+
+
+def test_allocator_statistics(tpu):
+    # torch.cuda-style counters of the emulated device's host allocator.
+    torch.tpu.reset_peak_memory_stats()
+    base = torch.tpu.memory_allocated()
+    x = torch.empty(1024, 1024, device="tpu")  # 4 MiB
+    assert torch.tpu.memory_allocated() == base + (4 << 20)
+    y = x * 2  # another 4 MiB
+    assert torch.tpu.memory_allocated() == base + (8 << 20)
+    del x, y
+    assert torch.tpu.memory_allocated() == base
+    assert torch.tpu.max_memory_allocated() >= base + (8 << 20)
+    stats = torch.tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == base and stats["allocation.all.freed"] >= 2
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == base
+    z = torch.ones(10, device="cpu").to("tpu")
+    assert torch.tpu.memory_allocated() == base + 40 and z.device.type == "tpu"

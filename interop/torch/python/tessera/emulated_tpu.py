@@ -20,7 +20,9 @@ would both claim PrivateUse1).
 Behaviour to know about (all process-wide, and enable() cannot be undone):
 
 * ``torch.accelerator`` now reports ``tpu``, and ``torch.tpu`` is a small module
-  (availability, one device, RNG state) marked ``torch.tpu.tessera_emulated``.
+  (availability, one device, RNG state, allocator statistics as ``torch.cuda`` names them:
+  ``memory_stats()``, ``memory_allocated()``, ``max_memory_allocated()``,
+  ``reset_peak_memory_stats()``) marked ``torch.tpu.tessera_emulated``.
 * Random ops draw from the CPU default generator: same seed, same numbers as on
   the CPU. ``torch.Generator(device="tpu")`` is not supported.
 * Ops with a CompositeExplicitAutograd decomposition run decomposed (e.g.
@@ -102,6 +104,32 @@ class _DeviceModule:
     @staticmethod
     def synchronize(device=None) -> None:
         """Every op is synchronous on the emulated device."""
+
+    # Allocator statistics, named as torch.cuda's: bytes of tpu tensors' storage now and
+    # at peak (since the start or the last reset), in total, and allocation counts.
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        current, peak, total, allocs, frees = torch.ops.tessera_emulated_tpu.memory_stats()
+        return {
+            "allocated_bytes.all.current": current,
+            "allocated_bytes.all.peak": peak,
+            "allocated_bytes.all.allocated": total,
+            "allocation.all.allocated": allocs,
+            "allocation.all.freed": frees,
+            "allocation.all.current": allocs - frees,
+        }
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        return torch.ops.tessera_emulated_tpu.memory_stats()[0]
+
+    @staticmethod
+    def max_memory_allocated(device=None) -> int:
+        return torch.ops.tessera_emulated_tpu.memory_stats()[1]
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        torch.ops.tessera_emulated_tpu.reset_peak_memory_stats()
 
     # RNG: random ops run on the CPU through the fallback and draw from the CPU
     # default generator, so the tpu RNG *is* that generator. fork_rng, activation

@@ -43,6 +43,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -51,13 +54,46 @@ const c10::Device kTpu0(kTpu, 0);
 
 // ---------------------------------------------------------------- allocator
 
-void host_free(void* ptr) { c10::free_cpu(ptr); }
+// Allocator statistics, as torch.cuda.memory_stats reports them: bytes allocated now and
+// at peak, and counts. Sizes are kept per pointer so a free knows what it returns.
+struct Stats {
+  std::mutex lock;
+  std::unordered_map<void*, size_t> sizes;
+  int64_t current = 0, peak = 0, allocated_total = 0, allocations = 0, frees = 0;
+};
+Stats& stats() {
+  static Stats* s = new Stats();  // never destroyed: frees can run during exit
+  return *s;
+}
+
+void host_free(void* ptr) {
+  if (ptr != nullptr) {
+    Stats& s = stats();
+    std::lock_guard<std::mutex> g(s.lock);
+    auto it = s.sizes.find(ptr);
+    if (it != s.sizes.end()) {
+      s.current -= static_cast<int64_t>(it->second);
+      s.frees += 1;
+      s.sizes.erase(it);
+    }
+  }
+  c10::free_cpu(ptr);
+}
 
 // Host memory labelled as device tpu:0. c10::alloc_cpu aligns to
 // c10::gAlignment (64 bytes on x86-64 and aarch64), like the CPU allocator.
 struct HostAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* ptr = nbytes == 0 ? nullptr : c10::alloc_cpu(nbytes);
+    if (ptr != nullptr) {
+      Stats& s = stats();
+      std::lock_guard<std::mutex> g(s.lock);
+      s.sizes[ptr] = nbytes;
+      s.current += static_cast<int64_t>(nbytes);
+      s.allocated_total += static_cast<int64_t>(nbytes);
+      s.allocations += 1;
+      s.peak = std::max(s.peak, s.current);
+    }
     return {ptr, ptr, &host_free, kTpu0};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &host_free; }
@@ -65,6 +101,19 @@ struct HostAllocator final : c10::Allocator {
     default_copy_data(dst, src, n);
   }
 };
+
+// [current bytes, peak bytes, bytes allocated in total, allocations, frees]
+std::vector<int64_t> memory_stats() {
+  Stats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  return {s.current, s.peak, s.allocated_total, s.allocations, s.frees};
+}
+
+void reset_peak_memory_stats() {
+  Stats& s = stats();
+  std::lock_guard<std::mutex> g(s.lock);
+  s.peak = s.current;
+}
 
 HostAllocator g_allocator;
 // Makes c10::GetAllocator(PrivateUse1) return it (storage resize, Storage()).
@@ -285,6 +334,11 @@ TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
 TORCH_LIBRARY_IMPL(aten, Negative, m) {
   m.impl("_copy_from", torch::CppFunction::makeFallthrough());
   m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY(tessera_emulated_tpu, m) {
+  m.def("memory_stats() -> int[]", &memory_stats);
+  m.def("reset_peak_memory_stats() -> ()", &reset_peak_memory_stats);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
