@@ -39,6 +39,33 @@ pub fn softmax(x: &[f64], n: usize) -> Vec<f64> {
         .collect()
 }
 
+/// `dx` of `y = softmax(x)` from `y`: `y * (dy - sum(dy * y))` per length-`n` row.
+pub fn softmax_bwd(y: &[f64], dy: &[f64], n: usize) -> Vec<f64> {
+    y.chunks(n)
+        .zip(dy.chunks(n))
+        .flat_map(|(p, g)| {
+            let dot: f64 = p.iter().zip(g).map(|(a, b)| a * b).sum();
+            p.iter().zip(g).map(move |(a, b)| a * (b - dot)).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `(dx, da, db)` of `gelu_tanh(x * a + b)`; `da`, `db` summed over rows.
+pub fn gelu_affine_bwd(x: &[f64], a: &[f64], b: &[f64], dy: &[f64], n: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let (mut dx, mut da, mut db) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    for (idx, (&v, &g)) in x.iter().zip(dy).enumerate() {
+        let j = idx % n;
+        let z = v * a[j] + b[j];
+        let t = (k * (z + 0.044715 * z.powi(3))).tanh();
+        let dz = g * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * z * z));
+        dx[idx] = dz * a[j];
+        da[j] += dz * v;
+        db[j] += dz;
+    }
+    (dx, da, db)
+}
+
 /// RMSNorm of each length-`n` row, scaled by `w`.
 pub fn rmsnorm(x: &[f64], w: &[f64], n: usize, eps: f64) -> Vec<f64> {
     x.chunks(n)

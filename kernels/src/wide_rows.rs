@@ -237,6 +237,39 @@ pub fn rmsnorm_bwd_apply_kernel(x: In<m, n>, w: In<1, n>, dy: In<m, n>, r: In<m,
     }
 }
 
+/// Per row: `sum(dy * y)` (softmax's backward statistic).
+#[tpu_kernel(
+    grid = [m.div_ceil(bm), n.div_ceil(bn)],
+    semantics = [parallel, arbitrary],
+    (y, dy) = block([bm, bn], |i, j| [i, j]),
+    dot = block([bm, 1], |i, j| [i, 0]),
+    acc = scratch([bm, 1], f32),
+)]
+pub fn softmax_bwd_stats_kernel(y: In<m, n>, dy: In<m, n>, dot: Out<m, 1>, acc: Scratch, bm: usize, bn: usize) {
+    let j = program_id(1);
+    if j == 0 {
+        acc[..] = zeros([bm, 1], f32);
+    }
+    let mut v = y[..].cast(f32) * dy[..].cast(f32);
+    if !n.is_multiple_of(bn) {
+        v = select(inside(j, bm, bn, n), v, 0.0);
+    }
+    acc[..] += v.sum(1);
+    if j == num_programs(1) - 1 {
+        dot[..] = acc[..];
+    }
+}
+
+#[tpu_kernel(
+    grid = [m.div_ceil(bm), n.div_ceil(bn)],
+    semantics = [parallel, parallel],
+    (y, dy, dx) = block([bm, bn], |i, j| [i, j]),
+    dot = block([bm, 1], |i, j| [i, 0]),
+)]
+pub fn softmax_bwd_apply_kernel(y: In<m, n>, dy: In<m, n>, dot: In<m, 1>, dx: Out<m, n>, bm: usize, bn: usize) {
+    dx[..] = (y[..].cast(f32) * (dy[..].cast(f32) - dot[..])).cast(dx.dtype);
+}
+
 // ---- plans ----------------------------------------------------------------------------------
 
 fn stats(x: &Type) -> Type {
@@ -257,6 +290,16 @@ pub fn softmax(c: &Call, x: &Type, x_in: Operand, tiles: RowTiles, shape: Vec<us
     let stats = Launch::new(softmax_stats_kernel(x.clone(), s.clone(), s.clone(), bm, bn)?, vec![x_in.clone()]);
     let apply = Launch::new(softmax_apply_kernel(x.clone(), s.clone(), s.clone(), x.clone(), bm, bn)?, vec![x_in, result(0, 0, s.clone()), result(0, 1, s)]);
     Ok(Plan::new(c.op, c.target, vec![stats, apply], vec![result(1, 0, Type::vector(x.dtype, &shape))]))
+}
+
+/// softmax's `dx` from `(y, dy)` over rows split into column blocks.
+pub fn softmax_bwd(c: &Call, y: &Type, ins: [Operand; 2], tiles: RowTiles, shape: Vec<usize>) -> Result<Plan, KernelError> {
+    let (bm, bn) = check_split(c.op, tiles, y)?;
+    let s = stats(y);
+    let [y_in, dy_in] = ins;
+    let dot = Launch::new(softmax_bwd_stats_kernel(y.clone(), y.clone(), s.clone(), bm, bn)?, vec![y_in.clone(), dy_in.clone()]);
+    let apply = Launch::new(softmax_bwd_apply_kernel(y.clone(), y.clone(), s.clone(), y.clone(), bm, bn)?, vec![y_in, dy_in, result(0, 0, s)]);
+    Ok(Plan::new(c.op, c.target, vec![dot, apply], vec![result(1, 0, Type::vector(y.dtype, &shape))]))
 }
 
 /// The two launches of `rmsnorm(x) * w` over column blocks, appended to `launches`
