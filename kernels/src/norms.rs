@@ -101,6 +101,43 @@ pub fn rmsnorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>,
     }
 }
 
+#[tpu_kernel(
+    grid = [t.div_ceil(bt)],
+    semantics = [arbitrary],
+    (x, dy, dx) = block([bt, d], |i| [i, 0]),
+    (w, dw, db) = block([1, d], |i| [0, 0]),
+    (dw_acc, db_acc) = scratch([1, d], f32),
+)]
+pub fn layernorm_bwd_kernel(x: In<t, d>, w: In<1, d>, dy: In<t, d>, dx: Out<t, d>, dw: Out<1, d>, db: Out<1, d>, dw_acc: Scratch, db_acc: Scratch, bt: usize, eps: f32) {
+    // y = xhat * w + b, xhat = (x - mean) * rstd, so per row with g = dy * w:
+    // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dw, db = sums over rows of dy * xhat, dy.
+    let centred = centre(x[..].cast(f32), d);
+    let rstd = ((centred * centred).sum(1) * (1.0 / d as f32) + eps).rsqrt();
+    let xhat = centred * rstd;
+    let mut g = dy[..].cast(f32);
+    let gw = g * w[..].cast(f32);
+    let c1 = gw.sum(1) * (1.0 / d as f32);
+    let c2 = (gw * xhat).sum(1) * (1.0 / d as f32);
+    dx[..] = (rstd * (gw - c1 - xhat * c2)).cast(dx.dtype);
+    if program_id(0) == 0 {
+        dw_acc[..] = zeros([1, d], f32);
+        db_acc[..] = zeros([1, d], f32);
+    }
+    let mut part = g * xhat;
+    if !t.is_multiple_of(bt) {
+        // Rows past `t` in the last block are garbage: keep them out of the sums.
+        let live = iota([bt, d], 0) + program_id(0) * (bt as i32) < (t as i32);
+        part = select(live, part, 0.0);
+        g = select(live, g, 0.0);
+    }
+    dw_acc[..] += part.sum(0);
+    db_acc[..] += g.sum(0);
+    if program_id(0) == num_programs(0) - 1 {
+        dw[..] = dw_acc[..].cast(dw.dtype);
+        db[..] = db_acc[..].cast(db.dtype);
+    }
+}
+
 /// The gated linear units: `act(a) * b` with `act` SiLU (SwiGLU) or tanh-approximated
 /// GELU (GeGLU), one body for the family.
 #[tpu_kernel(
@@ -307,6 +344,26 @@ fn plan_layernorm(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, ins.into(), &[Some(shape)]))
 }
 
+fn plan_layernorm_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let x = same_rows(c, &["x", "dy"])?;
+    let w = c.row_vector("weight", x.shape[1])?;
+    let eps = eps(c, LAYERNORM_EPS);
+    let ins = [c.input("x", x.clone())?, c.input("weight", w.clone())?, c.input("dy", x.clone())?];
+    let (dx_ty, w_ty) = (Type::vector(x.dtype, &c.tensor("x")?.shape), c.tensor("weight")?.clone());
+    let tiles = row_tiles(&x, BWD_STREAMS, c.target);
+    if !tiles.whole_rows(x.shape[1]) {
+        // The apply pass also streams dw and db, and keeps their f32 sums: [1, bn] rows
+        // that pad to whole sublane tiles, so they count as two more streams.
+        let mut launches = Vec::new();
+        let bwd = wide_rows::layernorm_bwd_launches(&mut launches, &x, ins, &w, eps, row_tiles(&x, BWD_STREAMS + 2, c.target), c.op)?;
+        let results = vec![result(bwd, 0, dx_ty), result(bwd, 1, w_ty.clone()), result(bwd, 2, w_ty)];
+        return Ok(Plan::new(c.op, c.target, launches, results));
+    }
+    let kernel = layernorm_bwd_kernel(x.clone(), w.clone(), x.clone(), x.clone(), w.clone(), w.clone(), tiles.bm, eps)?;
+    let shapes = [Some(dx_ty.shape), Some(w_ty.shape.clone()), Some(w_ty.shape)];
+    Ok(single(c, kernel, ins.into(), &shapes))
+}
+
 fn plan_rmsnorm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let x = same_rows(c, &["x", "dy"])?;
     let w = c.row_vector("weight", x.shape[1])?;
@@ -343,6 +400,12 @@ fn ref_rmsnorm_residual_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
     let x = f64s(a);
     let (dx, dw) = reference::rmsnorm_bwd(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, RMSNORM_EPS));
     vec![dx.iter().zip(&x[3]).map(|(a, b)| a + b).collect(), dw]
+}
+
+fn ref_layernorm_bwd(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let x = f64s(a);
+    let (dx, dw, db) = reference::layernorm_bwd(&x[0], &x[1], &x[2], last_dim(&a[0]), eps_of(s, LAYERNORM_EPS));
+    vec![dx, dw, db]
 }
 
 fn ref_layernorm(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
@@ -413,7 +476,13 @@ pub const OPS: &[Op] = &[
     Op {
         name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
         inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[1?, d]", kind: Kind::Float }], outputs: &[like("out", "x")],
+        backward: Some(Backward { op: "layernorm_bwd", args: "x, weight, d_out, eps", grads: &["x", "weight", "bias"] }),
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[300_000]] }], ..Op::EMPTY
+    },
+    Op {
+        name: "layernorm_bwd", doc: "(dx, dweight, dbias) of layernorm: dx per row; dweight and dbias summed over rows in f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-05) -> (Tensor, Tensor, Tensor)", plan: plan_layernorm_bwd, reference: Some(ref_layernorm_bwd),
+        inputs: &[rows("x"), WEIGHT, rows("dy")], outputs: &[like("dx", "x"), like("dweight", "weight"), like("dbias", "weight")],
+        cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[300, 640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[6, 300_000]] }], ..Op::EMPTY
     },
     Op {
         name: "rmsnorm_bwd", doc: "(dx, dweight) of rmsnorm: dx per row; dweight summed over rows in an f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-06) -> (Tensor, Tensor)", plan: plan_rmsnorm_bwd, reference: Some(ref_rmsnorm_bwd),
@@ -459,6 +528,26 @@ pub mod reference {
             }
         }
         out
+    }
+
+    /// `(dx, dw, db)` of `y = (x - mean) / sqrt(var + eps) * w + b` (biased variance),
+    /// rows of length `d`.
+    pub fn layernorm_bwd(x: &[f64], w: &[f64], dy: &[f64], d: usize, eps: f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; d], vec![0.0; d]);
+        for ((row, g), out) in x.chunks(d).zip(dy.chunks(d)).zip(dx.chunks_mut(d)) {
+            let mean = row.iter().sum::<f64>() / d as f64;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+            let rstd = 1.0 / (var + eps).sqrt();
+            let xhat: Vec<f64> = row.iter().map(|v| (v - mean) * rstd).collect();
+            let c1 = (0..d).map(|j| g[j] * w[j]).sum::<f64>() / d as f64;
+            let c2 = (0..d).map(|j| g[j] * w[j] * xhat[j]).sum::<f64>() / d as f64;
+            for j in 0..d {
+                out[j] = rstd * (g[j] * w[j] - c1 - xhat[j] * c2);
+                dw[j] += g[j] * xhat[j];
+                db[j] += g[j];
+            }
+        }
+        (dx, dw, db)
     }
 
     /// `(dx, dw)` of `y = x * rsqrt(mean(x^2) + eps) * w`, rows of length `d`.

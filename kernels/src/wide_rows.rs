@@ -237,6 +237,72 @@ pub fn rmsnorm_bwd_apply_kernel(x: In<m, n>, w: In<1, n>, dy: In<m, n>, r: In<m,
     }
 }
 
+/// Per row of `layernorm_bwd`, from the moments: `c1 = mean(dy * w)` and
+/// `c2 = mean(dy * w * xhat)`, `xhat = ((x - shift) - mean) * rstd`.
+#[tpu_kernel(
+    grid = [m.div_ceil(bm), n.div_ceil(bn)],
+    semantics = [parallel, arbitrary],
+    (x, dy) = block([bm, bn], |i, j| [i, j]),
+    w = block([1, bn], |i, j| [0, j]),
+    (shift, mean, rstd, c1, c2) = block([bm, 1], |i, j| [i, 0]),
+    (c1_run, c2_run) = scratch([bm, 1], f32),
+)]
+pub fn layernorm_bwd_stats_kernel(x: In<m, n>, w: In<1, n>, dy: In<m, n>, shift: In<m, 1>, mean: In<m, 1>, rstd: In<m, 1>, c1: Out<m, 1>, c2: Out<m, 1>, c1_run: Scratch, c2_run: Scratch, bm: usize, bn: usize) {
+    let j = program_id(1);
+    if j == 0 {
+        c1_run[..] = zeros([bm, 1], f32);
+        c2_run[..] = zeros([bm, 1], f32);
+    }
+    let xhat = ((x[..].cast(f32) - shift[..]) - mean[..]) * rstd[..];
+    let mut gw = dy[..].cast(f32) * w[..].cast(f32);
+    let mut gx = gw * xhat;
+    if !n.is_multiple_of(bn) {
+        let keep = inside(j, bm, bn, n);
+        gw = select(keep, gw, 0.0);
+        gx = select(keep, gx, 0.0);
+    }
+    c1_run[..] += gw.sum(1);
+    c2_run[..] += gx.sum(1);
+    if j == num_programs(1) - 1 {
+        c1[..] = c1_run[..] * (1.0 / n as f32);
+        c2[..] = c2_run[..] * (1.0 / n as f32);
+    }
+}
+
+/// `dx = rstd * (dy * w - c1 - xhat * c2)` per block, and `dw`, `db` (sums over rows of
+/// `dy * xhat`, `dy`) accumulated along the (inner, `arbitrary`) row axis per column block.
+#[tpu_kernel(
+    grid = [n.div_ceil(bn), m.div_ceil(bm)],
+    semantics = [parallel, arbitrary],
+    (x, dy, dx) = block([bm, bn], |j, i| [i, j]),
+    (w, dw, db) = block([1, bn], |j, i| [0, j]),
+    (shift, mean, rstd, c1, c2) = block([bm, 1], |j, i| [i, 0]),
+    (dw_acc, db_acc) = scratch([1, bn], f32),
+)]
+pub fn layernorm_bwd_apply_kernel(x: In<m, n>, w: In<1, n>, dy: In<m, n>, shift: In<m, 1>, mean: In<m, 1>, rstd: In<m, 1>, c1: In<m, 1>, c2: In<m, 1>, dx: Out<m, n>, dw: Out<1, n>, db: Out<1, n>, dw_acc: Scratch, db_acc: Scratch, bm: usize, bn: usize) {
+    let i = program_id(1);
+    let xhat = ((x[..].cast(f32) - shift[..]) - mean[..]) * rstd[..];
+    let mut g = dy[..].cast(f32);
+    dx[..] = (rstd[..] * (g * w[..].cast(f32) - c1[..] - xhat * c2[..])).cast(dx.dtype);
+    if i == 0 {
+        dw_acc[..] = zeros([1, bn], f32);
+        db_acc[..] = zeros([1, bn], f32);
+    }
+    let mut part = g * xhat;
+    if !m.is_multiple_of(bm) {
+        // Rows past `m` in the last row block are garbage: keep them out of the sums.
+        let live = iota([bm, bn], 0) + i * (bm as i32) < (m as i32);
+        part = select(live, part, 0.0);
+        g = select(live, g, 0.0);
+    }
+    dw_acc[..] += part.sum(0);
+    db_acc[..] += g.sum(0);
+    if i == num_programs(1) - 1 {
+        dw[..] = dw_acc[..].cast(dw.dtype);
+        db[..] = db_acc[..].cast(db.dtype);
+    }
+}
+
 /// Per row: `sum(dy * y)` (softmax's backward statistic).
 #[tpu_kernel(
     grid = [m.div_ceil(bm), n.div_ceil(bn)],
@@ -290,6 +356,23 @@ pub fn softmax(c: &Call, x: &Type, x_in: Operand, tiles: RowTiles, shape: Vec<us
     let stats = Launch::new(softmax_stats_kernel(x.clone(), s.clone(), s.clone(), bm, bn)?, vec![x_in.clone()]);
     let apply = Launch::new(softmax_apply_kernel(x.clone(), s.clone(), s.clone(), x.clone(), bm, bn)?, vec![x_in, result(0, 0, s.clone()), result(0, 1, s)]);
     Ok(Plan::new(c.op, c.target, vec![stats, apply], vec![result(1, 0, Type::vector(x.dtype, &shape))]))
+}
+
+/// The three launches of `layernorm_bwd` over column blocks (moments, per-row statistics,
+/// apply), appended to `launches`; returns the index of the launch whose outputs are
+/// `(dx, dw, db)`.
+pub fn layernorm_bwd_launches(launches: &mut Vec<Launch>, x: &Type, ins: [Operand; 3], w: &Type, eps: f32, tiles: RowTiles, op: &str) -> Result<usize, KernelError> {
+    let (bm, bn) = check_split(op, tiles, x)?;
+    let s = stats(x);
+    let [x_in, w_in, dy_in] = ins;
+    let first = launches.len();
+    launches.push(Launch::new(moments_kernel(x.clone(), s.clone(), s.clone(), s.clone(), bm, bn, eps)?, vec![x_in.clone()]));
+    let moments = |k: usize| result(first, k, s.clone());
+    let stats_kernel = layernorm_bwd_stats_kernel(x.clone(), w.clone(), x.clone(), s.clone(), s.clone(), s.clone(), s.clone(), s.clone(), bm, bn)?;
+    launches.push(Launch::new(stats_kernel, vec![x_in.clone(), w_in.clone(), dy_in.clone(), moments(0), moments(1), moments(2)]));
+    let apply = layernorm_bwd_apply_kernel(x.clone(), w.clone(), x.clone(), s.clone(), s.clone(), s.clone(), s.clone(), s.clone(), x.clone(), w.clone(), w.clone(), bm, bn)?;
+    launches.push(Launch::new(apply, vec![x_in, w_in, dy_in, moments(0), moments(1), moments(2), result(first + 1, 0, s.clone()), result(first + 1, 1, s)]));
+    Ok(first + 2)
 }
 
 /// softmax's `dx` from `(y, dy)` over rows split into column blocks.
