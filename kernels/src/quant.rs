@@ -114,6 +114,66 @@ fn plan_quantized_matmul(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("x", xt)?, c.input("w", wt)?, c.input("scale", scale)?], &[]))
 }
 
+/// `dx = dy @ (w * scale[:, None])` (`quantized_matmul`'s input gradient): `dy [m, n]`,
+/// int8 `w [n, k]`, the scale folded into `dy`'s columns in f32 before the product (exact
+/// for finite scales up to one rounding to `dy`'s dtype; an inf scale gives the inf / NaN
+/// terms torch's dequantize-first product gives). n, the contraction, is the last axis.
+#[tpu_kernel(
+    grid = [m / bm, k / bk, n / bn],
+    semantics = [parallel, parallel, arbitrary],
+    dy = block([bm, bn], |i, j, c| [i, c]),
+    w = block([bn, bk], |i, j, c| [c, j]),
+    scale = block([1, bn], |i, j, c| [0, c]),
+    dx = block([bm, bk], |i, j, c| [i, j]),
+    acc = scratch([bm, bk], f32),
+)]
+pub fn quantized_matmul_dx_kernel(dy: In<m, n>, w: In<n, k>, scale: In<1, n>, dx: Out<m, k>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
+    if program_id(2) == 0 {
+        acc[..] = zeros([bm, bk], f32);
+    }
+    let scaled = (dy[..].cast(f32) * scale[..]).cast(dy.dtype);
+    acc[..] += dot(scaled, w[..].cast(dy.dtype));
+    if program_id(2) == num_programs(2) - 1 {
+        dx[..] = acc[..].cast(dx.dtype);
+    }
+}
+
+/// Blocks of [`quantized_matmul_dx_kernel`]: as [`quantized_matmul_blocks`], with the
+/// contraction n as the int8 weight's row (sublane) dim.
+pub fn quantized_matmul_dx_blocks(m: usize, n: usize, k: usize, dtype: DType, target: &Target) -> (usize, usize, usize) {
+    let (sub, lane) = target.tiling(dtype);
+    let mut bm = pick_block(m, 512, sub);
+    let mut bn = pick_block(n, 1024, target.tiling(DType::I8).0.max(lane).max(target.mxu.min(n)));
+    let mut bk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
+    let vmem = |bm: usize, bn: usize, bk: usize| {
+        2 * (target.padded_bytes(dtype, &[bm, bn]) + target.padded_bytes(DType::I8, &[bn, bk]) + target.padded_bytes(DType::F32, &[1, bn]) + target.padded_bytes(dtype, &[bm, bk]))
+            + target.padded_bytes(DType::F32, &[bm, bk])
+    };
+    fit_blocks(&mut [(&mut bn, n), (&mut bk, k), (&mut bm, m)], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
+    (bm, bn, bk)
+}
+
+/// dy `[m, n]` float, int8 w `[n, k]`, float32 scale `[n]`.
+fn plan_quantized_matmul_dx(c: &Call) -> Result<Plan, KernelError> {
+    let scale = c.row_vector("scale", c.tensor("w")?.shape[0])?;
+    let (dyt, wt) = (c.tensor("dy")?.clone(), c.tensor("w")?.clone());
+    let (m, n, k) = (dyt.shape[0], dyt.shape[1], wt.shape[1]);
+    let (bm, bn, bk) = quantized_matmul_dx_blocks(m, n, k, dyt.dtype, c.target);
+    let kernel = quantized_matmul_dx_kernel(dyt.clone(), wt.clone(), scale.clone(), Type::vector(dyt.dtype, &[m, k]), bm, bn, bk)?;
+    Ok(single(c, kernel, vec![c.input("dy", dyt)?, c.input("w", wt)?, c.input("scale", scale)?], &[]))
+}
+
+/// Independent reference of the input gradient: `dx[i, p] = sum_j dy[i, j] * (w[j, p] * scale[j])`.
+pub fn reference_dx(dy: &[f64], w: &[f64], scale: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut dx = vec![0.0; m * k];
+    for i in 0..m {
+        for p in 0..k {
+            dx[i * k + p] = (0..n).map(|j| dy[i * n + j] * (w[j * k + p] * scale[j])).sum();
+        }
+    }
+    dx
+}
+
 /// Random activations in [-1, 1), int8 weights over the full range, scales in [0.001, 0.02)
 /// (what symmetric per-channel quantization of weights of magnitude ~1 gives).
 fn random_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
@@ -140,5 +200,11 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
 pub const OPS: &[Op] = &[Op {
                              name: "quantized_matmul", doc: "x [m, k] @ (int8 w [n, k] * float32 scale [n])^T: weight-only int8 with per-output-channel scales, f32 accumulation", schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]); vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)] }),
                              inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float32 }], outputs: &[Output { name: "out", shape: "[x.0, w.0]", dtype: "x" }],
+                             backward: Some(crate::op::Backward { op: "quantized_matmul_dx", args: "d_out, w, scale", grads: &["x"] }),
                              cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 1536], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
+                         },
+                         Op {
+                             name: "quantized_matmul_dx", doc: "dx of quantized_matmul: dy [m, n] @ (int8 w [n, k] * float32 scale [n]), f32 accumulation (w and scale get no gradient)", schema: "(Tensor dy, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul_dx, reference: Some(|a, _| { let (m, n, k) = (a[0].shape[0], a[0].shape[1], a[1].shape[1]); vec![reference_dx(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, n, k)] }),
+                             inputs: &[Input { name: "dy", dims: "[m, n]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float32 }], outputs: &[Output { name: "dx", shape: "[dy.0, w.1]", dtype: "dy" }],
+                             cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 640], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
                          }];
