@@ -1,0 +1,91 @@
+"""tessera.compat.torch_tpu: TorchTPU's op names and argument names on Tessera's kernels,
+checked against plain torch (values and gradients), and without JAX in the process.
+
+Run: TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest tests/python/test_compat_torch_tpu.py
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.compat import torch_tpu as tpu_ops
+
+
+def groups(sizes):
+    starts = [0]
+    for s in sizes:
+        starts.append(starts[-1] + s)
+    return list(zip(starts[:-1], starts[1:]))
+
+
+@pytest.mark.parametrize("sizes", [[128, 0, 256, 128], [37, 91, 0, 128]])
+def test_ragged_dot_and_its_gradients(sizes):
+    g, k, n = len(sizes), 128, 256
+    lhs = torch.randn(sum(sizes), k, requires_grad=True)
+    rhs = torch.randn(g, k, n, requires_grad=True)
+    gs = torch.tensor(sizes, dtype=torch.int32)
+    out = tpu_ops.ragged_dot(lhs, rhs, gs)
+    want = torch.cat([lhs[a:b] @ rhs[i] for i, (a, b) in enumerate(groups(sizes))])
+    torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+    cot = torch.randn_like(out)
+    got = torch.autograd.grad(out, (lhs, rhs), cot)
+    ref = torch.autograd.grad(want, (lhs, rhs), cot)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    buf = torch.empty(sum(sizes), n)
+    assert tpu_ops.ragged_dot(lhs.detach(), rhs.detach(), gs, out=buf) is buf
+    torch.testing.assert_close(buf, want.detach(), atol=1e-3, rtol=1e-3)
+
+
+def test_ragged_dot_weight_grad():
+    sizes = [64, 128, 0, 64]
+    lhs, dout = torch.randn(256, 128), torch.randn(256, 128)
+    got = tpu_ops.ragged_dot_weight_grad(lhs, dout, torch.tensor(sizes, dtype=torch.int32))
+    want = torch.stack([lhs[a:b].T @ dout[a:b] for a, b in groups(sizes)])
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("causal,heads,kv_heads,scale", [(True, 4, 4, None), (False, 4, 2, 0.1), (True, 8, 2, None)])
+def test_splash_sdpa_is_sdpa(causal, heads, kv_heads, scale):
+    q = torch.randn(2, heads, 256, 64, requires_grad=True)
+    k = torch.randn(2, kv_heads, 256, 64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 256, 64, requires_grad=True)
+    gqa = heads != kv_heads
+    out = tpu_ops.splash_sdpa(q, k, v, scale=scale, is_causal=causal, enable_gqa=gqa, block_q=256, block_kv=256)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+    cot = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(want, (q, k, v), cot)):
+        torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)
+
+
+def test_what_is_not_there_says_so():
+    q = torch.randn(1, 2, 128, 64)
+    with pytest.raises(NotImplementedError, match="local_window_size"):
+        tpu_ops.splash_sdpa(q, q, q, local_window_size=64)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tpu_ops.splash_sdpa(q, q[:, :1], q[:, :1])
+    with pytest.raises(TypeError, match="block_zz"):
+        tpu_ops.splash_sdpa(q, q, q, block_zz=1)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        tpu_ops.scaled_mm_1x128_128x128(q, q)
+
+
+def test_jax_is_never_imported():
+    code = (
+        "import sys, torch\n"
+        "from tessera.compat import torch_tpu as t\n"
+        "x = torch.randn(256, 128); w = torch.randn(2, 128, 128); gs = torch.tensor([128, 128], dtype=torch.int32)\n"
+        "t.ragged_dot(x, w, gs); t.ragged_dot_weight_grad(x, torch.randn(256, 128), gs)\n"
+        "q = torch.randn(1, 2, 128, 64); t.splash_sdpa(q, q, q)\n"
+        "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib')))\n"
+        "print('JAX', bad)\n"
+    )
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "JAX []" in p.stdout, p.stdout
