@@ -259,7 +259,22 @@ fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String
     let plan = sel.op.plan_for(&sel.op.types(&sel.shapes, dtype), &sel.statics, target).map_err(|e| e.to_string())?;
     let single = plan.launches.len() == 1;
     let base = stem(sel);
-    Ok(plan.launches.into_iter().map(|l| (if single { base.clone() } else { format!("{base}-{}", l.kernel.name) }, l.kernel)).collect())
+    // Launches of one kernel (matmul_bwd's two matmuls) get `-2`, `-3`... after the first,
+    // so each writes and reports under its own name.
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    Ok(plan
+        .launches
+        .into_iter()
+        .map(|l| {
+            if single {
+                return (base.clone(), l.kernel);
+            }
+            let n = seen.entry(l.kernel.name.clone()).or_insert(0);
+            *n += 1;
+            let name = if *n == 1 { format!("{base}-{}", l.kernel.name) } else { format!("{base}-{}-{n}", l.kernel.name) };
+            (name, l.kernel)
+        })
+        .collect())
 }
 
 /// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
