@@ -90,8 +90,26 @@ def ref_rmsnorm_residual_bwd(h, weight, dout, dh, eps=1e-6):
     return dx + dh, dw
 
 
+def ref_softmax_bwd(out, dy):
+    return torch._softmax_backward_data(dy, out, -1, out.dtype)
+
+
+def ref_gelu_affine_bwd(x, a, b, dy):
+    return T.vjp(lambda x, a, b: F.gelu(x * a + b, approximate="tanh"), (x, a, b), (dy,))
+
+
+def ref_layernorm_bwd(x, weight, dy, eps=1e-5):
+    bias = torch.zeros_like(weight)
+    return T.vjp(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps), (x, weight, bias), (dy,))
+
+
+def ref_quantized_matmul_dx(dy, w, scale):
+    return dy @ (w.double() * scale.double().reshape(-1, 1))
+
+
 REFS = dict(T.REFERENCES)
-REFS.update(matmul_bwd=ref_matmul_bwd, geglu=ref_geglu, geglu_bwd=ref_geglu_bwd, gmm_bwd=ref_gmm_bwd, permute_bwd=ref_permute_bwd, rmsnorm_residual_bwd=ref_rmsnorm_residual_bwd)
+REFS.update(matmul_bwd=ref_matmul_bwd, geglu=ref_geglu, geglu_bwd=ref_geglu_bwd, gmm_bwd=ref_gmm_bwd, permute_bwd=ref_permute_bwd, rmsnorm_residual_bwd=ref_rmsnorm_residual_bwd,
+            softmax_bwd=ref_softmax_bwd, gelu_affine_bwd=ref_gelu_affine_bwd, layernorm_bwd=ref_layernorm_bwd, quantized_matmul_dx=ref_quantized_matmul_dx)
 
 
 # ---- the ops' contracts (my reading; the same as tests/tests/hardening.rs) ---------------------
@@ -104,6 +122,9 @@ def contract(op, transpose_rhs=False):
         "gelu_affine": ["R.. n", "n", "n"],
         "layernorm": ["R.. n", "n", "n"],
         "softmax": ["R.. n"],
+        "softmax_bwd": ["R.. n", "R.. n"],
+        "gelu_affine_bwd": ["R.. n", "n", "n", "R.. n"],
+        "layernorm_bwd": ["R.. n", "n", "R.. n"],
         "rmsnorm": ["R.. n", "n"],
         "rmsnorm_residual": ["R.. n", "R.. n", "n"],
         "rmsnorm_residual_bwd": ["R.. n", "n", "R.. n", "R.. n"],
@@ -118,6 +139,7 @@ def contract(op, transpose_rhs=False):
         "cross_entropy_with_grad": ["t v", "t"],
         "cross_entropy_bwd": ["t v", "t", "t 1?", "t"],
         "quantized_matmul": ["m k", "n k", "n"],
+        "quantized_matmul_dx": ["m n", "n k", "n"],
         "gmm": ["m k", "g n k" if transpose_rhs else "g k n", "g"],
         "tgmm": ["m k", "m n", "g"],
         "gmm_bwd": ["m k", "g n k" if transpose_rhs else "g k n", "g", "m n"],
@@ -304,6 +326,19 @@ def valid_call(op, gen, dt):
             S["eps"] = gen.pick([1e-5, 1e-3, 0.5])
     elif op == "softmax":
         tensors = [r(*gen.rows(gen.dim(1500)), dtype=dt, scale=3.0)]
+    elif op == "softmax_bwd":
+        x = gen.rows(gen.dim(1500))
+        tensors = [torch.softmax(r(*x, dtype=F32, scale=3.0), -1).to(dt), r(*x, dtype=dt)]
+    elif op == "gelu_affine_bwd":
+        n = gen.dim(700)
+        x = gen.rows(n)
+        tensors = [r(*x, dtype=dt), r(n, dtype=dt), r(n, dtype=dt), r(*x, dtype=dt)]
+    elif op == "layernorm_bwd":
+        n = max(gen.dim(700), 8)
+        x = gen.rows(n)
+        tensors = [r(*x, dtype=dt) + 3.0, r(n, dtype=dt), r(*x, dtype=dt)]
+        if gen.coin(0.3):
+            S["eps"] = gen.pick([1e-5, 1e-3, 0.5])
     elif op == "rmsnorm":
         n = gen.dim(700)
         tensors = [r(*gen.rows(n), dtype=dt), r(n, dtype=dt)]
@@ -344,6 +379,9 @@ def valid_call(op, gen, dt):
     elif op == "quantized_matmul":
         m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
         tensors = [r(m, k, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
+    elif op == "quantized_matmul_dx":
+        m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
+        tensors = [r(m, n, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
     elif op in ("gmm", "gmm_bwd", "tgmm"):
         m, k, n, g = gen.dim(300), gen.dim(200), gen.dim(200), gen.int(1, 6)
         sizes = _group_sizes(gen, m, g)

@@ -1214,6 +1214,9 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "matmul_bwd" => &["m k", "k n", "m n"],
         "gelu_affine" | "layernorm" => &["R.. n", "n", "n"],
         "softmax" => &["R.. n"],
+        "softmax_bwd" => &["R.. n", "R.. n"],
+        "gelu_affine_bwd" => &["R.. n", "n", "n", "R.. n"],
+        "layernorm_bwd" => &["R.. n", "n", "R.. n"],
         "rmsnorm" => &["R.. n", "n"],
         "rmsnorm_residual" => &["R.. n", "R.. n", "n"],
         "rmsnorm_residual_bwd" => &["R.. n", "n", "R.. n", "R.. n"],
@@ -1224,6 +1227,7 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "cross_entropy" | "cross_entropy_with_grad" => &["t v", "t"],
         "cross_entropy_bwd" => &["t v", "t", "t 1?", "t"],
         "quantized_matmul" => &["m k", "n k", "n"],
+        "quantized_matmul_dx" => &["m n", "n k", "n"],
         "gmm" if transpose_rhs => &["m k", "g n k", "g"],
         "gmm" => &["m k", "g k n", "g"],
         "tgmm" => &["m k", "m n", "g"],
@@ -1356,6 +1360,22 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
             let n = dim(rng, 1500);
             vec![rows_shape(rng, n)]
         }
+        "softmax_bwd" => {
+            let n = dim(rng, 1500);
+            let x = rows_shape(rng, n);
+            vec![x.clone(), x]
+        }
+        "gelu_affine_bwd" => {
+            let n = dim(rng, 700);
+            let x = rows_shape(rng, n);
+            vec![x.clone(), vec![n], vec![n], x]
+        }
+        "layernorm_bwd" => {
+            // n >= 8, as the other norms' backward: no ill-conditioned rows.
+            let n = dim(rng, 700).max(8);
+            let x = rows_shape(rng, n);
+            vec![x.clone(), vec![n], x]
+        }
         "rmsnorm" => {
             let n = dim(rng, 700);
             vec![rows_shape(rng, n), vec![n]]
@@ -1408,6 +1428,10 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
         "quantized_matmul" => {
             let (m, k, n) = (dim(rng, 200), dim(rng, 300), dim(rng, 200));
             vec![vec![m, k], vec![n, k], vec![n]]
+        }
+        "quantized_matmul_dx" => {
+            let (m, k, n) = (dim(rng, 200), dim(rng, 300), dim(rng, 200));
+            vec![vec![m, n], vec![n, k], vec![n]]
         }
         "gmm" | "gmm_bwd" => {
             let (m, k, n, g) = (dim(rng, 300), dim(rng, 200), dim(rng, 200), rng.gen_range(1..=6));
@@ -2301,7 +2325,7 @@ struct CliCase {
 
 /// Ops whose default cases take seconds in the interpreter: `run` always gets small shapes.
 fn heavy(op: &str) -> bool {
-    matches!(op, "matmul" | "matmul_bwd" | "quantized_matmul" | "gmm" | "gmm_bwd" | "cross_entropy" | "cross_entropy_bwd" | "cross_entropy_with_grad" | "flash_attention_fwd" | "flash_attention_bwd" | "flash_attention" | "ragged_paged_attention")
+    matches!(op, "matmul" | "matmul_bwd" | "quantized_matmul" | "quantized_matmul_dx" | "gmm" | "gmm_bwd" | "cross_entropy" | "cross_entropy_bwd" | "cross_entropy_with_grad" | "flash_attention_fwd" | "flash_attention_bwd" | "flash_attention" | "ragged_paged_attention")
 }
 
 fn dims_text(s: &[usize]) -> String {
