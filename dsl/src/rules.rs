@@ -164,6 +164,8 @@ rules! {
     // ---- the builder (builder.rs): type errors of the IR ----
     "duplicate-operand", Semantic, [B], SAME, "operand names are unique", "semantic: names are how errors and the host bind operands";
     "operand-order", Semantic, [B], SAME, "operands are declared prefetch, inputs, outputs, scratch", "semantic: Mosaic's argument order; the emitter relies on it";
+    "pipeline-operand", Semantic, [B], SAME, "a nested pipeline (emit_pipeline) streams ANY inputs and outputs in sub-blocks of their rank, 1..=the array dim each, over 1..=2^31 - 1 steps",
+        "semantic: the pipeline is ours (it expands to scratch, semaphores and DMA the verifier then checks for the target: dma-slice-size / dma-align for the sub-block tiling, the VMEM budget for the buffers); a VMEM operand has no HBM side to stream";
     "grid-axis", Semantic, [B], SAME, "program_id / num_programs name an existing grid axis", "semantic: an IR type error";
     "constant-type", Semantic, [B], SAME, "a float literal is not used as an integer", "semantic: an IR type error";
     "literal-range", Semantic, [B], SAME, "a literal fits its dtype: integers without wrapping (i8: 300 would be 44), finite floats without rounding to infinity (1e39 as f32)",

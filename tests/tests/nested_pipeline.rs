@@ -1,0 +1,244 @@
+//! Nested pipelining (issue 16 item 5, Pallas `pltpu.emit_pipeline`):
+//! `KernelBuilder::emit_pipeline` streams sub-blocks of ANY operands through
+//! double-buffered VMEM with the DMA generated. Shown on the interpreter and the compiled
+//! backends against f64 references written here: a matmul streaming a long K dimension of
+//! an HBM weight (an input pipe with a loop carry), an elementwise map from HBM to HBM
+//! (an input and an output pipe, 1..=5 steps so the prologue and epilogue edge cases run),
+//! the builder's and verifier's errors (not ANY, sub-block shape, sub-block tiling, VMEM
+//! budget), and (libtpu tier) that libtpu compiles them for v5e, v6e and tpu7x.
+
+use tessera_codegen::cpu::{cache_stats, Backend};
+use tessera_dsl::interp::Array;
+use tessera_dsl::verify::verify;
+use tessera_dsl::{exec, ds, BlockSpec, DType, Index, IndexExpr, Kernel, KernelBuilder, KernelError, MemorySpace, Pipe, RefKind, Semantics, Target};
+
+fn backends() -> Vec<Backend> {
+    let mut v = vec![Backend::Interp, Backend::Jit];
+    if cfg!(feature = "llvm") {
+        v.push(Backend::Llvm);
+    }
+    v
+}
+
+/// Runs on every backend (the compiled ones must not fall back) and returns each result.
+fn run_all(k: &Kernel, args: &[&Array]) -> Vec<(Backend, Vec<Array>)> {
+    backends()
+        .into_iter()
+        .map(|be| {
+            let before = cache_stats().fallbacks;
+            let out = exec::run(be.executor(), k, args).unwrap_or_else(|e| panic!("{be:?}: {e}"));
+            assert_eq!(cache_stats().fallbacks, before, "{be:?} fell back to the interpreter for `{}`", k.name);
+            (be, out)
+        })
+        .collect()
+}
+
+fn data(n: usize, seed: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 31 + seed * 17) % 97) as f32 - 48.0) / 32.0).collect()
+}
+
+/// `o = x @ w`, grid over row blocks of `tm`; `w [k, n]` stays in HBM and is streamed in
+/// `[tk, n]` sub-blocks, `x`'s matching columns sliced from its VMEM block.
+fn streamed_matmul(m: usize, k: usize, n: usize, tm: usize, tk: usize, dtype: DType) -> Result<Kernel, KernelError> {
+    let mut b = KernelBuilder::new("streamed_matmul");
+    b.grid(&[(m / tm, Semantics::Parallel)]);
+    let x = b.input("x", dtype, &[m, k], BlockSpec { block_shape: vec![Some(tm), Some(k)], index_map: vec![IndexExpr::grid(0), 0.into()] });
+    let w = b.unblocked(RefKind::Input, "w", dtype, &[k, n], MemorySpace::Any);
+    let o = b.output("o", dtype, &[m, n], BlockSpec { block_shape: vec![Some(tm), Some(n)], index_map: vec![IndexExpr::grid(0), 0.into()] });
+    let acc = b.zeros(&[tm, n], DType::F32);
+    let map = |_: &mut KernelBuilder, i: tessera_dsl::Value| -> Vec<tessera_dsl::Arg> { vec![i.into(), 0.into()] };
+    let out = b.emit_pipeline("wk", k / tk, &[Pipe::new(w, &[tk, n], &map)], &[acc], |b, i, blocks, carries| {
+        let start = b.mul(i, tk as i64);
+        let xs = b.load(x, &[Index::Full, ds(start, tk)]);
+        let wb = b.pipe_load(&blocks[0]);
+        let d = b.dot(xs, wb, false, false);
+        vec![b.add(carries[0], d)]
+    });
+    let r = b.cast(out[0], dtype);
+    b.store(o, &[Index::Full, Index::Full], r);
+    b.finish()
+}
+
+/// `o[i-th row block] = x[i-th row block] * 2 + i`, HBM to HBM, in `[rb, c]` sub-blocks,
+/// one pipeline per grid step over `steps` sub-blocks of that step's rows.
+fn streamed_map(steps: usize, grid: usize, rb: usize, c: usize, dtype: DType) -> Result<Kernel, KernelError> {
+    let r = steps * grid * rb;
+    let mut b = KernelBuilder::new("streamed_map");
+    b.grid(&[(grid, Semantics::Parallel)]);
+    let x = b.unblocked(RefKind::Input, "x", dtype, &[r, c], MemorySpace::Any);
+    let o = b.unblocked(RefKind::Output, "o", dtype, &[r, c], MemorySpace::Any);
+    let g = b.program_id(0);
+    let base = b.mul(g, steps as i64);
+    let map = move |b: &mut KernelBuilder, i: tessera_dsl::Value| -> Vec<tessera_dsl::Arg> { vec![b.add(base, i).into(), 0.into()] };
+    b.emit_pipeline("rows", steps, &[Pipe::new(x, &[rb, c], &map), Pipe::new(o, &[rb, c], &map)], &[], |b, i, blocks, _| {
+        let v = b.pipe_load(&blocks[0]);
+        let v = b.cast(v, DType::F32);
+        let step = b.cast(i, DType::F32);
+        let y = b.mul(v, 2.0);
+        let y = b.add(y, step);
+        let y = b.cast(y, dtype);
+        b.pipe_store(&blocks[1], y);
+        vec![]
+    });
+    b.finish()
+}
+
+#[test]
+fn a_streamed_k_dimension_matches_the_reference() {
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, tm, tk) in [(16, 512, 128, 8, 128), (32, 1024, 256, 16, 256), (8, 128, 128, 8, 128)] {
+            let kern = streamed_matmul(m, k, n, tm, tk, dtype).unwrap();
+            verify(&kern, &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
+            let x = Array::from_f32_in(dtype, &[m, k], data(m * k, 1));
+            let w = Array::from_f32_in(dtype, &[k, n], data(k * n, 2));
+            let (xv, wv) = (x.to_f64_vec(), w.to_f64_vec());
+            for (be, out) in run_all(&kern, &[&x, &w]) {
+                let got = out[0].to_f64_vec();
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k).map(|p| xv[i * k + p] * wv[p * n + j]).sum();
+                        let tol = if dtype == DType::BF16 { want.abs() / 64.0 + 0.05 } else { 1e-3 };
+                        let g = got[i * n + j];
+                        assert!((g - want).abs() <= tol, "{be:?} {dtype} {m}x{k}x{n} [{i}, {j}]: {g} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_hbm_to_hbm_map_covers_every_step_count() {
+    for dtype in [DType::F32, DType::BF16] {
+        for steps in 1..=5 {
+            let (grid, rb, c) = (2, 8, 256);
+            let kern = streamed_map(steps, grid, rb, c, dtype).unwrap();
+            verify(&kern, &Target::V6E).unwrap_or_else(|e| panic!("{e}"));
+            let r = steps * grid * rb;
+            let x = Array::from_f32_in(dtype, &[r, c], data(r * c, steps));
+            let xv = x.to_f64_vec();
+            for (be, out) in run_all(&kern, &[&x]) {
+                let got = out[0].to_f64_vec();
+                for row in 0..r {
+                    let i = (row / rb) % steps;
+                    for col in 0..c {
+                        let want = xv[row * c + col] * 2.0 + i as f64;
+                        let tol = if dtype == DType::BF16 { want.abs() / 128.0 + 1e-6 } else { 1e-6 };
+                        let g = got[row * c + col];
+                        assert!((g - want).abs() <= tol, "{be:?} {dtype} steps={steps} [{row}, {col}]: {g} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_generated_ir_is_double_buffered() {
+    let k = streamed_map(4, 1, 8, 128, DType::F32).unwrap();
+    let buf = &k.refs[k.find_ref("rows_x_buf0").unwrap().index()];
+    assert_eq!((buf.kind, buf.memory, buf.shape.clone()), (RefKind::Scratch, MemorySpace::Vmem, vec![2, 8, 128]));
+    let sem = &k.refs[k.find_ref("rows_sem").unwrap().index()];
+    assert_eq!((sem.memory, sem.shape.clone()), (MemorySpace::Semaphore, vec![4]));
+    let (mut starts, mut waits) = (0, 0);
+    k.walk(k.body, &mut |_, d| match d.inst {
+        tessera_dsl::Inst::DmaStart { .. } => starts += 1,
+        tessera_dsl::Inst::DmaWait { .. } => waits += 1,
+        _ => {}
+    });
+    // Input: prologue start, next start, current wait; output: slot-reuse wait, start,
+    // two epilogue waits.
+    assert_eq!((starts, waits), (3, 4));
+}
+
+#[test]
+fn pipeline_mistakes_are_clear_errors() {
+    // Not ANY: a blocked VMEM input.
+    let mut b = KernelBuilder::new("vmem_pipe");
+    b.grid(&[(1, Semantics::Parallel)]);
+    let x = b.input("x", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+    let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+    let map = |_: &mut KernelBuilder, i: tessera_dsl::Value| -> Vec<tessera_dsl::Arg> { vec![i.into(), 0.into()] };
+    b.emit_pipeline("p", 1, &[Pipe::new(x, &[8, 128], &map)], &[], |_, _, _, _| vec![]);
+    let z = b.zeros(&[8, 128], DType::F32);
+    b.store(o, &[Index::Full, Index::Full], z);
+    let e = b.finish().unwrap_err();
+    assert_eq!(e.rule, "pipeline-operand");
+    assert!(e.to_string().contains("Any<..>"), "{e}");
+    // A sub-block of the wrong rank, and one larger than the array.
+    for block in [vec![8], vec![16, 128]] {
+        let mut b = KernelBuilder::new("bad_block");
+        b.grid(&[(1, Semantics::Parallel)]);
+        let x = b.unblocked(RefKind::Input, "x", DType::F32, &[8, 128], MemorySpace::Any);
+        b.emit_pipeline("p", 1, &[Pipe::new(x, &block, &map)], &[], |_, _, _, _| vec![]);
+        assert_eq!(b.finish().unwrap_err().rule, "pipeline-operand");
+    }
+    // Zero steps.
+    let mut b = KernelBuilder::new("no_steps");
+    b.grid(&[(1, Semantics::Parallel)]);
+    let x = b.unblocked(RefKind::Input, "x", DType::F32, &[8, 128], MemorySpace::Any);
+    b.emit_pipeline("p", 0, &[Pipe::new(x, &[8, 128], &map)], &[], |_, _, _, _| vec![]);
+    assert_eq!(b.finish().unwrap_err().rule, "pipeline-operand");
+}
+
+#[test]
+fn the_verifier_checks_sub_block_tiling_and_the_buffers_budget() {
+    // 100 lanes: not a multiple of 128, not the whole dim (the generated DMA's rule).
+    let k = {
+        let mut b = KernelBuilder::new("lanes");
+        b.grid(&[(1, Semantics::Parallel)]);
+        let x = b.unblocked(RefKind::Input, "x", DType::F32, &[16, 256], MemorySpace::Any);
+        let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+        let map = |_: &mut KernelBuilder, i: tessera_dsl::Value| -> Vec<tessera_dsl::Arg> { vec![i.into(), 0.into()] };
+        b.emit_pipeline("p", 2, &[Pipe::new(x, &[8, 100], &map)], &[], |_, _, _, _| vec![]);
+        let z = b.zeros(&[8, 128], DType::F32);
+        b.store(o, &[Index::Full, Index::Full], z);
+        b.finish().unwrap()
+    };
+    let e = verify(&k, &Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "dma-slice-size", "{e}");
+    // Two slots of a 4096 x 2048 f32 sub-block: 64 MiB, past every default scoped limit.
+    let mut b = KernelBuilder::new("huge");
+    b.grid(&[(1, Semantics::Parallel)]);
+    let x = b.unblocked(RefKind::Input, "x", DType::F32, &[8192, 2048], MemorySpace::Any);
+    let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+    let map = |_: &mut KernelBuilder, i: tessera_dsl::Value| -> Vec<tessera_dsl::Arg> { vec![i.into(), 0.into()] };
+    b.emit_pipeline("p", 2, &[Pipe::new(x, &[4096, 2048], &map)], &[], |_, _, _, _| vec![]);
+    let z = b.zeros(&[8, 128], DType::F32);
+    b.store(o, &[Index::Full, Index::Full], z);
+    let k = b.finish().unwrap();
+    for t in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let e = verify(&k, &t).unwrap_err();
+        assert_eq!(e.rule, "vmem-budget", "{t}: {e}");
+    }
+}
+
+/// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the pipelines above compile for v5e, v6e
+/// and tpu7x.
+#[test]
+fn libtpu_compiles_nested_pipelines_for_v5e_v6e_tpu7x() {
+    use tessera_tests::oracle;
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 (scripts/test.sh does) to compile with libtpu");
+        return;
+    }
+    let mut kernels = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        kernels.push(streamed_matmul(32, 1024, 256, 16, 256, dtype).unwrap());
+        kernels.push(streamed_matmul(16, 512, 128, 16, 128, dtype).unwrap());
+        for steps in [1, 2, 5] {
+            kernels.push(streamed_map(steps, 2, 16, 256, dtype).unwrap());
+        }
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let modules: Vec<(String, String)> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
+                (format!("{}-{i}", k.name), lowered.stablehlo)
+            })
+            .collect();
+        oracle::assert_accepted(&modules, target.name);
+    }
+}
