@@ -302,6 +302,7 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
             (RefKind::Prefetch, _) => quote!(__b.prefetch(#name, &#ty.shape)),
             (RefKind::Input, Place::Smem) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),
             (RefKind::Input, Place::Any) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
+            (RefKind::Output, Place::Any) => quote!(__b.unblocked(::tessera_dsl::RefKind::Output, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
             (RefKind::Input | RefKind::Output, _) => {
                 let Some((_, spec)) = attr.blocks.iter().find(|(k, _)| k == &r.name) else { continue };
                 if spec.shape.len() != r.dims.len() {

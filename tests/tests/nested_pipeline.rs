@@ -10,6 +10,7 @@
 use tessera_codegen::cpu::{cache_stats, Backend};
 use tessera_dsl::interp::Array;
 use tessera_dsl::verify::verify;
+use tessera_macros::tpu_kernel;
 use tessera_dsl::{exec, ds, BlockSpec, DType, Index, IndexExpr, Kernel, KernelBuilder, KernelError, MemorySpace, Pipe, RefKind, Semantics, Target};
 
 fn backends() -> Vec<Backend> {
@@ -81,6 +82,51 @@ fn streamed_map(steps: usize, grid: usize, rb: usize, c: usize, dtype: DType) ->
         vec![]
     });
     b.finish()
+}
+
+/// The macro form of [`streamed_matmul`]: `for j in pipeline(steps)` with `pipe_in`.
+#[tpu_kernel(grid = [m / tm], x = block([tm, k], |i| [i, 0]), o = block([tm, n], |i| [i, 0]))]
+fn streamed_matmul_macro(x: In<m, k>, w: Any<k, n>, o: Out<m, n>, tm: usize, tk: usize) {
+    let mut acc = zeros([tm, n], f32);
+    for j in pipeline(k / tk) {
+        acc = acc + dot(x[(.., ds(j * tk, tk))], pipe_in(w, [tk, n], [j, 0]));
+    }
+    o[..] = acc.cast(o.dtype);
+}
+
+/// The macro form of [`streamed_map`]: HBM to HBM with `pipe_in` and `pipe_out`.
+#[tpu_kernel(grid = [grid])]
+fn streamed_map_macro(x: Any<r, c>, o: AnyOut<r, c>, steps: usize, grid: usize, rb: usize) {
+    let base = program_id(0) * steps;
+    for i in pipeline(steps) {
+        let v = pipe_in(x, [rb, c], [base + i, 0]).cast(f32);
+        pipe_out(o, [rb, c], [base + i, 0], (v * 2.0 + i.cast(f32)).cast(o.dtype));
+    }
+}
+
+#[test]
+fn the_macro_form_builds_the_same_pipelines() {
+    for dtype in [DType::F32, DType::BF16] {
+        let (m, k, n, tm, tk) = (32, 1024, 256, 16, 256);
+        let t = |s: &[usize]| tessera_dsl::Type { dtype, shape: s.to_vec() };
+        let mac = streamed_matmul_macro(t(&[m, k]), t(&[k, n]), t(&[m, n]), tm, tk).unwrap();
+        let x = Array::from_f32_in(dtype, &[m, k], data(m * k, 1));
+        let w = Array::from_f32_in(dtype, &[k, n], data(k * n, 2));
+        let want = exec::run(Backend::Interp.executor(), &streamed_matmul(m, k, n, tm, tk, dtype).unwrap(), &[&x, &w]).unwrap();
+        for (be, out) in run_all(&mac, &[&x, &w]) {
+            assert_eq!(out[0].to_f64_vec(), want[0].to_f64_vec(), "{be:?} {dtype}: macro and builder pipelines differ");
+        }
+        for steps in [1, 3, 4] {
+            let (grid, rb, c) = (2, 8, 256);
+            let r = steps * grid * rb;
+            let mac = streamed_map_macro(t(&[r, c]), t(&[r, c]), steps, grid, rb).unwrap();
+            let x = Array::from_f32_in(dtype, &[r, c], data(r * c, steps));
+            let want = exec::run(Backend::Interp.executor(), &streamed_map(steps, grid, rb, c, dtype).unwrap(), &[&x]).unwrap();
+            for (be, out) in run_all(&mac, &[&x]) {
+                assert_eq!(out[0].to_f64_vec(), want[0].to_f64_vec(), "{be:?} {dtype} steps={steps}: macro and builder pipelines differ");
+            }
+        }
+    }
 }
 
 #[test]
@@ -229,6 +275,9 @@ fn libtpu_compiles_nested_pipelines_for_v5e_v6e_tpu7x() {
         for steps in [1, 2, 5] {
             kernels.push(streamed_map(steps, 2, 16, 256, dtype).unwrap());
         }
+        let t = |s: &[usize]| tessera_dsl::Type { dtype, shape: s.to_vec() };
+        kernels.push(streamed_matmul_macro(t(&[32, 1024]), t(&[1024, 256]), t(&[32, 256]), 16, 256).unwrap());
+        kernels.push(streamed_map_macro(t(&[96, 256]), t(&[96, 256]), 3, 2, 16).unwrap());
     }
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
         let modules: Vec<(String, String)> = kernels
