@@ -203,6 +203,11 @@ impl KernelBuilder {
         self.k.ref_decl(r)
     }
 
+    /// Whether an operand or scratch buffer named `name` is declared.
+    pub fn has_ref(&self, name: &str) -> bool {
+        self.k.find_ref(name).is_some()
+    }
+
     pub fn ty(&self, v: Value) -> &Type {
         self.k.ty(v)
     }

@@ -87,6 +87,14 @@ impl KernelBuilder {
                 return init.to_vec();
             }
         }
+        // Generated names are unique even when a name repeats (a fragment called twice).
+        let mut name = name.to_string();
+        let base = name.clone();
+        let mut n = 1;
+        while self.has_ref(&format!("{name}_sem")) {
+            n += 1;
+            name = format!("{base}_{n}");
+        }
         // Two VMEM slots per operand, two semaphores per operand (one per slot).
         let bufs: Vec<RefId> = pipes
             .iter()

@@ -1091,7 +1091,8 @@ impl<'a> Lowerer<'a> {
             }
             let stmts = l.scoped(|l| l.stmts(&f.body.stmts));
             let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __c[#k];));
-            quote!({ #(#copies)* { #stmts } #restore ::std::vec![#(#carries),*] })
+            // The step may be used only by the index maps.
+            quote!({ let _ = #iv; #(#copies)* { #stmts } #restore ::std::vec![#(#carries),*] })
         });
         self.pipelines.pop();
         self.dyn_depth -= 1;

@@ -278,8 +278,18 @@ fn libtpu_compiles_nested_pipelines_for_v5e_v6e_tpu7x() {
         let t = |s: &[usize]| tessera_dsl::Type { dtype, shape: s.to_vec() };
         kernels.push(streamed_matmul_macro(t(&[32, 1024]), t(&[1024, 256]), t(&[32, 256]), 16, 256).unwrap());
         kernels.push(streamed_map_macro(t(&[96, 256]), t(&[96, 256]), 3, 2, 16).unwrap());
+        kernels.push(rmsnorm_two_pass(t(&[16, 4096]), t(&[16, 4096]), 8, 512).unwrap());
     }
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        // The library's pipelined wide RMSNorm, as its plans build it for this target.
+        let mut kernels = kernels.clone();
+        let op = tessera_kernels::find("rmsnorm").unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            for (m, n) in [(8, 262144), (32, 262144)] {
+                let plan = op.plan_for(&op.types(&[vec![m, n], vec![n]], dtype), &op.statics("").unwrap(), &target).unwrap();
+                kernels.extend(plan.launches.into_iter().map(|l| l.kernel).filter(|k| k.name == "rmsnorm_pipelined_kernel"));
+            }
+        }
         let modules: Vec<(String, String)> = kernels
             .iter()
             .enumerate()
@@ -290,4 +300,71 @@ fn libtpu_compiles_nested_pipelines_for_v5e_v6e_tpu7x() {
             .collect();
         oracle::assert_accepted(&modules, target.name);
     }
+}
+
+/// Two pipelines in one kernel: RMSNorm of rows too wide for VMEM, HBM to HBM, in one
+/// launch (sum of squares over column sub-blocks, then the scaled row).
+#[tpu_kernel(grid = [m / bm])]
+fn rmsnorm_two_pass(x: Any<m, n>, o: AnyOut<m, n>, bm: usize, bn: usize) {
+    let i = program_id(0);
+    let mut ss = zeros([bm, 1], f32);
+    for j in pipeline(n / bn) {
+        let v = pipe_in(x, [bm, bn], [i, j]).cast(f32);
+        ss = ss + (v * v).sum(1);
+    }
+    let r = (ss * (1.0 / n as f32) + 1e-6).rsqrt();
+    for j in pipeline(n / bn) {
+        let v = pipe_in(x, [bm, bn], [i, j]).cast(f32);
+        pipe_out(o, [bm, bn], [i, j], (v * r).cast(o.dtype));
+    }
+}
+
+#[test]
+fn two_pipelines_in_one_kernel_match_the_reference() {
+    for dtype in [DType::F32, DType::BF16] {
+        let (m, n, bm, bn) = (16, 4096, 8, 512);
+        let t = |s: &[usize]| tessera_dsl::Type { dtype, shape: s.to_vec() };
+        let k = rmsnorm_two_pass(t(&[m, n]), t(&[m, n]), bm, bn).unwrap();
+        assert!(k.find_ref("pipe0_sem").is_some() && k.find_ref("pipe1_sem").is_some());
+        verify(&k, &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
+        let x = Array::from_f32_in(dtype, &[m, n], data(m * n, 5));
+        let xv = x.to_f64_vec();
+        for (be, out) in run_all(&k, &[&x]) {
+            let got = out[0].to_f64_vec();
+            for row in 0..m {
+                let ms: f64 = (0..n).map(|c| xv[row * n + c] * xv[row * n + c]).sum::<f64>() / n as f64;
+                let r = 1.0 / (ms + 1e-6).sqrt();
+                for c in 0..n {
+                    let want = xv[row * n + c] * r;
+                    let tol = if dtype == DType::BF16 { want.abs() / 128.0 + 1e-6 } else { 1e-5 * want.abs().max(1.0) };
+                    assert!((got[row * n + c] - want).abs() <= tol, "{be:?} {dtype} [{row}, {c}]: {} vs {want}", got[row * n + c]);
+                }
+            }
+        }
+    }
+}
+
+/// The library's use: `rmsnorm` (and `rmsnorm_residual`'s norm) of rows too wide for VMEM
+/// whose blocks divide the shape runs as one pipelined launch, against the op's f64
+/// reference on the interpreter and the JIT.
+#[test]
+fn wide_rmsnorm_is_one_pipelined_launch() {
+    use tessera_kernels::harness::run_case;
+    let op = tessera_kernels::find("rmsnorm").unwrap();
+    for (target, m, n) in [(Target::V5E, 8, 262144), (Target::V6E, 16, 262144)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let shapes = vec![vec![m, n], vec![n]];
+            let plan = op.plan_for(&op.types(&shapes, dtype), &op.statics("").unwrap(), &target).unwrap();
+            let names: Vec<&str> = plan.launches.iter().map(|l| l.kernel.name.as_str()).collect();
+            assert_eq!(names, ["rmsnorm_pipelined_kernel"], "{target} {dtype} {m}x{n}");
+            for be in [Backend::Interp, Backend::Jit] {
+                let r = run_case(op, &op.statics("").unwrap(), &shapes, dtype, &target, 7, be.executor()).unwrap_or_else(|e| panic!("{be:?}: {e}"));
+                assert!(r.passed(), "{be:?} {target} {dtype}: {:?}", r.outputs);
+            }
+        }
+    }
+    // A shape the blocks do not divide keeps the two launches.
+    let shapes = vec![vec![6, 300_000], vec![300_000]];
+    let plan = op.plan_for(&op.types(&shapes, DType::F32), &op.statics("").unwrap(), &Target::V5E).unwrap();
+    assert_eq!(plan.launches.len(), 2);
 }
