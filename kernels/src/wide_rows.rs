@@ -10,6 +10,11 @@
 //! every reduction, and their writes are dropped. The plans choose these kernels only
 //! when [`RowTiles`] says whole rows do not fit.
 //!
+//! RMSNorm of a shape the blocks divide runs both passes in one launch instead
+//! ([`rmsnorm_pipelined_kernel`]): the row stays in HBM and two nested pipelines
+//! (`for j in pipeline(..)`, Pallas' `emit_pipeline`) stream its column sub-blocks, the
+//! statistics kept in vregs between them.
+//!
 //! Numerics as in the whole-row kernels: f32 math, pairwise sums within a block,
 //! blocks combined in order; LayerNorm merges per-block (count, mean, M2) with Chan's
 //! update, so a large row mean does not cancel (no E[x^2] - E[x]^2).
