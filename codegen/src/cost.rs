@@ -174,7 +174,10 @@ pub struct Roofline {
     pub bound: &'static str,
     /// The kernel's index maps read scalar prefetch and libtpu's estimate is below the
     /// IR's MXU floor: the static model did not see the prefetch-driven trip counts
-    /// (megablox gmm), so the time is the IR's explicit model instead.
+    /// (megablox gmm), so the time is the IR's explicit model instead. Also set for a
+    /// kernel with a dynamic grid dim, whose trip count libtpu's model cannot know (its
+    /// estimate for gmm's visit dim is 3-4x the same kernel's at the static bound); the
+    /// IR's model then counts the dim at its bound.
     pub blind: bool,
 }
 
@@ -185,7 +188,8 @@ pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::
     let mxu_us = est.flops as f64 / (target.core_peak_tflops() * 1e6);
     let hbm_us = est.bytes_accessed as f64 / (target.hbm_gbps * 1e3);
     let reads_prefetch = kernel.refs.iter().any(|r| r.kind == RefKind::Prefetch);
-    let blind = reads_prefetch && estimate_us < mxu_us;
+    let dynamic = kernel.grid.iter().any(|g| g.dynamic.is_some());
+    let blind = dynamic || reads_prefetch && estimate_us < mxu_us;
     let compute_us = if blind { mxu_us } else { estimate_us };
     let (time_us, bound) = if hbm_us > compute_us { (hbm_us, "hbm") } else { (compute_us, "compute") };
     Roofline { estimate_us, mxu_us, hbm_us, time_us, bound, blind }

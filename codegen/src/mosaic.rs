@@ -125,7 +125,8 @@ fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), Cod
     let attrs = [
         format!("dimension_semantics = [{}]", sems.join(", ")),
         format!("function_type = {}", signature(arg_types.iter().map(String::as_str), &[])),
-        format!("iteration_bounds = {}", dense_array("i64", k.grid.iter().map(|g| g.extent as i64))),
+        // A dynamic dim is INT64_MIN; its extent is a leading custom-call operand.
+        format!("iteration_bounds = {}", dense_array("i64", k.grid.iter().map(|g| if g.dynamic.is_some() { i64::MIN } else { g.extent as i64 }))),
         format!("scalar_prefetch = {} : i64", k.refs_of(RefKind::Prefetch).count()),
         format!("scratch_operands = {} : i64", k.refs_of(RefKind::Scratch).count()),
         format!("sym_name = {}", mlir_string(&k.name)),

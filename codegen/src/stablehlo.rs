@@ -13,7 +13,8 @@
 //! }
 //! ```
 //!
-//! Operands are the scalar-prefetch arrays then the inputs; results are the outputs (several
+//! Operands are the scalar-prefetch arrays then the inputs (led by one `tensor<i32>` per
+//! dynamic grid dim, reshaped from its extent operand); results are the outputs (several
 //! outputs are several results of the one custom call, as JAX emits them, not a tuple).
 
 use base64::Engine;
@@ -38,7 +39,22 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
     let in_tys: Vec<String> = operands.iter().map(|r| tensor(r)).collect();
     let out_tys: Vec<String> = results.iter().map(|r| tensor(r)).collect();
     let args: Vec<String> = in_tys.iter().enumerate().map(|(i, t)| format!("%arg{i}: {t}")).collect();
-    let arg_names: Vec<String> = (0..in_tys.len()).map(|i| format!("%arg{i}")).collect();
+    let mut arg_names: Vec<String> = (0..in_tys.len()).map(|i| format!("%arg{i}")).collect();
+    let mut call_tys = in_tys.clone();
+    let mut operand_layouts: Vec<String> = operands.iter().map(|r| layout(r.shape.len())).collect();
+    // Dynamic grid extents lead the custom call's operands, in grid order, as `tensor<i32>`
+    // (Mosaic's convention for `INT64_MIN` in `iteration_bounds`): each is element 0 of its
+    // int32 `[1]` scalar-prefetch operand, which the kernel also receives.
+    let mut reshapes = Vec::new();
+    for (d, g) in k.grid.iter().enumerate() {
+        let Some(r) = g.dynamic else { continue };
+        let Some(at) = operands.iter().position(|o| std::ptr::eq(*o, k.ref_decl(r))) else { continue };
+        reshapes.push(format!("    %extent{d} = stablehlo.reshape %arg{at} : ({}) -> tensor<i32>\n", in_tys[at]));
+        let n = reshapes.len() - 1;
+        arg_names.insert(n, format!("%extent{d}"));
+        call_tys.insert(n, "tensor<i32>".to_string());
+        operand_layouts.insert(n, layout(0));
+    }
     let layouts = |rs: &[&RefDecl]| rs.iter().map(|r| layout(r.shape.len())).collect::<Vec<_>>().join(", ");
     let (lhs, ret) = match results.len() {
         1 => ("%0".to_string(), "%0".to_string()),
@@ -49,17 +65,18 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
         "api_version = 1 : i32".to_string(),
         format!("backend_config = {}", mlir_string(&config)),
         format!("kernel_name = {}", mlir_string(&k.name)),
-        format!("operand_layouts = [{}]", layouts(&operands)),
+        format!("operand_layouts = [{}]", operand_layouts.join(", ")),
         format!("result_layouts = [{}]", layouts(&results)),
     ];
     let mut s = String::new();
     s.push_str(&format!("module {} {{\n", symbol(&k.name)));
     s.push_str(&format!("  func.func public @main({}) -> ({}) {{\n", args.join(", "), out_tys.join(", ")));
+    reshapes.iter().for_each(|r| s.push_str(r));
     s.push_str(&format!(
         "    {lhs} = stablehlo.custom_call @tpu_custom_call({}) {{{}}} : ({}) -> {}\n",
         arg_names.join(", "),
         attrs.join(", "),
-        in_tys.join(", "),
+        call_tys.join(", "),
         result_list(&out_tys)
     ));
     s.push_str(&format!("    return {ret} : {}\n", out_tys.join(", ")));

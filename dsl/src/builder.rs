@@ -125,7 +125,22 @@ impl KernelBuilder {
     // ---- signature -------------------------------------------------------------------
 
     pub fn grid(&mut self, dims: &[(usize, Semantics)]) {
-        self.k.grid = dims.iter().map(|&(extent, semantics)| GridDim { extent, semantics }).collect();
+        self.k.grid = dims.iter().map(|&(extent, semantics)| GridDim { extent, semantics, dynamic: None }).collect();
+    }
+
+    /// Makes grid dim `dim` dynamic: `extent` (a scalar-prefetch operand, int32 `[1]`)
+    /// holds its run-time extent, at most the static bound given to [`Self::grid`]; the
+    /// steps past it do not run (Pallas: a grid entry traced from a scalar, as megablox
+    /// gmm's active tile count). The verifier checks the operand; the CPU backends check
+    /// the value when the kernel runs (`grid-dynamic-extent`).
+    pub fn grid_extent_from(&mut self, dim: usize, extent: RefId) {
+        match self.k.grid.get_mut(dim) {
+            Some(g) => g.dynamic = Some(extent),
+            None => {
+                let rank = self.k.grid.len();
+                self.fail("grid", "grid-axis", format!("dynamic extent for grid dim {dim}, but the grid has {rank} dim(s)"), "declare the grid first, then make one of its dims dynamic")
+            }
+        }
     }
 
     pub fn vmem_limit_bytes(&mut self, bytes: usize) {
@@ -186,6 +201,11 @@ impl KernelBuilder {
 
     pub fn ref_decl(&self, r: RefId) -> &RefDecl {
         self.k.ref_decl(r)
+    }
+
+    /// Whether an operand or scratch buffer named `name` is declared.
+    pub fn has_ref(&self, name: &str) -> bool {
+        self.k.find_ref(name).is_some()
     }
 
     pub fn ty(&self, v: Value) -> &Type {
@@ -306,6 +326,11 @@ impl KernelBuilder {
     pub fn num_programs(&mut self, axis: usize) -> Value {
         if axis >= self.k.grid.len() {
             self.fail(format!("num_programs({axis})"), "grid-axis", format!("the grid has {} dims", self.k.grid.len()), "use an axis below the grid rank");
+        }
+        // A dynamic dim's extent is its operand's value: read it (every backend can).
+        if let Some(r) = self.k.grid.get(axis).and_then(|g| g.dynamic) {
+            let zero = self.i32(0);
+            return self.load(r, &[Index::Slice(Arg::Val(zero), 1)]);
         }
         self.push1(Inst::NumPrograms(axis), Type::scalar(DType::I32))
     }

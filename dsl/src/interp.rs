@@ -3,7 +3,9 @@
 //!
 //! # Execution model (Pallas TPU)
 //!
-//! - The grid runs sequentially in lexicographic order, last dim fastest.
+//! - The grid runs sequentially in lexicographic order, last dim fastest. A dynamic dim
+//!   ([`GridDim::dynamic`]) runs the extent its operand holds at run time ([`run_extents`]:
+//!   `0..=bound`, else `grid-dynamic-extent`); the steps past it do not run at all.
 //! - At each step every blocked operand's index map gives a block index. An input's block
 //!   is copied into its VMEM window only when the index changed since the previous step
 //!   (as the real pipeline does). An output's window is written back to the array when
@@ -388,7 +390,8 @@ enum OutputState {
 fn run_host(kernel: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>], state: OutputState) -> Result<RunStats> {
     let start = Instant::now();
     let mut m = Machine::new(kernel, inputs, outputs, state)?;
-    m.run_grid()?;
+    let extents = run_extents(kernel, inputs)?;
+    m.run_grid(&extents)?;
     m.stats.elapsed = start.elapsed();
     Ok(m.stats)
 }
@@ -1254,11 +1257,11 @@ impl<'k, 'h> Machine<'k, 'h> {
         Ok(())
     }
 
-    fn run_grid(&mut self) -> Result<()> {
+    /// Walks the grid of these run-time `extents` ([`run_extents`]).
+    fn run_grid(&mut self, extents: &[usize]) -> Result<()> {
         let k = self.k;
-        let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
         // Lexicographic order, last dim fastest; stepped by hand so errors can propagate.
-        let steps = k.grid_steps();
+        let steps: usize = extents.iter().product();
         for step in 0..steps {
             if step > 0 {
                 for d in (0..extents.len()).rev() {
@@ -1913,6 +1916,39 @@ impl<'k, 'h> Machine<'k, 'h> {
             _ => return Err(self.malformed(d, format!("dot of {} and {} operands", a.buf.kind(), b.buf.kind()))),
         })
     }
+}
+
+/// The grid's extents for one run: a dynamic dim's ([`GridDim::dynamic`]) is element 0 of
+/// its extent operand, which must lie in `0..=bound`, else `grid-dynamic-extent`. `inputs`
+/// are the prefetch and input operands in signature order, already checked against the
+/// kernel. Every CPU backend walks these extents, so the steps past a dynamic extent do
+/// not run.
+pub fn run_extents(k: &Kernel, inputs: &[HostRef<'_>]) -> Result<Vec<usize>> {
+    let mut out = Vec::with_capacity(k.grid.len());
+    for (d, g) in k.grid.iter().enumerate() {
+        let Some(r) = g.dynamic else {
+            out.push(g.extent);
+            continue;
+        };
+        let decl = k.ref_decl(r);
+        let subject = format!("{} `{}`", decl.kind.name(), decl.name);
+        let at = k.refs[..r.index()].iter().filter(|x| matches!(x.kind, RefKind::Prefetch | RefKind::Input)).count();
+        let value = match inputs.get(at).map(|h| h.data) {
+            Some(HostData::I32(v)) if !v.is_empty() => v[0] as i64,
+            _ => return Err(KernelError::new(&k.name, subject, "grid-dynamic-extent", format!("grid dim {d} reads its extent from `{}`, which holds no int32 element", decl.name), "pass an int32 [1] array")),
+        };
+        if value < 0 || value as usize > g.extent {
+            return Err(KernelError::new(
+                &k.name,
+                subject,
+                "grid-dynamic-extent",
+                format!("grid dim {d}'s extent is {value} at run time, outside 0..={} (the static bound it was compiled for)", g.extent),
+                format!("pass an extent between 0 and {}, or build the kernel with a larger bound", g.extent),
+            ));
+        }
+        out.push(value as usize);
+    }
+    Ok(out)
 }
 
 /// The `parallel-revisit` error: `decl`'s block `index`, first entered at grid step `first`,

@@ -36,8 +36,16 @@ entity!(/// A kernel operand or scratch buffer, in signature order.
 /// One grid dimension.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GridDim {
+    /// The number of steps; for a dynamic dim, the static upper bound (what budgets,
+    /// range checks and the verifier's grid walks use).
     pub extent: usize,
     pub semantics: Semantics,
+    /// A dynamic extent (Pallas: a traced grid entry, as megablox gmm's active tile
+    /// count): the scalar-prefetch operand, an int32 `[1]`, whose element 0 is the dim's
+    /// extent at run time, in `0..=extent`. Steps at indices past it do not run. In
+    /// Mosaic the dim is `INT64_MIN` in `iteration_bounds` and the value is a leading
+    /// operand of the custom call.
+    pub dynamic: Option<RefId>,
 }
 
 /// The role a ref plays in the kernel signature. Signature order is
@@ -604,7 +612,7 @@ impl Kernel {
         self.refs.iter().position(|r| r.name == name).map(|i| RefId(i as u32))
     }
 
-    /// The total number of grid steps.
+    /// The total number of grid steps (at the upper bound of dynamic dims).
     /// Saturates at `usize::MAX` (the verifier refuses grids of more than `2^31 - 2` steps).
     pub fn grid_steps(&self) -> usize {
         self.grid.iter().fold(1, |n: usize, g| n.saturating_mul(g.extent))

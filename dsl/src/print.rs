@@ -101,7 +101,14 @@ impl Kernel {
 
 impl fmt::Display for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let grid: Vec<String> = self.grid.iter().map(|g| format!("{} {}", g.extent, g.semantics.name())).collect();
+        let grid: Vec<String> = self
+            .grid
+            .iter()
+            .map(|g| match g.dynamic {
+                Some(r) => format!("<={} ({r}[0]) {}", g.extent, g.semantics.name()),
+                None => format!("{} {}", g.extent, g.semantics.name()),
+            })
+            .collect();
         writeln!(f, "kernel {} grid [{}] {{", self.name, grid.join(", "))?;
         for (i, r) in self.refs.iter().enumerate() {
             write!(f, "  {} {}: {} {}[{}] {}", RefId(i as u32), r.name, r.kind.name(), r.dtype, join(&r.shape, ","), r.memory.name())?;

@@ -74,6 +74,8 @@ rules! {
         "pair grid-extent-range: 2^31 - 130 accepted; 2^31 - 129 rejected (libtpu takes it for a dynamic extent: `Wrong number of window_params`); 2^31 and up: `iteration_bounds should be between 0 and 2147483646`";
     "grid-steps", Tpu, [V], SAME, "the grid has at most 2^31 - 128 steps in all",
         "pair grid-steps: [2, 2^30 - 64] accepted; [2, 2^30] rejected (`count < int32 max: Iteration bounds are too large`). Between, libtpu hangs or aborts ([2, 2^30 - 1]: `Check failed: index_space_.start <= index_space_.limit`), so the rule stops at the last measured success";
+    "grid-dynamic-extent", Semantic, [V, I], SAME, "a dynamic grid dim's extent is an int32 [1] scalar-prefetch operand whose run-time value is in 0..=bound, and num_programs of the dim reads it",
+        "semantic: the operand's form is ours (the emitter reshapes it into the leading `tensor<i32>` custom-call operand Mosaic takes for an INT64_MIN bound); the value is known only at run time, where a TPU would run past the bound its windows and budgets were checked for";
 
     // ---- operands (verify/operand.rs) ----
     "kernel-outputs", Tpu, [V], SAME, "a kernel has at least one output",
@@ -162,6 +164,8 @@ rules! {
     // ---- the builder (builder.rs): type errors of the IR ----
     "duplicate-operand", Semantic, [B], SAME, "operand names are unique", "semantic: names are how errors and the host bind operands";
     "operand-order", Semantic, [B], SAME, "operands are declared prefetch, inputs, outputs, scratch", "semantic: Mosaic's argument order; the emitter relies on it";
+    "pipeline-operand", Semantic, [B], SAME, "a nested pipeline (emit_pipeline) streams ANY inputs and outputs in sub-blocks of their rank, 1..=the array dim each, over 1..=2^31 - 1 steps",
+        "semantic: the pipeline is ours (it expands to scratch, semaphores and DMA the verifier then checks for the target: dma-slice-size / dma-align for the sub-block tiling, the VMEM budget for the buffers); a VMEM operand has no HBM side to stream";
     "grid-axis", Semantic, [B], SAME, "program_id / num_programs name an existing grid axis", "semantic: an IR type error";
     "constant-type", Semantic, [B], SAME, "a float literal is not used as an integer", "semantic: an IR type error";
     "literal-range", Semantic, [B], SAME, "a literal fits its dtype: integers without wrapping (i8: 300 would be 44), finite floats without rounding to infinity (1e39 as f32)",

@@ -191,7 +191,7 @@ fn plan_rmsnorm(c: &Call) -> Result<Plan, KernelError> {
     let tiles = row_tiles(&x, STREAMS, c.target);
     if !tiles.whole_rows(x.shape[1]) {
         let mut launches = Vec::new();
-        let out = wide_rows::rmsnorm_launches(&mut launches, &x, c.input("x", x.clone())?, &w, c.input("weight", w.clone())?, eps, tiles, c.op)?;
+        let out = wide_rows::rmsnorm_launches(&mut launches, &x, c.input("x", x.clone())?, &w, c.input("weight", w.clone())?, eps, tiles, c.op, c.target)?;
         return Ok(Plan::new(c.op, c.target, launches, vec![result(out, 0, Type::vector(x.dtype, &shape))]));
     }
     let kernel = rmsnorm(&x, &w, eps, c.target)?;

@@ -13,17 +13,21 @@
 //!
 //! | array | per visit |
 //! |---|---|
+//! | `visits` (`[1]`) | the number of visits: the visit dim's run-time extent |
 //! | `group` | the group, selects the `rhs` block (`gmm`) or the `out` block (`tgmm`) |
 //! | `tile` | the m-tile, selects the `lhs`/`grad` block (and `out` for `gmm`) |
 //! | `row_lo`, `row_hi` | the group's rows `[lo, hi)`; rows of the tile outside are masked |
 //! | `first`, `last` (`tgmm`) | first / last visit of the group: zero / store the accumulator |
 //!
 //! Non-empty groups overlap at most `tiles_m + G - 1` tiles in total (each group boundary
-//! inside a tile adds one visit), so the visit axis has that static extent and the arrays
-//! have static shapes: kernels are built from types alone. Unused trailing steps repeat
-//! the last visit's tile and group with an empty row range (`lo == hi`) and both flags 0:
-//! every block index stays the same (no DMA, the output window stays resident) and the
-//! body skips its work.
+//! inside a tile adds one visit), so the visit axis has that static bound and the arrays
+//! have static shapes: kernels are built from types alone, one compiled kernel per shape
+//! whatever the group sizes. The visit axis is a *dynamic* grid dim (`dynamic(v, visits)`,
+//! megablox's `num_active_tiles`): its run-time extent is the visit count, a fifth `[1]`
+//! array passed first, so the steps past the last visit do not run at all (no step
+//! overhead, no index-map evaluation). The arrays are still padded to the bound, the
+//! padding repeating the last visit's tile and group with an empty row range (`lo == hi`)
+//! and both flags 0, so a padded entry would be a no-op were it ever run.
 //!
 //! `tgmm` must write zeros for a group with no rows (the interpreter poisons, and a TPU
 //! leaves garbage in, any output block never written), so its metadata also visits each
@@ -56,7 +60,7 @@ use crate::plan::{host, result, Launch, Operand, Plan};
 // ---- kernels ------------------------------------------------------------------------------
 
 #[tpu_kernel(
-    grid = [n.div_ceil(tn), v, k / tk],
+    grid = [n.div_ceil(tn), dynamic(v, visits), k / tk],
     semantics = [parallel, arbitrary, arbitrary],
     lhs = block([tm, tk], |j, t, kk| [tile[t], kk]),
     rhs = block([None, if transpose_rhs { tn } else { tk }, if transpose_rhs { tk } else { tn }], |j, t, kk| [group[t], if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
@@ -64,6 +68,7 @@ use crate::plan::{host, result, Launch, Operand, Plan};
     acc = scratch([tm, tn], f32),
 )]
 pub fn gmm_kernel(
+    visits: Prefetch<1>,
     group: Prefetch<v>,
     tile: Prefetch<v>,
     row_lo: Prefetch<v>,
@@ -78,29 +83,25 @@ pub fn gmm_kernel(
     transpose_rhs: bool,
 ) {
     let t = program_id(1);
-    let lo = row_lo[t];
-    let hi = row_hi[t];
-    // Padding visits have an empty row range: nothing to compute or store.
-    if lo < hi {
-        if program_id(2) == 0 {
-            acc[..] = zeros([tm, tn], f32);
-        }
-        // `rhs` is `[g, k, n]`, or `[g, n, k]` stored transposed.
-        if transpose_rhs {
-            acc[..] += dot_t(lhs[..], rhs[..]);
-        } else {
-            acc[..] += dot(lhs[..], rhs[..]);
-        }
-        if program_id(2) == num_programs(2) - 1 {
-            let row = iota([tm, tn], 0) + tile[t] * tm;
-            // Rows of other groups keep what their own visit writes (or wrote).
-            out[..] = select((row >= lo) & (row < hi), acc[..].cast(out.dtype), out[..]);
-        }
+    // Only the active visits run (the visit dim's extent is `visits`), and each owns rows.
+    if program_id(2) == 0 {
+        acc[..] = zeros([tm, tn], f32);
+    }
+    // `rhs` is `[g, k, n]`, or `[g, n, k]` stored transposed.
+    if transpose_rhs {
+        acc[..] += dot_t(lhs[..], rhs[..]);
+    } else {
+        acc[..] += dot(lhs[..], rhs[..]);
+    }
+    if program_id(2) == num_programs(2) - 1 {
+        let row = iota([tm, tn], 0) + tile[t] * tm;
+        // Rows of other groups keep what their own visit writes (or wrote).
+        out[..] = select((row >= row_lo[t]) & (row < row_hi[t]), acc[..].cast(out.dtype), out[..]);
     }
 }
 
 #[tpu_kernel(
-    grid = [k.div_ceil(tk), n.div_ceil(tn), v],
+    grid = [k.div_ceil(tk), n.div_ceil(tn), dynamic(v, visits)],
     semantics = [parallel, parallel, arbitrary],
     lhs = block([tm, tk], |i, j, t| [tile[t], i]),
     grad = block([tm, tn], |i, j, t| [tile[t], j]),
@@ -108,6 +109,7 @@ pub fn gmm_kernel(
     acc = scratch([tk, tn], f32),
 )]
 pub fn tgmm_kernel(
+    visits: Prefetch<1>,
     group: Prefetch<v>,
     tile: Prefetch<v>,
     row_lo: Prefetch<v>,
@@ -239,14 +241,16 @@ impl GroupMetadata {
         self.last.push(last as i32);
     }
 
-    /// The arrays as kernel arguments: the four shared ones, plus the flags for `tgmm`.
+    /// The arrays as kernel arguments: the visit count (`[1]`, the visit dim's run-time
+    /// extent), the four shared arrays, plus the flags for `tgmm`.
     pub fn arrays(&self, with_flags: bool) -> Vec<Array> {
         let n = self.group.len();
         let mut v = vec![self.group.clone(), self.tile.clone(), self.row_lo.clone(), self.row_hi.clone()];
         if with_flags {
             v.extend([self.first.clone(), self.last.clone()]);
         }
-        v.into_iter().map(|a| Array::from_i32(&[n], a)).collect()
+        let count = Array::from_i32(&[1], vec![self.visits as i32]);
+        std::iter::once(count).chain(v.into_iter().map(|a| Array::from_i32(&[n], a))).collect()
     }
 }
 
@@ -354,7 +358,7 @@ pub fn build_gmm(lhs: &Type, rhs: &Type, group_sizes: &Type, transpose_rhs: bool
     let md = meta_types(visit_capacity(m, g, blocks.tm), 4);
     let out = Type::vector(lhs.dtype, &[m, n]);
     let GmmBlocks { tm, tk, tn } = blocks;
-    let kernel = gmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn, transpose_rhs)?;
+    let kernel = gmm_kernel(Type::vector(DType::I32, &[1]), md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), lhs.clone(), rhs.clone(), out, tm, tk, tn, transpose_rhs)?;
     Ok(fit_vmem_limit(kernel, target))
 }
 
@@ -369,7 +373,7 @@ pub fn build_tgmm(lhs: &Type, grad: &Type, group_sizes: &Type, blocks: GmmBlocks
     let md = meta_types(visit_capacity(m, g, blocks.tm), 6);
     let out = Type::vector(lhs.dtype, &[g, k, n]);
     let GmmBlocks { tm, tk, tn } = blocks;
-    let kernel = tgmm_kernel(md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), md[4].clone(), md[5].clone(), lhs.clone(), grad.clone(), out, tm, tk, tn)?;
+    let kernel = tgmm_kernel(Type::vector(DType::I32, &[1]), md[0].clone(), md[1].clone(), md[2].clone(), md[3].clone(), md[4].clone(), md[5].clone(), lhs.clone(), grad.clone(), out, tm, tk, tn)?;
     Ok(fit_vmem_limit(kernel, target))
 }
 
@@ -426,20 +430,25 @@ fn blocks_of(c: &Call, default: GmmBlocks) -> Result<GmmBlocks, KernelError> {
     }
 }
 
-/// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata the host arrays `first..first + 4`.
+/// The host metadata operands `first..first + 1 + arrays`: the visit count, then the arrays.
+fn meta_operands(first: usize, arrays: usize, cap: usize) -> Vec<Operand> {
+    std::iter::once(host(first, Type::vector(DType::I32, &[1]))).chain((first + 1..first + 1 + arrays).map(|i| host(i, Type::vector(DType::I32, &[cap])))).collect()
+}
+
+/// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata the host arrays `first..first + 5`.
 fn gmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, transpose_rhs: bool, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
     let kernel = build_gmm(a.1, b.1, sizes, transpose_rhs, blocks, c.target)?;
     let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
-    let mut args: Vec<Operand> = (first..first + 4).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    let mut args = meta_operands(first, 4, cap);
     args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
     Ok(Launch::new(kernel, args))
 }
 
-/// A `tgmm` launch of `a^T @ b` per group, its metadata the host arrays `first..first + 6`.
+/// A `tgmm` launch of `a^T @ b` per group, its metadata the host arrays `first..first + 7`.
 fn tgmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
     let kernel = build_tgmm(a.1, b.1, sizes, blocks, c.target)?;
     let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
-    let mut args: Vec<Operand> = (first..first + 6).map(|i| host(i, Type::vector(DType::I32, &[cap]))).collect();
+    let mut args = meta_operands(first, 6, cap);
     args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
     Ok(Launch::new(kernel, args))
 }
@@ -490,7 +499,7 @@ fn plan_gmm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let dlhs = gmm_launch(c, ("dout", &dout), ("rhs", &rhs), &sizes, !t, gb, 0)?;
     let (a, b) = if t { (("dout", &dout), ("lhs", &lhs)) } else { (("lhs", &lhs), ("dout", &dout)) };
     let tb = default_tgmm_blocks(a.1, b.1, c.target);
-    let drhs = tgmm_launch(c, a, b, &sizes, tb, 4)?;
+    let drhs = tgmm_launch(c, a, b, &sizes, tb, 5)?;
     let results = vec![result(0, 0, dlhs.outputs[0].clone()), result(1, 0, drhs.outputs[0].clone())];
     let host = metadata(c, lhs.shape[0], vec![(gb.tm, false), (tb.tm, true)]);
     Ok(Plan::new(c.op, c.target, vec![dlhs, drhs], results).with_host(&[c.index("group_sizes")?], host))

@@ -300,7 +300,7 @@ fn plan_rmsnorm_residual(c: &Call) -> Result<Plan, KernelError> {
         // h = x + residual (stored: it is `new_residual`), then RMSNorm of the stored h
         // in two passes (what torch computes too: the norm of the rounded sum).
         let mut launches = vec![Launch::new(build::add(&x, c.target)?, vec![x_in, r_in])];
-        let out = wide_rows::rmsnorm_launches(&mut launches, &x, result(0, 0, x.clone()), &w, w_in, eps(c, RMSNORM_EPS), tiles, c.op)?;
+        let out = wide_rows::rmsnorm_launches(&mut launches, &x, result(0, 0, x.clone()), &w, w_in, eps(c, RMSNORM_EPS), tiles, c.op, c.target)?;
         let ty = Type::vector(x.dtype, &shape);
         return Ok(Plan::new(c.op, c.target, launches, vec![result(out, 0, ty.clone()), result(0, 0, ty)]));
     }

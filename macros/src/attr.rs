@@ -14,6 +14,9 @@ pub struct KernelAttr {
     pub grid: Vec<Expr>,
     /// Span of the `grid = [...]` array, for arity errors.
     pub grid_span: Span,
+    /// Per grid dim: `dynamic(bound, n)` names the scalar-prefetch operand `n` holding the
+    /// dim's run-time extent (`grid` then holds `bound`, the static upper bound).
+    pub grid_dynamic: Vec<Option<Ident>>,
     pub semantics: Option<(Span, Vec<Ident>)>,
     pub blocks: Vec<(Ident, BlockAttr)>,
     pub scratch: Vec<(Ident, ScratchAttr)>,
@@ -82,6 +85,7 @@ impl Parse for KernelAttr {
         let mut attr = KernelAttr {
             grid: Vec::new(),
             grid_span: Span::call_site(),
+            grid_dynamic: Vec::new(),
             semantics: None,
             blocks: Vec::new(),
             scratch: Vec::new(),
@@ -111,9 +115,14 @@ impl Parse for KernelAttr {
             }
             let key = keys.into_iter().next().expect("one key");
             let res = match key.to_string().as_str() {
-                "grid" => array(&value, "grid").map(|a| {
+                "grid" => array(&value, "grid").and_then(|a| {
                     attr.grid_span = a.span();
-                    attr.grid = a.elems.into_iter().collect();
+                    for e in a.elems {
+                        let (bound, dynamic) = grid_entry(e)?;
+                        attr.grid.push(bound);
+                        attr.grid_dynamic.push(dynamic);
+                    }
+                    Ok(())
                 }),
                 "semantics" => parse_semantics(&value).map(|s| attr.semantics = Some(s)),
                 "vmem_limit_bytes" => {
@@ -225,5 +234,25 @@ impl Errors {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// One `grid = [..]` entry: an extent, or `dynamic(bound, n)`: a dim of at most `bound`
+/// steps whose run-time extent is the scalar-prefetch operand `n` (Pallas: a grid entry
+/// traced from a scalar, as megablox gmm's active tile count).
+fn grid_entry(e: Expr) -> syn::Result<(Expr, Option<Ident>)> {
+    let Expr::Call(call) = &e else { return Ok((e, None)) };
+    let Expr::Path(f) = &*call.func else { return Ok((e, None)) };
+    if !f.path.is_ident("dynamic") {
+        return Ok((e, None));
+    }
+    let usage = "expected `dynamic(bound, n)`: the static upper bound of the dim, then the scalar-prefetch operand (`n: Prefetch<1>`) holding its run-time extent";
+    if call.args.len() != 2 {
+        return Err(syn::Error::new_spanned(call, usage));
+    }
+    let bound = call.args[0].clone();
+    match &call.args[1] {
+        Expr::Path(p) if p.path.get_ident().is_some() => Ok((bound, p.path.get_ident().cloned())),
+        other => Err(syn::Error::new_spanned(other, usage)),
     }
 }

@@ -34,7 +34,7 @@ enum Var {
     Static { depth: usize },
 }
 
-const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait"];
+const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait", "pipe_in", "pipe_out"];
 const UNARY_METHODS: &[(&str, &str)] = &[
     ("exp", "Exp"),
     ("log", "Log"),
@@ -56,7 +56,8 @@ const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf,
 max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
-ds(start, len) inside ref indices; any other function called with IR values is a `#[tpu_fn]` fragment";
+ds(start, len) inside ref indices; in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
+any other function called with IR values is a `#[tpu_fn]` fragment";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
 
 pub struct Lowerer<'a> {
@@ -65,6 +66,11 @@ pub struct Lowerer<'a> {
     /// How many dynamic `if`/`for` bodies enclose the current statement.
     dyn_depth: usize,
     errors: Errors,
+    /// The operands of the enclosing `for i in pipeline(..)` loops, innermost last: the
+    /// ref names in the order of their [`tessera_dsl::PipeBlock`]s.
+    pipelines: Vec<Vec<String>>,
+    /// Pipeline loops lowered so far (each names its buffers `pipe<n>_..`).
+    npipes: usize,
 }
 
 fn ident_of(e: &Expr) -> Option<&Ident> {
@@ -98,7 +104,7 @@ impl<'a> Lowerer<'a> {
     /// `statics`: names bound before the body runs (static parameters, dims).
     pub fn new(refs: &'a HashMap<String, RefInfo>, statics: impl IntoIterator<Item = String>) -> Self {
         let globals = statics.into_iter().map(|s| (s, Var::Static { depth: 0 })).collect();
-        Lowerer { refs, scopes: vec![globals], dyn_depth: 0, errors: Errors::default() }
+        Lowerer { refs, scopes: vec![globals], dyn_depth: 0, errors: Errors::default(), pipelines: Vec::new(), npipes: 0 }
     }
 
     /// Lowers the function body; returns the statements and every error found.
@@ -441,7 +447,8 @@ impl<'a> Lowerer<'a> {
         if BUILTINS.contains(&name.as_str()) {
             let want = match name.as_str() {
                 "program_id" | "num_programs" | "sigmoid" => 1,
-                "dma_start" | "dma_wait" => 3,
+                "dma_start" | "dma_wait" | "pipe_in" => 3,
+                "pipe_out" => 4,
                 "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
                 _ => 3,
             };
@@ -507,6 +514,18 @@ impl<'a> Lowerer<'a> {
                     let __s = #i;
                     __b.#f(#src, &__src, #dst, &__dst, #sem, __s)
                 }))
+            }
+            "pipe_in" | "pipe_out" => {
+                let Some(r) = ident_of(args[0]) else { return err(args[0], format!("`{name}` takes the pipelined operand's name first")) };
+                let Some(k) = self.pipelines.last().and_then(|p| p.iter().position(|n| n == &r.to_string())) else {
+                    return err(c, format!("`{name}` is only valid directly in the body of a `for i in pipeline(steps) {{ .. }}` loop"));
+                };
+                if name == "pipe_in" {
+                    Ok(quote!(__b.pipe_load(&__blocks[#k])))
+                } else {
+                    let v = self.arg(args[3])?;
+                    Ok(quote!({ let __v = #v; __b.pipe_store(&__blocks[#k], __v) }))
+                }
             }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
             "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" | "log1p" | "expm1" | "sin" | "cos" | "floor" | "ceil" | "round" | "sign" => {
@@ -945,6 +964,11 @@ impl<'a> Lowerer<'a> {
         if let Some(l) = &f.label {
             return err(l, "loop labels are not supported in kernel bodies");
         }
+        if let Expr::Call(c) = strip(&f.expr) {
+            if ident_of(&c.func).is_some_and(|n| n == "pipeline") {
+                return self.pipeline_loop(f, c);
+            }
+        }
         let (range, step) = match strip(&f.expr) {
             Expr::MethodCall(m) if m.method == "step_by" && m.args.len() == 1 => {
                 let s = self.require_static(&m.args[0], "a loop step")?;
@@ -991,6 +1015,95 @@ impl<'a> Lowerer<'a> {
                 #step,
                 &[#(#carries),*],
                 |__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __c: &[::tessera_dsl::Value]| #body,
+            );
+            #(#assign_back)*
+        }))
+    }
+
+    /// `for i in pipeline(steps) { .. pipe_in(x, [block], [idx]) .. pipe_out(o, [block],
+    /// [idx], v) .. }` -> `__b.emit_pipeline` (Pallas `pltpu.emit_pipeline`): every
+    /// operand named by a `pipe_in` / `pipe_out` in the body is streamed in sub-blocks of
+    /// `block` at block indices `idx` (over `i` and values from outside the loop), double
+    /// buffered; `pipe_in` reads the current sub-block, `pipe_out` writes it.
+    fn pipeline_loop(&mut self, f: &syn::ExprForLoop, c: &syn::ExprCall) -> syn::Result<TokenStream> {
+        if c.args.len() != 1 {
+            return err(c, "`pipeline(steps)` takes the static number of steps");
+        }
+        let steps = self.static_usize(&c.args[0], "a pipeline's step count")?;
+        let iv = match &*f.pat {
+            Pat::Ident(pi) if pi.by_ref.is_none() && pi.mutability.is_none() && pi.subpat.is_none() => pi.ident.clone(),
+            Pat::Wild(w) => Ident::new("__iv", w.span()),
+            p => return err(p, "the loop variable is a plain name (or `_`)"),
+        };
+        // The pipelined operands, in order of first use.
+        struct Uses<'e>(Vec<(String, &'e Expr, &'e Expr, &'e Expr)>);
+        impl<'ast> Visit<'ast> for Uses<'ast> {
+            fn visit_expr_call(&mut self, c: &'ast syn::ExprCall) {
+                if let Some(n) = ident_of(&c.func) {
+                    if (n == "pipe_in" && c.args.len() == 3) || (n == "pipe_out" && c.args.len() == 4) {
+                        if let Some(r) = ident_of(&c.args[0]) {
+                            if !self.0.iter().any(|u| u.0 == r.to_string()) {
+                                self.0.push((r.to_string(), &c.args[0], &c.args[1], &c.args[2]));
+                            }
+                        }
+                    }
+                }
+                syn::visit::visit_expr_call(self, c);
+            }
+        }
+        let mut uses = Uses(Vec::new());
+        uses.visit_block(&f.body);
+        if uses.0.is_empty() {
+            return err(&f.expr, "a pipeline loop streams the operands its body names with `pipe_in(x, [block], [indices])` / `pipe_out(o, [block], [indices], value)`; this one names none");
+        }
+        let mut pipes = Vec::new();
+        for (name, r, shape, idx) in &uses.0 {
+            let Some(info) = self.ref_of(r) else { return err(r, format!("`{name}` is not an operand of the kernel (pipelines stream `Any<..>` operands)")) };
+            let var = info.var.clone();
+            let shape = self.shape(shape)?;
+            let Expr::Array(a) = strip(idx) else { return err(idx, "the block indices are an array, one per operand dim: `[i, 0]`") };
+            let elems: Vec<&Expr> = a.elems.iter().collect();
+            let lowered = self.scoped(|l| {
+                l.declare(&iv, Var::Ir { mutable: false });
+                elems.iter().map(|e| l.arg(e)).collect::<syn::Result<Vec<_>>>()
+            })?;
+            let lets: Vec<TokenStream> = lowered.iter().enumerate().map(|(k, t)| {
+                let n = format_ident!("__x{k}");
+                quote!(let #n = ::tessera_dsl::Arg::from(#t);)
+            }).collect();
+            let names = (0..lowered.len()).map(|k| format_ident!("__x{k}"));
+            pipes.push(quote!(::tessera_dsl::Pipe::new(#var, #shape, &|__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value| -> ::std::vec::Vec<::tessera_dsl::Arg> {
+                let _ = &__b;
+                #(#lets)*
+                ::std::vec![#(#names),*]
+            })));
+        }
+        let name = format!("pipe{}", self.npipes);
+        self.npipes += 1;
+        let carries = self.assigned_ir_vars(None, [&f.body]);
+        let restore = at(f.for_token.span);
+        self.dyn_depth += 1;
+        self.pipelines.push(uses.0.iter().map(|u| u.0.clone()).collect());
+        let body = self.scoped(|l| {
+            l.declare(&iv, Var::Ir { mutable: false });
+            for c in &carries {
+                l.declare(c, Var::Ir { mutable: true });
+            }
+            let stmts = l.scoped(|l| l.stmts(&f.body.stmts));
+            let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __c[#k];));
+            // The step may be used only by the index maps.
+            quote!({ let _ = #iv; #(#copies)* { #stmts } #restore ::std::vec![#(#carries),*] })
+        });
+        self.pipelines.pop();
+        self.dyn_depth -= 1;
+        let assign_back = carries.iter().enumerate().map(|(k, c)| quote!(#c = __res[#k];));
+        Ok(quote!({
+            let __res = __b.emit_pipeline(
+                #name,
+                #steps,
+                &[#(#pipes),*],
+                &[#(#carries),*],
+                |__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __blocks: &[::tessera_dsl::PipeBlock], __c: &[::tessera_dsl::Value]| #body,
             );
             #(#assign_back)*
         }))

@@ -49,7 +49,7 @@ pub struct RefParam {
 impl RefParam {
     /// Whether the operand takes a block spec (`In<..>`, `Out<..>`).
     pub fn blocked(&self) -> bool {
-        self.kind == RefKind::Output || self.kind == RefKind::Input && self.place == Place::Vmem
+        matches!(self.kind, RefKind::Output | RefKind::Input) && self.place == Place::Vmem
     }
 
     /// The parameter kind as written by the user.
@@ -59,6 +59,7 @@ impl RefParam {
             (RefKind::Input, Place::Vmem) => "In",
             (RefKind::Input, Place::Smem) => "Smem",
             (RefKind::Input, Place::Any) => "Any",
+            (RefKind::Output, Place::Any) => "AnyOut",
             (RefKind::Output, _) => "Out",
             (RefKind::Scratch, _) => "Scratch",
         }
@@ -186,6 +187,7 @@ fn classify(ty: &Type) -> syn::Result<Option<(RefKind, Place, Vec<Dim>)>> {
         "Smem" => (RefKind::Input, Place::Smem),
         "Any" => (RefKind::Input, Place::Any),
         "Out" => (RefKind::Output, Place::Vmem),
+        "AnyOut" => (RefKind::Output, Place::Any),
         "Prefetch" => (RefKind::Prefetch, Place::Smem),
         "Scratch" => {
             if !seg.arguments.is_none() {

@@ -241,3 +241,57 @@ fn large_block_gmm_compiles() {
         oracle::assert_accepted(&mine, target.name);
     }
 }
+
+/// The visit axis is a dynamic grid dim: a call runs `n-tiles x visits x k-tiles` steps,
+/// not the static bound's, and one compiled kernel serves every `group_sizes` of a shape
+/// (the kernel is built from types; the visit count is a run-time operand). Checked on the
+/// interpreter and the JIT, numerics against the f64 reference.
+#[test]
+fn gmm_runs_only_the_active_visits_with_one_compile() {
+    use tessera_codegen::cpu::{cache_stats, Backend};
+    use tessera_dsl::interp::HostMut;
+    let (m, k, n, g) = (512, 256, 256, 8);
+    let target = Target::V5E;
+    let blocks = GmmBlocks { tm: 128, tk: 128, tn: 128 };
+    let (lt, rt, gt) = (Type::vector(DType::F32, &[m, k]), Type::vector(DType::F32, &[g, k, n]), Type::vector(DType::I32, &[g]));
+    let kernel = gmm::build_gmm(&lt, &rt, &gt, false, blocks, &target).unwrap();
+    let cap = visit_capacity(m, g, blocks.tm);
+    assert_eq!(kernel.grid[1].extent, cap);
+    assert!(kernel.grid[1].dynamic.is_some());
+    let mut rng = StdRng::seed_from_u64(3);
+    let lhs = random_array(DType::F32, &[m, k], &mut rng);
+    let rhs = random_array(DType::F32, &[g, k, n], &mut rng);
+    let (tiles_n, tiles_k) = (n / blocks.tn, k / blocks.tk);
+    // All rows in one group, groups aligned to tiles, boundaries inside tiles, random.
+    let sets: Vec<Vec<i32>> = vec![vec![0, 0, 512, 0, 0, 0, 0, 0], vec![64; 8], vec![128, 0, 128, 0, 128, 0, 128, 0], gmm::random_group_sizes(m, g, &mut rng)];
+    let misses = cache_stats().misses;
+    let mut skipped = Vec::new();
+    for sizes in &sets {
+        let md = group_metadata(sizes, m, blocks.tm, false);
+        let arrays = md.arrays(false);
+        let mut args: Vec<&Array> = arrays.iter().collect();
+        args.extend([&lhs, &rhs]);
+        let want = reference::gmm(&lhs.to_f64_vec(), &rhs.to_f64_vec(), &sizes.iter().map(|&s| s as usize).collect::<Vec<_>>(), k, n, false);
+        // Rebuilt per call as a plan would be: the same kernel whatever the sizes.
+        assert_eq!(gmm::build_gmm(&lt, &rt, &gt, false, blocks, &target).unwrap(), kernel);
+        for be in [Backend::Interp, Backend::Jit] {
+            let inputs: Vec<_> = args.iter().map(|a| a.as_host()).collect();
+            let mut out = Array::poison(DType::F32, &[m, n]);
+            let stats = {
+                let mut views: Vec<HostMut<'_>> = vec![out.as_host_mut()];
+                be.executor().run_into(&kernel, &inputs, &mut views).unwrap_or_else(|e| panic!("{be:?} {sizes:?}: {e}"))
+            };
+            assert_eq!(stats.grid_steps, tiles_n * md.visits * tiles_k, "{be:?} {sizes:?}: steps");
+            let got = out.to_f64_vec();
+            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            assert!(err <= 1e-3, "{be:?} {sizes:?}: max error {err}");
+        }
+        skipped.push((md.visits, cap));
+    }
+    assert_eq!(cache_stats().misses - misses, 1, "one JIT compile for {} group-size sets", sets.len());
+    // One group: 4 visits of 11; tile-aligned pairs: 4; boundaries inside tiles: 8.
+    assert_eq!(skipped[0], (4, 11));
+    assert_eq!(skipped[1], (8, 11));
+    assert_eq!(skipped[2], (4, 11));
+    eprintln!("visits run / bound per call: {skipped:?}");
+}

@@ -295,6 +295,7 @@ pub fn fingerprint(k: &Kernel) -> u64 {
     for g in &k.grid {
         g.extent.hash(&mut h);
         g.semantics.hash(&mut h);
+        g.dynamic.hash(&mut h);
     }
     for r in &k.refs {
         r.kind.hash(&mut h);

@@ -2,7 +2,8 @@
 //! lexicographic order and, per grid step, the block index of every blocked operand. Both
 //! compiled backends run the same [`Schedule`]; only the body of a grid step is compiled.
 //!
-//! The schedule is computed from the scalar-prefetch values before the grid runs. Errors
+//! The schedule is computed from the scalar-prefetch values before the grid runs (a
+//! dynamic grid dim walks its run-time extent, `interp::run_extents`). Errors
 //! an index map raises at some step (`index-out-of-bounds`, `prefetch-out-of-bounds`,
 //! `index-map-eval`, `parallel-revisit`) are kept with that step and raised by the driver
 //! when it gets there, so they come in the interpreter's order: after everything the
@@ -10,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use tessera_dsl::interp::{parallel_revisit, HostData, HostRef};
+use tessera_dsl::interp::{parallel_revisit, run_extents, HostData, HostRef};
 use tessera_dsl::verify::eval_index;
 use tessera_dsl::{Kernel, KernelError, RefDecl, RefId, RefKind, Semantics};
 
@@ -86,8 +87,12 @@ fn read_prefetch(k: &Kernel, inputs: &[HostRef<'_>], input_of: &[Option<usize>],
 
 /// Computes the schedule of `k` for these (already checked) inputs.
 pub fn schedule(k: &Kernel, inputs: &[HostRef<'_>]) -> Schedule {
-    let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
-    let total = k.grid_steps();
+    // A dynamic dim runs to its run-time extent; a bad one is raised before the first step.
+    let (extents, extent_error) = match run_extents(k, inputs) {
+        Ok(e) => (e, None),
+        Err(e) => (vec![0; k.grid.len()], Some((0, e))),
+    };
+    let total: usize = extents.iter().product();
     let mut input_of = vec![None; k.refs.len()];
     let mut next = 0;
     for (i, r) in k.refs.iter().enumerate() {
@@ -109,6 +114,7 @@ pub fn schedule(k: &Kernel, inputs: &[HostRef<'_>]) -> Schedule {
     let unit_len: usize = extents[lead..].iter().product();
     let mut s = Schedule { extents: extents.clone(), steps: total, blocked, offsets, row, index: Vec::with_capacity(total * row), error: None, revisits: vec![false; 0], units: units.max(1), unit_len: unit_len.max(1) };
     s.revisits = vec![false; s.blocked.len()];
+    s.error = extent_error;
     let mut first_visit: Vec<HashMap<Vec<usize>, Vec<usize>>> = vec![HashMap::new(); s.blocked.len()];
     let mut closed: Vec<std::collections::HashSet<Vec<usize>>> = vec![Default::default(); s.blocked.len()];
     let mut current: Vec<Option<Vec<usize>>> = vec![None; s.blocked.len()];

@@ -1,8 +1,11 @@
 //! The grid: at least one dimension, every extent positive and within what libtpu
-//! compiles, and a step count `program_id` arithmetic cannot overflow.
+//! compiles, and a step count `program_id` arithmetic cannot overflow. A dynamic dim is
+//! checked at its static bound; its extent operand is an int32 `[1]` scalar prefetch.
 
 use super::Verifier;
 use crate::error::Result;
+use crate::ir::{Inst, RefKind};
+use crate::types::DType;
 use crate::target::{MAX_GRID_EXTENT, MAX_GRID_STEPS};
 
 impl Verifier<'_> {
@@ -25,6 +28,7 @@ impl Verifier<'_> {
                 ));
             }
         }
+        self.dynamic_extents()?;
         let steps = self.k.grid.iter().try_fold(1usize, |n, g| n.checked_mul(g.extent));
         match steps {
             Some(n) if n <= MAX_GRID_STEPS => Ok(()),
@@ -38,5 +42,40 @@ impl Verifier<'_> {
                 ))
             }
         }
+    }
+
+    /// Each dynamic dim's extent operand: a scalar-prefetch int32 `[1]` (the leading
+    /// custom-call operand is its one element), and `num_programs` of the dim reads it.
+    fn dynamic_extents(&self) -> Result<()> {
+        for (d, g) in self.k.grid.iter().enumerate() {
+            let Some(r) = g.dynamic else { continue };
+            let help = "declare the extent as a scalar-prefetch operand of shape [1] (`n: Prefetch<1>`) and name it: grid = [.., dynamic(bound, n), ..]";
+            let Some(decl) = self.k.refs.get(r.index()) else {
+                return Err(self.err("grid", "grid-dynamic-extent", format!("dimension {d} takes its extent from {r}, which does not exist"), help));
+            };
+            if decl.kind != RefKind::Prefetch || decl.dtype != DType::I32 || decl.shape != [1] {
+                return Err(self.err_at(
+                    decl,
+                    "grid",
+                    "grid-dynamic-extent",
+                    format!("dimension {d} takes its extent from {} `{}` ({} {:?}), not an int32 [1] scalar-prefetch operand", decl.kind.name(), decl.name, decl.dtype, decl.shape),
+                    help,
+                ));
+            }
+        }
+        let mut bad = None;
+        self.k.walk(self.k.body, &mut |_, data| {
+            if let Inst::NumPrograms(a) = data.inst {
+                if self.k.grid.get(a).is_some_and(|g| g.dynamic.is_some()) && bad.is_none() {
+                    bad = Some((a, data.loc.clone()));
+                }
+            }
+        });
+        if let Some((a, loc)) = bad {
+            return Err(self
+                .err(format!("num_programs({a})"), "grid-dynamic-extent", format!("grid dim {a} is dynamic: its extent is known only at run time"), "read the extent operand instead (KernelBuilder::num_programs does)")
+                .at(loc));
+        }
+        Ok(())
     }
 }

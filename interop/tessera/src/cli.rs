@@ -446,7 +446,7 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
                 continue;
             };
             let r = tessera_codegen::roofline(kernel, &p, target);
-            let bound = if r.blind { format!("{} (libtpu's estimate is below the MXU floor: it cannot see prefetch-driven trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
+            let bound = if r.blind { format!("{} (libtpu's estimate cannot see prefetch-driven or dynamic-grid trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
             let mib = p.vmem_bytes as f64 / (1 << 20) as f64;
             println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
         }
