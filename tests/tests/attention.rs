@@ -371,7 +371,7 @@ fn nonfinite_inputs_propagate_like_math_attention() {
         let tol = if dtype == DType::BF16 { 3e-2 } else { 2e-5 };
         for causal in [false, true] {
             for segmented in [false, true] {
-                let mut run = |what: String, q: &[f32], k: &[f32], v: &[f32], extra: &str| {
+                let run = |what: String, q: &[f32], k: &[f32], v: &[f32], extra: &str| {
                     let (q, k, v) = (Array::from_f32_in(dtype, &[b, h, sq, d], q.to_vec()), Array::from_f32_in(dtype, &[b, hkv, skv, d], k.to_vec()), Array::from_f32_in(dtype, &[b, hkv, skv, d], v.to_vec()));
                     let seg = if segmented { [Some(&qs), Some(&ks)] } else { [None, None] };
                     let statics = format!("causal={}, block_q=16, block_kv=128{extra}", if causal { "True" } else { "False" });
