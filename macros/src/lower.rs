@@ -597,7 +597,7 @@ impl<'a> Lowerer<'a> {
                 Expr::MethodCall(m) if matches!(strip(&m.receiver), Expr::Range(_)) => {
                     let Expr::Range(r) = strip(&m.receiver) else { unreachable!() };
                     if m.method != "step_by" || m.args.len() != 1 {
-                        return err(m, "a range in a ref index takes only `.step_by(stride)`: `x[(0..16).step_by(2), ..]`, or write `ds(start, len, stride)`");
+                        return err(m, "a range in a ref index takes only `.step_by(stride)`: `x[((0..16).step_by(2), ..)]`, or write `ds(start, len, stride)`");
                     }
                     let (Some(end), RangeLimits::HalfOpen(_)) = (&r.end, &r.limits) else {
                         return err(r, "a strided ref index is `(a..b).step_by(s)` with both bounds (`ds(start, len, stride)` for dynamic starts)");

@@ -587,3 +587,54 @@ fn libtpu_compiles_cumsum_strided_and_prng_for_v5e_v6e_tpu7x() {
         oracle::assert_accepted(&modules, target.name);
     }
 }
+
+/// The alternative lowering of a lane cumsum: a matmul with the upper-triangular ones
+/// matrix on the MXU (measured against the rotation scan below; not used).
+#[tpu_kernel(grid = [1], x = block([r, c], |i| [0, 0]), o = block([r, c], |i| [0, 0]))]
+fn cumsum_by_matmul(x: In<r, c>, o: Out<r, c>) {
+    let row = iota([c, c], 0);
+    let col = iota([c, c], 1);
+    let u = select(row <= col, 1.0, 0.0);
+    o[..] = dot(x[..], u);
+}
+
+#[tpu_kernel(grid = [1], x = block([r, c], |i| [0, 0]), o = block([r, c], |i| [0, 0]))]
+fn cumsum_lanes(x: In<r, c>, o: Out<r, c>) {
+    o[..] = x[..].cumsum(1);
+}
+
+#[tpu_kernel(grid = [1], x = block([r, c], |i| [0, 0]), o = block([r, c], |i| [0, 0]))]
+fn cumsum_rows(x: In<r, c>, o: Out<r, c>) {
+    o[..] = x[..].cumsum(0);
+}
+
+/// libtpu's static cycle estimate of the rotation scan against the triangular matmul, per
+/// generation (`TESSERA_TPU_ORACLE=1 cargo test ... cumsum_lowering_costs -- --nocapture`).
+#[test]
+fn cumsum_lowering_costs() {
+    use tessera_tests::oracle;
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to profile with libtpu");
+        return;
+    }
+    let mut modules = Vec::new();
+    for (r, c) in [(8, 128), (8, 512), (8, 2048), (256, 128), (256, 512)] {
+        let t = ty(DType::F32, &[r, c]);
+        modules.push((format!("scan-lanes-{r}x{c}"), cumsum_lanes(t.clone(), t.clone()).unwrap()));
+        modules.push((format!("scan-rows-{r}x{c}"), cumsum_rows(t.clone(), t.clone()).unwrap()));
+        modules.push((format!("matmul-lanes-{r}x{c}"), cumsum_by_matmul(t.clone(), t).unwrap()));
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let mut m: Vec<(String, String)> = Vec::new();
+        for (n, k) in &modules {
+            match tessera_codegen::lower(k, &target) {
+                Ok(l) => m.push((n.clone(), l.stablehlo)),
+                Err(e) => println!("{:6} {n:22} not lowered: {}", target.name, e.to_string().chars().take(100).collect::<String>()),
+            }
+        }
+        for v in oracle::profile(&m, target.name) {
+            let p = v.profile.map(|p| format!("{} cycles, {} bundles, {} spills, {} KiB VMEM", p.cycles, p.bundles, p.vector_spills, p.vmem_bytes / 1024)).unwrap_or_default();
+            println!("{:6} {:22} {} {}", target.name, v.name, if v.ok { "ok" } else { "REJECTED" }, if v.ok { p } else { v.error.chars().take(120).collect() });
+        }
+    }
+}
