@@ -359,8 +359,9 @@ impl KernelBuilder {
                 self.fail(format!("{} of `{}`", what, decl.name), "index-type", format!("index of dim {d} has type {t}"), "indices are i32 scalars; cast with .cast(i32)");
             }
             if let Some(Scalar::Int(s)) = self.k.as_const(start) {
-                if s < 0 || (s as usize).saturating_add(span) > extent {
-                    let what_elems = if stride == 1 { format!("elements {s}..{}", s as usize + len) } else { format!("{len} elements {s}, {}, .., {} (stride {stride})", s as usize + stride, s as usize + span - 1) };
+                if s < 0 || (s as u64).saturating_add(span as u64) > extent as u64 {
+                    let (len64, stride64, span64) = (len as i64, stride as i64, i64::try_from(span).unwrap_or(i64::MAX));
+                    let what_elems = if stride == 1 { format!("elements {s}..{}", s.saturating_add(len64)) } else { format!("{len} elements {s}, {}, .., {} (stride {stride})", s.saturating_add(stride64), s.saturating_add(span64) - 1) };
                     self.fail(
                         format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
                         "static-out-of-bounds",

@@ -1643,9 +1643,9 @@ impl<'k, 'h> Machine<'k, 'h> {
             if s.stride == 0 {
                 return Err(self.malformed(d, format!("dim {dim}: stride 0")));
             }
-            let span = s.span() as i64;
-            if start < 0 || start + span > extent as i64 {
-                let elems = if s.stride == 1 { format!("elements {start}..{}", start + span) } else { format!("{} elements {start}, {}, .., {} (stride {})", s.len, start + s.stride as i64, start + span - 1, s.stride) };
+            let span = i64::try_from(s.span()).unwrap_or(i64::MAX);
+            if start < 0 || start.saturating_add(span) > extent as i64 {
+                let elems = if s.stride == 1 { format!("elements {start}..{}", start.saturating_add(span)) } else { format!("{} elements {start}, {}, .., {} (stride {})", s.len, start.saturating_add(s.stride as i64), start.saturating_add(span) - 1, s.stride) };
                 return Err(self
                     .err(
                         subject,

@@ -141,6 +141,38 @@ fn cumsum_matches_f64_prefix_sums_on_every_backend() {
     }
 }
 
+/// A rank-3 block scanned along its last two axes.
+#[tpu_kernel(grid = [1], x = block([a, r, c], |i| [0, 0, 0]), (lanes, rows) = block([a, r, c], |i| [0, 0, 0]))]
+fn cumsum3(x: In<a, r, c>, lanes: Out<a, r, c>, rows: Out<a, r, c>) {
+    let v = x[..];
+    lanes[..] = v.cumsum(2);
+    rows[..] = v.cumsum(1);
+}
+
+#[test]
+fn cumsum_of_rank3_blocks_scans_each_matrix() {
+    let (a, r, c) = (3, 16, 256);
+    for dtype in [DType::F32, DType::I32] {
+        let t = ty(dtype, &[a, r, c]);
+        let k = cumsum3(t.clone(), t.clone(), t).unwrap();
+        let xs: Vec<f32> = (0..a * r * c).map(|i| ((i * 7919) % 201) as f32 - 100.0).collect();
+        let x = match dtype {
+            DType::I32 => Array::from_i32(&[a, r, c], xs.iter().map(|&v| v as i32).collect()),
+            _ => Array::from_f32(&[a, r, c], xs.clone()),
+        };
+        let outs = run_all(&k, &[&x]);
+        let m = r * c;
+        for p in 0..a {
+            let xin: Vec<f64> = xs[p * m..(p + 1) * m].iter().map(|&v| v as f64).collect();
+            for (axis, out) in [(1usize, &outs[0]), (0, &outs[1])] {
+                // Small integers: every partial sum is exact in f32.
+                let (want, _) = cumsum_ref(&xin, r, c, axis);
+                assert_eq!(&out.to_f64_vec()[p * m..(p + 1) * m], &want[..], "{dtype} matrix {p} axis {}", axis + 1);
+            }
+        }
+    }
+}
+
 #[test]
 fn cumsum_bf16_adds_in_f32_as_torch_does() {
     // torch.cumsum(torch.ones(2048, dtype=torch.bfloat16)) gives 256 at index 255, 258 at
@@ -560,6 +592,10 @@ fn libtpu_compiles_cumsum_strided_and_prng_for_v5e_v6e_tpu7x() {
             let t = ty(dtype, &[r, c]);
             kernels.push(cumsum2(t.clone(), t.clone(), t).unwrap());
         }
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        let t = ty(dtype, &[2, 16, 256]);
+        kernels.push(cumsum3(t.clone(), t.clone(), t).unwrap());
     }
     for dtype in [DType::F32, DType::I32] {
         let ot = ty(dtype, &[32, 128]);
