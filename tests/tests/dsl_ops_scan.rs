@@ -674,3 +674,30 @@ fn cumsum_lowering_costs() {
         }
     }
 }
+
+/// A matmul accumulated into every other row: the JIT's in-place GEMM must not take a
+/// strided destination for a dense one.
+#[tpu_kernel(grid = [1], a = block([8, 128], |i| [0, 0]), b = block([128, 128], |i| [0, 0]), o = block([16, 128], |i| [0, 0]))]
+fn strided_dot_acc(a: In<8, 128>, b: In<128, 128>, o: Out<16, 128>) {
+    o[..] = 1.0;
+    o[(ds(0, 8, 2), ..)] += dot(a[..], b[..]);
+}
+
+#[test]
+fn a_dot_accumulated_into_strided_rows_lands_on_them() {
+    let k = strided_dot_acc(ty(DType::F32, &[8, 128]), ty(DType::F32, &[128, 128]), ty(DType::F32, &[16, 128])).unwrap();
+    let mut rnd = lcg(17);
+    let a: Vec<f32> = (0..8 * 128).map(|_| rnd() - 0.5).collect();
+    let b: Vec<f32> = (0..128 * 128).map(|_| rnd() - 0.5).collect();
+    let (xa, xb) = (Array::from_f32(&[8, 128], a.clone()), Array::from_f32(&[128, 128], b.clone()));
+    for be in backends() {
+        let out = exec::run(be.executor(), &k, &[&xa, &xb]).unwrap_or_else(|e| panic!("{be:?}: {e}"));
+        let g = out[0].to_f64_vec();
+        for r in 0..16 {
+            for j in 0..128 {
+                let want = if r % 2 == 0 { 1.0 + (0..128).map(|p| a[(r / 2) * 128 + p] as f64 * b[p * 128 + j] as f64).sum::<f64>() } else { 1.0 };
+                assert!((g[r * 128 + j] - want).abs() < 1e-4, "{be:?} row {r} col {j}: got {}, want {want}", g[r * 128 + j]);
+            }
+        }
+    }
+}

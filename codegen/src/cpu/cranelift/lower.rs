@@ -383,7 +383,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         for (idx, d) in k.insts.iter().enumerate() {
             let st = InstId(idx as u32);
             let Inst::Store { dst, slices, value } = &d.inst else { continue };
-            if !self.pos.contains_key(&st) || k.ref_decl(*dst).dtype != DType::F32 || slices.len() != 2 || self.layouts[dst.index()].strides.len() != 2 {
+            // The in-place GEMM writes rows `strides[0]` apart: not for a strided store.
+            if !self.pos.contains_key(&st) || k.ref_decl(*dst).dtype != DType::F32 || slices.len() != 2 || self.layouts[dst.index()].strides.len() != 2 || slices.iter().any(|s| s.stride != 1) {
                 continue;
             }
             let Some(add) = self.inst_of(*value) else { continue };
