@@ -52,6 +52,12 @@ fn block_cost(k: &Kernel, b: BlockId) -> CostEstimate {
             Inst::Unary(op, _) if op.is_transcendental() => c.transcendentals += elems,
             Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } => c.flops += elems,
             Inst::Reduce { x, .. } => c.flops += k.ty(*x).num_elements() as u64,
+            // The Hillis-Steele scan Mosaic runs: ceil(log2 n) adds per element.
+            Inst::Cumsum { axis, x } => {
+                let t = k.ty(*x);
+                let n = t.shape.get(*axis).copied().unwrap_or(1).max(1) as u64;
+                c.flops += t.num_elements() as u64 * (u64::BITS - (n - 1).leading_zeros()) as u64;
+            }
             Inst::Dot { lhs, transpose_lhs, .. } => {
                 let s = &k.ty(*lhs).shape;
                 let kdim = if *transpose_lhs { s[0] } else { s[1] };

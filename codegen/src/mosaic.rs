@@ -187,6 +187,20 @@ fn index_expr(e: &IndexExpr, args: &[Ssa], prefetch: &HashMap<RefId, Ssa>, t: &m
     }
 }
 
+/// The per-memref-dim strides of a strided access (squeezed dims 1), or `None` when
+/// every stride is 1.
+fn memref_strides(r: &RefDecl, slices: &[Slice]) -> Option<Vec<i64>> {
+    if slices.iter().all(|s| s.stride == 1) {
+        return None;
+    }
+    let mut sl = slices.iter();
+    let out = match &r.block {
+        Some(b) => b.block_shape.iter().map(|d| if d.is_none() { 1 } else { sl.next().map_or(1, |s| s.stride as i64) }).collect(),
+        None => sl.map(|s| s.stride as i64).collect(),
+    };
+    Some(out)
+}
+
 // ---- the body ----------------------------------------------------------------------------------
 
 struct Lower<'a> {
@@ -249,6 +263,15 @@ impl Lower<'_> {
             }
             Inst::Iota { dim } => Some(self.iota(*dim, result_ty.as_ref().unwrap())),
             Inst::Reduce { op, axis, x } => Some(self.reduce(*op, *axis, *x)),
+            Inst::Cumsum { axis, x } => Some(self.cumsum(*axis, *x)),
+            Inst::PrngSeed(seeds) => {
+                let vs: Vec<Ssa> = seeds.iter().map(|&v| self.v(v)).collect();
+                let refs: Vec<&Ssa> = vs.iter().collect();
+                // As Pallas lowers `pltpu.prng_seed`.
+                self.t.op0("tpu.prng_set_seed_32", &refs, "");
+                None
+            }
+            Inst::PrngRandomBits => Some(self.t.op1("tpu.prng_random_bits", &[], "", ty(result_ty.as_ref().unwrap()))),
             Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => Some(self.dot(*lhs, *rhs, *transpose_lhs, *transpose_rhs, result_ty.as_ref().unwrap())),
             Inst::Transpose(x) => {
                 let r = self.ty(*x).rank() as i64;
@@ -373,7 +396,11 @@ impl Lower<'_> {
         if r.memory == MemorySpace::Smem {
             return self.t.op1("memref.load", &ops, "", r.dtype.mlir().into());
         }
-        let loaded = self.t.op1("vector.load", &ops, "", vector_ty(r.dtype, &shape));
+        let loaded = match memref_strides(&r, slices) {
+            // `pl.ds(start, len, stride)`, as Pallas lowers a strided ref read.
+            Some(strides) => self.t.op1("tpu.strided_load", &ops, &format!("strides = {}", dense_array("i32", strides)), vector_ty(r.dtype, &shape)),
+            None => self.t.op1("vector.load", &ops, "", vector_ty(r.dtype, &shape)),
+        };
         let view: Vec<usize> = slices.iter().map(|s| s.len).collect();
         if view == shape {
             loaded
@@ -465,6 +492,10 @@ impl Lower<'_> {
         }
         let mut ops = vec![&val, &mem];
         ops.extend(idx.iter());
+        if let Some(strides) = memref_strides(&r, slices) {
+            self.t.op0("tpu.strided_store", &ops, &format!("strides = {}", dense_array("i32", strides)));
+            return;
+        }
         let attrs = format!("add = false, operandSegmentSizes = {}, strides = array<i32>", dense_array("i32", [1, 1, idx.len() as i64, 0]));
         self.t.op0("tpu.vector_store", &ops, &attrs);
     }
@@ -724,6 +755,45 @@ impl Lower<'_> {
             return self.t.op1("vector.shape_cast", &[&r], "", ty(out));
         }
         self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [dim as i64])), ty(out))
+    }
+
+    /// The inclusive prefix sum along `axis` (Mosaic has no scan op): Hillis-Steele,
+    /// ceil(log2 n) steps of `y += select(iota >= s, rotate(y, s), 0)` for s = 1, 2, 4..,
+    /// with `tpu.dynamic_rotate` along the lane or sublane axis (as Pallas lowers
+    /// `pltpu.roll`). bf16 scans in f32 and rounds once, as the interpreter does.
+    fn cumsum(&mut self, axis: usize, x: Value) -> Ssa {
+        let t0 = self.ty(x).clone();
+        let mut xv = self.v(x);
+        let (mut t, mut axis) = (t0.clone(), axis);
+        if t.rank() == 1 {
+            t = Type::vector(t.dtype, &[1, t.shape[0]]);
+            xv = self.t.op1("vector.shape_cast", &[&xv], "", ty(&t));
+            axis = 1;
+        }
+        let work = if t.dtype == DType::BF16 { DType::F32 } else { t.dtype };
+        let wt = t.with_dtype(work);
+        let mut y = self.convert(xv, t.dtype, work, &t);
+        let n = t.shape[axis];
+        let it = t.with_dtype(DType::I32);
+        let index = self.t.op1("tpu.iota", &[], &format!("dimensions = {}", dense_array("i32", [axis as i64])), ty(&it));
+        let zero = self.constant(if work.is_float() { Scalar::Float(0.0) } else { Scalar::Int(0) }, &wt);
+        let add = if work.is_float() { "arith.addf" } else { "arith.addi" };
+        let mut shift = 1usize;
+        while shift < n {
+            let amount = self.const_i32(shift as i64);
+            let rolled = self.t.op1("tpu.dynamic_rotate", &[&y, &amount], &format!("dimension = {axis} : si32"), ty(&wt));
+            let bound = self.constant(Scalar::Int(shift as i64), &it);
+            let live = self.t.op1("arith.cmpi", &[&index, &bound], "predicate = 5 : i64", ty(&t.with_dtype(DType::Bool)));
+            let part = self.t.op1("arith.select", &[&live, &rolled, &zero], "", ty(&wt));
+            y = self.arith2(add, &y, &part);
+            shift *= 2;
+        }
+        let out = self.convert(y, work, t.dtype, &wt);
+        if t0.rank() == 1 {
+            self.t.op1("vector.shape_cast", &[&out], "", ty(&t0))
+        } else {
+            out
+        }
     }
 
     /// `vector.multi_reduction` drops the axis; a `shape_cast` puts it back as size 1.

@@ -72,11 +72,19 @@ pub enum Index {
     Full,
     /// `pl.ds(start, len)`.
     Slice(Arg, usize),
+    /// `pl.ds(start, len, stride)`: `len` elements `stride` apart (a strided load/store).
+    Strided(Arg, usize, usize),
 }
 
 /// `pl.ds(start, len)`: a dynamic slice of `len` elements.
 pub fn ds(start: impl Into<Arg>, len: usize) -> Index {
     Index::Slice(start.into(), len)
+}
+
+/// `pl.ds(start, len, stride)`: `len` elements from `start`, `stride` apart (the macro's
+/// `x_ref[(a..b).step_by(s), ..]` and `ds(start, len, stride)`).
+pub fn ds_strided(start: impl Into<Arg>, len: usize, stride: usize) -> Index {
+    Index::Strided(start.into(), len, stride)
 }
 
 pub struct KernelBuilder {
@@ -360,29 +368,38 @@ impl KernelBuilder {
         }
         let mut out = Vec::with_capacity(view.len());
         for (d, &extent) in view.iter().enumerate() {
-            let (start, len) = match index.get(d).copied().unwrap_or(Index::Full) {
-                Index::Full => (Arg::Int(0), extent),
-                Index::Slice(s, len) => (s, len),
+            let (start, len, stride) = match index.get(d).copied().unwrap_or(Index::Full) {
+                Index::Full => (Arg::Int(0), extent, 1),
+                Index::Slice(s, len) => (s, len, 1),
+                Index::Strided(s, len, stride) => (s, len, stride),
             };
+            if stride == 0 {
+                self.fail(format!("{} of `{}`", what, decl.name), "slice-stride", format!("dim {d}: stride 0"), "use a stride of at least 1");
+                return None;
+            }
+            let span = Slice { start: Value(0), len, stride }.span();
             let start = self.lift(start, Some(DType::I32));
             if self.ty(start) != &Type::scalar(DType::I32) {
                 let t = self.ty(start).clone();
                 self.fail(format!("{} of `{}`", what, decl.name), "index-type", format!("index of dim {d} has type {t}"), "indices are i32 scalars; cast with .cast(i32)");
             }
             if let Some(Scalar::Int(s)) = self.k.as_const(start) {
-                if s < 0 || s as usize + len > extent {
+                if s < 0 || (s as u64).saturating_add(span as u64) > extent as u64 {
+                    let (len64, stride64, span64) = (len as i64, stride as i64, i64::try_from(span).unwrap_or(i64::MAX));
+                    let what_elems = if stride == 1 { format!("elements {s}..{}", s.saturating_add(len64)) } else { format!("{len} elements {s}, {}, .., {} (stride {stride})", s.saturating_add(stride64), s.saturating_add(span64) - 1) };
                     self.fail(
                         format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
                         "static-out-of-bounds",
-                        format!("dim {d}: elements {s}..{} of a block of {extent}", s as usize + len),
+                        format!("dim {d}: {what_elems} of a block of {extent}"),
                         "keep static slices inside the block",
                     );
                 }
             }
-            if len == 0 || len > extent {
-                self.fail(format!("{} of `{}`", what, decl.name), "slice-length", format!("dim {d}: slice length {len} for a block of {extent}"), "use a length between 1 and the block dim");
+            if len == 0 || span > extent {
+                let msg = if stride == 1 { format!("dim {d}: slice length {len} for a block of {extent}") } else { format!("dim {d}: {len} elements with stride {stride} span {span} of a block of {extent}") };
+                self.fail(format!("{} of `{}`", what, decl.name), "slice-length", msg, "use a length between 1 and the block dim (with a stride: (len - 1) * stride + 1 at most the dim)");
             }
-            out.push(Slice { start, len });
+            out.push(Slice { start, len, stride });
         }
         Some(out)
     }
@@ -491,6 +508,10 @@ impl KernelBuilder {
         let pad = |index: &[Index], rank: usize| -> Vec<Index> { index.iter().copied().chain(std::iter::repeat(Index::Full)).take(rank.max(index.len())).collect() };
         let src_slices = self.slices(src, what, &pad(src_index, sd.view().len()))?;
         let dst_slices = self.slices(dst, what, &pad(dst_index, dd.view().len()))?;
+        if src_slices.iter().chain(&dst_slices).any(|s| s.stride != 1) {
+            self.fail(&subject, "dma-stride", "a DMA side is a strided slice", "copy a contiguous box (slices without a stride) and take the strided elements from VMEM with a strided load");
+            return None;
+        }
         let (src, dst) = (DmaRef { r: src, slices: src_slices }, DmaRef { r: dst, slices: dst_slices });
         let (ss, ds) = (src.shape(), dst.shape());
         if dma_box(&ss) != dma_box(&ds) {
@@ -711,6 +732,65 @@ impl KernelBuilder {
         let n = i64::try_from(t.shape[axis]).unwrap_or(i64::MAX).min(i32::MAX as i64);
         let masked = self.select(hit, index, Arg::Int(n));
         self.reduce(ReduceOp::Min, masked, axis)
+    }
+
+    /// The inclusive prefix sum along `axis` (`jnp.cumsum(x, axis)`, `torch.cumsum`): the
+    /// result has `x`'s type. f32 and bf16 add in f32 (as torch's CPU cumsum accumulates
+    /// bf16 in f32), so a bf16 output is rounded once per element, not once per step; i32
+    /// wraps. NaN and infinities propagate from their index on, as in torch.
+    pub fn cumsum(&mut self, x: Value, axis: usize) -> Value {
+        let t = self.ty(x).clone();
+        if t.is_scalar() || axis >= t.rank() {
+            let help = if t.rank() == 0 { "take it of a vector (a scalar has no axes)".to_string() } else { format!("use an axis below {}", t.rank()) };
+            self.fail("instruction `cumsum`", "reduce-axis", format!("axis {axis} of {t}"), help);
+            return self.poison(t);
+        }
+        if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::I32) {
+            self.fail(
+                "instruction `cumsum`",
+                "op-dtype",
+                format!("`cumsum` of {t}: prefix sums are defined for f32, bf16 and i32"),
+                "cast to i32 (or f32) first: .cast(i32); an i8 running sum would overflow",
+            );
+            return self.poison(t);
+        }
+        self.push1(Inst::Cumsum { axis, x }, t)
+    }
+
+    /// Seeds the core's random generator (`pltpu.prng_seed(*seeds)`): one or more i32
+    /// scalars, e.g. a user seed and `program_id(0)` so grid steps draw different bits.
+    pub fn prng_seed(&mut self, seeds: &[Arg]) {
+        if seeds.is_empty() {
+            self.fail("instruction `prng_seed`", "prng-seed", "no seed given", "pass at least one i32 scalar: prng_seed(seed) or prng_seed(seed, program_id(0))");
+            return;
+        }
+        let mut vals = Vec::with_capacity(seeds.len());
+        for (n, &a) in seeds.iter().enumerate() {
+            let v = self.lift(a, Some(DType::I32));
+            if self.ty(v) != &Type::scalar(DType::I32) {
+                let t = self.ty(v).clone();
+                self.fail("instruction `prng_seed`", "prng-seed", format!("seed {n} has type {t}"), "seeds are i32 scalars: cast with .cast(i32), or take one element of a vector");
+                return;
+            }
+            vals.push(v);
+        }
+        self.push(Inst::PrngSeed(vals), vec![]);
+    }
+
+    /// A vector of `shape` random i32 bits (`pltpu.prng_random_bits(shape)`), drawn from
+    /// the generator [`Self::prng_seed`] set. Every bit pattern is equally likely; e.g.
+    /// keep with probability `p`: `bits.shr_logical(8) < (p * 2^24) as i32`.
+    pub fn prng_random_bits(&mut self, shape: &[usize]) -> Value {
+        if shape.len() < 2 || shape.contains(&0) {
+            self.fail(
+                "instruction `prng_random_bits`",
+                "prng-shape",
+                format!("shape {shape:?}"),
+                "draw a vector of rank 2 or more with no zero dims (Mosaic vectors are at least 2-D), e.g. [8, 128]; reshape afterwards",
+            );
+            return self.poison(Type::vector(DType::I32, &[1, 1]));
+        }
+        self.push1(Inst::PrngRandomBits, Type::vector(DType::I32, shape))
     }
 
     /// Matrix product with f32 accumulation (i32 for integer inputs).

@@ -809,6 +809,8 @@ struct Machine<'k, 'h> {
     /// Per blocked operand (outputs only): the grid step that first entered each block,
     /// for the `parallel-revisit` check.
     first_visit: Vec<std::collections::HashMap<Vec<usize>, Vec<usize>>>,
+    /// The random generator's state in this grid step (`None` until `prng_seed`).
+    prng: Option<Prng>,
 }
 
 /// An async copy in flight (see the module docs).
@@ -1002,6 +1004,100 @@ fn broadcast<T: Copy>(src: &[T], src_shape: &[usize], dst_shape: &[usize]) -> Op
     Some(out)
 }
 
+/// Calls `f(memory origin, box origin, region)` once per contiguous piece of a strided
+/// access: the whole box when every stride is 1, else one piece per position along the
+/// strided dims (region 1 there), the memory origin stepped by the stride.
+fn for_each_strided_row(origin: &[usize], lens: &[usize], strides: &[usize], mut f: impl FnMut(&[usize], &[usize], &[usize])) {
+    if strides.iter().all(|&s| s == 1) {
+        f(origin, &vec![0; lens.len()], lens);
+        return;
+    }
+    let outer: Vec<usize> = lens.iter().zip(strides).map(|(&l, &s)| if s == 1 { 1 } else { l }).collect();
+    let region: Vec<usize> = lens.iter().zip(strides).map(|(&l, &s)| if s == 1 { l } else { 1 }).collect();
+    let mut idx = vec![0; lens.len()];
+    loop {
+        let mem: Vec<usize> = origin.iter().zip(&idx).zip(strides).map(|((&o, &i), &s)| o + i * s).collect();
+        f(&mem, &idx, &region);
+        if !next_index(&mut idx, &outer) {
+            break;
+        }
+    }
+}
+
+/// Inclusive prefix sums of `v` (row-major `shape`) along `axis`, added in f32 in index
+/// order; `bf16` rounds each output (not the running sum) to bf16.
+fn cumsum_f32(v: &[f32], shape: &[usize], axis: usize, bf16_out: bool) -> Vec<f32> {
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let outer: usize = shape[..axis].iter().product();
+    let mut out = vec![0.0; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut acc = 0.0f32;
+            for j in 0..n {
+                let at = (o * n + j) * inner + i;
+                acc += v[at];
+                out[at] = if bf16_out { round_bf16(acc) } else { acc };
+            }
+        }
+    }
+    out
+}
+
+/// Inclusive prefix sums of i32 values along `axis`, wrapping.
+fn cumsum_i32(v: &[i32], shape: &[usize], axis: usize) -> Vec<i32> {
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let outer: usize = shape[..axis].iter().product();
+    let mut out = vec![0; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut acc = 0i32;
+            for j in 0..n {
+                let at = (o * n + j) * inner + i;
+                acc = acc.wrapping_add(v[at]);
+                out[at] = acc;
+            }
+        }
+    }
+    out
+}
+
+/// The CPU backends' random generator (`prng_seed` / `prng_random_bits`): counter-based,
+/// SplitMix64. Seeding folds each seed (as u32) into a 64-bit key,
+/// `key = mix(key ^ seed)` from `key = 0x9E37_79B9_7F4A_7C15`, and resets the counter;
+/// element `i` of a draw is the high 32 bits of `mix(key + (counter + i + 1) * 0x9E37_79B9_7F4A_7C15)`, and the
+/// counter then advances by the element count. `mix` is SplitMix64's finaliser. The bits
+/// of a TPU's hardware generator differ (as in Pallas' interpret mode): kernels may rely
+/// on the distribution, never on the exact bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prng {
+    pub key: u64,
+    pub counter: u64,
+}
+
+const PRNG_GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn splitmix_mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Prng {
+    pub fn seeded(seeds: &[i32]) -> Prng {
+        let key = seeds.iter().fold(PRNG_GOLDEN, |k, &s| splitmix_mix(k ^ (s as u32 as u64)));
+        Prng { key, counter: 0 }
+    }
+
+    /// The next `n` words (as i32 bit patterns), in row-major order of the drawn vector.
+    pub fn draw(&mut self, n: usize) -> Vec<i32> {
+        let out = (0..n as u64).map(|i| (splitmix_mix(self.key.wrapping_add(self.counter.wrapping_add(i + 1).wrapping_mul(PRNG_GOLDEN))) >> 32) as u32 as i32).collect();
+        self.counter = self.counter.wrapping_add(n as u64);
+        out
+    }
+}
+
 /// Reduces `v` (row-major `shape`) along `axis` with `f`, keeping the axis as size 1.
 /// The caller guarantees every dim is non-zero.
 fn reduce<T: Copy>(v: &[T], shape: &[usize], axis: usize, f: impl Fn(T, T) -> T) -> Vec<T> {
@@ -1156,7 +1252,7 @@ impl<'k, 'h> Machine<'k, 'h> {
     /// Checks the operands against the kernel, poisons the outputs and sets up the memory
     /// of every ref (borrowing the operands, allocating windows and scratch).
     fn new(k: &'k Kernel, inputs: &[HostRef<'h>], outputs: &'h mut [HostMut<'_>], state: OutputState) -> Result<Self> {
-        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new(), first_visit: Vec::new() };
+        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new(), first_visit: Vec::new(), prng: None };
         // Check everything before writing anything.
         let expected = inputs_of(k).count();
         if inputs.len() != expected {
@@ -1273,6 +1369,8 @@ impl<'k, 'h> Machine<'k, 'h> {
                 }
             }
             self.enter_blocks()?;
+            // Each grid step starts unseeded (steps may run on different cores/threads).
+            self.prng = None;
             let yielded = self.exec_block(k.body)?;
             debug_assert!(yielded.is_empty());
             self.stats.grid_steps += 1;
@@ -1446,6 +1544,26 @@ impl<'k, 'h> Machine<'k, 'h> {
             match &d.inst {
                 Inst::Yield(vs) => return vs.iter().map(|&v| self.get(v, d)).collect(),
                 Inst::Store { dst, slices, value } => self.store(d, *dst, slices, *value)?,
+                Inst::PrngSeed(seeds) => {
+                    let seeds: Vec<i32> = seeds.iter().map(|&v| self.scalar_i32(v, d)).collect::<Result<_>>()?;
+                    self.prng = Some(Prng::seeded(&seeds));
+                }
+                Inst::PrngRandomBits => {
+                    let &[result] = d.results.as_slice() else { return Err(self.malformed(d, "expected exactly one result")) };
+                    let shape = k.ty(result).shape.clone();
+                    let Some(prng) = self.prng.as_mut() else {
+                        return Err(self
+                            .err(
+                                "instruction `prng_random_bits`",
+                                "prng-unseeded",
+                                format!("at grid step {:?} random bits are drawn before any prng_seed in this grid step", self.grid),
+                                "seed the generator at the start of every grid step, e.g. prng_seed(seed, program_id(0)); each step starts unseeded (steps may run on different cores)",
+                            )
+                            .at(d.loc.clone()));
+                    };
+                    let bits = prng.draw(shape.iter().product());
+                    self.bind(result, Rc::new(Val { shape, buf: Buf::I(bits) }), d)?;
+                }
                 Inst::DmaStart { src, dst, sem, sem_index } => self.dma_start(d, src, dst, *sem, *sem_index)?,
                 Inst::DmaWait { src, dst, sem, sem_index } => self.dma_wait(d, src, dst, *sem, *sem_index)?,
                 Inst::If { cond, then_block, else_block } => {
@@ -1525,12 +1643,17 @@ impl<'k, 'h> Machine<'k, 'h> {
         let mut origin = Vec::with_capacity(slices.len());
         for (dim, (s, &extent)) in slices.iter().zip(view).enumerate() {
             let start = self.scalar_i32(s.start, d)? as i64;
-            if start < 0 || start + s.len as i64 > extent as i64 {
+            if s.stride == 0 {
+                return Err(self.malformed(d, format!("dim {dim}: stride 0")));
+            }
+            let span = i64::try_from(s.span()).unwrap_or(i64::MAX);
+            if start < 0 || start.saturating_add(span) > extent as i64 {
+                let elems = if s.stride == 1 { format!("elements {start}..{}", start.saturating_add(span)) } else { format!("{} elements {start}, {}, .., {} (stride {})", s.len, start.saturating_add(s.stride as i64), start.saturating_add(span) - 1, s.stride) };
                 return Err(self
                     .err(
                         subject,
                         "slice-out-of-bounds",
-                        format!("at grid step {:?}, dim {dim}: elements {start}..{} of a block of {extent}", self.grid, start + s.len as i64),
+                        format!("at grid step {:?}, dim {dim}: {elems} of a block of {extent}", self.grid),
                         "keep dynamic slices inside the block (clamp the start or fix the loop bounds)",
                     )
                     .at(d.loc.clone()));
@@ -1659,7 +1782,14 @@ impl<'k, 'h> Machine<'k, 'h> {
             return Err(self.malformed(d, format!("storing {} elements into a slice of shape {lens:?}", v.buf.len())));
         }
         let mem = self.mems[dst.index()].as_mut().expect("slice_box checked the ref is accessible");
-        match mem.buf.write_box(&mem.view, &origin, &v.buf, &lens, &vec![0; lens.len()], &lens) {
+        let strides: Vec<usize> = slices.iter().map(|s| s.stride).collect();
+        let mut result = Ok(());
+        for_each_strided_row(&origin, &lens, &strides, |dst_origin, src_origin, region| {
+            if result.is_ok() {
+                result = mem.buf.write_box(&mem.view, dst_origin, &v.buf, &lens, src_origin, region);
+            }
+        });
+        match result {
             Ok(()) => Ok(()),
             Err(e) => Err(self.write_error(d, e, dst, "store-to-input", v.buf.kind())),
         }
@@ -1695,7 +1825,10 @@ impl<'k, 'h> Machine<'k, 'h> {
                 let (origin, lens) = self.slice_box(d, "load", *src, slices)?;
                 let mem = self.mems[src.index()].as_ref().expect("slice_box checked the ref is accessible");
                 let mut out = mem.buf.zeros_like(lens.iter().product());
-                mem.buf.read_box(&mem.view, &origin, &mut out, &lens, &vec![0; lens.len()], &lens);
+                let strides: Vec<usize> = slices.iter().map(|s| s.stride).collect();
+                for_each_strided_row(&origin, &lens, &strides, |src_origin, dst_origin, region| {
+                    mem.buf.read_box(&mem.view, src_origin, &mut out, &lens, dst_origin, region);
+                });
                 out
             }
             Inst::Unary(op, x) => self.unary(d, *op, &*self.get(*x, d)?)?,
@@ -1743,6 +1876,18 @@ impl<'k, 'h> Machine<'k, 'h> {
                 Buf::I(iota(&shape, *dim))
             }
             Inst::Reduce { op, axis, x } => self.reduce(d, *op, *axis, &*self.get(*x, d)?)?,
+            Inst::Cumsum { axis, x } => {
+                let x = self.get(*x, d)?;
+                if *axis >= x.shape.len() || x.shape.contains(&0) {
+                    return Err(self.malformed(d, format!("cumsum along axis {axis} of {:?}", x.shape)));
+                }
+                match &x.buf {
+                    Buf::F(v) => Buf::F(cumsum_f32(v, &x.shape, *axis, ty.dtype == DType::BF16)),
+                    Buf::I(v) if ty.dtype == DType::I32 => Buf::I(cumsum_i32(v, &x.shape, *axis)),
+                    _ => return Err(self.malformed(d, format!("cumsum of {}", ty.dtype))),
+                }
+            }
+            Inst::PrngSeed(_) | Inst::PrngRandomBits => return Err(self.malformed(d, "executed by exec_block")),
             Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => self.dot(d, &*self.get(*lhs, d)?, &*self.get(*rhs, d)?, *transpose_lhs, *transpose_rhs)?,
             Inst::Transpose(x) => {
                 let x = self.get(*x, d)?;

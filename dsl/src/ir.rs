@@ -387,11 +387,21 @@ impl PartialEq for Scalar {
     }
 }
 
-/// One dimension of a ref access: `start .. start + len`. `start` is an i32 scalar value.
+/// One dimension of a ref access: the `len` elements `start, start + stride, ...,
+/// start + (len - 1) * stride` (Pallas `pl.ds(start, len, stride)`). `start` is an i32
+/// scalar value; `stride` is static and at least 1 (1 for a plain slice).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Slice {
     pub start: Value,
     pub len: usize,
+    pub stride: usize,
+}
+
+impl Slice {
+    /// The elements the slice spans, first to last inclusive: `(len - 1) * stride + 1`.
+    pub fn span(&self) -> usize {
+        self.len.saturating_sub(1).saturating_mul(self.stride).saturating_add(1)
+    }
 }
 
 /// One side of an async copy: `ref[slices]`, one slice per dim of the ref's view (for the
@@ -442,6 +452,16 @@ pub enum Inst {
     Iota { dim: usize },
     /// Reduce along `axis`, keeping it with size 1.
     Reduce { op: ReduceOp, axis: usize, x: Value },
+    /// Inclusive prefix sum along `axis` (`jnp.cumsum`): same type as `x`; f32 and bf16
+    /// add in f32 in index order (bf16 rounds each output once), i32 wraps.
+    Cumsum { axis: usize, x: Value },
+    /// Seeds the core's random generator with i32 scalars (`pltpu.prng_seed(*seeds)`,
+    /// Mosaic `tpu.prng_set_seed_32`). The state lives until the next seed.
+    PrngSeed(Vec<Value>),
+    /// A vector of random i32 bits from the generator (`pltpu.prng_random_bits`,
+    /// Mosaic `tpu.prng_random_bits`). The CPU backends draw a documented counter-based
+    /// stream (`interp::prng_bits`); a TPU's hardware bits differ.
+    PrngRandomBits,
     /// Matrix product of two rank-2 vectors with f32 (i32 for integers) accumulation.
     /// `transpose_rhs` contracts the last dims of both (`a @ b.T`).
     Dot { lhs: Value, rhs: Value, transpose_lhs: bool, transpose_rhs: bool },
@@ -480,6 +500,9 @@ impl Inst {
             Inst::Broadcast(_) => "broadcast",
             Inst::Iota { .. } => "iota",
             Inst::Reduce { op, .. } => op.name(),
+            Inst::Cumsum { .. } => "cumsum",
+            Inst::PrngSeed(_) => "prng_seed",
+            Inst::PrngRandomBits => "prng_random_bits",
             Inst::Dot { .. } => "dot",
             Inst::Transpose(_) => "transpose",
             Inst::Reshape(_) => "reshape",
@@ -494,7 +517,8 @@ impl Inst {
     /// Every value the instruction reads (not those read inside its nested blocks).
     pub fn operands(&self) -> Vec<Value> {
         match self {
-            Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } => vec![],
+            Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } | Inst::PrngRandomBits => vec![],
+            Inst::PrngSeed(seeds) => seeds.clone(),
             Inst::Load { slices, .. } => slices.iter().map(|s| s.start).collect(),
             Inst::Store { slices, value, .. } => {
                 let mut v: Vec<Value> = slices.iter().map(|s| s.start).collect();
@@ -502,7 +526,7 @@ impl Inst {
                 v
             }
             Inst::Unary(_, x) | Inst::Cast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) => vec![*x],
-            Inst::Reduce { x, .. } => vec![*x],
+            Inst::Reduce { x, .. } | Inst::Cumsum { x, .. } => vec![*x],
             Inst::Binary(_, a, b) | Inst::Cmp(_, a, b) => vec![*a, *b],
             Inst::Dot { lhs, rhs, .. } => vec![*lhs, *rhs],
             Inst::Select { cond, on_true, on_false } => vec![*cond, *on_true, *on_false],

@@ -38,7 +38,7 @@ impl fmt::Display for Scalar {
 }
 
 fn slices(s: &[Slice]) -> String {
-    s.iter().map(|s| format!("{}:+{}", s.start, s.len)).collect::<Vec<_>>().join(", ")
+    s.iter().map(|s| if s.stride == 1 { format!("{}:+{}", s.start, s.len) } else { format!("{}:+{}:{}", s.start, s.len, s.stride) }).collect::<Vec<_>>().join(", ")
 }
 
 impl Kernel {
@@ -65,6 +65,9 @@ impl Kernel {
                 Inst::Broadcast(x) => write!(out, "broadcast {x}")?,
                 Inst::Iota { dim } => write!(out, "iota dim={dim}")?,
                 Inst::Reduce { op, axis, x } => write!(out, "reduce.{} {x} axis={axis}", op.name())?,
+                Inst::Cumsum { axis, x } => write!(out, "cumsum {x} axis={axis}")?,
+                Inst::PrngSeed(seeds) => write!(out, "prng_seed {}", join(seeds, ", "))?,
+                Inst::PrngRandomBits => write!(out, "prng_random_bits")?,
                 Inst::Dot { lhs, rhs, transpose_lhs, transpose_rhs } => {
                     write!(out, "dot {lhs}{}, {rhs}{}", if *transpose_lhs { ".T" } else { "" }, if *transpose_rhs { ".T" } else { "" })?
                 }

@@ -126,6 +126,10 @@ rules! {
         "pair smem-budget: a prefetch table of 1 MiB - 3 KiB accepted, 1 MiB - 3 KiB + 4 bytes rejected (`Ran out of memory in memory space smem`); on tpu7x 1 MiB - 2 KiB accepted, 1 MiB - 1.75 KiB rejected";
 
     // ---- the body (verify/body.rs) ----
+    "strided-access", Tpu, [V], SAME, "a strided load or store strides only non-lane dims of a window at most 128 lanes wide; a strided store is of 32-bit data; a strided load of bf16/i8 has static starts and reads a window whose second-to-last dim is a multiple of 2/4",
+        "pair strided-access: an f32 load of 8 rows at stride 2 accepted, the same stride on the lanes rejected (`Stride on last dim is not 1` / `The last dim size is not 128`); pair strided-store: a strided f32 store accepted, bf16 rejected (`Strided store with non 32-bit data`); a 256- or 512-lane window rejected for every dtype, 64 and 128 accepted (`The last dim size is not 128 in original base memref`); a dynamic bf16 start rejected (`Only static indices are supported for packed types`), dynamic f32 starts accepted unaligned; a bf16/i8 load from a 17-row window rejected (`second-minor dimension of base memref (17) must be a multiple of packing factor 2`; Pallas-written sweep of f32/bf16/i32/i8 x stride 2/3/4/8 x sublane/lane/leading dims, load and store, identical on v5e/v6e/tpu7x)";
+    "prng-seed-count", Tpu, [V], SAME, "prng_seed takes at most 2 seeds",
+        "pair prng-seed-count: prng_seed(a, b) accepted, prng_seed(a, b, c) rejected (`Setting seed with more than 2 values is not supported`, every generation)";
     "matmul-dtype", Tpu, [V], "f32, bf16 native everywhere; int8 native on v5e/v5p/v6e, compiles on tpu7x (warning matmul-emulated); int32 nowhere", "a dot's operands are of a dtype the generation's compiler multiplies",
         "pair matmul-dtype: int8 x int8 accepted, int32 x int32 rejected (`Bad lhs/rhs type`); bf16 x f32 accepted";
     "vector-op-dtype", Tpu, [V], SAME, "int8 vectors take no arithmetic (add, sub, mul, div, rem, min, max, neg, abs, min/max-selects; bitwise ops, shifts, compares, selects and casts are fine); bf16 vectors take no `rem`",
@@ -182,6 +186,12 @@ rules! {
     "broadcast-shape", Semantic, [B], SAME, "broadcasts follow numpy rules from a scalar or a same-rank vector with 1s", "semantic: an IR type error";
     "dtype-mismatch", Semantic, [B], SAME, "binary ops take operands of one dtype (a dot may mix bf16 and f32)", "semantic: an IR type error; the mixed bf16 x f32 dot compiles (probe op-dtype/dot-bf16-f32) and promotes to f32";
     "op-dtype", Semantic, [B], SAME, "an op is defined for its operands' dtype class (no float `not`, no int `exp`)", "semantic: an IR type error";
+    "slice-stride", Semantic, [B], SAME, "a slice's stride is at least 1", "semantic: a zero stride names one element len times";
+    "dma-stride", Semantic, [B, V], SAME, "a DMA copies contiguous boxes (no strided side)", "semantic: Tessera's copy descriptor has no strides (Pallas' strided copies are not modelled); strided data is taken from VMEM with a strided load";
+    "cumsum-axis", Semantic, [V], SAME, "a cumsum scans one of the last two axes", "semantic: Tessera lowers cumsum as lane or sublane rotations (Mosaic has no scan op; Pallas 0.10.2 does not lower lax.cumsum at all); the interpreter scans any axis";
+    "prng-seed", Semantic, [B], SAME, "prng_seed takes one or more i32 scalars", "semantic: an IR type error (`tpu.prng_set_seed_32` takes i32 scalars)";
+    "prng-shape", Semantic, [B], SAME, "prng_random_bits draws a vector of rank >= 2 with no zero dim", "semantic: Mosaic vectors are at least 2-D; reshape afterwards";
+    "prng-unseeded", Semantic, [I], SAME, "random bits are drawn only after a prng_seed in the same grid step", "semantic: a TPU's generator state before a seed is unspecified, and grid steps may run on different cores, so each step seeds its own stream";
     "select-condition", Semantic, [B], SAME, "a select's condition is a bool", "semantic: an IR type error";
     "iota-dtype", Semantic, [B], SAME, "an iota is an integer vector (i32 or i8)", "semantic: libtpu compiles i32 and i8 iotas (probes op-dtype/iota-*); float iotas are a cast away";
     "iota-dim", Semantic, [B], SAME, "an iota counts along one of its dims", "semantic: an IR type error";

@@ -34,7 +34,7 @@ enum Var {
     Static { depth: usize },
 }
 
-const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait", "pipe_in", "pipe_out"];
+const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait", "pipe_in", "pipe_out", "prng_seed", "prng_random_bits"];
 const UNARY_METHODS: &[(&str, &str)] = &[
     ("exp", "Exp"),
     ("log", "Log"),
@@ -53,10 +53,11 @@ const UNARY_METHODS: &[(&str, &str)] = &[
     ("sign", "Sign"),
 ];
 const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, log1p, expm1, sin, cos, floor, ceil, round, sign, \
-max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), t(), reshape([dims]), broadcast_to([dims])";
+max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), cumsum(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
-full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
-ds(start, len) inside ref indices; in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
+full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]), \
+prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); ds(start, len), ds(start, len, stride) and (a..b).step_by(s) inside ref indices; \
+in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
 any other function called with IR values is a `#[tpu_fn]` fragment";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
 
@@ -415,6 +416,12 @@ impl<'a> Lowerer<'a> {
                 let axis = self.static_usize(args[0], "a reduction axis")?;
                 Ok(quote!({ let __x = #x; __b.reduce(::tessera_dsl::ReduceOp::#op, __x, #axis) }))
             }
+            "cumsum" => {
+                arity(1)?;
+                let x = self.value(&m.receiver)?;
+                let axis = self.static_usize(args[0], "a cumsum axis")?;
+                Ok(quote!({ let __x = #x; __b.cumsum(__x, #axis) }))
+            }
             "argmax" | "argmin" => {
                 arity(1)?;
                 let f = format_ident!("{}", name);
@@ -444,9 +451,13 @@ impl<'a> Lowerer<'a> {
         };
         let name = f.to_string();
         let args: Vec<&Expr> = c.args.iter().collect();
-        if BUILTINS.contains(&name.as_str()) {
+        if name == "prng_seed" {
+            if args.is_empty() {
+                return err(c, "`prng_seed` takes one or more i32 seeds, e.g. `prng_seed(seed, program_id(0))`");
+            }
+        } else if BUILTINS.contains(&name.as_str()) {
             let want = match name.as_str() {
-                "program_id" | "num_programs" | "sigmoid" => 1,
+                "program_id" | "num_programs" | "sigmoid" | "prng_random_bits" => 1,
                 "dma_start" | "dma_wait" | "pipe_in" => 3,
                 "pipe_out" => 4,
                 "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
@@ -527,6 +538,21 @@ impl<'a> Lowerer<'a> {
                     Ok(quote!({ let __v = #v; __b.pipe_store(&__blocks[#k], __v) }))
                 }
             }
+            "prng_seed" => {
+                let mut lets = TokenStream::new();
+                let mut passed = Vec::new();
+                for (k, a) in args.iter().enumerate() {
+                    let t = format_ident!("__s{k}");
+                    let v = self.arg(a)?;
+                    lets.extend(quote!(let #t: ::tessera_dsl::Arg = ::std::convert::Into::into(#v);));
+                    passed.push(t);
+                }
+                Ok(quote_spanned!(c.span()=> { #lets __b.prng_seed(&[#(#passed),*]) }))
+            }
+            "prng_random_bits" => {
+                let s = self.shape(args[0])?;
+                Ok(quote!(__b.prng_random_bits(#s)))
+            }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
             "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" | "log1p" | "expm1" | "sin" | "cos" | "floor" | "ceil" | "round" | "sign" => {
                 let hint = if matches!(name.as_str(), "max" | "min" | "pow") { format!("write `a.{name}(b)`") } else { format!("write `x.{name}()`") };
@@ -575,12 +601,41 @@ impl<'a> Lowerer<'a> {
                     quote!({ let __s: usize = #start; let __e: usize = #end; ::tessera_dsl::ds(__s, __e - __s) })
                 }
                 Expr::Call(c) if ident_of(&c.func).is_some_and(|f| f == "ds") => {
-                    if c.args.len() != 2 {
-                        return err(c, "`ds(start, len)` takes 2 arguments");
+                    if c.args.len() != 2 && c.args.len() != 3 {
+                        return err(c, "`ds(start, len)` takes 2 arguments, `ds(start, len, stride)` 3 (`pl.ds`)");
                     }
                     let start = self.arg(&c.args[0])?;
                     let len = self.static_usize(&c.args[1], "a slice length")?;
-                    quote!({ let __s = #start; ::tessera_dsl::ds(__s, #len) })
+                    if c.args.len() == 3 {
+                        let stride = self.static_usize(&c.args[2], "a slice stride")?;
+                        quote_spanned!(c.span()=> { let __s = #start; ::tessera_dsl::ds_strided(__s, #len, #stride) })
+                    } else {
+                        quote!({ let __s = #start; ::tessera_dsl::ds(__s, #len) })
+                    }
+                }
+                // `(a..b).step_by(s)`: the elements a, a + s, .. below b (static bounds).
+                Expr::MethodCall(m) if matches!(strip(&m.receiver), Expr::Range(_)) => {
+                    let Expr::Range(r) = strip(&m.receiver) else { unreachable!() };
+                    if m.method != "step_by" || m.args.len() != 1 {
+                        return err(m, "a range in a ref index takes only `.step_by(stride)`: `x[((0..16).step_by(2), ..)]`, or write `ds(start, len, stride)`");
+                    }
+                    let (Some(end), RangeLimits::HalfOpen(_)) = (&r.end, &r.limits) else {
+                        return err(r, "a strided ref index is `(a..b).step_by(s)` with both bounds (`ds(start, len, stride)` for dynamic starts)");
+                    };
+                    let end = self.require_static(end, "a range bound (use `ds(start, len, stride)` for dynamic starts)")?;
+                    let start = match &r.start {
+                        Some(s) => self.require_static(s, "a range bound (use `ds(start, len, stride)` for dynamic starts)")?.into_token_stream(),
+                        None => quote!(0),
+                    };
+                    let stride = self.static_usize(&m.args[0], "a step_by stride")?;
+                    quote_spanned!(m.span()=> {
+                        let __s: usize = #start;
+                        let __e: usize = #end;
+                        let __k: usize = #stride;
+                        // A zero step is refused by the builder (`slice-stride`).
+                        let __n: usize = if __k == 0 { 1 } else { __e.saturating_sub(__s).div_ceil(__k) };
+                        ::tessera_dsl::ds_strided(__s, __n, __k)
+                    })
                 }
                 single => {
                     let start = self.arg(single)?;

@@ -268,6 +268,11 @@ impl Gen<'_> {
                 // A reduction broadcast back.
                 let shape = b.ty(x.v).shape.clone();
                 let axis = self.rng.gen_range(0..shape.len());
+                let scannable = axis + 2 >= shape.len() && matches!(b.ty(x.v).dtype, DType::F32 | DType::BF16 | DType::I32);
+                if scannable && !(smooth && x.inexact) && self.rng.gen_bool(0.15) {
+                    // A prefix sum (sequential f32 additions, the same on every backend).
+                    return V { v: b.cumsum(x.v, axis), ..x };
+                }
                 if !(smooth && x.inexact) && self.rng.gen_bool(0.25) {
                     // An index (ties and NaNs make it jump, hence exact values only in fast mode).
                     let r = if self.rng.gen_bool(0.5) { b.argmax(x.v, axis) } else { b.argmin(x.v, axis) };

@@ -91,6 +91,8 @@ pub struct SliceSite {
     pub subject: String,
     pub dim: usize,
     pub len: usize,
+    /// The slice's stride (1 unless strided).
+    pub stride: usize,
     pub extent: usize,
     pub loc: Option<SourceLoc>,
 }

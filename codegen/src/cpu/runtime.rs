@@ -77,6 +77,9 @@ pub struct ThreadRt<'a> {
     dmas: Vec<PendingDma>,
     /// Threads the GEMM may use.
     pub gemm_threads: usize,
+    /// The random generator of the running grid step (`None` until `prng_seed`), the
+    /// interpreter's [`tessera_dsl::interp::Prng`].
+    pub prng: Option<tessera_dsl::interp::Prng>,
 }
 
 fn poison_bytes(dtype: DType) -> Vec<u8> {
@@ -387,7 +390,7 @@ fn run_range(k: &Kernel, p: &Program, sched: &Schedule, arrays: &Arrays, a: usiz
         unsafe { raw.add(raw.align_offset(64)) }
     };
     let grid_rank = k.grid.len();
-    let mut rt = ThreadRt { kernel: k, program: p, ptrs, grid: vec![0; grid_rank.max(1)], error: None, dmas: Vec::new(), gemm_threads };
+    let mut rt = ThreadRt { kernel: k, program: p, ptrs, grid: vec![0; grid_rank.max(1)], error: None, dmas: Vec::new(), gemm_threads, prng: None };
     let mut current: Vec<Option<Vec<u32>>> = vec![None; sched.blocked.len()];
     let sequential = k.grid.iter().all(|g| g.semantics == Semantics::Arbitrary);
     let end = b.min(sched.steps);
@@ -412,6 +415,8 @@ fn run_range(k: &Kernel, p: &Program, sched: &Schedule, arrays: &Arrays, a: usiz
             current[bi] = Some(idx.to_vec());
         }
         sched.coords(step, &mut rt.grid);
+        // Each grid step starts unseeded, as in the interpreter.
+        rt.prng = None;
         let mut ctx = StepCtx { refs: rt.ptrs.as_ptr(), grid: rt.grid.as_ptr(), frame: frame_ptr, rt: &mut rt as *mut ThreadRt as *mut c_void };
         // SAFETY: `ctx` points at one pointer per ref, each the start of memory laid out as
         // `p.layouts` says for this step (windows, scratch and the frame owned here, the
@@ -510,7 +515,12 @@ impl ThreadRt<'_> {
             .err(
                 s.subject.clone(),
                 "slice-out-of-bounds",
-                format!("at grid step {:?}, dim {}: elements {start}..{} of a block of {}", self.grid_usize(), s.dim, start + s.len as i64, s.extent),
+                if s.stride == 1 {
+                    format!("at grid step {:?}, dim {}: elements {start}..{} of a block of {}", self.grid_usize(), s.dim, start + s.len as i64, s.extent)
+                } else {
+                    let span = ((s.len - 1) * s.stride + 1) as i64;
+                    format!("at grid step {:?}, dim {}: {} elements {start}, {}, .., {} (stride {}) of a block of {}", self.grid_usize(), s.dim, s.len, start + s.stride as i64, start + span - 1, s.stride, s.extent)
+                },
                 "keep dynamic slices inside the block (clamp the start or fix the loop bounds)",
             )
             .at(s.loc.clone());
@@ -747,6 +757,73 @@ pub unsafe extern "C" fn helper_dot_i32(_rt: *mut c_void, m: i64, k: i64, n: i64
             }
         }
     }
+}
+
+/// The inclusive prefix sum of a slot (`outer x n x inner` words, scanned along `n`) into
+/// another, as the interpreter: f32 adds in index order (`kind` 0), bf16 the same with each
+/// output rounded to bf16 (1), i32 wrapping (2).
+///
+/// # Safety
+/// `src` and `dst` each hold `outer * n * inner` 4-byte words.
+pub unsafe extern "C" fn helper_cumsum(src: *const u8, dst: *mut u8, outer: i64, n: i64, inner: i64, kind: i32) {
+    let (outer, n, inner) = (outer as usize, n as usize, inner as usize);
+    for o in 0..outer {
+        for i in 0..inner {
+            let (mut f, mut x) = (0.0f32, 0i32);
+            for j in 0..n {
+                let at = (o * n + j) * inner + i;
+                // SAFETY: `at` < outer * n * inner, inside both slots.
+                unsafe {
+                    if kind == 2 {
+                        x = x.wrapping_add(*(src as *const i32).add(at));
+                        *(dst as *mut i32).add(at) = x;
+                    } else {
+                        f += *(src as *const f32).add(at);
+                        *(dst as *mut f32).add(at) = if kind == 1 { bf16::from_f32(f).to_f32() } else { f };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `prng_seed(seeds[..n])` for the running grid step.
+///
+/// # Safety
+/// `rt` is the [`ThreadRt`] of the running step; `seeds` holds `n` i32 values.
+pub unsafe extern "C" fn helper_prng_seed(rt: *mut c_void, seeds: *const i32, n: i64) {
+    // SAFETY: compiled code passes back the `rt` field of its `StepCtx`.
+    let rt = unsafe { &mut *(rt as *mut ThreadRt) };
+    // SAFETY: compiled code stores `n` seeds.
+    let seeds = unsafe { std::slice::from_raw_parts(seeds, n as usize) };
+    rt.prng = Some(tessera_dsl::interp::Prng::seeded(seeds));
+}
+
+/// Draws `n` random words into `dst` (a slot); 1 with the error recorded when the step has
+/// not seeded the generator (`inst` names the instruction, for its location).
+///
+/// # Safety
+/// `rt` is the [`ThreadRt`] of the running step; `dst` holds `n` i32 words.
+pub unsafe extern "C" fn helper_prng_bits(rt: *mut c_void, inst: u32, dst: *mut i32, n: i64) -> i32 {
+    // SAFETY: compiled code passes back the `rt` field of its `StepCtx`.
+    let rt = unsafe { &mut *(rt as *mut ThreadRt) };
+    let Some(prng) = rt.prng.as_mut() else {
+        let loc = rt.kernel.insts.get(inst as usize).and_then(|d| d.loc.clone());
+        let e = rt
+            .err(
+                "instruction `prng_random_bits`",
+                "prng-unseeded",
+                format!("at grid step {:?} random bits are drawn before any prng_seed in this grid step", rt.grid_usize()),
+                "seed the generator at the start of every grid step, e.g. prng_seed(seed, program_id(0)); each step starts unseeded (steps may run on different cores)",
+            )
+            .at(loc);
+        rt.error = Some(e);
+        return 1;
+    };
+    let bits = prng.draw(n as usize);
+    // SAFETY: `dst` holds `n` words.
+    unsafe { std::ptr::copy_nonoverlapping(bits.as_ptr(), dst, bits.len()) };
+    0
 }
 
 pub extern "C" fn helper_fmod(x: f32, y: f32) -> f32 {

@@ -65,11 +65,105 @@ impl Verifier<'_> {
                 }
                 Ok(())
             }
-            Inst::Load { src, slices } => self.access("load", *src, slices, m),
-            Inst::Store { dst, slices, .. } => self.access("store", *dst, slices, m),
+            Inst::Load { src, slices } => {
+                self.strided("load", *src, slices)?;
+                self.access("load", *src, slices, m)
+            }
+            Inst::Store { dst, slices, .. } => {
+                self.strided("store", *dst, slices)?;
+                self.access("store", *dst, slices, m)
+            }
+            Inst::Cumsum { axis, x } => {
+                let t = self.k.ty(*x);
+                if *axis + 2 < t.rank() {
+                    return Err(self.err(
+                        "instruction `cumsum`",
+                        "cumsum-axis",
+                        format!("a cumsum along axis {axis} of {t}: Tessera lowers cumsum to Mosaic as lane or sublane rotations, so only the last two axes scan"),
+                        format!("scan along axis {} or {} (move the axis there with a reshape or transpose), or loop over the leading index", t.rank().saturating_sub(2), t.rank().saturating_sub(1)),
+                    ));
+                }
+                Ok(())
+            }
+            Inst::PrngSeed(seeds) if seeds.len() > 2 => Err(self.err(
+                "instruction `prng_seed`",
+                "prng-seed-count",
+                format!("{} seeds: Mosaic sets the hardware generator from at most 2 values on every generation (`Setting seed with more than 2 values is not supported`)", seeds.len()),
+                "combine the seeds into at most two i32 values first, e.g. prng_seed(seed, program_id(0) * n1 + program_id(1))",
+            )),
+            Inst::DmaStart { src, dst, .. } | Inst::DmaWait { src, dst, .. } if src.slices.iter().chain(&dst.slices).any(|s| s.stride != 1) => Err(self.err(
+                format!("instruction `{}`", d.inst.name()),
+                "dma-stride",
+                "a DMA side is a strided slice: copies move contiguous boxes",
+                "copy a contiguous box and take the strided elements from VMEM with a strided load",
+            )),
             Inst::DmaStart { src, dst, sem, .. } | Inst::DmaWait { src, dst, sem, .. } => self.dma(src, dst, *sem, m),
             _ => Ok(()),
         }
+    }
+
+    /// What Mosaic's `tpu.strided_load` / `tpu.strided_store` take (libtpu 0.0.52, the same
+    /// on v5e, v6e and tpu7x): a stride on any dim but the last (lane) one, of a window at
+    /// most 128 lanes wide; a strided store of 32-bit data only; a strided load of packed
+    /// data (bf16, i8) at static starts from a memref whose second-minor dim is a multiple
+    /// of the packing factor (2, 4).
+    fn strided(&self, what: &str, r: RefId, slices: &[Slice]) -> Result<()> {
+        if slices.iter().all(|s| s.stride == 1) {
+            return Ok(());
+        }
+        let decl = self.k.ref_decl(r);
+        let subject = format!("strided {what} of {} `{}`", decl.kind.name(), decl.name);
+        let dims = memref_dims(decl);
+        let window = decl.window();
+        let rank = window.len();
+        for (s, &dim) in slices.iter().zip(&dims) {
+            if s.stride != 1 && dim + 1 == rank {
+                return Err(self.err(
+                    subject,
+                    "strided-access",
+                    format!("a stride of {} on the last (lane) dim: Mosaic strides only the sublane and leading dims (`Stride on last dim is not 1`, every generation)", s.stride),
+                    "load the lanes contiguously and select them afterwards, or transpose so the strided axis is the second-to-last",
+                ));
+            }
+        }
+        if decl.memory != MemorySpace::Vmem {
+            return Ok(());
+        }
+        if rank >= 1 && window[rank - 1] > 128 {
+            return Err(self.err(
+                subject,
+                "strided-access",
+                format!("a strided {what} of a window {} lanes wide: Mosaic strides only refs at most one lane tile (128) wide (`The last dim size is not 128 in original base memref`, every generation)", window[rank - 1]),
+                "make the block's last dim 128 (or less), e.g. a grid over lane tiles, or copy the lane tile into a [.., 128] scratch first",
+            ));
+        }
+        let bits = decl.dtype.bits();
+        if what == "store" && bits != 32 {
+            return Err(self.err(
+                subject,
+                "strided-access",
+                format!("a strided store of {} data: Mosaic stores with a stride only 32-bit data (`Strided store with non 32-bit data`, every generation)", decl.dtype),
+                "store into an f32/i32 buffer (cast first), or store contiguous rows one at a time",
+            ));
+        }
+        let packing = (32 / bits.max(1)).max(1);
+        if packing > 1 && slices.iter().any(|s| self.k.as_const(s.start).is_none()) {
+            return Err(self.err(
+                subject,
+                "strided-access",
+                format!("a strided {} load at a dynamic start: Mosaic takes only static indices for packed types (`Only static indices are supported for packed types`, every generation)", decl.dtype),
+                "use static starts (e.g. unroll over the few offsets with `if`), or load as 32-bit data",
+            ));
+        }
+        if packing > 1 && rank >= 2 && window[rank - 2] % packing != 0 {
+            return Err(self.err(
+                subject,
+                "strided-access",
+                format!("a strided {} load from a window of {} rows: Mosaic needs the second-to-last dim of a packed ref to be a multiple of the packing factor {packing} (`Unsupported strided load for packed type`)", decl.dtype, window[rank - 2]),
+                format!("make the block's second-to-last dim a multiple of {packing}, or load as 32-bit data"),
+            ));
+        }
+        Ok(())
     }
 
     /// Int8 vectors support bitwise ops, shifts, compares and selects, but no arithmetic

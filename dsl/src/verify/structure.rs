@@ -6,6 +6,7 @@
 use super::Verifier;
 use crate::error::Result;
 use crate::ir::*;
+use crate::types::DType;
 
 impl Verifier<'_> {
     pub(super) fn structure(&self) -> Result<()> {
@@ -62,6 +63,15 @@ impl Verifier<'_> {
                 Inst::Binary(op, a, b) if op.is_shift() && !(k.ty(*a).dtype.is_int() && k.ty(*b).dtype == k.ty(*a).dtype) => {
                     return bad(format!("{} shifts {} by {}; shifts take integers of one dtype", name(), k.ty(*a), k.ty(*b)))
                 }
+                Inst::Cumsum { axis, x } if *axis >= k.ty(*x).rank() || !matches!(k.ty(*x).dtype, DType::F32 | DType::BF16 | DType::I32) || d.results.first().map(|&r| k.ty(r)) != Some(k.ty(*x)) => {
+                    return bad(format!("{} is a cumsum along axis {axis} of {}; cumsum keeps the type of an f32, bf16 or i32 vector", name(), k.ty(*x)))
+                }
+                Inst::PrngSeed(seeds) if seeds.is_empty() || seeds.iter().any(|&v| k.ty(v) != &crate::types::Type::scalar(DType::I32)) => {
+                    return bad(format!("{} seeds with {} values; seeds are one or more i32 scalars", name(), seeds.len()))
+                }
+                Inst::PrngRandomBits if d.results.len() != 1 || d.results.first().is_some_and(|&r| k.ty(r).dtype != DType::I32 || k.ty(r).rank() < 2) => {
+                    return bad(format!("{} must give one i32 vector of rank >= 2", name()))
+                }
                 Inst::Unary(op @ (UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign), x) if !k.ty(*x).dtype.is_float() => {
                     return bad(format!("{} applies `{}` to {}, a float op", name(), op.name(), k.ty(*x)))
                 }
@@ -100,6 +110,9 @@ impl Verifier<'_> {
         let view = r.view();
         if slices.len() != view.len() {
             return Err(self.err("IR", "malformed-ir", format!("{what} gives {} slices for `{}`, whose view {view:?} has {} dims", slices.len(), r.name, view.len()), "build kernels with KernelBuilder (or keep hand edits consistent)"));
+        }
+        if slices.iter().any(|s| s.stride == 0 || s.len == 0) {
+            return Err(self.err("IR", "malformed-ir", format!("{what} slices `{}` with a zero length or stride", r.name), "build kernels with KernelBuilder (or keep hand edits consistent)"));
         }
         Ok(())
     }

@@ -67,6 +67,9 @@ pub struct Helpers {
     pub expm1: FuncRef,
     pub sin: FuncRef,
     pub cos: FuncRef,
+    pub cumsum: FuncRef,
+    pub prng_seed: FuncRef,
+    pub prng_bits: FuncRef,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -110,8 +113,9 @@ struct At {
 enum Sink {
     /// A frame slot (row-major, 4-byte elements).
     Slot(usize),
-    /// A ref's memory: element pointer of the box origin, and the ref.
-    Ref(CV, RefId),
+    /// A ref's memory: element pointer of the box origin, the ref, and the slices'
+    /// strides (`None`: all 1).
+    Ref(CV, RefId, Option<InstId>),
 }
 
 pub struct Lower<'a, 'b> {
@@ -352,7 +356,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                     }
                     // `ref[s] = f(ref[s])` reads each element before writing it.
                     let same_box = j == root
-                        && matches!(&k.inst(j).inst, Inst::Store { dst, slices: ss, .. } if dst == src && ss.len() == slices.len() && ss.iter().zip(slices).all(|(a, b)| a.len == b.len && self.same_const(a.start, b.start)));
+                        && matches!(&k.inst(j).inst, Inst::Store { dst, slices: ss, .. } if dst == src && ss.len() == slices.len() && ss.iter().zip(slices).all(|(a, b)| a.len == b.len && a.stride == b.stride && self.same_const(a.start, b.start)));
                     if !same_box {
                         ok = false;
                     }
@@ -379,7 +383,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         for (idx, d) in k.insts.iter().enumerate() {
             let st = InstId(idx as u32);
             let Inst::Store { dst, slices, value } = &d.inst else { continue };
-            if !self.pos.contains_key(&st) || k.ref_decl(*dst).dtype != DType::F32 || slices.len() != 2 || self.layouts[dst.index()].strides.len() != 2 {
+            // The in-place GEMM writes rows `strides[0]` apart: not for a strided store.
+            if !self.pos.contains_key(&st) || k.ref_decl(*dst).dtype != DType::F32 || slices.len() != 2 || self.layouts[dst.index()].strides.len() != 2 || slices.iter().any(|s| s.stride != 1) {
                 continue;
             }
             let Some(add) = self.inst_of(*value) else { continue };
@@ -390,7 +395,7 @@ impl<'a, 'b> Lower<'a, 'b> {
             let is_dot = |v: Value| self.inst_of(v).filter(|&i| matches!(k.inst(i).inst, Inst::Dot { .. }) && uses[v.index()].len() == 1 && k.ty(v).dtype == DType::F32);
             let is_self_load = |v: Value| {
                 self.inst_of(v).is_some_and(|i| match &k.inst(i).inst {
-                    Inst::Load { src, slices: ls } => src == dst && uses[v.index()].len() == 1 && self.how[v.index()] == How::Dup && ls.len() == slices.len() && ls.iter().zip(slices).all(|(a, b)| a.len == b.len && self.same_const(a.start, b.start)),
+                    Inst::Load { src, slices: ls } => src == dst && uses[v.index()].len() == 1 && self.how[v.index()] == How::Dup && ls.len() == slices.len() && ls.iter().zip(slices).all(|(a, b)| a.len == b.len && a.stride == b.stride && self.same_const(a.start, b.start)),
                     _ => false,
                 })
             };
@@ -784,21 +789,30 @@ impl<'a, 'b> Lower<'a, 'b> {
             return unsupported(format!("{} slices for a view of rank {}", slices.len(), view.len()));
         }
         let subject = format!("{what} of {} `{}`", decl.kind.name(), decl.name);
+        // The lanes of a vector are consecutive elements: a lane-dim stride (which no TPU
+        // generation compiles, rule strided-access) is left to the interpreter.
+        if slices.last().is_some_and(|s| s.stride != 1) && !view.is_empty() {
+            return unsupported("a stride on the last dim");
+        }
         for (dim, (s, &extent)) in slices.iter().zip(&view).enumerate() {
-            if s.len > extent {
+            if s.stride == 0 || s.len == 0 {
+                return unsupported("a zero slice length or stride");
+            }
+            let span = s.span();
+            if span > extent {
                 return unsupported("a slice longer than its dim");
             }
             if let Some(Scalar::Int(c)) = self.k.as_const(s.start) {
-                if c >= 0 && c as usize + s.len <= extent {
+                if c >= 0 && c as usize + span <= extent {
                     continue;
                 }
             }
             let start = self.scalar(s.start)?;
             let bad_lo = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, start, 0);
-            let bad_hi = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, start, (extent - s.len) as i64);
+            let bad_hi = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, start, (extent - span) as i64);
             let bad = self.b.ins().bor(bad_lo, bad_hi);
             let site = self.sites.slices.len();
-            self.sites.slices.push(SliceSite { subject: subject.clone(), dim, len: s.len, extent, loc: loc.clone() });
+            self.sites.slices.push(SliceSite { subject: subject.clone(), dim, len: s.len, stride: s.stride, extent, loc: loc.clone() });
             self.fail_if(bad, site as i64, start);
         }
         Ok(())
@@ -852,9 +866,15 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let base = self.slot_addr(off);
                 (crate::cpu::layout::row_major(&shape), 4, true, base)
             }
-            Sink::Ref(origin, r) => {
+            Sink::Ref(origin, r, store) => {
                 let l = &self.layouts[r.index()];
-                (l.strides.clone(), l.dtype.bytes(), false, origin)
+                let mut strides = l.strides.clone();
+                if let Some(Inst::Store { slices, .. }) = store.map(|i| &self.k.inst(i).inst) {
+                    for (st, sl) in strides.iter_mut().zip(slices) {
+                        *st *= sl.stride;
+                    }
+                }
+                (strides, l.dtype.bytes(), false, origin)
             }
         };
         let outer = outer.to_vec();
@@ -908,7 +928,10 @@ impl<'a, 'b> Lower<'a, 'b> {
             Inst::Load { src, slices } => {
                 let origin = self.ref_origin(*src, slices)?;
                 let l = &self.layouts[src.index()];
-                let (strides, esize, dtype) = (l.strides.clone(), l.dtype.bytes(), l.dtype);
+                let (mut strides, esize, dtype) = (l.strides.clone(), l.dtype.bytes(), l.dtype);
+                for (st, sl) in strides.iter_mut().zip(slices) {
+                    *st *= sl.stride;
+                }
                 let addr = self.addr(origin, &at.idx, &strides, esize);
                 self.load_lanes(addr, dtype, false, at)
             }
@@ -1276,6 +1299,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                 Inst::Store { dst, slices, value } => self.emit_store(i, *dst, slices, *value)?,
                 Inst::DmaStart { src, dst, sem, sem_index } => self.emit_dma(i, true, src, dst, *sem, *sem_index)?,
                 Inst::DmaWait { src, dst, sem, sem_index } => self.emit_dma(i, false, src, dst, *sem, *sem_index)?,
+                Inst::PrngSeed(seeds) => self.emit_prng_seed(seeds)?,
                 Inst::If { cond, then_block, else_block } => self.emit_if(i, *cond, *then_block, *else_block)?,
                 Inst::For { lo, hi, step, init, body } => self.emit_for(i, *lo, *hi, *step, init, *body)?,
                 _ => {
@@ -1327,6 +1351,37 @@ impl<'a, 'b> Lower<'a, 'b> {
                 self.slot[r.index()] = off;
                 self.emit_transpose(*x, off)?;
             }
+            Inst::Cumsum { axis, x } => {
+                let xt = k.ty(*x).clone();
+                if *axis >= xt.rank() || xt.shape != shape {
+                    return unsupported("a malformed cumsum");
+                }
+                let kind = match xt.dtype {
+                    DType::F32 => 0,
+                    DType::BF16 => 1,
+                    DType::I32 => 2,
+                    _ => return unsupported("a cumsum of a dtype other than f32, bf16, i32"),
+                };
+                let src = self.ensure_slot(*x)?;
+                let off = self.alloc(n * 4);
+                self.slot[r.index()] = off;
+                let (outer, len, inner) = (shape[..*axis].iter().product::<usize>(), shape[*axis], shape[*axis + 1..].iter().product::<usize>());
+                let (sa, da) = (self.slot_addr(src), self.slot_addr(off));
+                let args = [sa, da, self.iconst64(outer as i64), self.iconst64(len as i64), self.iconst64(inner as i64), self.b.ins().iconst(I32, kind)];
+                self.b.ins().call(self.h.cumsum, &args);
+            }
+            Inst::PrngRandomBits => {
+                let off = self.alloc(n * 4);
+                self.slot[r.index()] = off;
+                let da = self.slot_addr(off);
+                let site = self.b.ins().iconst(I32, i.index() as i64);
+                let count = self.iconst64(n as i64);
+                let call = self.b.ins().call(self.h.prng_bits, &[self.rt, site, da, count]);
+                let status = self.b.inst_results(call)[0];
+                let cont = self.b.create_block();
+                self.b.ins().brif(status, self.fail, &[], cont, &[]);
+                self.b.switch_to_block(cont);
+            }
             _ => {
                 // Elementwise (or a load) computed once into its slot.
                 let off = self.alloc(n * 4);
@@ -1369,7 +1424,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         if lens != vt.shape {
             return unsupported("a store whose value shape differs from the slice");
         }
-        self.emit_group(value, Sink::Ref(origin, dst))
+        let strided = slices.iter().any(|s| s.stride != 1);
+        self.emit_group(value, Sink::Ref(origin, dst, strided.then_some(i)))
     }
 
     fn emit_dma(&mut self, i: InstId, start: bool, src: &tessera_dsl::DmaRef, dst: &tessera_dsl::DmaRef, sem: RefId, sem_index: Value) -> R<()> {
@@ -1386,6 +1442,9 @@ impl<'a, 'b> Lower<'a, 'b> {
         }
         if src.slices.len() != self.layouts[src.r.index()].view.len() || dst.slices.len() != self.layouts[dst.r.index()].view.len() {
             return unsupported("a DMA side with the wrong number of slices");
+        }
+        if src.slices.iter().chain(&dst.slices).any(|s| s.stride != 1) {
+            return unsupported("a strided DMA side");
         }
         let site = self.sites.dmas.len();
         self.sites.dmas.push(DmaSite { start, src: src.r, src_lens: src.shape(), dst: dst.r, dst_lens: dst.shape(), sem, loc: k.inst(i).loc.clone() });
@@ -1404,6 +1463,25 @@ impl<'a, 'b> Lower<'a, 'b> {
         let cont = self.b.create_block();
         self.b.ins().brif(status, self.fail, &[], cont, &[]);
         self.b.switch_to_block(cont);
+        Ok(())
+    }
+
+    /// `prng_seed(seeds)`: the seeds on the stack, handed to the runtime's generator.
+    fn emit_prng_seed(&mut self, seeds: &[Value]) -> R<()> {
+        if seeds.is_empty() {
+            return unsupported("a prng_seed without seeds");
+        }
+        let mut args = Vec::with_capacity(seeds.len());
+        for &v in seeds {
+            args.push(self.scalar(v)?);
+        }
+        let ss = self.b.create_sized_stack_slot(StackSlotData::new(StackSlotKind::ExplicitSlot, (args.len() * 4) as u32, 2));
+        for (j, &a) in args.iter().enumerate() {
+            self.b.ins().stack_store(I32, a, ss, (j * 4) as i32);
+        }
+        let addr = self.b.ins().stack_addr(I64, ss, 0);
+        let count = self.iconst64(args.len() as i64);
+        self.b.ins().call(self.h.prng_seed, &[self.rt, addr, count]);
         Ok(())
     }
 
@@ -1643,8 +1721,8 @@ impl<'a, 'b> Lower<'a, 'b> {
         let Some(i) = self.inst_of(v) else { return Ok(None) };
         if let Inst::Load { src, slices } = &self.k.inst(i).inst {
             let l = &self.layouts[src.index()];
-            if l.dtype == dtype && l.strides.len() == 2 {
-                let (rs, cs) = (l.strides[0] as i64, l.strides[1] as i64);
+            if l.dtype == dtype && l.strides.len() == 2 && slices.len() == 2 {
+                let (rs, cs) = ((l.strides[0] * slices[0].stride) as i64, (l.strides[1] * slices[1].stride) as i64);
                 let p = self.ref_origin(*src, slices)?;
                 return Ok(Some((p, rs, cs)));
             }

@@ -56,7 +56,7 @@ fn isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
 
 /// The helpers compiled code calls, by symbol name: (name, address) in the order of
 /// [`Helpers`]' fields.
-pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 16] {
+pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 19] {
     [
         ("tessera_fail_slice", rt::helper_fail_slice as *const u8),
         ("tessera_dma", rt::helper_dma as *const u8),
@@ -74,6 +74,9 @@ pub fn helper_symbols(exact: bool) -> [(&'static str, *const u8); 16] {
         ("tessera_expm1", rt::helper_expm1 as *const u8),
         ("tessera_sin", rt::helper_sin as *const u8),
         ("tessera_cos", rt::helper_cos as *const u8),
+        ("tessera_cumsum", rt::helper_cumsum as *const u8),
+        ("tessera_prng_seed", rt::helper_prng_seed as *const u8),
+        ("tessera_prng_bits", rt::helper_prng_bits as *const u8),
     ]
 }
 
@@ -99,8 +102,11 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
     let sig_if = sig(module, &[I32], Some(F32));
     let sig_f = sig(module, &[F32], Some(F32));
     let sig_step = sig(module, &[ptr], Some(I32));
+    let sig_cumsum = sig(module, &[ptr, ptr, I64, I64, I64, I32], None);
+    let sig_seed = sig(module, &[ptr, ptr, I64], None);
+    let sig_bits = sig(module, &[ptr, I32, ptr, I64], Some(I32));
     let err = |e: cranelift_module::ModuleError| Unsupported(format!("cranelift: {e}"));
-    let sigs = [&sig_fail, &sig_dma, &sig_dot, &sig_dot, &sig_ff, &sig_ff, &sig_if, &sig_f, &sig_f, &sig_f, &sig_f, &sig_dot, &sig_f, &sig_f, &sig_f, &sig_f];
+    let sigs = [&sig_fail, &sig_dma, &sig_dot, &sig_dot, &sig_ff, &sig_ff, &sig_if, &sig_f, &sig_f, &sig_f, &sig_f, &sig_dot, &sig_f, &sig_f, &sig_f, &sig_f, &sig_cumsum, &sig_seed, &sig_bits];
     let syms = helper_symbols(exact);
     let mut ids = Vec::new();
     for ((name, _), s) in syms.iter().zip(sigs) {
@@ -120,7 +126,7 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
             refs.push(r);
             table.push((r, addr));
         }
-        let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10], dot_bf16: refs[11], log1p: refs[12], expm1: refs[13], sin: refs[14], cos: refs[15] };
+        let h = Helpers { fail_slice: refs[0], dma: refs[1], dot_f32: refs[2], dot_i32: refs[3], fmod: refs[4], pow: refs[5], i2bf: refs[6], exp: refs[7], log: refs[8], tanh: refs[9], erf: refs[10], dot_bf16: refs[11], log1p: refs[12], expm1: refs[13], sin: refs[14], cos: refs[15], cumsum: refs[16], prng_seed: refs[17], prng_bits: refs[18] };
         let l = Lower::new(k, layouts, b, h, exact)?;
         l.lower(module.target_config())?
     };
