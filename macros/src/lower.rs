@@ -57,7 +57,7 @@ max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis)
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]); \
 ds(start, len) inside ref indices; any other function called with IR values is a `#[tpu_fn]` fragment";
-const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
+const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool"), ("float8_e4m3fn", "F8E4M3FN"), ("float8_e5m2", "F8E5M2")];
 
 pub struct Lowerer<'a> {
     refs: &'a HashMap<String, RefInfo>,
