@@ -725,7 +725,9 @@ impl<'a, 'b> Lower<'a, 'b> {
                 (DType::BF16, false) => vx::store_bf16x4(&mut self.b, v, addr),
                 (DType::I8, false) => vx::store_bytes4(&mut self.b, v, addr),
                 (DType::F8E4M3FN | DType::F8E5M2, false) => {
+                    // Codes 128..=255 as i8 (-128..=-1), so the saturating narrows keep them.
                     let c = vx::encode_fp8(&mut self.b, v, dtype == DType::F8E5M2);
+                    let c = vx::wrap_i8(&mut self.b, c);
                     vx::store_bytes4(&mut self.b, c, addr)
                 }
                 (DType::Bool, false) => {
