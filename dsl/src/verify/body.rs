@@ -74,8 +74,8 @@ impl Verifier<'_> {
     }
 
     /// fp8 values are storage: Mosaic (libtpu 0.0.52, v5e / v5p / v6e / tpu7x alike)
-    /// loads, stores, converts (to and from f32 / bf16), selects, broadcasts, transposes
-    /// and multiplies (`dot`) them, and legalizes no arithmetic, comparison or reduction
+    /// loads, stores, converts (to and from f32 / bf16), selects, broadcasts, transposes,
+    /// reshapes and multiplies (`dot`) them, and legalizes no arithmetic, comparison or reduction
     /// of them (`failed to legalize operation 'arith.addf'`, `Target does not support this
     /// comparison`, `Unsupported element type for the selected reduction`).
     fn fp8_op(&self, inst: &Inst) -> Result<()> {
@@ -84,7 +84,6 @@ impl Verifier<'_> {
             Inst::Unary(op, a) => (op.name(), *a),
             Inst::Cmp(op, a, _) => (op.name(), *a),
             Inst::Reduce { op, x, .. } => (op.name(), *x),
-            Inst::Reshape(x) => ("reshape", *x),
             _ => return Ok(()),
         };
         let t = self.k.ty(x);
@@ -94,7 +93,7 @@ impl Verifier<'_> {
         Err(self.err(
             format!("instruction `{what}`"),
             "fp8-op",
-            format!("`{what}` of {t}: fp8 is a storage type, and Mosaic does no arithmetic, comparison, reduction or reshape of fp8 values on any generation (`failed to legalize operation 'arith.addf'`)"),
+            format!("`{what}` of {t}: fp8 is a storage type, and Mosaic does no arithmetic, comparison or reduction of fp8 values on any generation (`failed to legalize operation 'arith.addf'`)"),
             format!("cast to f32 (or bf16) first: .cast(f32), compute, and cast the result back with .cast({}) to store it; a dot takes fp8 operands as they are", t.dtype),
         ))
     }
