@@ -296,6 +296,25 @@ fn fp8_upcast_add(x: In<32, 128>, o: Out<32, 128>) {
     o[..] = (x[..].cast(f32) + 1.0).cast(o.dtype);
 }
 
+/// A weak literal next to an fp8 value takes its dtype (a scalar fp8 constant, broadcast).
+#[tpu_kernel(grid = [1], x = block([32, 128], |i| [0, 0]), o = block([32, 128], |i| [0, 0]))]
+fn fp8_relu_select(x: In<32, 128>, o: Out<32, 128>) {
+    o[..] = select(x[..].cast(f32) > 0.0, x[..], 0.0);
+}
+
+#[test]
+fn a_literal_beside_fp8_is_fp8_on_interp_and_jit() {
+    let codes: Vec<u8> = (0..32 * 128).map(|i| (i % 256) as u8).collect();
+    let x = Array::from_fp8_bits(E5, &[32, 128], &codes);
+    let k = fp8_relu_select(ty(E5, &[32, 128]), ty(E5, &[32, 128])).unwrap();
+    for be in backends() {
+        let got = run_on(be, &k, &[&x])[0].fp8_bits().unwrap();
+        for (i, &c) in codes.iter().enumerate() {
+            assert_eq!(got[i], if fp8::e5m2_to_f32(c) > 0.0 { c } else { 0 }, "{be:?}: code {c:#04x}");
+        }
+    }
+}
+
 #[test]
 fn what_libtpu_does_not_lower_is_an_error_on_every_generation() {
     for dtype in [E4, E5] {
@@ -372,6 +391,7 @@ fn libtpu_compiles_the_fp8_kernels_for_v5e_v6e_tpu7x() {
         kernels.push(fp8_dot_t(ty(da, &[256, 256]), ty(db, &[256, 256]), ty(DType::F32, &[256, 256])).unwrap());
     }
     kernels.push(fp8_upcast_add(ty(E5, &[32, 128]), ty(E5, &[32, 128])).unwrap());
+    kernels.push(fp8_relu_select(ty(E4, &[32, 128]), ty(E4, &[32, 128])).unwrap());
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
         let modules: Vec<(String, String)> = kernels
             .iter()
