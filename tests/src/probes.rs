@@ -417,6 +417,35 @@ fn op_dtype(s: &mut Sweep) {
             b.select(c, x, y)
         }));
         s.add(format!("fp8-transpose-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, _| b.transpose(x)));
+        // An fp8 table in SMEM, read as a scalar and converted.
+        s.add(format!("fp8-smem-scalar-{d}"), {
+            let mut b = KernelBuilder::new("p");
+            b.grid(&[(1, Semantics::Parallel)]);
+            let t = b.unblocked(RefKind::Input, "t", dtype, &[16], MemorySpace::Smem);
+            let x = b.input("x", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let o = b.output("out", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let a = b.load(t, &[ds(3, 1)]);
+            let a = b.cast(a, DType::F32);
+            let v = b.load(x, &[]);
+            let v = b.mul(v, a);
+            b.store(o, &[], v);
+            b.finish()
+        });
+        // Scalar fp8 arithmetic (on the scalar unit).
+        s.add(format!("fp8-smem-add-{d}"), {
+            let mut b = KernelBuilder::new("p");
+            b.grid(&[(1, Semantics::Parallel)]);
+            let t = b.unblocked(RefKind::Input, "t", dtype, &[16], MemorySpace::Smem);
+            let x = b.input("x", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let o = b.output("out", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let a = b.load(t, &[ds(3, 1)]);
+            let a = b.add(a, a);
+            let a = b.cast(a, DType::F32);
+            let v = b.load(x, &[]);
+            let v = b.mul(v, a);
+            b.store(o, &[], v);
+            b.finish()
+        });
         s.add(format!("dot-fp8-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, y| b.dot(x, y, false, false)));
         s.add(format!("dot-fp8-t-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, y| b.dot(x, y, false, true)));
     }
