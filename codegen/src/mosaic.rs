@@ -713,6 +713,18 @@ impl Lower<'_> {
         match (from, to) {
             _ if from == to => x,
             (F32, BF16) => self.t.op1("arith.truncf", &[&x], "", tt(BF16)),
+            // fp8 converts to and from f32 and bf16 only (libtpu 0.0.52); the builder routes
+            // every other fp8 cast through f32, and so does this.
+            (F32 | BF16, F8E4M3FN | F8E5M2) => self.t.op1("arith.truncf", &[&x], "", tt(to)),
+            (F8E4M3FN | F8E5M2, F32 | BF16) => self.t.op1("arith.extf", &[&x], "", tt(to)),
+            (F8E4M3FN | F8E5M2, _) => {
+                let f = self.convert(x, from, F32, shape);
+                self.convert(f, F32, to, shape)
+            }
+            (_, F8E4M3FN | F8E5M2) => {
+                let f = self.convert(x, from, F32, shape);
+                self.convert(f, F32, to, shape)
+            }
             (BF16, F32) => self.t.op1("arith.extf", &[&x], "", tt(F32)),
             (I8, I32) => self.t.op1("arith.extsi", &[&x], "", tt(I32)),
             (I32, I8) => self.t.op1("arith.trunci", &[&x], OVERFLOW, tt(I8)),

@@ -148,6 +148,10 @@ pub(crate) fn float_lit(x: f64, dtype: DType) -> String {
             let b = half::bf16::from_f64(x);
             (b.to_f32(), format!("0x{:04X}", b.to_bits()))
         }
+        DType::F8E4M3FN | DType::F8E5M2 => {
+            let c = tessera_dsl::fp8::encode(dtype, x as f32);
+            (tessera_dsl::fp8::decode(dtype, c), format!("0x{c:02X}"))
+        }
         _ => {
             let f = x as f32;
             (f, format!("0x{:08X}", f.to_bits()))
@@ -203,6 +207,9 @@ mod tests {
         assert_eq!(float_lit(0.5, DType::BF16), "0.5");
         assert_eq!(float_lit(f64::NEG_INFINITY, DType::F32), "0xFF800000");
         assert_eq!(float_lit(f64::INFINITY, DType::BF16), "0x7F80");
+        assert_eq!(float_lit(0.3, DType::F8E4M3FN), "0.3125");
+        assert_eq!(float_lit(f64::INFINITY, DType::F8E5M2), "0x7C");
+        assert_eq!(float_lit(f64::NAN, DType::F8E4M3FN), "0x7F");
     }
 
     #[test]

@@ -61,6 +61,10 @@ fn out_of_range(value: Scalar, dtype: DType) -> Option<String> {
         (Scalar::Float(x), DType::BF16) if x.is_finite() && half::bf16::from_f64(x).is_infinite() => {
             Some(format!("beyond bf16's largest finite value {:e}, it would round to infinity", f64::from(half::bf16::MAX)))
         }
+        // Beyond the midpoint above the largest finite value: e4m3fn saturates (448 and 464
+        // round to 448), e5m2 rounds to infinity.
+        (Scalar::Float(x), DType::F8E4M3FN) if x.is_finite() && x.abs() > 464.0 => Some("beyond float8_e4m3fn's largest finite value 448, it would saturate to 448 (e4m3fn has no infinity)".into()),
+        (Scalar::Float(x), DType::F8E5M2) if x.is_finite() && x.abs() >= 61440.0 => Some("beyond float8_e5m2's largest finite value 57344, it would round to infinity".into()),
         _ => None,
     }
 }
@@ -660,10 +664,18 @@ impl KernelBuilder {
         self.push1(Inst::Select { cond, on_true: t, on_false: f }, ty)
     }
 
+    /// Converts `x` to `to`. Mosaic converts fp8 to and from f32 and bf16 only (libtpu
+    /// 0.0.52); a cast between fp8 and any other dtype (i32, i8, bool, the other fp8
+    /// format) is built as two casts through f32, which is exact on the fp8 side.
     pub fn cast(&mut self, x: Value, to: DType) -> Value {
         let t = self.ty(x).clone();
         if t.dtype == to {
             return x;
+        }
+        let direct = |a: DType, b: DType| !a.is_fp8() || matches!(b, DType::F32 | DType::BF16);
+        if !direct(t.dtype, to) || !direct(to, t.dtype) {
+            let f = self.push1(Inst::Cast(x), t.with_dtype(DType::F32));
+            return self.push1(Inst::Cast(f), t.with_dtype(to));
         }
         self.push1(Inst::Cast(x), t.with_dtype(to))
     }

@@ -48,7 +48,9 @@
 //!
 //! - bf16 values are kept as f32 and rounded to bf16 (nearest-even) after every op whose
 //!   result is bf16; i8 values are kept as i32 and wrapped to the i8 range after every op
-//!   whose result is i8.
+//!   whose result is i8. fp8 values (`float8_e4m3fn`, `float8_e5m2`) are kept as f32 and
+//!   rounded to their format after every op whose result is fp8, as torch converts
+//!   ([`crate::fp8`]: nearest-even; e4m3fn saturates to +-448, e5m2 overflows to inf).
 //! - Float arithmetic is IEEE f32. Transcendentals (exp, log, tanh, erf, sqrt, rsqrt,
 //!   pow) are computed in f64 and rounded once, so the reference is correctly rounded in
 //!   practice and does not depend on the platform's libm.
@@ -85,6 +87,8 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 
+use crate::fp8::{self, F8E4M3, F8E5M2};
+
 use crate::error::{KernelError, Result};
 use crate::ir::*;
 use crate::types::{DType, MemorySpace};
@@ -100,6 +104,10 @@ pub enum Data {
     I32(Vec<i32>),
     I8(Vec<i8>),
     Bool(Vec<bool>),
+    /// `float8_e4m3fn` elements (the `float8` crate's byte type).
+    F8E4M3FN(Vec<F8E4M3>),
+    /// `float8_e5m2` elements.
+    F8E5M2(Vec<F8E5M2>),
 }
 
 impl Data {
@@ -110,6 +118,8 @@ impl Data {
             Data::I32(_) => DType::I32,
             Data::I8(_) => DType::I8,
             Data::Bool(_) => DType::Bool,
+            Data::F8E4M3FN(_) => DType::F8E4M3FN,
+            Data::F8E5M2(_) => DType::F8E5M2,
         }
     }
 
@@ -120,6 +130,8 @@ impl Data {
             Data::I32(v) => v.len(),
             Data::I8(v) => v.len(),
             Data::Bool(v) => v.len(),
+            Data::F8E4M3FN(v) => v.len(),
+            Data::F8E5M2(v) => v.len(),
         }
     }
 
@@ -184,7 +196,44 @@ impl Array {
         Array::new(shape, Data::BF16(data.iter().map(|&x| bf16::from_f32(x)).collect()))
     }
 
-    /// A float array of `dtype` from f32 values: f32 as given, bf16 rounded to nearest-even.
+    /// An fp8 array (`float8_e4m3fn` or `float8_e5m2`) from f32 values, converted as torch's
+    /// `.to(dtype)` ([`crate::fp8`]).
+    ///
+    /// # Panics
+    /// If `dtype` is not an fp8 type or `data` does not have the shape's element count.
+    pub fn from_f32_as_fp8(dtype: DType, shape: &[usize], data: &[f32]) -> Array {
+        let d = match dtype {
+            DType::F8E4M3FN => Data::F8E4M3FN(data.iter().map(|&x| fp8::to_e4m3fn(x)).collect()),
+            DType::F8E5M2 => Data::F8E5M2(data.iter().map(|&x| fp8::to_e5m2(x)).collect()),
+            other => panic!("from_f32_as_fp8: {other} is not an fp8 dtype"),
+        };
+        Array::new(shape, d)
+    }
+
+    /// An fp8 array from its raw codes (bytes), one per element.
+    ///
+    /// # Panics
+    /// If `dtype` is not an fp8 type or `codes` does not have the shape's element count.
+    pub fn from_fp8_bits(dtype: DType, shape: &[usize], codes: &[u8]) -> Array {
+        let d = match dtype {
+            DType::F8E4M3FN => Data::F8E4M3FN(codes.iter().map(|&c| F8E4M3::from_bits(c)).collect()),
+            DType::F8E5M2 => Data::F8E5M2(codes.iter().map(|&c| F8E5M2::from_bits(c)).collect()),
+            other => panic!("from_fp8_bits: {other} is not an fp8 dtype"),
+        };
+        Array::new(shape, d)
+    }
+
+    /// The raw codes of an fp8 array, `None` for other dtypes.
+    pub fn fp8_bits(&self) -> Option<Vec<u8>> {
+        match &self.data {
+            Data::F8E4M3FN(v) => Some(v.iter().map(|x| x.to_bits()).collect()),
+            Data::F8E5M2(v) => Some(v.iter().map(|x| x.to_bits()).collect()),
+            _ => None,
+        }
+    }
+
+    /// A float array of `dtype` from f32 values: f32 as given, bf16 rounded to nearest-even,
+    /// fp8 converted as torch does.
     ///
     /// # Panics
     /// If `dtype` is not a float type.
@@ -192,6 +241,7 @@ impl Array {
         match dtype {
             DType::F32 => Array::from_f32(shape, data),
             DType::BF16 => Array::from_f32_as_bf16(shape, &data),
+            DType::F8E4M3FN | DType::F8E5M2 => Array::from_f32_as_fp8(dtype, shape, &data),
             other => panic!("from_f32_in: {other} is not a float dtype"),
         }
     }
@@ -244,6 +294,8 @@ impl Array {
             DType::I32 => filled(n, if poison { i32::MIN } else { 0 }).map(Data::I32),
             DType::I8 => filled(n, if poison { i8::MIN } else { 0 }).map(Data::I8),
             DType::Bool => filled(n, false).map(Data::Bool),
+            DType::F8E4M3FN => filled(n, F8E4M3::from_bits(if poison { 0x7f } else { 0 })).map(Data::F8E4M3FN),
+            DType::F8E5M2 => filled(n, F8E5M2::from_bits(if poison { 0x7f } else { 0 })).map(Data::F8E5M2),
         }
         .ok_or_else(too_big)?;
         Ok(Array { dtype, shape: shape.to_vec(), data })
@@ -275,6 +327,8 @@ impl Array {
             Data::I32(v) => v.iter().map(|&x| x as f32).collect(),
             Data::I8(v) => v.iter().map(|&x| x as f32).collect(),
             Data::Bool(v) => v.iter().map(|&x| x as u8 as f32).collect(),
+            Data::F8E4M3FN(v) => v.iter().map(|x| fp8::e4m3fn_to_f32(x.to_bits())).collect(),
+            Data::F8E5M2(v) => v.iter().map(|x| fp8::e5m2_to_f32(x.to_bits())).collect(),
         }
     }
 
@@ -286,6 +340,8 @@ impl Array {
             Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
             Data::I8(v) => v.iter().map(|&x| x as f64).collect(),
             Data::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
+            Data::F8E4M3FN(v) => v.iter().map(|x| fp8::e4m3fn_to_f32(x.to_bits()) as f64).collect(),
+            Data::F8E5M2(v) => v.iter().map(|x| fp8::e5m2_to_f32(x.to_bits()) as f64).collect(),
         }
     }
 
@@ -416,6 +472,8 @@ pub enum HostData<'a> {
     I32(&'a [i32]),
     I8(&'a [i8]),
     Bool(&'a [bool]),
+    F8E4M3FN(&'a [F8E4M3]),
+    F8E5M2(&'a [F8E5M2]),
 }
 
 /// Mutably borrowed, contiguous row-major elements of one operand (a [`run_into`] output).
@@ -426,6 +484,8 @@ pub enum HostDataMut<'a> {
     I32(&'a mut [i32]),
     I8(&'a mut [i8]),
     Bool(&'a mut [bool]),
+    F8E4M3FN(&'a mut [F8E4M3]),
+    F8E5M2(&'a mut [F8E5M2]),
 }
 
 /// One input operand of [`run_into`]: its shape and its borrowed row-major elements.
@@ -464,6 +524,8 @@ impl HostData<'_> {
             HostData::I32(_) => DType::I32,
             HostData::I8(_) => DType::I8,
             HostData::Bool(_) => DType::Bool,
+            HostData::F8E4M3FN(_) => DType::F8E4M3FN,
+            HostData::F8E5M2(_) => DType::F8E5M2,
         }
     }
 
@@ -474,6 +536,8 @@ impl HostData<'_> {
             HostData::I32(v) => v.len(),
             HostData::I8(v) => v.len(),
             HostData::Bool(v) => v.len(),
+            HostData::F8E4M3FN(v) => v.len(),
+            HostData::F8E5M2(v) => v.len(),
         }
     }
 
@@ -503,6 +567,8 @@ impl HostDataMut<'_> {
             HostDataMut::I32(v) => HostData::I32(v),
             HostDataMut::I8(v) => HostData::I8(v),
             HostDataMut::Bool(v) => HostData::Bool(v),
+            HostDataMut::F8E4M3FN(v) => HostData::F8E4M3FN(v),
+            HostDataMut::F8E5M2(v) => HostData::F8E5M2(v),
         }
     }
 
@@ -514,6 +580,8 @@ impl HostDataMut<'_> {
             HostDataMut::I32(v) => HostDataMut::I32(v),
             HostDataMut::I8(v) => HostDataMut::I8(v),
             HostDataMut::Bool(v) => HostDataMut::Bool(v),
+            HostDataMut::F8E4M3FN(v) => HostDataMut::F8E4M3FN(v),
+            HostDataMut::F8E5M2(v) => HostDataMut::F8E5M2(v),
         }
     }
 
@@ -525,6 +593,8 @@ impl HostDataMut<'_> {
             HostDataMut::I32(v) => v.fill(i32::MIN),
             HostDataMut::I8(v) => v.fill(i8::MIN),
             HostDataMut::Bool(v) => v.fill(false),
+            HostDataMut::F8E4M3FN(v) => v.fill(F8E4M3::from_bits(0x7f)),
+            HostDataMut::F8E5M2(v) => v.fill(F8E5M2::from_bits(0x7f)),
         }
     }
 }
@@ -543,7 +613,7 @@ macro_rules! host_from_slices {
         }
     )*};
 }
-host_from_slices!(f32 => F32, bf16 => BF16, i32 => I32, i8 => I8, bool => Bool);
+host_from_slices!(f32 => F32, bf16 => BF16, i32 => I32, i8 => I8, bool => Bool, F8E4M3 => F8E4M3FN, F8E5M2 => F8E5M2);
 
 impl Data {
     /// The elements, borrowed for [`run_into`].
@@ -554,6 +624,8 @@ impl Data {
             Data::I32(v) => HostData::I32(v),
             Data::I8(v) => HostData::I8(v),
             Data::Bool(v) => HostData::Bool(v),
+            Data::F8E4M3FN(v) => HostData::F8E4M3FN(v),
+            Data::F8E5M2(v) => HostData::F8E5M2(v),
         }
     }
 
@@ -565,6 +637,8 @@ impl Data {
             Data::I32(v) => HostDataMut::I32(v),
             Data::I8(v) => HostDataMut::I8(v),
             Data::Bool(v) => HostDataMut::Bool(v),
+            Data::F8E4M3FN(v) => HostDataMut::F8E4M3FN(v),
+            Data::F8E5M2(v) => HostDataMut::F8E5M2(v),
         }
     }
 }
@@ -595,7 +669,7 @@ enum Buf {
 impl Buf {
     fn poison(dtype: DType, n: usize) -> Buf {
         match dtype {
-            DType::F32 | DType::BF16 => Buf::F(vec![f32::NAN; n]),
+            DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2 => Buf::F(vec![f32::NAN; n]),
             DType::I32 => Buf::I(vec![i32::MIN; n]),
             DType::I8 => Buf::I(vec![i8::MIN as i32; n]),
             DType::Bool => Buf::B(vec![false; n]),
@@ -631,6 +705,7 @@ impl Buf {
     fn normalize(&mut self, dtype: DType) {
         match (self, dtype) {
             (Buf::F(v), DType::BF16) => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
+            (Buf::F(v), d @ (DType::F8E4M3FN | DType::F8E5M2)) => v.iter_mut().for_each(|x| *x = fp8::round(d, *x)),
             (Buf::I(v), DType::I8) => v.iter_mut().for_each(|x| *x = *x as i8 as i32),
             _ => {}
         }
@@ -738,7 +813,7 @@ impl Store<'_> {
 
 fn host_kind(h: HostData<'_>) -> &'static str {
     match h {
-        HostData::F32(_) | HostData::BF16(_) => "float",
+        HostData::F32(_) | HostData::BF16(_) | HostData::F8E4M3FN(_) | HostData::F8E5M2(_) => "float",
         HostData::I32(_) | HostData::I8(_) => "integer",
         HostData::Bool(_) => "bool",
     }
@@ -746,7 +821,7 @@ fn host_kind(h: HostData<'_>) -> &'static str {
 
 fn host_zeros(h: HostData<'_>, n: usize) -> Buf {
     match h {
-        HostData::F32(_) | HostData::BF16(_) => Buf::F(vec![0.0; n]),
+        HostData::F32(_) | HostData::BF16(_) | HostData::F8E4M3FN(_) | HostData::F8E5M2(_) => Buf::F(vec![0.0; n]),
         HostData::I32(_) | HostData::I8(_) => Buf::I(vec![0; n]),
         HostData::Bool(_) => Buf::B(vec![false; n]),
     }
@@ -758,6 +833,8 @@ fn read_host(src: HostData<'_>, src_shape: &[usize], src_origin: &[usize], dst: 
     match (src, dst) {
         (HostData::F32(s), Buf::F(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
         (HostData::BF16(s), Buf::F(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x.to_f32()),
+        (HostData::F8E4M3FN(s), Buf::F(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| fp8::e4m3fn_to_f32(x.to_bits())),
+        (HostData::F8E5M2(s), Buf::F(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| fp8::e5m2_to_f32(x.to_bits())),
         (HostData::I32(s), Buf::I(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
         (HostData::I8(s), Buf::I(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x as i32),
         (HostData::Bool(s), Buf::B(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
@@ -772,6 +849,8 @@ fn write_host(src: &Buf, src_shape: &[usize], src_origin: &[usize], dst: &mut Ho
     match (src, dst) {
         (Buf::F(s), HostDataMut::F32(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
         (Buf::F(s), HostDataMut::BF16(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, bf16::from_f32),
+        (Buf::F(s), HostDataMut::F8E4M3FN(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, fp8::to_e4m3fn),
+        (Buf::F(s), HostDataMut::F8E5M2(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, fp8::to_e5m2),
         (Buf::I(s), HostDataMut::I32(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
         (Buf::I(s), HostDataMut::I8(d)) => copy_box_map(s, src_shape, src_origin, d, dst_shape, dst_origin, region, |x| x as i8),
         (Buf::B(s), HostDataMut::Bool(d)) => copy_box(s, src_shape, src_origin, d, dst_shape, dst_origin, region),
@@ -2119,6 +2198,8 @@ fn const_buf(s: Scalar, dtype: DType, n: usize) -> Buf {
         DType::F32 => Buf::F(vec![as_f64 as f32; n]),
         // Round once from f64, avoiding f64 -> f32 -> bf16 double rounding.
         DType::BF16 => Buf::F(vec![bf16::from_f64(as_f64).to_f32(); n]),
+        // f64 -> f32 -> fp8 rounds as f64 -> fp8 would: f32 keeps more than 2 * 4 + 2 bits.
+        DType::F8E4M3FN | DType::F8E5M2 => Buf::F(vec![fp8::round(dtype, as_f64 as f32); n]),
         DType::I32 | DType::I8 => {
             let i = match s {
                 Scalar::Int(i) => i as i32, // wraps; `normalize` wraps i8
@@ -2135,16 +2216,17 @@ fn const_buf(s: Scalar, dtype: DType, n: usize) -> Buf {
 /// wraps to i8.
 fn cast(x: &Buf, to: DType) -> Buf {
     match (x, to) {
-        (Buf::F(v), DType::F32 | DType::BF16) => Buf::F(v.clone()),
+        (Buf::F(v), DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2) => Buf::F(v.clone()),
         // `as` truncates toward zero, saturates, and maps NaN to 0.
         (Buf::F(v), DType::I32) => Buf::I(map(v, |x| x as i32)),
         (Buf::F(v), DType::I8) => Buf::I(map(v, |x| x as i8 as i32)),
         (Buf::F(v), DType::Bool) => Buf::B(map(v, |x| x != 0.0)),
         (Buf::I(v), DType::F32) => Buf::F(map(v, |x| x as f32)),
         (Buf::I(v), DType::BF16) => Buf::F(map(v, |x| bf16::from_f64(x as f64).to_f32())),
+        (Buf::I(v), DType::F8E4M3FN | DType::F8E5M2) => Buf::F(map(v, |x| x as f32)),
         (Buf::I(v), DType::I32 | DType::I8) => Buf::I(v.clone()),
         (Buf::I(v), DType::Bool) => Buf::B(map(v, |x| x != 0)),
-        (Buf::B(v), DType::F32 | DType::BF16) => Buf::F(map(v, |x| x as u8 as f32)),
+        (Buf::B(v), DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2) => Buf::F(map(v, |x| x as u8 as f32)),
         (Buf::B(v), DType::I32 | DType::I8) => Buf::I(map(v, |x| x as i32)),
         (Buf::B(v), DType::Bool) => Buf::B(v.clone()),
     }

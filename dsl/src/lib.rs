@@ -10,6 +10,7 @@
 pub mod builder;
 pub mod error;
 pub mod exec;
+pub mod fp8;
 pub mod interp;
 pub mod ir;
 pub mod pipeline;

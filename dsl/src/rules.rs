@@ -130,8 +130,10 @@ rules! {
         "pair strided-access: an f32 load of 8 rows at stride 2 accepted, the same stride on the lanes rejected (`Stride on last dim is not 1` / `The last dim size is not 128`); pair strided-store: a strided f32 store accepted, bf16 rejected (`Strided store with non 32-bit data`); a 256- or 512-lane window rejected for every dtype, 64 and 128 accepted (`The last dim size is not 128 in original base memref`); a dynamic bf16 start rejected (`Only static indices are supported for packed types`), dynamic f32 starts accepted unaligned; a bf16/i8 load from a 17-row window rejected (`second-minor dimension of base memref (17) must be a multiple of packing factor 2`; Pallas-written sweep of f32/bf16/i32/i8 x stride 2/3/4/8 x sublane/lane/leading dims, load and store, identical on v5e/v6e/tpu7x)";
     "prng-seed-count", Tpu, [V], SAME, "prng_seed takes at most 2 seeds",
         "pair prng-seed-count: prng_seed(a, b) accepted, prng_seed(a, b, c) rejected (`Setting seed with more than 2 values is not supported`, every generation)";
-    "matmul-dtype", Tpu, [V], "f32, bf16 native everywhere; int8 native on v5e/v5p/v6e, compiles on tpu7x (warning matmul-emulated); int32 nowhere", "a dot's operands are of a dtype the generation's compiler multiplies",
+    "matmul-dtype", Tpu, [V], "f32, bf16 native everywhere; int8 native on v5e/v5p/v6e, compiles on tpu7x (warning matmul-emulated); fp8 native on tpu7x, compiles on v5e/v5p/v6e (warning matmul-emulated); int32 nowhere", "a dot's operands are of a dtype the generation's compiler multiplies",
         "pair matmul-dtype: int8 x int8 accepted, int32 x int32 rejected (`Bad lhs/rhs type`); bf16 x f32 accepted";
+    "fp8-op", Tpu, [V], SAME, "fp8 values (float8_e4m3fn, float8_e5m2) take no arithmetic, comparison or reduction (loads, stores, casts to/from f32 and bf16, selects, broadcasts, transposes, reshapes and dots are fine)",
+        "pair fp8-op: an fp8 -> f32 -> fp8 cast round trip accepted, an fp8 add rejected (`failed to legalize operation 'arith.addf'`); probes op-dtype/fp8-*: fp8 compares `Target does not support this comparison`, fp8 max reductions `Unsupported element type for the selected reduction`, negations `failed to legalize arith.subf`, scalar fp8 adds (an SMEM table) likewise, on v5e, v5p, v6e and tpu7x alike; fp8 reshapes, selects, transposes, 8-row blocks and SMEM scalar loads compile";
     "vector-op-dtype", Tpu, [V], SAME, "int8 vectors take no arithmetic (add, sub, mul, div, rem, min, max, neg, abs, min/max-selects; bitwise ops, shifts, compares, selects and casts are fine); bf16 vectors take no `rem`",
         "pair vector-op-dtype: int8 xor accepted, int8 add rejected (`Only vector<i16> and vector<i32> are supported`); int8 max: `failed to legalize arith.maxsi`; bf16 rem: `failed to legalize arith.remf` (probe op-all/rem-bf16), f32 rem compiles; pair int8-shift: an int8 shift compiles, an int8 mul is rejected (probes op-more/*-i8 shift every way)";
     "reduce-dtype", Tpu, [V], SAME, "reductions take 32-bit and 16-bit vectors, not int8",
@@ -162,8 +164,8 @@ rules! {
     // ---- performance warnings (verify/warn.rs) ----
     "block-native-tiling", Warning, [V], SAME, "a packed dtype's block rows are a multiple of its native tile (16 bf16, 32 int8) or the whole dim",
         "warning: libtpu compiles int8 blocks of 8, 16, 24 rows and bf16 blocks of 8, 24 rows (probes tiling-rows/*, all four generations); vregs are then partly empty";
-    "matmul-emulated", Warning, [V], "tpu7x: int8 x int8 (its MXU has fp8, not int8)", "a dot's dtype is native to the generation's MXU",
-        "warning: libtpu 0.0.52 compiles int8 x int8 for tpu7x (probe op-dtype/dot-i8@tpu7x); compile-only cannot tell whether it is emulated";
+    "matmul-emulated", Warning, [V], "tpu7x: int8 x int8 (its MXU has fp8, not int8); v5e/v5p/v6e: fp8 x fp8 (their MXUs have no fp8 mode)", "a dot's dtype is native to the generation's MXU",
+        "warning: libtpu 0.0.52 compiles int8 x int8 for tpu7x (probe op-dtype/dot-i8@tpu7x) and fp8 x fp8 (both formats, and fp8 x bf16) on all four (pair fp8-op's inside kernel and probe op-dtype/dot-fp8-*); compile-only cannot tell whether it is emulated";
 
     // ---- the builder (builder.rs): type errors of the IR ----
     "duplicate-operand", Semantic, [B], SAME, "operand names are unique", "semantic: names are how errors and the host bind operands";

@@ -155,7 +155,7 @@ impl Target {
         mxus_per_core: 4,
         // 7.37 TB/s per chip (cloud.google.com/tpu/docs/tpu7x), half for each of its two devices.
         hbm_gbps: 3685.0,
-        matmul_dtypes: &[DType::F32, DType::BF16],
+        matmul_dtypes: &[DType::F32, DType::BF16, DType::F8E4M3FN, DType::F8E5M2],
         // 192 GiB HBM3e per chip (cloud.google.com/tpu/docs/tpu7x, Ironwood), 96 GiB for
         // each of its two devices.
         hbm_bytes: 192 * GIB,
@@ -178,7 +178,7 @@ impl Target {
             DType::F32 | DType::I32 => 8,
             DType::BF16 if self.generation == Generation::Tpu7x => 16,
             DType::BF16 => 8,
-            DType::I8 | DType::Bool => 32,
+            DType::I8 | DType::Bool | DType::F8E4M3FN | DType::F8E5M2 => 32,
         };
         (sublanes, 128)
     }
@@ -267,11 +267,12 @@ impl Target {
     }
 
     /// How this generation's compiler treats a `dot` of `dtype` operands (probes
-    /// `op-dtype/dot-*`: int8 compiles on all four, int32 on none).
+    /// `op-dtype/dot-*`: int8 compiles on all four, int32 on none; fp8 compiles on all
+    /// four — libtpu widens it where the MXU has no fp8 mode — and is native on tpu7x).
     pub fn dot_support(&self, dtype: DType) -> DotSupport {
         if self.matmul_dtypes.contains(&dtype) {
             DotSupport::Native
-        } else if dtype == DType::I8 {
+        } else if dtype == DType::I8 || dtype.is_fp8() {
             DotSupport::Compiles
         } else {
             DotSupport::Rejected

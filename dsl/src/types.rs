@@ -10,17 +10,23 @@ pub enum DType {
     I32,
     I8,
     Bool,
+    /// `torch.float8_e4m3fn`: 4 exponent bits (bias 7), 3 mantissa bits, no infinity,
+    /// NaN = `S.1111.111`, largest finite 448. A storage type: see [`crate::fp8`].
+    F8E4M3FN,
+    /// `torch.float8_e5m2`: 5 exponent bits (bias 15), 2 mantissa bits, IEEE-like
+    /// (infinities, NaNs), largest finite 57344. A storage type: see [`crate::fp8`].
+    F8E5M2,
 }
 
 impl DType {
-    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::I32, DType::I8, DType::Bool];
+    pub const ALL: [DType; 7] = [DType::F32, DType::BF16, DType::I32, DType::I8, DType::Bool, DType::F8E4M3FN, DType::F8E5M2];
 
     /// Storage width in bits (bool is stored as one byte in memory, one bit in registers).
     pub fn bits(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 32,
             DType::BF16 => 16,
-            DType::I8 | DType::Bool => 8,
+            DType::I8 | DType::Bool | DType::F8E4M3FN | DType::F8E5M2 => 8,
         }
     }
 
@@ -28,15 +34,22 @@ impl DType {
         self.bits() / 8
     }
 
+    /// Floats, fp8 included (their values are kept as f32 on the CPU, like bf16).
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::BF16)
+        matches!(self, DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2)
+    }
+
+    /// One of the two fp8 formats: storage types that Mosaic loads, stores, converts,
+    /// selects, moves and multiplies (`dot`) but does no arithmetic on.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3FN | DType::F8E5M2)
     }
 
     pub fn is_int(self) -> bool {
         matches!(self, DType::I32 | DType::I8)
     }
 
-    /// The MLIR spelling: `f32`, `bf16`, `i32`, `i8`, `i1`.
+    /// The MLIR spelling: `f32`, `bf16`, `i32`, `i8`, `i1`, `f8E4M3FN`, `f8E5M2`.
     pub fn mlir(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -44,19 +57,27 @@ impl DType {
             DType::I32 => "i32",
             DType::I8 => "i8",
             DType::Bool => "i1",
+            DType::F8E4M3FN => "f8E4M3FN",
+            DType::F8E5M2 => "f8E5M2",
         }
     }
 
-    /// The user-facing name (`f32`, `bf16`, `i32`, `i8`, `bool`).
+    /// The user-facing name (`f32`, `bf16`, `i32`, `i8`, `bool`, and torch's
+    /// `float8_e4m3fn`, `float8_e5m2`).
     pub fn name(self) -> &'static str {
         match self {
             DType::Bool => "bool",
+            DType::F8E4M3FN => "float8_e4m3fn",
+            DType::F8E5M2 => "float8_e5m2",
             d => d.mlir(),
         }
     }
 
+    /// A dtype from its name ([`DType::name`]); the fp8 types also by their MLIR
+    /// spelling (`f8E4M3FN`, `f8E5M2`) and with a `torch.` prefix.
     pub fn parse(s: &str) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.name() == s)
+        let s = s.strip_prefix("torch.").unwrap_or(s);
+        DType::ALL.into_iter().find(|d| d.name() == s || (d.is_fp8() && d.mlir() == s))
     }
 }
 

@@ -59,6 +59,8 @@ fn run_into_vecs(k: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, interp::Run
                 DType::I32 => Data::I32(vec![7; n]),
                 DType::I8 => Data::I8(vec![7; n]),
                 DType::Bool => Data::Bool(vec![true; n]),
+                DType::F8E4M3FN => Data::F8E4M3FN(vec![tessera_dsl::fp8::to_e4m3fn(7.0); n]),
+                DType::F8E5M2 => Data::F8E5M2(vec![tessera_dsl::fp8::to_e5m2(7.0); n]),
             };
             (r.shape.clone(), data)
         })
@@ -302,6 +304,8 @@ fn output_blocks_never_written_stay_poisoned_in_the_callers_memory() {
             Data::I32(v) => Data::I32(vec![v[half]]),
             Data::I8(v) => Data::I8(vec![v[half]]),
             Data::Bool(v) => Data::Bool(vec![v[half]]),
+            Data::F8E4M3FN(v) => Data::F8E4M3FN(vec![v[half]]),
+            Data::F8E5M2(v) => Data::F8E5M2(vec![v[half]]),
         });
         assert!(same(&tail, &poison), "{} poison differs from Array::poison", w.dtype);
     }

@@ -122,6 +122,7 @@ fn kind_text(kind: Kind) -> &'static str {
     match kind {
         Kind::Float => "float32 or bfloat16",
         Kind::Float32 => "float32",
+        Kind::AnyFloat => "float32, bfloat16, float8_e4m3fn or float8_e5m2",
         Kind::Int32 => "int32",
         Kind::Int8 => "int8",
     }
@@ -129,7 +130,8 @@ fn kind_text(kind: Kind) -> &'static str {
 
 fn kind_accepts(kind: Kind, dtype: DType) -> bool {
     match kind {
-        Kind::Float => dtype.is_float(),
+        Kind::Float => matches!(dtype, DType::F32 | DType::BF16),
+        Kind::AnyFloat => dtype.is_float(),
         Kind::Float32 => dtype == DType::F32,
         Kind::Int32 => dtype == DType::I32,
         Kind::Int8 => dtype == DType::I8,

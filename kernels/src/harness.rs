@@ -143,6 +143,7 @@ pub fn random_array(dtype: DType, shape: &[usize], rng: &mut StdRng) -> Array {
         DType::I8 => Data::I8(vals.iter().map(|&v| (v * 100.0) as i8).collect()),
         DType::Bool => Data::Bool(vals.iter().map(|&v| v > 0.0).collect()),
         DType::F32 => Data::F32(vals),
+        DType::F8E4M3FN | DType::F8E5M2 => return Array::from_f32_as_fp8(dtype, shape, &vals),
     };
     Array { dtype, shape: shape.to_vec(), data }
 }

@@ -41,13 +41,17 @@ pub enum Kind {
     Int8,
     /// f32 whatever the run's dtype (scales, statistics).
     Float32,
+    /// Any float dtype, the fp8 storage types included (`float8_e4m3fn`, `float8_e5m2`):
+    /// for ops whose kernels convert their inputs to f32 themselves (user ops; the library's
+    /// take [`Kind::Float`]).
+    AnyFloat,
 }
 
 impl Kind {
     /// The element type of such an input in a run whose float dtype is `float`.
     pub fn dtype(self, float: DType) -> DType {
         match self {
-            Kind::Float => float,
+            Kind::Float | Kind::AnyFloat => float,
             Kind::Int32 => DType::I32,
             Kind::Int8 => DType::I8,
             Kind::Float32 => DType::F32,
@@ -625,7 +629,7 @@ impl Call<'_> {
     /// Checks that tensor input `name` holds f32 or bf16.
     pub fn float(&self, name: &str) -> Result<(), KernelError> {
         let t = self.tensor(name)?;
-        if t.dtype.is_float() {
+        if matches!(t.dtype, DType::F32 | DType::BF16) {
             return Ok(());
         }
         Err(self.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {}", t.dtype), "pass float32 or bfloat16"))

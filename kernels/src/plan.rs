@@ -347,6 +347,8 @@ pub fn to_array(h: HostRef<'_>) -> Array {
         HostData::I32(v) => Data::I32(v.to_vec()),
         HostData::I8(v) => Data::I8(v.to_vec()),
         HostData::Bool(v) => Data::Bool(v.to_vec()),
+        HostData::F8E4M3FN(v) => Data::F8E4M3FN(v.to_vec()),
+        HostData::F8E5M2(v) => Data::F8E5M2(v.to_vec()),
     };
     Array::new(h.shape, data)
 }
@@ -367,6 +369,8 @@ pub fn try_to_array(op: &str, what: &str, h: HostRef<'_>) -> Result<Array, Kerne
         HostData::I32(v) => Data::I32(copy(op, what, v, dtype)?),
         HostData::I8(v) => Data::I8(copy(op, what, v, dtype)?),
         HostData::Bool(v) => Data::Bool(copy(op, what, v, dtype)?),
+        HostData::F8E4M3FN(v) => Data::F8E4M3FN(copy(op, what, v, dtype)?),
+        HostData::F8E5M2(v) => Data::F8E5M2(copy(op, what, v, dtype)?),
     };
     Ok(Array { dtype, shape: h.shape.to_vec(), data })
 }
@@ -402,6 +406,8 @@ pub fn try_poison(op: &str, what: &str, ty: &Type) -> Result<Array, KernelError>
         DType::I32 => Data::I32(filled(op, what, n, ty.dtype, i32::MIN)?),
         DType::I8 => Data::I8(filled(op, what, n, ty.dtype, i8::MIN)?),
         DType::Bool => Data::Bool(filled(op, what, n, ty.dtype, false)?),
+        DType::F8E4M3FN => Data::F8E4M3FN(filled(op, what, n, ty.dtype, tessera_dsl::fp8::F8E4M3::from_bits(0x7f))?),
+        DType::F8E5M2 => Data::F8E5M2(filled(op, what, n, ty.dtype, tessera_dsl::fp8::F8E5M2::from_bits(0x7f))?),
     };
     Ok(Array { dtype: ty.dtype, shape: ty.shape.clone(), data })
 }
@@ -417,6 +423,8 @@ pub fn copy_into(src: HostData<'_>, dst: &mut HostDataMut<'_>) -> Result<(), Str
         (HostData::I32(s), HostDataMut::I32(d)) => d.copy_from_slice(s),
         (HostData::I8(s), HostDataMut::I8(d)) => d.copy_from_slice(s),
         (HostData::Bool(s), HostDataMut::Bool(d)) => d.copy_from_slice(s),
+        (HostData::F8E4M3FN(s), HostDataMut::F8E4M3FN(d)) => d.copy_from_slice(s),
+        (HostData::F8E5M2(s), HostDataMut::F8E5M2(d)) => d.copy_from_slice(s),
         (s, d) => return Err(format!("copying {} data into {} memory", s.dtype(), d.dtype())),
     }
     Ok(())
@@ -484,6 +492,8 @@ pub fn dtype_to_torch(dtype: DType) -> &'static str {
         DType::I32 => "int32",
         DType::I8 => "int8",
         DType::Bool => "bool",
+        DType::F8E4M3FN => "float8_e4m3fn",
+        DType::F8E5M2 => "float8_e5m2",
     }
 }
 

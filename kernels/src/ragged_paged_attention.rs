@@ -324,6 +324,8 @@ pub fn relayout(a: &Array, t: usize, hkv: usize, g: usize, tp: usize, d: usize, 
         Data::I32(x) => Data::I32(go(x, t, hkv, g, tp, d, to_kernel)),
         Data::I8(x) => Data::I8(go(x, t, hkv, g, tp, d, to_kernel)),
         Data::Bool(x) => Data::Bool(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::F8E4M3FN(x) => Data::F8E4M3FN(go(x, t, hkv, g, tp, d, to_kernel)),
+        Data::F8E5M2(x) => Data::F8E5M2(go(x, t, hkv, g, tp, d, to_kernel)),
     };
     let shape = if to_kernel { vec![hkv, g, tp, d] } else { vec![t, hkv * g, d] };
     Array::new(&shape, data)

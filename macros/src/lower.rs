@@ -59,7 +59,7 @@ full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dm
 prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); ds(start, len), ds(start, len, stride) and (a..b).step_by(s) inside ref indices; \
 in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
 any other function called with IR values is a `#[tpu_fn]` fragment";
-const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool")];
+const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool"), ("float8_e4m3fn", "F8E4M3FN"), ("float8_e5m2", "F8E5M2")];
 
 pub struct Lowerer<'a> {
     refs: &'a HashMap<String, RefInfo>,

@@ -120,8 +120,30 @@ def test_errors_reach_python():
     x, scale = inputs((4, 256), torch.float32)
     with pytest.raises(ValueError, match="scale"):
         OP(x, scale[:128])
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, float8_e4m3fn or float8_e5m2"):
         OP(x.to(torch.int32), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_tensors_cross_the_ffi(dtype):
+    """fp8 in, fp8 out: the kernel reads the tensor's bytes in place, computes in f32 and
+    converts back as torch's `.to(dtype)` does (nearest-even; e4m3fn saturating)."""
+    x, scale = inputs((16, 256), torch.float32)
+    x8, s8 = x.to(dtype), scale.to(dtype)
+    y = OP(x8, s8)
+    assert y.dtype == dtype and y.shape == x.shape
+    want = reference(x8.float(), s8.float()).to(dtype)
+    # The kernel's sigmoid and torch's may differ in the last f32 bit, which can move a
+    # value across an fp8 rounding edge: at most one fp8 step apart, almost always equal.
+    step = 2.0 ** -3 if dtype == torch.float8_e4m3fn else 2.0 ** -2
+    torch.testing.assert_close(y.float(), want.float(), rtol=step, atol=2.0 ** -9)
+    assert (y.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.99
+    # A float32 scale, and the result still x's dtype; a huge scale saturates (e4m3fn) or
+    # overflows to inf (e5m2), as torch's conversion does.
+    big = OP(x8, torch.full_like(scale, 1e6))
+    assert big.dtype == dtype
+    top = big.float().abs().max().item()
+    assert top == (448.0 if dtype == torch.float8_e4m3fn else float("inf"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

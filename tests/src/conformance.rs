@@ -129,6 +129,8 @@ fn random_array(rng: &mut StdRng, dtype: DType, shape: &[usize], specials: bool)
         DType::I32 => Data::I32((0..n).map(|_| if rng.gen_bool(0.05) { [0, -1, i32::MIN, i32::MAX][rng.gen_range(0..4)] } else { rng.gen_range(-50..50) }).collect()),
         DType::I8 => Data::I8((0..n).map(|_| rng.gen_range(-128i32..128) as i8).collect()),
         DType::Bool => Data::Bool((0..n).map(|_| rng.gen_bool(0.5)).collect()),
+        // Every code, NaNs included, equally likely.
+        DType::F8E4M3FN | DType::F8E5M2 => return Array::from_fp8_bits(dtype, shape, &(0..n).map(|_| rng.gen::<u8>()).collect::<Vec<_>>()),
     };
     Array { dtype, shape: shape.to_vec(), data }
 }

@@ -387,6 +387,72 @@ fn op_dtype(s: &mut Sweep) {
         let y = b.cast(y, DType::BF16);
         b.dot(x, y, false, false)
     }));
+    // fp8: a storage type. Loads, stores, casts to/from f32 and bf16, selects, transposes
+    // and dots compile on every generation; arithmetic, compares, reductions do not.
+    for dtype in [DType::F8E4M3FN, DType::F8E5M2] {
+        let d = dtype.name();
+        for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max] {
+            s.add(format!("fp8-{}-{d}", op.name()), kit::elementwise("p", dtype, 32, 128, |b, x, y| b.binary(op, x, y)));
+        }
+        s.add(format!("fp8-reduce-max1-{d}"), kit::elementwise("p", dtype, 32, 128, |b, x, _| b.reduce(ReduceOp::Max, x, 1)));
+        s.add(format!("fp8-cmp-{d}"), kit::elementwise("p", dtype, 32, 128, |b, x, y| {
+            let c = b.cmp(CmpOp::Lt, x, y);
+            let (xf, yf) = (b.cast(x, DType::F32), b.cast(y, DType::F32));
+            b.select(c, xf, yf)
+        }));
+        s.add(format!("fp8-neg-{d}"), kit::elementwise("p", dtype, 32, 128, |b, x, _| b.unary(UnaryOp::Neg, x)));
+        s.add(format!("fp8-reshape-{d}"), kit::elementwise("p", dtype, 32, 128, |b, x, _| b.reshape(x, &[16, 256])));
+        for other in [DType::F32, DType::BF16] {
+            s.add(format!("fp8-cast-{d}-{other}"), kit::elementwise("p", dtype, 32, 128, |b, x, _| b.cast(x, other)));
+            s.add(format!("fp8-cast-{other}-{d}"), kit::elementwise("p", other, 32, 128, |b, x, _| b.cast(x, dtype)));
+            s.add(format!("dot-fp8-{d}-{other}"), kit::elementwise("p", dtype, 128, 128, |b, x, y| {
+                let y = b.cast(y, other);
+                b.dot(x, y, false, false)
+            }));
+        }
+        s.add(format!("fp8-copy8-{d}"), kit::elementwise("p", dtype, 8, 128, |_, x, _| x));
+        s.add(format!("fp8-select-{d}"), kit::elementwise("p", dtype, 32, 128, |b, x, y| {
+            let i = b.iota(DType::I32, &[32, 128], 1);
+            let c = b.cmp(CmpOp::Lt, i, 64);
+            b.select(c, x, y)
+        }));
+        s.add(format!("fp8-transpose-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, _| b.transpose(x)));
+        // An fp8 table in SMEM, read as a scalar and converted.
+        s.add(format!("fp8-smem-scalar-{d}"), {
+            let mut b = KernelBuilder::new("p");
+            b.grid(&[(1, Semantics::Parallel)]);
+            let t = b.unblocked(RefKind::Input, "t", dtype, &[16], MemorySpace::Smem);
+            let x = b.input("x", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let o = b.output("out", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let a = b.load(t, &[ds(3, 1)]);
+            let a = b.cast(a, DType::F32);
+            let v = b.load(x, &[]);
+            let v = b.mul(v, a);
+            b.store(o, &[], v);
+            b.finish()
+        });
+        // Scalar fp8 arithmetic (on the scalar unit).
+        s.add(format!("fp8-smem-add-{d}"), {
+            let mut b = KernelBuilder::new("p");
+            b.grid(&[(1, Semantics::Parallel)]);
+            let t = b.unblocked(RefKind::Input, "t", dtype, &[16], MemorySpace::Smem);
+            let x = b.input("x", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let o = b.output("out", DType::F32, &[8, 128], spec(&[8, 128], vec![I::Const(0), I::Const(0)]));
+            let a = b.load(t, &[ds(3, 1)]);
+            let a = b.add(a, a);
+            let a = b.cast(a, DType::F32);
+            let v = b.load(x, &[]);
+            let v = b.mul(v, a);
+            b.store(o, &[], v);
+            b.finish()
+        });
+        s.add(format!("dot-fp8-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, y| b.dot(x, y, false, false)));
+        s.add(format!("dot-fp8-t-{d}"), kit::elementwise("p", dtype, 128, 128, |b, x, y| b.dot(x, y, false, true)));
+    }
+    s.add("dot-fp8-e4m3fn-e5m2", kit::elementwise("p", DType::F8E4M3FN, 128, 128, |b, x, y| {
+        let y = b.cast(y, DType::F8E5M2);
+        b.dot(x, y, false, false)
+    }));
 }
 
 /// Grid extents: libtpu 0.0.52 compiles each extent up to 2^31 - 130 (larger ones it

@@ -676,6 +676,8 @@ fn other_dtype(d: DType) -> DType {
         DType::I32 => DType::F32,
         DType::I8 => DType::Bool,
         DType::Bool => DType::I8,
+        DType::F8E4M3FN => DType::F8E5M2,
+        DType::F8E5M2 => DType::F32,
     }
 }
 
@@ -803,6 +805,14 @@ fn run_builder_case(p: &Prog, seed: u64) -> Verdict {
                 Data::Bool(mut v) => {
                     v.pop();
                     Data::Bool(v)
+                }
+                Data::F8E4M3FN(mut v) => {
+                    v.pop();
+                    Data::F8E4M3FN(v)
+                }
+                Data::F8E5M2(mut v) => {
+                    v.pop();
+                    Data::F8E5M2(v)
                 }
             };
         }
@@ -1900,6 +1910,14 @@ fn short(a: &mut Array) {
             v.pop();
             Data::Bool(v)
         }
+        Data::F8E4M3FN(mut v) => {
+            v.pop();
+            Data::F8E4M3FN(v)
+        }
+        Data::F8E5M2(mut v) => {
+            v.pop();
+            Data::F8E5M2(v)
+        }
     };
 }
 
@@ -2029,6 +2047,7 @@ fn make_call(op: &'static Op, c: &OpCase) -> Result<Call2, Verdict> {
                 DType::I32 => Array::from_i32(&a.shape, a.to_f32_vec().iter().map(|&x| x as i32).collect()),
                 DType::I8 => Array::from_i8(&a.shape, a.to_f32_vec().iter().map(|&x| x as i8).collect()),
                 DType::Bool => Array::from_bool(&a.shape, a.to_f32_vec().iter().map(|&x| x != 0.0).collect()),
+                DType::F8E4M3FN | DType::F8E5M2 => Array::from_f32_as_fp8(*to, &a.shape, &a.to_f32_vec()),
             };
             what = format!("input `{}` as {to} (was {})", op.inputs[i].name, a.dtype);
             expect = if a.dtype.is_float() == to.is_float() && *to != DType::Bool {

@@ -62,6 +62,7 @@ fn wrong_kind(kind: Kind) -> [DType; 2] {
     match kind {
         Kind::Float => [DType::I32, DType::Bool],
         Kind::Float32 => [DType::BF16, DType::I32],
+        Kind::AnyFloat => [DType::I32, DType::Bool],
         Kind::Int32 => [DType::F32, DType::I8],
         Kind::Int8 => [DType::F32, DType::I32],
     }

@@ -89,6 +89,8 @@ fn poison_bytes(dtype: DType) -> Vec<u8> {
         DType::I32 => i32::MIN.to_le_bytes().to_vec(),
         DType::I8 => vec![i8::MIN as u8],
         DType::Bool => vec![0],
+        // NaN (e4m3fn's only one; one of e5m2's).
+        DType::F8E4M3FN | DType::F8E5M2 => vec![0x7f],
     }
 }
 
@@ -156,6 +158,8 @@ fn host_ptr(h: HostData<'_>) -> *mut u8 {
         HostData::I32(v) => v.as_ptr() as *mut u8,
         HostData::I8(v) => v.as_ptr() as *mut u8,
         HostData::Bool(v) => v.as_ptr() as *mut u8,
+        HostData::F8E4M3FN(v) => v.as_ptr() as *mut u8,
+        HostData::F8E5M2(v) => v.as_ptr() as *mut u8,
     }
 }
 
@@ -166,6 +170,8 @@ fn host_mut_ptr(h: &mut HostDataMut<'_>) -> *mut u8 {
         HostDataMut::I32(v) => v.as_mut_ptr() as *mut u8,
         HostDataMut::I8(v) => v.as_mut_ptr() as *mut u8,
         HostDataMut::Bool(v) => v.as_mut_ptr() as *mut u8,
+        HostDataMut::F8E4M3FN(v) => v.as_mut_ptr() as *mut u8,
+        HostDataMut::F8E5M2(v) => v.as_mut_ptr() as *mut u8,
     }
 }
 

@@ -21,6 +21,7 @@ impl Verifier<'_> {
     }
 
     fn inst(&self, d: &InstData, m: &Multiples) -> Result<()> {
+        self.fp8_op(&d.inst)?;
         match &d.inst {
             Inst::Dot { lhs, rhs, .. } => {
                 for v in [*lhs, *rhs] {
@@ -164,6 +165,31 @@ impl Verifier<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// fp8 values are storage: Mosaic (libtpu 0.0.52, v5e / v5p / v6e / tpu7x alike)
+    /// loads, stores, converts (to and from f32 / bf16), selects, broadcasts, transposes,
+    /// reshapes and multiplies (`dot`) them, and legalizes no arithmetic, comparison or reduction
+    /// of them (`failed to legalize operation 'arith.addf'`, `Target does not support this
+    /// comparison`, `Unsupported element type for the selected reduction`).
+    fn fp8_op(&self, inst: &Inst) -> Result<()> {
+        let (what, x) = match inst {
+            Inst::Binary(op, a, _) => (op.name(), *a),
+            Inst::Unary(op, a) => (op.name(), *a),
+            Inst::Cmp(op, a, _) => (op.name(), *a),
+            Inst::Reduce { op, x, .. } => (op.name(), *x),
+            _ => return Ok(()),
+        };
+        let t = self.k.ty(x);
+        if !t.dtype.is_fp8() {
+            return Ok(());
+        }
+        Err(self.err(
+            format!("instruction `{what}`"),
+            "fp8-op",
+            format!("`{what}` of {t}: fp8 is a storage type, and Mosaic does no arithmetic, comparison or reduction of fp8 values on any generation (`failed to legalize operation 'arith.addf'`)"),
+            format!("cast to f32 (or bf16) first: .cast(f32), compute, and cast the result back with .cast({}) to store it; a dot takes fp8 operands as they are", t.dtype),
+        ))
     }
 
     /// Int8 vectors support bitwise ops, shifts, compares and selects, but no arithmetic

@@ -29,8 +29,9 @@ pub fn warnings(k: &Kernel, target: &Target) -> Vec<Warning> {
         }
     }
     k.walk(k.body, &mut |_, d| {
-        if let Inst::Dot { lhs, .. } = &d.inst {
-            let dt = k.ty(*lhs).dtype;
+        if let Inst::Dot { lhs, rhs, .. } = &d.inst {
+            let (dl, dr) = (k.ty(*lhs).dtype, k.ty(*rhs).dtype);
+            let dt = if target.dot_support(dl) == DotSupport::Compiles { dl } else { dr };
             if target.dot_support(dt) == DotSupport::Compiles {
                 out.push(warn(
                     "instruction `dot`".to_string(),

@@ -16,10 +16,13 @@ pub struct Tolerance {
 impl Tolerance {
     /// The default for an output of `dtype`: f32 kernels compute in f32 (about 1e-7 per op,
     /// growing with reduction length); a bf16 output is rounded to 8 bits of mantissa
-    /// (relative step 2^-8) after an f32 computation on bf16 inputs; integers exactly.
+    /// (relative step 2^-8) after an f32 computation on bf16 inputs; an fp8 output to 3
+    /// (e4m3fn: half-step 2^-4) or 2 (e5m2: 2^-3) mantissa bits; integers exactly.
     pub fn of(dtype: DType) -> Tolerance {
         match dtype {
             DType::F32 => Tolerance { rtol: 1e-5, atol: 1e-5 },
+            DType::F8E4M3FN => Tolerance { rtol: 6.25e-2, atol: 1.0 / 512.0 },
+            DType::F8E5M2 => Tolerance { rtol: 1.25e-1, atol: 1.0 / 65536.0 },
             d if d.is_float() => Tolerance { rtol: 1.6e-2, atol: 1.6e-2 },
             _ => Tolerance { rtol: 0.0, atol: 0.0 },
         }

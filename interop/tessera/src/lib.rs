@@ -28,10 +28,13 @@ pub mod testing;
 
 pub use compare::{allclose, Mismatch, Tolerance};
 pub use emit::{emit, emit_kernel, verify, Emitted};
-pub use host::{array, array_as, random, type_of, zeros, Element};
+pub use host::{array, array_as, array_fp8_bits, random, type_of, zeros, Element};
 pub use tpu::{python, tpu_compile, tpu_profile, tpu_ready, Verdict};
 
 pub use half::bf16;
+/// fp8 host elements (the `float8` crate's `F8E4M3` = `float8_e4m3fn`, `F8E5M2`) and
+/// torch's conversions to and from f32 (`fp8::to_e4m3fn`, `fp8::e4m3fn_to_f32`, ...).
+pub use tessera_dsl::fp8::{self, F8E4M3, F8E5M2};
 pub use tessera_codegen as codegen;
 pub use tessera_codegen::cpu::Backend;
 pub use tessera_codegen::{lower, Lowered};

@@ -73,10 +73,10 @@ pub struct Shim {
 }
 
 struct Codes {
-    dtypes: [(i32, DType); 5],
+    dtypes: [(i32, DType); 7],
     int64: i32,
     /// Other dtypes, by name, for the refusal message.
-    others: [(i32, &'static str); 7],
+    others: [(i32, &'static str); 5],
     cpu: i32,
     strided: i32,
 }
@@ -114,6 +114,8 @@ impl Shim {
                 (dtype(sym!("aoti_torch_dtype_int32")), DType::I32),
                 (dtype(sym!("aoti_torch_dtype_int8")), DType::I8),
                 (dtype(sym!("aoti_torch_dtype_bool")), DType::Bool),
+                (dtype(sym!("aoti_torch_dtype_float8_e4m3fn")), DType::F8E4M3FN),
+                (dtype(sym!("aoti_torch_dtype_float8_e5m2")), DType::F8E5M2),
             ],
             int64: code(sym!("aoti_torch_dtype_int64")),
             others: [
@@ -122,8 +124,6 @@ impl Shim {
                 (code(sym!("aoti_torch_dtype_int16")), "int16"),
                 (code(sym!("aoti_torch_dtype_uint8")), "uint8"),
                 (code(sym!("aoti_torch_dtype_complex64")), "complex64"),
-                (code(sym!("aoti_torch_dtype_float8_e4m3fn")), "float8_e4m3fn"),
-                (code(sym!("aoti_torch_dtype_float8_e5m2")), "float8_e5m2"),
             ],
             cpu: code(sym!("aoti_torch_device_type_cpu")),
             strided: code(sym!("aoti_torch_layout_strided")),
@@ -511,7 +511,7 @@ fn describe(shim: &Shim, t: AtenTensor) -> Result<NativeDescribed, Refused> {
         None if int64 => DType::I32,
         None => {
             let name = shim.codes.others.iter().find(|(c, _)| *c == dtype).map_or("this dtype", |&(_, n)| n);
-            return Err(Refused { rule: "operand-dtype", message: format!("tensors of {name} are not supported"), help: "pass float32, bfloat16, int32, int8 or bool tensors (index tensors may be int64)".into() });
+            return Err(Refused { rule: "operand-dtype", message: format!("tensors of {name} are not supported"), help: "pass float32, bfloat16, int32, int8 or bool tensors (index tensors may be int64; a user op of floats also float8_e4m3fn / float8_e5m2)".into() });
         }
     };
     let shape: Vec<usize> = sizes.iter().map(|&s| usize::try_from(s).map_err(|_| fail("sizes"))).collect::<Result<_, _>>()?;
@@ -571,6 +571,9 @@ impl NativeDescribed {
                     DType::BF16 => Data::BF16(unsafe { gather(ptr as *const half::bf16, &sizes, &strides) }?),
                     DType::I32 => Data::I32(unsafe { gather(ptr as *const i32, &sizes, &strides) }?),
                     DType::I8 => Data::I8(unsafe { gather(ptr as *const i8, &sizes, &strides) }?),
+                    // One byte per element; every byte is a valid fp8 code.
+                    DType::F8E4M3FN => Data::F8E4M3FN(unsafe { gather(ptr as *const tessera_dsl::fp8::F8E4M3, &sizes, &strides) }?),
+                    DType::F8E5M2 => Data::F8E5M2(unsafe { gather(ptr as *const tessera_dsl::fp8::F8E5M2, &sizes, &strides) }?),
                     DType::Bool => {
                         let bytes: Vec<u8> = unsafe { gather(ptr as *const u8, &sizes, &strides) }?;
                         let bools = bytes.iter().map(|&b| (b <= 1).then_some(b == 1)).collect::<Option<Vec<bool>>>();

@@ -29,6 +29,8 @@ fn dtype_name(d: DType) -> &'static str {
         DType::Bool => "bool",
         DType::I32 => "int32",
         DType::I8 => "int8",
+        DType::F8E4M3FN => "float8_e4m3fn",
+        DType::F8E5M2 => "float8_e5m2",
     }
 }
 

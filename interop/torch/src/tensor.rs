@@ -37,7 +37,15 @@ fn refused(rule: &'static str, message: impl Into<String>, help: impl Into<Strin
 }
 
 /// The torch dtypes the kernels take, in [`DType`] order of `TORCH_DTYPES`.
-pub const TORCH_DTYPES: [(&str, DType); 5] = [("float32", DType::F32), ("bfloat16", DType::BF16), ("int32", DType::I32), ("int8", DType::I8), ("bool", DType::Bool)];
+pub const TORCH_DTYPES: [(&str, DType); 7] = [
+    ("float32", DType::F32),
+    ("bfloat16", DType::BF16),
+    ("int32", DType::I32),
+    ("int8", DType::I8),
+    ("bool", DType::Bool),
+    ("float8_e4m3fn", DType::F8E4M3FN),
+    ("float8_e5m2", DType::F8E5M2),
+];
 
 /// `torch.float32` ... `torch.bool`, then `torch.int64` and `torch.strided`, looked up once
 /// and compared by identity.
@@ -226,6 +234,9 @@ impl<'py> TensorRef<'py> {
                     DType::BF16 => HostData::BF16(slice_of::<bf16>(*p, n)),
                     DType::I32 => HostData::I32(slice_of(*p, n)),
                     DType::I8 => HostData::I8(slice_of(*p, n)),
+                    // One byte per element, and every byte is a valid fp8 code.
+                    DType::F8E4M3FN => HostData::F8E4M3FN(slice_of(*p, n)),
+                    DType::F8E5M2 => HostData::F8E5M2(slice_of(*p, n)),
                     DType::Bool => HostData::Bool(&[]),
                 }
             },
@@ -248,6 +259,8 @@ impl<'py> TensorRef<'py> {
                 DType::BF16 => HostDataMut::BF16(slice_of_mut::<bf16>(p, n)),
                 DType::I32 => HostDataMut::I32(slice_of_mut(p, n)),
                 DType::I8 => HostDataMut::I8(slice_of_mut(p, n)),
+                DType::F8E4M3FN => HostDataMut::F8E4M3FN(slice_of_mut(p, n)),
+                DType::F8E5M2 => HostDataMut::F8E5M2(slice_of_mut(p, n)),
                 DType::Bool => return None,
             }
         };

@@ -24,6 +24,27 @@ pub fn pairs() -> Vec<Pair> {
             outside: |_| kit::elementwise("p", DType::I8, 128, 128, |b, x, y| b.dot(x, y, false, false)),
         },
         Pair {
+            rule: "matmul-emulated",
+            edge: "fp8-v5e-v6e",
+            differs: "a bf16 dot vs a float8_e4m3fn dot on v5e, v5p and v6e (compiles; their MXUs have no fp8 mode)",
+            targets: &[Target::V5E, Target::V5P, Target::V6E],
+            inside: |_| kit::elementwise("p", DType::BF16, 128, 128, |b, x, y| b.dot(x, y, false, false)),
+            outside: |_| kit::elementwise("p", DType::F8E4M3FN, 128, 128, |b, x, y| b.dot(x, y, false, false)),
+        },
+        Pair {
+            rule: "fp8-op",
+            edge: "fp8-add",
+            differs: "fp8 vectors converted to f32 and back vs added",
+            targets: ALL_TARGETS,
+            inside: |_| {
+                kit::elementwise("p", DType::F8E4M3FN, 32, 128, |b, x, _| {
+                    let f = b.cast(x, DType::F32);
+                    b.cast(f, DType::F8E4M3FN)
+                })
+            },
+            outside: |_| kit::elementwise("p", DType::F8E4M3FN, 32, 128, |b, x, y| b.add(x, y)),
+        },
+        Pair {
             rule: "vector-op-dtype",
             edge: "int8-add",
             differs: "int8 vectors xor-ed vs added",

@@ -92,7 +92,7 @@ enum Class {
 
 fn class(d: DType) -> Class {
     match d {
-        DType::F32 | DType::BF16 => Class::F,
+        DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2 => Class::F,
         DType::I32 | DType::I8 => Class::I,
         DType::Bool => Class::B,
     }
@@ -519,6 +519,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         match dtype {
             DType::BF16 => vx::round_bf16(&mut self.b, v),
             DType::I8 => vx::wrap_i8(&mut self.b, v),
+            DType::F8E4M3FN | DType::F8E5M2 => vx::round_fp8(&mut self.b, v, dtype == DType::F8E5M2),
             _ => v,
         }
     }
@@ -527,6 +528,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         match dtype {
             DType::BF16 => vx::via_vector(&mut self.b, v, vx::round_bf16),
             DType::I8 => vx::wrap_i8_scalar(&mut self.b, v),
+            DType::F8E4M3FN | DType::F8E5M2 => vx::via_vector(&mut self.b, v, |b, x| vx::round_fp8(b, x, dtype == DType::F8E5M2)),
             _ => v,
         }
     }
@@ -663,9 +665,13 @@ impl<'a, 'b> Lower<'a, 'b> {
         let esize = if slot { 4 } else { dtype.bytes() };
         if at.lane && at.lanes == 4 {
             return match (dtype, slot) {
-                (DType::F32 | DType::BF16, true) | (DType::F32, false) => self.b.ins().load(F32X4, mflags(), addr, 0),
+                (DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2, true) | (DType::F32, false) => self.b.ins().load(F32X4, mflags(), addr, 0),
                 (_, true) | (DType::I32, false) => self.b.ins().load(I32X4, mflags(), addr, 0),
                 (DType::BF16, false) => vx::load_bf16x4(&mut self.b, addr),
+                (DType::F8E4M3FN | DType::F8E5M2, false) => {
+                    let c = vx::load_bytes4(&mut self.b, addr, false);
+                    vx::decode_fp8(&mut self.b, c, dtype == DType::F8E5M2)
+                }
                 (DType::I8, false) => vx::load_bytes4(&mut self.b, addr, true),
                 (DType::Bool, false) => {
                     let v = vx::load_bytes4(&mut self.b, addr, false);
@@ -690,7 +696,11 @@ impl<'a, 'b> Lower<'a, 'b> {
     /// One element as a scalar register (f32; i32; bool as i8 0/1).
     fn load_scalar_at(&mut self, addr: CV, off: i32, dtype: DType, slot: bool) -> CV {
         match (dtype, slot) {
-            (DType::F32 | DType::BF16, true) | (DType::F32, false) => self.b.ins().load(F32, mflags(), addr, off),
+            (DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2, true) | (DType::F32, false) => self.b.ins().load(F32, mflags(), addr, off),
+            (DType::F8E4M3FN | DType::F8E5M2, false) => {
+                let c = self.b.ins().uload8(I32, mflags(), addr, off);
+                vx::via_vector(&mut self.b, c, |b, v| vx::decode_fp8(b, v, dtype == DType::F8E5M2))
+            }
             (DType::I32 | DType::I8, true) | (DType::I32, false) => self.b.ins().load(I32, mflags(), addr, off),
             (DType::Bool, true) => {
                 let m = self.b.ins().load(I32, mflags(), addr, off);
@@ -719,6 +729,12 @@ impl<'a, 'b> Lower<'a, 'b> {
                 }
                 (DType::BF16, false) => vx::store_bf16x4(&mut self.b, v, addr),
                 (DType::I8, false) => vx::store_bytes4(&mut self.b, v, addr),
+                (DType::F8E4M3FN | DType::F8E5M2, false) => {
+                    // Codes 128..=255 as i8 (-128..=-1), so the saturating narrows keep them.
+                    let c = vx::encode_fp8(&mut self.b, v, dtype == DType::F8E5M2);
+                    let c = vx::wrap_i8(&mut self.b, c);
+                    vx::store_bytes4(&mut self.b, c, addr)
+                }
                 (DType::Bool, false) => {
                     let one = isplat(&mut self.b, 1);
                     let x = self.b.ins().band(v, one);
@@ -751,6 +767,10 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             (DType::I8, false) => {
                 self.b.ins().istore8(mflags(), x, addr, off);
+            }
+            (DType::F8E4M3FN | DType::F8E5M2, false) => {
+                let c = vx::via_vector(&mut self.b, x, |b, v| vx::encode_fp8(b, v, dtype == DType::F8E5M2));
+                self.b.ins().istore8(mflags(), c, addr, off);
             }
             (DType::Bool, false) => {
                 let x = if mask { self.b.ins().band_imm_s(x, 1) } else { x };
@@ -1005,7 +1025,12 @@ impl<'a, 'b> Lower<'a, 'b> {
             Scalar::Int(i) => i as f64,
             Scalar::Bool(b) => b as u8 as f64,
         };
-        if dtype == DType::BF16 { bf16::from_f64(x).to_f32() } else { x as f32 }
+        match dtype {
+            DType::BF16 => bf16::from_f64(x).to_f32(),
+            // Through f32 is exact enough: f32 keeps more than 2 * 4 + 2 bits.
+            DType::F8E4M3FN | DType::F8E5M2 => tessera_dsl::fp8::round(dtype, x as f32),
+            _ => x as f32,
+        }
     }
 
     fn const_i32(s: Scalar, dtype: DType) -> i32 {
@@ -1103,6 +1128,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         match (class(from), to) {
             (Class::F, DType::F32) => x,
             (Class::F, DType::BF16) => vx::round_bf16(b, x),
+            (Class::F, DType::F8E4M3FN | DType::F8E5M2) => vx::round_fp8(b, x, to == DType::F8E5M2),
             (Class::F, DType::I32) => b.ins().fcvt_to_sint_sat(I32X4, x),
             (Class::F, DType::I8) => {
                 let i = b.ins().fcvt_to_sint_sat(I32X4, x);
@@ -1117,10 +1143,14 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             (Class::I, DType::F32) => b.ins().fcvt_from_sint(F32X4, x),
             (Class::I, DType::BF16) => vx::per_lane(b, self.h.i2bf, &[x], F32X4),
+            (Class::I, DType::F8E4M3FN | DType::F8E5M2) => {
+                let f = b.ins().fcvt_from_sint(F32X4, x);
+                vx::round_fp8(b, f, to == DType::F8E5M2)
+            }
             (Class::I, DType::I32) => x,
             (Class::I, DType::I8) => vx::wrap_i8(b, x),
             (Class::I, DType::Bool) => b.ins().icmp_imm_s(IntCC::NotEqual, x, 0),
-            (Class::B, DType::F32 | DType::BF16) => {
+            (Class::B, DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2) => {
                 let one = fsplat(b, 1.0);
                 let zero = fsplat(b, 0.0);
                 vselect(b, x, one, zero)
@@ -1258,6 +1288,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         match (class(from), to) {
             (Class::F, DType::F32) => x,
             (Class::F, DType::BF16) => vx::via_vector(&mut self.b, x, vx::round_bf16),
+            (Class::F, DType::F8E4M3FN | DType::F8E5M2) => vx::via_vector(&mut self.b, x, |b, v| vx::round_fp8(b, v, to == DType::F8E5M2)),
             (Class::F, DType::I32) => self.b.ins().fcvt_to_sint_sat(I32, x),
             (Class::F, DType::I8) => {
                 let i = self.b.ins().fcvt_to_sint_sat(I32, x);
@@ -1275,10 +1306,14 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let inst = self.b.ins().call(self.h.i2bf, &[x]);
                 self.b.inst_results(inst)[0]
             }
+            (Class::I, DType::F8E4M3FN | DType::F8E5M2) => {
+                let f = self.b.ins().fcvt_from_sint(F32, x);
+                vx::via_vector(&mut self.b, f, |b, v| vx::round_fp8(b, v, to == DType::F8E5M2))
+            }
             (Class::I, DType::I32) => x,
             (Class::I, DType::I8) => vx::wrap_i8_scalar(&mut self.b, x),
             (Class::I, DType::Bool) => self.b.ins().icmp_imm_s(IntCC::NotEqual, x, 0),
-            (Class::B, DType::F32 | DType::BF16) => {
+            (Class::B, DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2) => {
                 let w = self.b.ins().uextend(I32, x);
                 self.b.ins().fcvt_from_uint(F32, w)
             }
@@ -1897,6 +1932,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         match dtype {
             DType::BF16 => vx::via_vector(&mut self.b, s, vx::round_bf16),
             DType::I8 => vx::wrap_i8_scalar(&mut self.b, s),
+            DType::F8E4M3FN | DType::F8E5M2 => vx::via_vector(&mut self.b, s, |b, v| vx::round_fp8(b, v, dtype == DType::F8E5M2)),
             _ => s,
         }
     }

@@ -427,3 +427,112 @@ pub fn via_vector(b: &mut FunctionBuilder, x: Value, f: impl FnOnce(&mut Functio
     let r = f(b, v);
     b.ins().extractlane(r, 0)
 }
+
+/// The fp8 format of `dtype`: (exponent bias adjustment to f32, mantissa shift from f32,
+/// largest magnitude that does not overflow (bits), overflow code, smallest normal (bits),
+/// subnormal rounding constant (a power of two whose ulp is the smallest subnormal)).
+struct Fp8 {
+    shift: i32,
+    rebias: i32,
+    sat_bits: i32,
+    sat_inclusive: bool,
+    sat_code: i32,
+    min_normal_bits: i32,
+    sub_magic: f32,
+}
+
+fn fp8_format(e5m2: bool) -> Fp8 {
+    if e5m2 {
+        // |x| >= 61440 rounds to inf (0x7C).
+        Fp8 { shift: 21, rebias: (127 - 15) << 2, sat_bits: 61440f32.to_bits() as i32, sat_inclusive: true, sat_code: 0x7c, min_normal_bits: 0x3880_0000, sub_magic: 128.0 }
+    } else {
+        // |x| > 448 saturates to 448 (0x7E): e4m3fn has no infinity (torch's conversion).
+        Fp8 { shift: 20, rebias: (127 - 7) << 3, sat_bits: 448f32.to_bits() as i32, sat_inclusive: false, sat_code: 0x7e, min_normal_bits: 0x3c80_0000, sub_magic: 16384.0 }
+    }
+}
+
+/// f32 lanes -> fp8 codes in i32 lanes (0..=255), as `tessera_dsl::fp8::{e4m3fn,e5m2}_from_f32`
+/// (torch's conversion): nearest-even, subnormals by the FPU's rounding of `|x| + 2^k`,
+/// e4m3fn saturating, e5m2 overflowing to inf, NaN -> `sign | 0x7F`.
+pub fn encode_fp8(b: &mut FunctionBuilder, v: Value, e5m2: bool) -> Value {
+    let f = fp8_format(e5m2);
+    let bits = as_i(b, v);
+    let abs_mask = isplat(b, 0x7fff_ffff);
+    let a = b.ins().band(bits, abs_mask);
+    // Normal range: round the f32 bits to the fp8 mantissa, nearest-even.
+    let lsb = b.ins().ushr_imm_s(a, f.shift as i64);
+    let one = isplat(b, 1);
+    let lsb = b.ins().band(lsb, one);
+    let half = isplat(b, (1 << (f.shift - 1)) - 1);
+    let r = b.ins().iadd(a, half);
+    let r = b.ins().iadd(r, lsb);
+    let r = b.ins().ushr_imm_s(r, f.shift as i64);
+    let rebias = isplat(b, f.rebias);
+    let normal = b.ins().isub(r, rebias);
+    // Subnormal range.
+    let af = as_f(b, a);
+    let magic = fsplat(b, f.sub_magic);
+    let s = b.ins().fadd(af, magic);
+    let s = as_i(b, s);
+    let magic_bits = isplat(b, f.sub_magic.to_bits() as i32);
+    let sub = b.ins().isub(s, magic_bits);
+    let min_normal = isplat(b, f.min_normal_bits);
+    let is_sub = b.ins().icmp(IntCC::SignedLessThan, a, min_normal);
+    let code = b.ins().bitselect(is_sub, sub, normal);
+    let sat = isplat(b, f.sat_bits);
+    let cc = if f.sat_inclusive { IntCC::SignedGreaterThanOrEqual } else { IntCC::SignedGreaterThan };
+    let over = b.ins().icmp(cc, a, sat);
+    let sat_code = isplat(b, f.sat_code);
+    let code = b.ins().bitselect(over, sat_code, code);
+    let inf = isplat(b, 0x7f80_0000);
+    let nan = b.ins().icmp(IntCC::SignedGreaterThan, a, inf);
+    let nan_code = isplat(b, 0x7f);
+    let code = b.ins().bitselect(nan, nan_code, code);
+    let sign = b.ins().ushr_imm_s(bits, 31);
+    let sign = b.ins().ishl_imm_s(sign, 7);
+    b.ins().bor(code, sign)
+}
+
+/// fp8 codes in i32 lanes (0..=255) -> f32 lanes (exact; NaN codes -> quiet NaN of their
+/// sign, e5m2's 0x7C -> inf), as `tessera_dsl::fp8::{e4m3fn,e5m2}_to_f32`.
+pub fn decode_fp8(b: &mut FunctionBuilder, c: Value, e5m2: bool) -> Value {
+    let f = fp8_format(e5m2);
+    let low7 = isplat(b, 0x7f);
+    let m = b.ins().band(c, low7);
+    let normal = b.ins().ishl_imm_s(m, f.shift as i64);
+    let rebias = isplat(b, f.rebias << f.shift);
+    let normal = b.ins().iadd(normal, rebias);
+    // Subnormals (exponent field 0): mantissa x the smallest subnormal, exactly.
+    let mant_mask = isplat(b, if e5m2 { 3 } else { 7 });
+    let mant = b.ins().band(m, mant_mask);
+    let mf = b.ins().fcvt_from_sint(F32X4, mant);
+    let unit = fsplat(b, if e5m2 { 1.0 / 65536.0 } else { 1.0 / 512.0 });
+    let sub = b.ins().fmul(mf, unit);
+    let sub = as_i(b, sub);
+    let first_normal = isplat(b, if e5m2 { 4 } else { 8 });
+    let is_sub = b.ins().icmp(IntCC::SignedLessThan, m, first_normal);
+    let mag = b.ins().bitselect(is_sub, sub, normal);
+    let qnan = isplat(b, 0x7fc0_0000);
+    let mag = if e5m2 {
+        let inf_code = isplat(b, 0x7c);
+        let is_inf = b.ins().icmp(IntCC::Equal, m, inf_code);
+        let inf = isplat(b, 0x7f80_0000);
+        let mag = b.ins().bitselect(is_inf, inf, mag);
+        let is_nan = b.ins().icmp(IntCC::SignedGreaterThan, m, inf_code);
+        b.ins().bitselect(is_nan, qnan, mag)
+    } else {
+        let is_nan = b.ins().icmp(IntCC::Equal, m, low7);
+        b.ins().bitselect(is_nan, qnan, mag)
+    };
+    let sign_bit = isplat(b, 0x80);
+    let sign = b.ins().band(c, sign_bit);
+    let sign = b.ins().ishl_imm_s(sign, 24);
+    let out = b.ins().bor(mag, sign);
+    as_f(b, out)
+}
+
+/// Rounds f32 lanes to fp8 values (kept as f32), as `tessera_dsl::fp8::round`.
+pub fn round_fp8(b: &mut FunctionBuilder, v: Value, e5m2: bool) -> Value {
+    let c = encode_fp8(b, v, e5m2);
+    decode_fp8(b, c, e5m2)
+}

@@ -25,7 +25,9 @@ use tessera::{single, tpu_kernel, Array, Call, Input, Kind, KernelError, Op, Out
     scale = block([1, bn], |i, j| [0, j]),
 )]
 pub fn scaled_silu_kernel(x: In<m, n>, scale: In<1, n>, out: Out<m, n>, bm: usize, bn: usize, beta: f32) {
-    // Elementwise, so any block works; the math runs in f32 whatever the storage dtype.
+    // Elementwise, so any block works; the math runs in f32 whatever the storage dtype
+    // (f32, bf16, or fp8: `float8_e4m3fn` / `float8_e5m2` take no arithmetic on a TPU, so
+    // the cast to f32 is what makes them work).
     let v = x[..].cast(f32);
     out[..] = (v * sigmoid(beta * v) * scale[..].cast(f32)).cast(out.dtype);
 }
@@ -43,7 +45,6 @@ pub fn blocks(x: &Type, target: &Target) -> RowTiles {
 fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
     let scale = c.row_vector("scale", x.shape[1])?;
-    c.float("x")?;
     let beta = c.statics.f64("beta").unwrap_or(1.0) as f32; // statics by name, defaults filled in
     let RowTiles { bm, bn } = blocks(&x, c.target);
     let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), bm, bn, beta)?;
@@ -64,7 +65,7 @@ fn reference_entry(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
 /// This crate's ops.
 pub const OPS: &[Op] = &[Op {
                              name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] (or [1, n]) broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
-                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::Float }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
+                             inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::AnyFloat }, Input { name: "scale", dims: "[1?, n]", kind: Kind::AnyFloat }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
                              cases: &[tessera::Case { name: "default", statics: "beta=1.702", shapes: &[&[512, 1024], &[1024]] }], reference: Some(reference_entry),
                              ..Op::EMPTY
                          }];

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32, "int8": torch.int8, "bool": torch.bool,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 class Module:
