@@ -30,26 +30,33 @@ import tessera  # noqa: E402
 from tessera import _native  # noqa: E402
 
 
-def per_call(fns, calls, reps):
-    """Median seconds per call of each function of `fns` (a dict), their repetitions
-    interleaved so that machine noise hits them alike."""
+def per_call(fns, kernel, calls, reps):
+    """Per repetition, seconds per call of each function of `fns` (a dict) and the kernel's
+    own time (`kernel(calls)`: the median of `calls` executions), interleaved so that
+    machine noise hits them alike. Returns `{name: [seconds per rep]}` with "kernel"."""
     for fn in fns.values():
         for _ in range(calls):
             fn()
-    samples = {k: [] for k in fns}
+    samples = {k: [] for k in [*fns, "kernel"]}
     for _ in range(reps):
         for k, fn in fns.items():
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
             samples[k].append((time.perf_counter() - start) / calls)
-    return {k: statistics.median(v) for k, v in samples.items()}
+        samples["kernel"].append(kernel(calls))
+    return samples
+
+
+def overhead(samples, name):
+    """The median over repetitions of a call's time minus the kernel's in the same one."""
+    return statistics.median(c - k for c, k in zip(samples[name], samples["kernel"]))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--shape", default="8x128")
     args = ap.parse_args()
     m, n = map(int, args.shape.split("x"))
@@ -67,22 +74,22 @@ def main():
         "before": lambda: before_op(x, w, eps),
         "after": lambda: op(x, w, eps),
     }
-    grad = per_call(calls, args.calls, args.reps)
+    kernel = lambda n: _native.time_plan("rmsnorm", (eps,), [x, w], tessera.get_target(), n)  # noqa: E731
+    grad = per_call(calls, kernel, args.calls, args.reps)
     with torch.inference_mode():
-        inf = per_call(calls, args.calls, args.reps)
-    stock, before, tess, before_inf, tess_inf = grad["stock"], grad["before"], grad["after"], inf["before"], inf["after"]
-    kernel = statistics.median(_native.time_plan("rmsnorm", (eps,), [x, w], tessera.get_target(), args.calls) for _ in range(args.reps))
+        inf = per_call(calls, kernel, args.calls, args.reps)
+    med = statistics.median
     us = 1e6
     mode = "kernels registered from Rust" if os.environ.get("TESSERA_NATIVE_DISPATCH") == "1" else "Python kernel -> call_cpu"
-    print(f"rmsnorm {m}x{n} f32, median per call over {args.reps} x {args.calls} calls (after: {mode})")
-    print(f"  stock F.rms_norm          {stock * us:8.2f} us")
-    print(f"  kernel alone              {kernel * us:8.2f} us   (TESSERA_BACKEND={os.environ.get('TESSERA_BACKEND', 'jit')})")
+    print(f"rmsnorm {m}x{n} f32, medians over {args.reps} interleaved repetitions of {args.calls} calls (after: {mode})")
+    print(f"  stock F.rms_norm          {med(grad['stock']) * us:8.2f} us")
+    print(f"  kernel alone              {med(grad['kernel']) * us:8.2f} us   (TESSERA_BACKEND={os.environ.get('TESSERA_BACKEND', 'jit')})")
     print(f"  {'':24}  {'grad mode':>12}  {'inference':>12}")
-    print(f"  {'before: call':24}  {before * us:9.2f} us  {before_inf * us:9.2f} us")
-    print(f"  {'after:  call':24}  {tess * us:9.2f} us  {tess_inf * us:9.2f} us")
-    print(f"  {'before: overhead':24}  {(before - kernel) * us:9.2f} us  {(before_inf - kernel) * us:9.2f} us")
-    print(f"  {'after:  overhead':24}  {(tess - kernel) * us:9.2f} us  {(tess_inf - kernel) * us:9.2f} us")
-    print(f"  overhead after / before   {(tess - kernel) / (before - kernel):9.2f}     {(tess_inf - kernel) / (before_inf - kernel):9.2f}")
+    for way in ("before", "after"):
+        print(f"  {way + ': call':24}  {med(grad[way]) * us:9.2f} us  {med(inf[way]) * us:9.2f} us")
+    for way in ("before", "after"):
+        print(f"  {way + ': overhead':24}  {overhead(grad, way) * us:9.2f} us  {overhead(inf, way) * us:9.2f} us")
+    print(f"  overhead after / before   {overhead(grad, 'after') / overhead(grad, 'before'):9.2f}     {overhead(inf, 'after') / overhead(inf, 'before'):9.2f}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 
 use tessera_dsl::interp::{Array, Data, HostMut, HostRef};
 use tessera_dsl::{DType, KernelError, Type};
-use tessera_kernels::op::{ArgType, Op, Static, Statics};
+use tessera_kernels::op::{ArgType, Op, Schema, Static, Statics};
 use tessera_kernels::plan;
 
 use crate::tensor::{Refused, TensorRef};
@@ -392,7 +392,8 @@ unsafe fn call(slot: usize, stack: *mut StableIValue, num_args: usize, num_outpu
             Arg::Static(s) => statics.push(s),
         }
     }
-    let outs = run_call(shim, op, tensors, statics)?;
+    let schema = op.parsed().map_err(|e| e.to_string())?;
+    let outs = run_call(shim, op, &schema, tensors, statics)?;
     if outs.len() != num_outputs {
         return Err(format!("tessera: kernel `{}` returns {} results, its schema {num_outputs}", op.name, outs.len()));
     }
@@ -409,11 +410,10 @@ unsafe fn call(slot: usize, stack: *mut StableIValue, num_args: usize, num_outpu
 /// Runs `op` on CPU tensors (owned handles, `None` for an absent optional) and statics
 /// (schema order; missing trailing ones take their defaults): its results as fresh tensors.
 /// Errors are the full diagnostic text.
-pub fn run_call(shim: &Shim, op: &'static Op, tensors: Vec<Option<AtenTensor>>, statics: Vec<Static>) -> Result<Vec<TensorRef<'static>>, String> {
+pub fn run_call(shim: &Shim, op: &'static Op, schema: &Schema, tensors: Vec<Option<AtenTensor>>, statics: Vec<Static>) -> Result<Vec<TensorRef<'static>>, String> {
     let err = |e: KernelError| e.to_string();
     let names: Vec<&str> = op.inputs.iter().map(|i| i.name).collect();
-    let schema = op.parsed().map_err(err)?;
-    let statics = Statics::from_values(&schema, statics).map_err(|m| err(KernelError::new(op.name, "static arguments", "option-value", m, format!("see the schema: {}{}", op.name, op.schema))))?;
+    let statics = Statics::from_values(schema, statics).map_err(|m| err(KernelError::new(op.name, "static arguments", "option-value", m, format!("see the schema: {}{}", op.name, op.schema))))?;
     let refusal = |i: usize, r: Refused| {
         let operand = names.get(i).map_or(format!("tensor input {i}"), |n| format!("input `{n}`"));
         err(KernelError::new(op.name, operand, r.rule, r.message, r.help))

@@ -110,6 +110,52 @@ fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target:
 
 /// [`plan_for`] without Python (the natively dispatched kernels' path).
 fn plan_for_call(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> Result<Arc<Plan>, KernelError> {
+    // The common case, the same call again: this thread's last plan of the op, found by a
+    // comparison instead of formatting and hashing the LRU key.
+    let memo_hit = LAST_PLANS.with(|m| {
+        m.borrow().iter().find(|e| std::ptr::eq(e.op, op) && e.target == target.name && e.inputs == inputs && same_statics(&e.statics, statics)).map(|e| e.plan.clone())
+    });
+    if let Some(plan) = memo_hit {
+        MEMO_HITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Ok(plan);
+    }
+    let plan = plan_from_cache(op, statics, inputs, target)?;
+    LAST_PLANS.with(|m| {
+        let mut m = m.borrow_mut();
+        m.retain(|e| !std::ptr::eq(e.op, op));
+        m.push(LastPlan { op, target: target.name, inputs: inputs.to_vec(), statics: statics.clone(), plan: plan.clone() });
+    });
+    Ok(plan)
+}
+
+/// One op's last plan on a thread ([`plan_for_call`]'s memo: at most one per op).
+struct LastPlan {
+    op: &'static Op,
+    target: &'static str,
+    inputs: Vec<Option<Type>>,
+    statics: Statics,
+    plan: Arc<Plan>,
+}
+
+thread_local! {
+    static LAST_PLANS: std::cell::RefCell<Vec<LastPlan>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Plan-cache hits served by the memo (reported with the LRU's).
+static MEMO_HITS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Equal statics, floats by their bits (as the LRU key tells `-0.0` from `0.0`, and a NaN
+/// from itself).
+fn same_statics(a: &Statics, b: &Statics) -> bool {
+    let same = |x: &Static, y: &Static| match (x, y) {
+        (Static::Float(p), Static::Float(q)) => p.to_bits() == q.to_bits(),
+        _ => x == y,
+    };
+    a.values().len() == b.values().len() && a.values().iter().zip(b.values()).all(|(x, y)| same(x, y))
+}
+
+/// The LRU path of [`plan_for_call`].
+fn plan_from_cache(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> Result<Arc<Plan>, KernelError> {
     let cache_err = |m: String| KernelError::new(op.name, "plan cache", "option-value", m, "set TESSERA_PLAN_CACHE to a positive integer");
     let key: PlanKey = (op.name, format!("{statics:?}"), inputs.to_vec(), target.name);
     if let Some(p) = with_plans(|c| {
@@ -144,7 +190,7 @@ fn cache_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
     with_plans(|c| -> PyResult<()> {
         plans.set_item("entries", c.plans.len())?;
         plans.set_item("capacity", c.plans.cap().get())?;
-        plans.set_item("hits", c.hits)?;
+        plans.set_item("hits", c.hits + MEMO_HITS.load(std::sync::atomic::Ordering::Relaxed))?;
         plans.set_item("misses", c.misses)?;
         Ok(())
     })
@@ -702,7 +748,7 @@ fn call_cpu<'py>(py: Python<'py>, slot: usize, args: &Bound<'py, PyTuple>) -> Py
         };
         tensors.push(t);
     }
-    let outs = dispatch::run_call(shim, op, tensors, statics).map_err(PyValueError::new_err)?;
+    let outs = dispatch::run_call(shim, op, &schema, tensors, statics).map_err(PyValueError::new_err)?;
     let mut objects = Vec::with_capacity(outs.len());
     for o in outs {
         let handle = o.into_aten().ok_or_else(|| PyRuntimeError::new_err("tessera: a result is not a libtorch tensor"))?;
