@@ -144,25 +144,11 @@ impl Executor for Compiled {
         if !self.backend.available() {
             return Err(KernelError::new(&kernel.name, "backend", "backend-unavailable", format!("this build has no `{}` backend", self.backend), "build tessera-codegen with `--features llvm` (needs LLVM 22), or use the `jit` backend"));
         }
-        let (sched, arrays) = match runtime::prepare(kernel, inputs, outputs) {
-            Ok(p) => p,
-            Err(e) => {
-                runnable(kernel)?; // the kernel's own refusal first, as before any operand check
-                return Err(e);
-            }
-        };
+        runnable(kernel)?;
+        let (sched, arrays) = runtime::prepare(kernel, inputs, outputs)?;
         let revisiting: Vec<tessera_dsl::RefId> = sched.blocked.iter().zip(&sched.revisits).filter(|(_, &r)| r).map(|(&r, _)| r).collect();
         let modes = default_modes(kernel, &revisiting);
-        // A kernel in the code cache passed `runnable` before it was compiled: a hit (the
-        // common, repeated call) skips that check's second whole-kernel comparison.
-        let code = match cached(self.backend, kernel, &modes, self.exact) {
-            Some(code) => code,
-            None => {
-                runnable(kernel)?;
-                get_or_compile(self.backend, kernel, &modes, self.exact)
-            }
-        };
-        match code {
+        match get_or_compile(self.backend, kernel, &modes, self.exact) {
             Ok(code) => {
                 let threads = self.threads.unwrap_or_else(runtime::threads);
                 runtime::run(kernel, code.program(), &sched, &arrays, outputs, threads)
@@ -330,36 +316,15 @@ pub fn fingerprint(k: &Kernel) -> u64 {
 
 /// The compiled code for `kernel`, from the cache or compiled now; `Err` (with the reason)
 /// when the kernel runs on the interpreter instead.
-/// The code cache's key of a kernel under a backend, modes and exactness.
-fn cache_key(backend: Backend, kernel: &Kernel, modes: &[MemMode], exact: bool) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    fingerprint(kernel).hash(&mut h);
-    backend.hash(&mut h);
-    modes.hash(&mut h);
-    exact.hash(&mut h);
-    h.finish()
-}
-
-/// The cached compile result for `kernel` (code, or the reason it runs on the
-/// interpreter), if it was compiled before; counts a hit.
-fn cached(backend: Backend, kernel: &Kernel, modes: &[MemMode], exact: bool) -> Option<std::result::Result<Arc<Code>, String>> {
-    let key = cache_key(backend, kernel, modes, exact);
-    with_cache(|c| {
-        c.tick += 1;
-        let tick = c.tick;
-        let hit = c.entries.get_mut(&key).and_then(|v| v.iter_mut().find(|e| e.backend == backend && e.exact == exact && e.modes == modes && e.kernel == *kernel)).map(|e| {
-            e.last_used = tick;
-            e.code.clone()
-        });
-        if hit.is_some() {
-            c.hits += 1;
-        }
-        hit
-    })
-}
-
 pub fn get_or_compile(backend: Backend, kernel: &Kernel, modes: &[MemMode], exact: bool) -> std::result::Result<Arc<Code>, String> {
-    let key = cache_key(backend, kernel, modes, exact);
+    let key = {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        fingerprint(kernel).hash(&mut h);
+        backend.hash(&mut h);
+        modes.hash(&mut h);
+        exact.hash(&mut h);
+        h.finish()
+    };
     let found = with_cache(|c| {
         c.tick += 1;
         let tick = c.tick;
