@@ -1,6 +1,7 @@
 //! Shared fixtures for Tessera's cross-crate tests (see `tests/`).
 
 pub mod agreement;
+pub mod backends;
 pub mod bench;
 pub mod kit;
 pub mod probes;

@@ -7,53 +7,10 @@
 //! exact: `cpu::cranelift::vector`'s table) and compile everything (no fallback).
 
 use half::bf16;
-use tessera_codegen::cpu::{cache_stats, Backend};
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, DType, Kernel, KernelError, Type};
+use tessera_dsl::{exec, DType, Kernel, KernelError};
 use tessera_macros::tpu_kernel;
-
-fn backends() -> Vec<Backend> {
-    let mut v = vec![Backend::Interp, Backend::Jit];
-    if cfg!(feature = "llvm") {
-        v.push(Backend::Llvm);
-    }
-    v
-}
-
-/// Runs `k` on every backend: the interpreter's outputs, after checking that each compiled
-/// backend gives the same bits and compiled it.
-fn run_all(k: &Kernel, inputs: &[&Array]) -> Vec<Array> {
-    let want = exec::run(Backend::Interp.executor(), k, inputs).unwrap_or_else(|e| panic!("interp: {e}"));
-    for be in backends().into_iter().skip(1) {
-        let before = cache_stats().fallbacks;
-        let got = exec::run(be.executor(), k, inputs).unwrap_or_else(|e| panic!("{be:?}: {e}"));
-        assert_eq!(cache_stats().fallbacks, before, "{be:?} fell back to the interpreter for `{}`", k.name);
-        for (w, g) in want.iter().zip(&got) {
-            assert_eq!(bits(w), bits(g), "{be:?} differs from the interpreter on `{}`", k.name);
-        }
-    }
-    want
-}
-
-/// An array's elements as comparable bits (NaNs canonical).
-fn bits(a: &Array) -> Vec<u64> {
-    let f = |x: f32| if x.is_nan() { u64::MAX } else { x.to_bits() as u64 };
-    if let Some(v) = a.as_f32() {
-        v.iter().map(|&x| f(x)).collect()
-    } else if let Some(v) = a.as_bf16() {
-        v.iter().map(|&x| f(x.to_f32())).collect()
-    } else if let Some(v) = a.as_i32() {
-        v.iter().map(|&x| x as u32 as u64).collect()
-    } else if let Some(v) = a.as_i8() {
-        v.iter().map(|&x| x as u8 as u64).collect()
-    } else {
-        a.as_bool().unwrap().iter().map(|&x| x as u64).collect()
-    }
-}
-
-fn ty(dtype: DType, shape: &[usize]) -> Type {
-    Type { dtype, shape: shape.to_vec() }
-}
+use tessera_tests::backends::{all as backends, run_all, ty};
 
 #[tpu_kernel(grid = [r / 8], x = block([8, c], |i| [i, 0]),
              (o_log1p, o_expm1, o_sin, o_cos, o_floor, o_ceil, o_round, o_sign) = block([8, c], |i| [i, 0]))]
@@ -396,15 +353,7 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
         kernels.push(arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap());
     }
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
-        let modules: Vec<(String, String)> = kernels
-            .iter()
-            .enumerate()
-            .map(|(i, k)| {
-                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
-                (format!("{}-{i}", k.name), lowered.stablehlo)
-            })
-            .collect();
-        oracle::assert_accepted(&modules, target.name);
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }
 }
 

@@ -7,52 +7,10 @@
 //! compiled backends must match the interpreter bit for bit and compile everything.
 
 use half::bf16;
-use tessera_codegen::cpu::{cache_stats, Backend};
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::{exec, DType, Kernel, KernelError, Target};
 use tessera_macros::tpu_kernel;
-
-fn backends() -> Vec<Backend> {
-    let mut v = vec![Backend::Interp, Backend::Jit];
-    if cfg!(feature = "llvm") {
-        v.push(Backend::Llvm);
-    }
-    v
-}
-
-/// Runs `k` on every backend: the interpreter's outputs, after checking that each compiled
-/// backend gives the same bits and compiled it (no fallback).
-fn run_all(k: &Kernel, inputs: &[&Array]) -> Vec<Array> {
-    let want = exec::run(Backend::Interp.executor(), k, inputs).unwrap_or_else(|e| panic!("interp: {e}"));
-    for be in backends().into_iter().skip(1) {
-        let before = cache_stats().fallbacks;
-        let got = exec::run(be.executor(), k, inputs).unwrap_or_else(|e| panic!("{be:?}: {e}"));
-        assert_eq!(cache_stats().fallbacks, before, "{be:?} fell back to the interpreter for `{}`", k.name);
-        for (w, g) in want.iter().zip(&got) {
-            assert_eq!(bits(w), bits(g), "{be:?} differs from the interpreter on `{}`", k.name);
-        }
-    }
-    want
-}
-
-fn bits(a: &Array) -> Vec<u64> {
-    let f = |x: f32| if x.is_nan() { u64::MAX } else { x.to_bits() as u64 };
-    if let Some(v) = a.as_f32() {
-        v.iter().map(|&x| f(x)).collect()
-    } else if let Some(v) = a.as_bf16() {
-        v.iter().map(|&x| f(x.to_f32())).collect()
-    } else if let Some(v) = a.as_i32() {
-        v.iter().map(|&x| x as u32 as u64).collect()
-    } else if let Some(v) = a.as_i8() {
-        v.iter().map(|&x| x as u8 as u64).collect()
-    } else {
-        a.as_bool().unwrap().iter().map(|&x| x as u64).collect()
-    }
-}
-
-fn ty(dtype: DType, shape: &[usize]) -> Type {
-    Type { dtype, shape: shape.to_vec() }
-}
+use tessera_tests::backends::{all as backends, run_all, ty};
 
 fn lcg(seed: u32) -> impl FnMut() -> f32 {
     let mut s = seed;

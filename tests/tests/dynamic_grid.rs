@@ -15,20 +15,9 @@
 use tessera_codegen::cpu::{cache_stats, Backend};
 use tessera_dsl::interp::{Array, HostMut, HostRef, RunStats};
 use tessera_dsl::verify::verify;
-use tessera_dsl::{DType, Kernel, KernelBuilder, KernelError, MemorySpace, RefKind, Semantics, Target, Type};
+use tessera_dsl::{DType, Kernel, KernelBuilder, KernelError, MemorySpace, RefKind, Semantics, Target};
 use tessera_macros::tpu_kernel;
-
-fn backends() -> Vec<Backend> {
-    let mut v = vec![Backend::Interp, Backend::Jit];
-    if cfg!(feature = "llvm") {
-        v.push(Backend::Llvm);
-    }
-    v
-}
-
-fn ty(dtype: DType, shape: &[usize]) -> Type {
-    Type { dtype, shape: shape.to_vec() }
-}
+use tessera_tests::backends::{all as backends, ty};
 
 /// Runs `k` on `be`, returning the outputs and the backend's run statistics.
 fn run(be: Backend, k: &Kernel, args: &[&Array]) -> Result<(Vec<Array>, RunStats), KernelError> {
@@ -266,14 +255,6 @@ fn libtpu_compiles_dynamic_grids_for_v5e_v6e_tpu7x() {
         kernels.push(scale_rows(ty(DType::I32, &[1]), ty(dtype, &[64, 256]), ty(dtype, &[64, 256])).unwrap());
     }
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
-        let modules: Vec<(String, String)> = kernels
-            .iter()
-            .enumerate()
-            .map(|(i, k)| {
-                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
-                (format!("{}-{i}", k.name), lowered.stablehlo)
-            })
-            .collect();
-        oracle::assert_accepted(&modules, target.name);
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }
 }

@@ -18,23 +18,12 @@ use half::bf16;
 use tessera_codegen::cpu::{cache_stats, Backend};
 use tessera_dsl::fp8;
 use tessera_dsl::interp::Array;
-use tessera_dsl::{exec, verify, DType, Kernel, KernelError, Target, Type};
+use tessera_dsl::{exec, verify, DType, Kernel, KernelError, Target};
 use tessera_macros::tpu_kernel;
+use tessera_tests::backends::{all as backends, ty};
 
 const E4: DType = DType::F8E4M3FN;
 const E5: DType = DType::F8E5M2;
-
-fn backends() -> Vec<Backend> {
-    let mut v = vec![Backend::Interp, Backend::Jit];
-    if cfg!(feature = "llvm") {
-        v.push(Backend::Llvm);
-    }
-    v
-}
-
-fn ty(dtype: DType, shape: &[usize]) -> Type {
-    Type { dtype, shape: shape.to_vec() }
-}
 
 /// Runs `k` on `be`, checking a compiled backend compiled it (no interpreter fallback).
 fn run_on(be: Backend, k: &Kernel, inputs: &[&Array]) -> Vec<Array> {
@@ -393,14 +382,6 @@ fn libtpu_compiles_the_fp8_kernels_for_v5e_v6e_tpu7x() {
     kernels.push(fp8_upcast_add(ty(E5, &[32, 128]), ty(E5, &[32, 128])).unwrap());
     kernels.push(fp8_relu_select(ty(E4, &[32, 128]), ty(E4, &[32, 128])).unwrap());
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
-        let modules: Vec<(String, String)> = kernels
-            .iter()
-            .enumerate()
-            .map(|(i, k)| {
-                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
-                (format!("{}-{i}", k.name), lowered.stablehlo)
-            })
-            .collect();
-        oracle::assert_accepted(&modules, target.name);
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }
 }

@@ -290,15 +290,7 @@ fn libtpu_compiles_nested_pipelines_for_v5e_v6e_tpu7x() {
                 kernels.extend(plan.launches.into_iter().map(|l| l.kernel).filter(|k| k.name == "rmsnorm_pipelined_kernel"));
             }
         }
-        let modules: Vec<(String, String)> = kernels
-            .iter()
-            .enumerate()
-            .map(|(i, k)| {
-                let lowered = tessera_codegen::lower(k, &target).unwrap_or_else(|e| panic!("{} on {}: {e}", k.name, target.name));
-                (format!("{}-{i}", k.name), lowered.stablehlo)
-            })
-            .collect();
-        oracle::assert_accepted(&modules, target.name);
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }
 }
 
