@@ -6,7 +6,7 @@
 #      Cranelift JIT and LLVM), then every library op on the JIT vs its reference,
 #   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x,
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair and all
-#      2,770 probes and evidence kernels judged by libtpu again, about 2 min cold; verdicts cached under
+#      3,124 probes and evidence kernels judged by libtpu again, about 2 min cold; verdicts cached under
 #      target/tpu-verdicts/ by module text and libtpu version),
 #   3. the PyTorch face: builds the `tessera` wheel (abi3, maturin) and the user-kernel
 #      example's, installs them into a fresh venv with no Rust on PATH, smoke-tests them
