@@ -61,6 +61,9 @@ WHEEL_VENV="$PWD/target/wheel-venv"
 rm -rf "$WHEEL_VENV"
 "${PYTHON:-python3}" -m venv "$WHEEL_VENV"
 echo "$PWD/.venv/lib/python3.11/site-packages" > "$WHEEL_VENV/lib/python3.11/site-packages/zz_tessera_test_deps.pth"
+# The ninja package finds its binary in the running venv's bin (where `pip install ninja`
+# puts it); the emulated tpu device's one-time C++ build needs it there.
+ln -s "$PWD/.venv/bin/ninja" "$WHEEL_VENV/bin/ninja"
 NO_RUST_PATH=""
 IFS=: read -ra dirs <<< "$PATH"
 for d in "${dirs[@]}"; do
