@@ -293,8 +293,7 @@ enum Arg {
 ///
 /// # Safety
 /// `stack[..n]` holds the arguments of `op`'s schema as the dispatcher encodes them.
-unsafe fn take_args(shim: &Shim, op: &Op, stack: *mut StableIValue, n: usize) -> Result<Vec<Arg>, String> {
-    let schema = op.parsed().map_err(|e| e.to_string())?;
+unsafe fn take_args(shim: &Shim, op: &Op, schema: &Schema, stack: *mut StableIValue, n: usize) -> Result<Vec<Arg>, String> {
     if n > schema.params.len() {
         return Err(format!("tessera: kernel `{}` got {n} arguments, its schema has {}", op.name, schema.params.len()));
     }
@@ -383,8 +382,9 @@ unsafe fn take_ints(shim: &Shim, h: Opaque) -> Result<Vec<i64>, String> {
 unsafe fn call(slot: usize, stack: *mut StableIValue, num_args: usize, num_outputs: usize) -> Result<(), String> {
     let shim = SHIM.get().ok_or("tessera: native dispatch used before registration")?;
     let op: &'static Op = crate::table().get(slot).copied().ok_or("tessera: no op in this kernel slot")?;
+    let schema = op.parsed().map_err(|e| e.to_string())?;
     // SAFETY: the dispatcher's contract.
-    let args = unsafe { take_args(shim, op, stack, num_args) }?;
+    let args = unsafe { take_args(shim, op, &schema, stack, num_args) }?;
     let (mut tensors, mut statics) = (Vec::new(), Vec::new());
     for a in args {
         match a {
@@ -392,7 +392,6 @@ unsafe fn call(slot: usize, stack: *mut StableIValue, num_args: usize, num_outpu
             Arg::Static(s) => statics.push(s),
         }
     }
-    let schema = op.parsed().map_err(|e| e.to_string())?;
     let outs = run_call(shim, op, &schema, tensors, statics)?;
     if outs.len() != num_outputs {
         return Err(format!("tessera: kernel `{}` returns {} results, its schema {num_outputs}", op.name, outs.len()));
