@@ -123,6 +123,7 @@ fn kind_text(kind: Kind) -> &'static str {
         Kind::Float => "float32 or bfloat16",
         Kind::Float32 => "float32",
         Kind::AnyFloat => "float32, bfloat16, float8_e4m3fn or float8_e5m2",
+        Kind::KvCache => "float32, bfloat16, int8, float8_e4m3fn or float8_e5m2",
         Kind::Int32 => "int32",
         Kind::Int8 => "int8",
     }
@@ -132,6 +133,7 @@ fn kind_accepts(kind: Kind, dtype: DType) -> bool {
     match kind {
         Kind::Float => matches!(dtype, DType::F32 | DType::BF16),
         Kind::AnyFloat => dtype.is_float(),
+        Kind::KvCache => dtype.is_float() || dtype == DType::I8,
         Kind::Float32 => dtype == DType::F32,
         Kind::Int32 => dtype == DType::I32,
         Kind::Int8 => dtype == DType::I8,

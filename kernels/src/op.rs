@@ -45,13 +45,16 @@ pub enum Kind {
     /// for ops whose kernels convert their inputs to f32 themselves (user ops; the library's
     /// take [`Kind::Float`]).
     AnyFloat,
+    /// A KV cache's stored values: the run's float dtype, or a quantized cache's int8,
+    /// `float8_e4m3fn` or `float8_e5m2` (dequantised by the kernel with its scales).
+    KvCache,
 }
 
 impl Kind {
     /// The element type of such an input in a run whose float dtype is `float`.
     pub fn dtype(self, float: DType) -> DType {
         match self {
-            Kind::Float | Kind::AnyFloat => float,
+            Kind::Float | Kind::AnyFloat | Kind::KvCache => float,
             Kind::Int32 => DType::I32,
             Kind::Int8 => DType::I8,
             Kind::Float32 => DType::F32,

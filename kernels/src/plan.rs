@@ -472,16 +472,10 @@ fn relayout(op: &str, array: &Array, to: &Operand) -> Result<Array, KernelError>
     }
 }
 
-/// The element type torch calls `name` (`float32`, `bfloat16`, `int32`, `int8`, `bool`).
+/// The element type torch calls `name` (`float32`, `bfloat16`, `int32`, `int8`, `bool`,
+/// `float8_e4m3fn`, `float8_e5m2`).
 pub fn dtype_from_torch(name: &str) -> Option<DType> {
-    match name {
-        "float32" => Some(DType::F32),
-        "bfloat16" => Some(DType::BF16),
-        "int32" => Some(DType::I32),
-        "int8" => Some(DType::I8),
-        "bool" => Some(DType::Bool),
-        _ => None,
-    }
+    DType::ALL.into_iter().find(|&d| dtype_to_torch(d) == name)
 }
 
 /// The torch name of `dtype`.

@@ -20,6 +20,10 @@
 //! - Static: `sm_scale` (scores are `sm_scale * q.k`), optional `sliding_window` (a query
 //!   at position `p` sees keys `p - window < k <= p`), optional `soft_cap` (scores become
 //!   `cap * tanh(score / cap)` before masking).
+//! - A quantized cache, as `paged_attention`'s (see its module docs): int8 / fp8 pages,
+//!   per-tensor `k_scale` (folded into `sm_scale`) and `v_scale` (on the output), and
+//!   per-token `k_token_scales`, `v_token_scales: [Hkv, num_pages, page_size]` f32 copied
+//!   beside each page and applied to the tile's rows in VMEM.
 //! - Causal within a sequence: its query `i` sits at position `kv_len - q_len + i`, so a
 //!   decode token (q_len 1) sees the whole cache, a prefill (q_len = kv_len) is plain
 //!   causal attention and a chunked prefill continues a cached prefix. Every query sees
@@ -83,19 +87,23 @@ use crate::plan::{Launch, Layout, Operand, Plan, Source};
     grid = [tp / bq, hkv],
     (q, o) = block([None, g, bq, d], |qi, hi| [hi, 0, qi, 0]),
     (k_buf, v_buf) = scratch([2, ppcb, ps, d], k_pages.dtype),
-    sem = semaphores(4),
+    (ks_buf, vs_buf) = scratch([2, if per_token { ppcb } else { 1 }, sps, 1], f32),
+    sem = semaphores(8),
 )]
 #[allow(clippy::too_many_arguments)]
 #[rustfmt::skip]
 pub fn ragged_paged_attention_kernel(
     kv_lens: Prefetch<ms>, page_indices: Prefetch<ms, pps>, cu_q_lens: Prefetch<ms1>, num_seqs: Prefetch<1>,
-    q: In<hkv, g, tp, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>, o: Out<hkv, g, tp, d>,
-    k_buf: Scratch, v_buf: Scratch, sem: Scratch,
+    q: In<hkv, g, tp, d>, k_pages: Any<hkv, np, ps, d>, v_pages: Any<hkv, np, ps, d>,
+    k_scales: Any<_, _, sps, 1>, v_scales: Any<_, _, sps, 1>, o: Out<hkv, g, tp, d>,
+    k_buf: Scratch, v_buf: Scratch, ks_buf: Scratch, vs_buf: Scratch, sem: Scratch,
     bq: usize,
     ppcb: usize,
     sm_scale: f32,
     window: usize,
     soft_cap: f32,
+    per_token: bool,
+    v_scale: f32,
 ) {
     let h = program_id(1);
     let q0 = program_id(0) * bq;
@@ -130,25 +138,44 @@ pub fn ragged_paged_attention_kernel(
                 let page = page_indices[(s, (first * ppcb + j).min(last_page))].max(0).min(np - 1);
                 dma_start(k_pages[(h, page)], k_buf[(0, j)], sem[0]);
                 dma_start(v_pages[(h, page)], v_buf[(0, j)], sem[1]);
+                if per_token {
+                    dma_start(k_scales[(h, page)], ks_buf[(0, j)], sem[2]);
+                    dma_start(v_scales[(h, page)], vs_buf[(0, j)], sem[3]);
+                }
             }
             for i in first..last {
-                // Slot `sl` uses semaphores 2 sl (K) and 2 sl + 1 (V), one copy per page.
+                // Slot `sl` uses semaphores 4 sl (K), 4 sl + 1 (V), 4 sl + 2 and 4 sl + 3
+                // (their per-token scales), one copy per page.
                 let sl = (i - first) % 2;
                 let next = 1 - sl;
                 if i + 1 < last {
                     for j in 0..ppcb {
                         let page = page_indices[(s, ((i + 1) * ppcb + j).min(last_page))].max(0).min(np - 1);
-                        dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[2 * next]);
-                        dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[2 * next + 1]);
+                        dma_start(k_pages[(h, page)], k_buf[(next, j)], sem[4 * next]);
+                        dma_start(v_pages[(h, page)], v_buf[(next, j)], sem[4 * next + 1]);
+                        if per_token {
+                            dma_start(k_scales[(h, page)], ks_buf[(next, j)], sem[4 * next + 2]);
+                            dma_start(v_scales[(h, page)], vs_buf[(next, j)], sem[4 * next + 3]);
+                        }
                     }
                 }
                 for j in 0..ppcb {
                     let page = page_indices[(s, (i * ppcb + j).min(last_page))].max(0).min(np - 1);
-                    dma_wait(k_pages[(h, page)], k_buf[(sl, j)], sem[2 * sl]);
-                    dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[2 * sl + 1]);
+                    dma_wait(k_pages[(h, page)], k_buf[(sl, j)], sem[4 * sl]);
+                    dma_wait(v_pages[(h, page)], v_buf[(sl, j)], sem[4 * sl + 1]);
+                    if per_token {
+                        dma_wait(k_scales[(h, page)], ks_buf[(sl, j)], sem[4 * sl + 2]);
+                        dma_wait(v_scales[(h, page)], vs_buf[(sl, j)], sem[4 * sl + 3]);
+                    }
                 }
+                // A quantized cache's pages go to the MXU in q's dtype, each row times its
+                // token's scale when per_token (the per-tensor k scale is in sm_scale).
                 let k = k_buf[(sl, .., .., ..)].reshape([bs, d]);
                 let v = v_buf[(sl, .., .., ..)].reshape([bs, d]);
+                let k = if per_token { k.cast(f32) * ks_buf[(sl, .., .., ..)].reshape([bs, 1]) } else { k };
+                let v = if per_token { v.cast(f32) * vs_buf[(sl, .., .., ..)].reshape([bs, 1]) } else { v };
+                let k = k.cast(q.dtype);
+                let v = v.cast(q.dtype);
                 let mut sc = dot_t(qv, k) * sm_scale;
                 if soft_cap > 0.0 {
                     sc = (sc / soft_cap).tanh() * soft_cap;
@@ -162,7 +189,7 @@ pub fn ragged_paged_attention_kernel(
                     let p = (sc - m_new).exp();
                     let alpha = (m - m_new).exp();
                     l = alpha * l + p.sum(1);
-                    acc = alpha * acc + dot(p.cast(v_pages.dtype), v);
+                    acc = alpha * acc + dot(p.cast(q.dtype), v);
                     m = m_new;
                 } else {
                     let qpos = tok + shift;
@@ -181,7 +208,7 @@ pub fn ragged_paged_attention_kernel(
                     // values enter as 0 and come back only for the rows that see them.
                     let r = nonfinite_radix(bs);
                     let (vf, class) = split_nonfinite(v, r);
-                    acc = add_nonfinite(alpha * acc + dot(p.cast(v_pages.dtype), vf), p, visible, class, r);
+                    acc = add_nonfinite(alpha * acc + dot(p.cast(q.dtype), vf), p, visible, class, r);
                     m = m_new;
                 }
             }
@@ -191,6 +218,7 @@ pub fn ragged_paged_attention_kernel(
     // logits were all -inf (every real token sees its own position): torch's 0 / 0, NaN.
     let real = iota([rows, 1], 0) % bq + q0 < cu_q_lens[num_seqs[0].min(ms)];
     let out = select(l == 0.0, select(real, f32::NAN, 0.0), acc / l);
+    let out = if v_scale != 1.0 { out * v_scale } else { out };
     o[..] = out.reshape([g, bq, d]).cast(o.dtype);
 }
 
@@ -206,11 +234,13 @@ pub struct Options {
     pub block_q: Option<usize>,
     /// Pages per kv compute block; default: 256 tokens' worth, as `paged_attention`.
     pub pages_per_compute_block: Option<usize>,
+    /// A quantized cache's scales, as `paged_attention`'s.
+    pub scales: crate::paged_attention::KvScales,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { sm_scale: 1.0, sliding_window: None, soft_cap: None, block_q: None, pages_per_compute_block: None }
+        Options { sm_scale: 1.0, sliding_window: None, soft_cap: None, block_q: None, pages_per_compute_block: None, scales: crate::paged_attention::KvScales::NONE }
     }
 }
 
@@ -244,8 +274,11 @@ fn check(inputs: &[Type]) -> Result<Dims, KernelError> {
     if v.shape != k.shape {
         return Err(err("input `v_pages`", "operand-shape", format!("v_pages is {v}, k_pages {k}"), "pass k_pages and v_pages of one shape"));
     }
-    if !q.dtype.is_float() || v.dtype != k.dtype || k.dtype != q.dtype {
-        return Err(err(if q.dtype.is_float() { "input `k_pages`" } else { "input `q`" }, "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass q, k_pages and v_pages of one float dtype"));
+    if !matches!(q.dtype, DType::F32 | DType::BF16) {
+        return Err(err("input `q`", "operand-dtype", format!("q is {q}"), "pass q as float32 or bfloat16"));
+    }
+    if v.dtype != k.dtype || !(k.dtype == q.dtype || k.dtype == DType::I8 || k.dtype.is_fp8()) {
+        return Err(err("input `k_pages`", "operand-dtype", format!("q {q}, k_pages {k}, v_pages {v}"), "pass k_pages and v_pages of one dtype: q's, or a quantized cache (int8, float8_e4m3fn, float8_e5m2) with its scales"));
     }
     if t == 0 || dk != d || hkv == 0 || h % hkv != 0 {
         return Err(err(if t == 0 { "input `q`" } else { "input `k_pages`" }, "operand-shape", format!("q {q} against k_pages {k}"), "at least one token, equal head dims, and H a multiple of Hkv (GQA)"));
@@ -278,7 +311,12 @@ fn q_blocking(dims: &Dims, opts: &Options) -> Result<(usize, usize), KernelError
 /// cu_q_lens, num_seqs)`; an unset compute block takes `target`'s default (as
 /// `paged_attention`: twice the MXU edge in tokens).
 pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel, KernelError> {
+    let (inputs, token_scales) = inputs.split_at(inputs.len().min(7));
     let dims = check(inputs)?;
+    if token_scales.len() != if opts.scales.per_token { 2 } else { 0 } {
+        return Err(err("inputs", "input-count", format!("{} inputs given", inputs.len() + token_scales.len()), "pass q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs (and k_token_scales, v_token_scales when per-token scales are given)"));
+    }
+    let scale_ty = crate::paged_attention::scale_type("ragged_paged_attention", opts.scales, &inputs[1], token_scales)?;
     let (bq, tp) = q_blocking(&dims, opts)?;
     let (k, pages) = (&inputs[1], &inputs[4]);
     let ppcb = opts.pages_per_compute_block.unwrap_or_else(|| crate::paged_attention::default_pages_per_compute_block(k.shape[2], pages.shape[1], target));
@@ -297,8 +335,8 @@ pub fn build(inputs: &[Type], opts: &Options, target: &Target) -> Result<Kernel,
     #[rustfmt::skip]
     let kernel = ragged_paged_attention_kernel(
         inputs[3].clone(), inputs[4].clone(), inputs[5].clone(), inputs[6].clone(),
-        qk.clone(), inputs[1].clone(), inputs[2].clone(), qk,
-        bq, ppcb, opts.sm_scale, window, soft_cap,
+        qk.clone(), inputs[1].clone(), inputs[2].clone(), scale_ty.clone(), scale_ty, qk,
+        bq, ppcb, opts.sm_scale * opts.scales.k_scale, window, soft_cap, opts.scales.per_token, opts.scales.v_scale,
     );
     kernel
 }
@@ -340,35 +378,43 @@ impl Options {
         s += &opt("soft_cap", self.soft_cap.map(|c| format!("{:?}", c as f64)));
         s += &opt("num_queries_per_block", self.block_q.map(|b| b.to_string()));
         s += &opt("num_kv_pages_per_block", self.pages_per_compute_block.map(|p| p.to_string()));
+        s += &opt("k_scale", (self.scales.k_scale != 1.0).then(|| format!("{:?}", self.scales.k_scale as f64)));
+        s += &opt("v_scale", (self.scales.v_scale != 1.0).then(|| format!("{:?}", self.scales.v_scale as f64)));
         s
     }
 }
 
 /// Ragged paged attention on op-order arrays `(q, k_pages, v_pages, kv_lens,
-/// page_indices, cu_q_lens, num_seqs) -> o: [T, H, D]`.
+/// page_indices, cu_q_lens, num_seqs[, k_token_scales, v_token_scales]) -> o: [T, H, D]`
+/// (`opts.scales.per_token` is read from the arrays given).
 pub fn ragged_paged_attention(exec: &dyn Executor, args: &[Array], opts: &Options, target: &Target) -> Result<Array, KernelError> {
     crate::run1(exec, "ragged_paged_attention", &args.iter().collect::<Vec<_>>(), &opts.statics(), target)
 }
 
-/// Runs an already built kernel (e.g. a modified one in a test) on op-order arrays.
+/// Runs an already built kernel without per-token scales (e.g. a modified one in a test)
+/// on op-order arrays.
 pub fn run_kernel(exec: &dyn Executor, kernel: &Kernel, args: &[Array]) -> Result<Array, KernelError> {
     let types: Vec<Type> = args.iter().map(|a| Type::vector(a.dtype, &a.shape)).collect();
     let dims = check(&types)?;
     let (hkv, g, tp) = (dims.hkv, dims.h / dims.hkv, kernel.find_ref("q").map_or(dims.t, |r| kernel.refs[r.0 as usize].shape.get(2).copied().unwrap_or(dims.t)));
     let qk = relayout(&args[0], dims.t, hkv, g, tp, dims.d, true);
-    let out = tessera_dsl::exec::run(exec, kernel, &[&args[3], &args[4], &args[5], &args[6], &qk, &args[1], &args[2]])?.remove(0);
+    let dummy = Array::from_f32(&[1, 1, 1, 1], vec![1.0]);
+    let out = tessera_dsl::exec::run(exec, kernel, &[&args[3], &args[4], &args[5], &args[6], &qk, &args[1], &args[2], &dummy, &dummy])?.remove(0);
     Ok(relayout(&out, dims.t, hkv, g, tp, dims.d, false))
 }
 
 fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     const NAMES: [&str; 7] = ["q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"];
-    let types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
+    let scales = crate::paged_attention::kv_scales(c)?;
+    let mut types: Vec<Type> = NAMES.iter().map(|n| c.tensor(n).cloned()).collect::<Result<_, _>>()?;
+    types.extend(crate::paged_attention::token_scale_types(c, scales)?);
     let opts = Options {
         sm_scale: crate::attention::finite_scale(c, c.statics.f64("sm_scale").unwrap_or(1.0))?,
         sliding_window: c.usize_opt("sliding_window")?,
         soft_cap: c.statics.f64("soft_cap").map(|x| x as f32),
         block_q: c.usize_opt("num_queries_per_block")?,
         pages_per_compute_block: c.usize_opt("num_kv_pages_per_block")?,
+        scales,
     };
     let kernel = build(&types, &opts, c.target)?;
     let q = &types[0];
@@ -378,11 +424,13 @@ fn plan_ragged_paged_attention(c: &Call) -> Result<Plan, KernelError> {
     let q_arg = Operand { source: Source::Input(c.index("q")?), layout, ty: Type::vector(q.dtype, &qk) };
     let mut args: Vec<Operand> = NAMES[3..].iter().zip(&types[3..]).map(|(n, t)| c.input(n, t.clone())).collect::<Result<_, _>>()?;
     args.extend([q_arg, c.input("k_pages", types[1].clone())?, c.input("v_pages", types[2].clone())?]);
+    args.extend(crate::paged_attention::scale_operands(c, scales, crate::paged_attention::scale_type("ragged_paged_attention", scales, &types[1], &types[7..])?)?);
     let launch = Launch::new(kernel, args);
     let out = Operand { source: Source::Result { launch: 0, output: 0 }, layout, ty: q.clone() };
     let (t, np, ps) = (q.shape[0], types[1].shape[1], types[1].shape[2]);
     let reads: Vec<usize> = NAMES[3..].iter().map(|n| c.index(n)).collect::<Result<_, _>>()?;
-    Ok(Plan::new(c.op, c.target, vec![launch], vec![out]).with_check(&reads, Box::new(move |v| check_metadata(v, t, ps, np))))
+    let plan = Plan::new(c.op, c.target, vec![launch], vec![out]).with_check(&reads, Box::new(move |v| check_metadata(v, t, ps, np)));
+    Ok(crate::paged_attention::with_dummy_scales(plan, scales))
 }
 
 /// The contract of the metadata (see the module docs), checked on the host: `num_seqs`
@@ -467,7 +515,19 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
         cu[s + 1] = (t + 3) as i32;
     }
     let pages: Vec<i32> = (0..ms * pps).map(|_| rng.gen_range(0..num_pages) as i32).collect();
-    vec![q, k, v, Array::from_i32(&[ms], kv_lens), Array::from_i32(&[ms, pps], pages), Array::from_i32(&[ms + 1], cu), Array::from_i32(&[1], vec![ns as i32])]
+    let mut inputs = vec![q, k, v, Array::from_i32(&[ms], kv_lens), Array::from_i32(&[ms, pps], pages), Array::from_i32(&[ms + 1], cu), Array::from_i32(&[1], vec![ns as i32])];
+    if shapes.len() == 9 {
+        // Per-token scales given: an int8 cache (codes -127..=127, scales around 1/127).
+        let n: usize = shapes[1].iter().product();
+        for i in [1, 2] {
+            inputs[i] = Array::from_i8(&shapes[1], (0..n).map(|_| rng.gen_range(-127..=127)).collect());
+        }
+        for s in [7, 8] {
+            let tokens: usize = shapes[s].iter().product();
+            inputs.push(Array::from_f32(&shapes[s], (0..tokens).map(|_| rng.gen_range(0.5..1.5) / 127.0).collect()));
+        }
+    }
+    inputs
 }
 
 const fn int(name: &'static str, dims: &'static str) -> Input {
@@ -479,12 +539,13 @@ const CASES: &[Case] = &[
     Case { name: "default", statics: "sm_scale=0.08838834764831845", shapes: &[&[256, 32, 128], &[8, 128, 16, 128], &[8, 128, 16, 128], &[8], &[8, 32], &[9], &[1]] },
     Case { name: "alt", statics: "sm_scale=0.08838834764831845", shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]] },
     Case { name: "window", statics: "sm_scale=0.08838834764831845, sliding_window=40, soft_cap=30.0", shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1]] },
+    Case { name: "int8", statics: "sm_scale=0.08838834764831845, k_scale=0.5, v_scale=2.0", shapes: &[&[100, 12, 128], &[3, 40, 32, 128], &[3, 40, 32, 128], &[5], &[5, 7], &[6], &[1], &[3, 40, 32], &[3, 40, 32]] },
 ];
 
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
-                             name: "ragged_paged_attention", doc: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, int? num_queries_per_block=None, int? num_kv_pages_per_block=None) -> Tensor", plan: plan_ragged_paged_attention, reference: Some(|a, s| vec![reference::ragged_paged_attention(a, s.f64("sm_scale").unwrap_or(1.0) as f32 as f64, s.i64("sliding_window").map(|w| w as usize), s.f64("soft_cap").map(|c| c as f32 as f64))]),
-                             inputs: &[ Input { name: "q", dims: "[t, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::Float }, int("kv_lens", "[s]"), int("page_indices", "[s, pages_per_seq]"), int("cu_q_lens", "[s + 1]"), int("num_seqs", "[1]"), ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
+                             name: "ragged_paged_attention", doc: "mixed prefill/chunked-prefill/decode attention over a paged KV cache: q blocks x kv heads, sequences walked from scalar-prefetched cu_q_lens, pages by double-buffered DMA, causal + optional sliding window and soft cap, GQA; int8 / fp8 caches dequantised in VMEM with per-tensor (k_scale, v_scale) and per-token scales", schema: "(Tensor q, Tensor k_pages, Tensor v_pages, Tensor kv_lens, Tensor page_indices, Tensor cu_q_lens, Tensor num_seqs, float sm_scale=1.0, int? sliding_window=None, float? soft_cap=None, int? num_queries_per_block=None, int? num_kv_pages_per_block=None, float? k_scale=None, float? v_scale=None, Tensor? k_token_scales=None, Tensor? v_token_scales=None) -> Tensor", plan: plan_ragged_paged_attention, reference: Some(|a, s| vec![reference::ragged_paged_attention_quantized(a, s.f64("sm_scale").unwrap_or(1.0) as f32 as f64, s.i64("sliding_window").map(|w| w as usize), s.f64("soft_cap").map(|c| c as f32 as f64), (s.f64("k_scale").unwrap_or(1.0), s.f64("v_scale").unwrap_or(1.0)))]),
+                             inputs: &[ Input { name: "q", dims: "[t, h, d]", kind: Kind::Float }, Input { name: "k_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::KvCache }, Input { name: "v_pages", dims: "[hkv, num_pages, page_size, d]", kind: Kind::KvCache }, int("kv_lens", "[s]"), int("page_indices", "[s, pages_per_seq]"), int("cu_q_lens", "[s + 1]"), int("num_seqs", "[1]"), Input { name: "k_token_scales", dims: "[hkv, num_pages, page_size]", kind: Kind::Float32 }, Input { name: "v_token_scales", dims: "[hkv, num_pages, page_size]", kind: Kind::Float32 }, ], outputs: &[Output { name: "out", shape: "q", dtype: "q" }],
                              cases: CASES, random: Some(|shapes, dtype, _, rng| random_inputs(shapes, dtype, rng)), ..Op::EMPTY
                          }];
 
@@ -496,7 +557,18 @@ pub mod reference {
     /// `a` = `(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)`; returns
     /// the `[T, H, D]` output (zeros for padding tokens and rows that see no key).
     pub fn ragged_paged_attention(a: &[Array], sm_scale: f64, sliding_window: Option<usize>, soft_cap: Option<f64>) -> Vec<f64> {
-        let (qs, ks, vs) = (a[0].to_f64_vec(), a[1].to_f64_vec(), a[2].to_f64_vec());
+        ragged_paged_attention_quantized(a, sm_scale, sliding_window, soft_cap, (1.0, 1.0))
+    }
+
+    /// [`ragged_paged_attention`] over a cache dequantised first: stored * `scales` (the
+    /// per-tensor `(k_scale, v_scale)`) * the per-token scales `a[7]`, `a[8]` when given.
+    pub fn ragged_paged_attention_quantized(a: &[Array], sm_scale: f64, sliding_window: Option<usize>, soft_cap: Option<f64>, scales: (f64, f64)) -> Vec<f64> {
+        let d = a[1].shape[3];
+        let dequantize = |pages: &Array, scale: f64, tokens: Option<&Array>| -> Vec<f64> {
+            let tokens = tokens.map(Array::to_f64_vec);
+            pages.to_f64_vec().iter().enumerate().map(|(i, x)| x * scale * tokens.as_ref().map_or(1.0, |t| t[i / d])).collect()
+        };
+        let (qs, ks, vs) = (a[0].to_f64_vec(), dequantize(&a[1], scales.0, a.get(7)), dequantize(&a[2], scales.1, a.get(8)));
         let (t, h, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
         let (hkv, num_pages, ps) = (a[1].shape[0], a[1].shape[1], a[1].shape[2]);
         let pps = a[4].shape[1];

@@ -150,8 +150,8 @@ def contract(op, transpose_rhs=False):
         "flash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
-        "paged_attention": ["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps"],
-        "ragged_paged_attention": ["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1"],
+        "paged_attention": ["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
+        "ragged_paged_attention": ["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
     }
     return c[op]
 
@@ -439,6 +439,10 @@ def valid_call(op, gen, dt):
         ps, d = gen.pick([8, 16, 32]), gen.pick([128, 64, 256])
         lengths = torch.tensor([0 if i == 0 else 1 if i == 1 else gen.int(0, pps * ps) for i in range(b)], dtype=I32)
         tensors = [r(b, hkv * g, d, dtype=dt, scale=d**-0.5), r(hkv, npg, ps, d, dtype=dt), r(hkv, npg, ps, d, dtype=dt), lengths, gen.randint(0, npg, b, pps)]
+        if gen.coin(0.3):
+            # A quantized (int8) cache with per-token scales.
+            tensors[1], tensors[2] = (gen.randint(-127, 128, hkv, npg, ps, d).to(torch.int8) for _ in range(2))
+            tensors += [r(hkv, npg, ps, dtype=F32).abs() / 127 for _ in range(2)]
     elif op == "ragged_paged_attention":
         t, hkv, g, npg, pps, ms = gen.dim(60), gen.int(1, 2), gen.int(1, 3), gen.int(1, 6), gen.int(1, 4), gen.int(1, 5)
         ps, d = gen.pick([8, 16, 32]), gen.pick([128, 64])

@@ -1249,8 +1249,8 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "combine" => &["t*k d", "t k", "t k"],
         "flash_attention_fwd" | "flash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
-        "paged_attention" => &["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps"],
-        "ragged_paged_attention" => &["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1"],
+        "paged_attention" => &["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
+        "ragged_paged_attention" => &["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
         _ => &[],
     }
 }
@@ -1505,7 +1505,12 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
             let (b, hkv, g, np, pps) = (dim(rng, 5), rng.gen_range(1..=2), rng.gen_range(1..=4), rng.gen_range(1..=6), rng.gen_range(1..=4));
             let ps = [8, 16, 32, 5][rng.gen_range(0..4)];
             let d = [128, 64, 256, 32][rng.gen_range(0..4)];
-            vec![vec![b, hkv * g, d], vec![hkv, np, ps, d], vec![hkv, np, ps, d], vec![b], vec![b, pps]]
+            let mut s = vec![vec![b, hkv * g, d], vec![hkv, np, ps, d], vec![hkv, np, ps, d], vec![b], vec![b, pps]];
+            if rng.gen_bool(0.3) {
+                // A quantized (int8) cache with per-token scales.
+                s.extend([vec![hkv, np, ps], vec![hkv, np, ps]]);
+            }
+            s
         }
         "ragged_paged_attention" => {
             let (t, hkv, g, np, pps, s) = (dim(rng, 60), rng.gen_range(1..=2), rng.gen_range(1..=3), rng.gen_range(1..=6), rng.gen_range(1..=4), rng.gen_range(1..=5));

@@ -63,6 +63,7 @@ fn wrong_kind(kind: Kind) -> [DType; 2] {
         Kind::Float => [DType::I32, DType::Bool],
         Kind::Float32 => [DType::BF16, DType::I32],
         Kind::AnyFloat => [DType::I32, DType::Bool],
+        Kind::KvCache => [DType::I32, DType::Bool],
         Kind::Int32 => [DType::F32, DType::I8],
         Kind::Int8 => [DType::F32, DType::I32],
     }
@@ -212,12 +213,18 @@ fn specific_shape_contracts() {
     let pa = op("paged_attention");
     let st = pa.statics("").unwrap();
     let kv = [2, 8, 16, 128];
-    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&kv), i(&[5]), i(&[4, 2])], &st, "lengths", &["operand-shape"], "lengths [5] for 4 sequences");
-    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&kv), i(&[4]), i(&[4])], &st, "page_indices", &["operand-rank"], "page_indices [4]");
-    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&[2, 8, 16, 64]), i(&[4]), i(&[4, 2])], &st, "v_pages", &["operand-shape"], "v_pages of another head dim");
+    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&kv), i(&[5]), i(&[4, 2]), None, None], &st, "lengths", &["operand-shape"], "lengths [5] for 4 sequences");
+    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&kv), i(&[4]), i(&[4]), None, None], &st, "page_indices", &["operand-rank"], "page_indices [4]");
+    rejects(pa, &[f(&[4, 4, 128]), f(&kv), f(&[2, 8, 16, 64]), i(&[4]), i(&[4, 2]), None, None], &st, "v_pages", &["operand-shape"], "v_pages of another head dim");
+    // Per-token scales are [hkv, num_pages, page_size] float32: not per page, not bf16.
+    let q8 = Some(Type::vector(DType::I8, &kv));
+    let scales = |shape: &[usize], dtype: DType| Some(Type::vector(dtype, shape));
+    rejects(pa, &[f(&[4, 4, 128]), q8.clone(), q8.clone(), i(&[4]), i(&[4, 2]), scales(&[2, 8], DType::F32), scales(&[2, 8, 16], DType::F32)], &st, "k_token_scales", &["operand-rank"], "per-page k scales");
+    rejects(pa, &[f(&[4, 4, 128]), q8.clone(), q8.clone(), i(&[4]), i(&[4, 2]), scales(&[2, 8, 16], DType::F32), scales(&[2, 8, 16], DType::BF16)], &st, "v_token_scales", &["operand-dtype"], "bf16 v scales");
+    pa.plan_for(&[f(&[4, 4, 128]), q8.clone(), q8, i(&[4]), i(&[4, 2]), scales(&[2, 8, 16], DType::F32), scales(&[2, 8, 16], DType::F32)], &st, &Target::V6E).expect("an int8 cache with per-token scales");
     let ra = op("ragged_paged_attention");
     let st = ra.statics("").unwrap();
-    let ragged = |cu: &[usize], ns: &[usize]| vec![f(&[16, 4, 128]), f(&kv), f(&kv), i(&[3]), i(&[3, 2]), i(cu), i(ns)];
+    let ragged = |cu: &[usize], ns: &[usize]| vec![f(&[16, 4, 128]), f(&kv), f(&kv), i(&[3]), i(&[3, 2]), i(cu), i(ns), None, None];
     rejects(ra, &ragged(&[3], &[1]), &st, "cu_q_lens", &["operand-shape"], "cu_q_lens [s]");
     rejects(ra, &ragged(&[2, 4], &[1]), &st, "cu_q_lens", &["operand-rank"], "cu_q_lens [2, 4]");
     rejects(ra, &ragged(&[4], &[2, 1]), &st, "num_seqs", &["operand-rank"], "num_seqs [2, 1]");
@@ -339,7 +346,7 @@ fn errors_name_the_callers_argument() {
     assert!(e.subject.contains("tiling") && !e.message.contains("GmmBlocks"), "{e}");
     let ra = find("ragged_paged_attention").unwrap();
     let kv = [2, 8, 16, 128];
-    let types = [f(&[16, 4, 128]), f(&kv), f(&kv), i(&[3]), i(&[3, 2]), i(&[4]), i(&[1])];
+    let types = [f(&[16, 4, 128]), f(&kv), f(&kv), i(&[3]), i(&[3, 2]), i(&[4]), i(&[1]), None, None];
     for (statics, arg) in [("num_queries_per_block=5", "num_queries_per_block"), ("num_kv_pages_per_block=0", "num_kv_pages_per_block"), ("sliding_window=0", "sliding_window"), ("soft_cap=-1.0", "soft_cap")] {
         let e = ra.plan_for(&types, &ra.statics(statics).unwrap(), &Target::V6E).err().expect("rejected");
         assert_eq!(e.subject, format!("argument `{arg}`"), "{statics}: {e}");

@@ -92,7 +92,7 @@ fn every_compute_block_size_agrees() {
 }
 
 fn kernel_for(a: &[Array], ppcb: usize) -> Kernel {
-    pa::build(&types_of(a), Some(ppcb), &Target::V5E).unwrap()
+    pa::build(&types_of(a), Some(ppcb), pa::KvScales::NONE, &Target::V5E).unwrap()
 }
 
 fn ref_named(k: &Kernel, name: &str) -> tessera_dsl::RefId {
@@ -138,7 +138,7 @@ fn verifies_on_every_target() {
     for (set, sh) in SHAPES.iter().enumerate() {
         for dtype in [DType::F32, DType::BF16] {
             let t: Vec<Type> = shapes(sh).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
-            let k = pa::build(&t, Some(sh.7), &Target::V5E).unwrap();
+            let k = pa::build(&t, Some(sh.7), pa::KvScales::NONE, &Target::V5E).unwrap();
             for target in [Target::V5E, Target::V6E, Target::TPU7X] {
                 tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("set {set} {dtype} {target}: {e}"));
             }
@@ -159,7 +159,7 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
         for dtype in [DType::F32, DType::BF16] {
             for (set, sh) in SHAPES.iter().enumerate() {
                 let t: Vec<Type> = shapes(sh).iter().enumerate().map(|(i, s)| Type::vector(if i < 3 { dtype } else { DType::I32 }, s)).collect();
-                let l = tessera_codegen::lower(&pa::build(&t, Some(sh.7), &Target::V5E).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
+                let l = tessera_codegen::lower(&pa::build(&t, Some(sh.7), pa::KvScales::NONE, &Target::V5E).unwrap(), &target).unwrap_or_else(|e| panic!("{e}"));
                 modules.push((format!("paged_attention_set{set}_{dtype}"), l.stablehlo));
             }
             let (b, h, hkv, d, np, ps, pps) = (16, 32, 8, 128, 1024, 16, 64);
@@ -170,7 +170,7 @@ fn shape_sets_and_a_large_block_config_compile_with_libtpu() {
                 Type::vector(DType::I32, &[b]),
                 Type::vector(DType::I32, &[b, pps]),
             ];
-            let k = pa::build(&t, Some(32), &Target::V5E).unwrap();
+            let k = pa::build(&t, Some(32), pa::KvScales::NONE, &Target::V5E).unwrap();
             let l = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{e}"));
             modules.push((format!("paged_attention_large_{dtype}"), l.stablehlo));
         }
@@ -238,5 +238,111 @@ fn nonfinite_values_reach_only_their_sequence() {
         run("a first block of -inf logits", &q, &k, &v0);
         let (got, _) = tessera_tests::nonfinite::run_and_reference("paged_attention", &[Some(&Array::from_f32_in(dtype, &[b, h, d], q)), Some(&Array::from_f32_in(dtype, &[hkv, np, ps, d], k)), Some(&Array::from_f32_in(dtype, &[hkv, np, ps, d], v0.clone())), Some(&lengths), Some(&pages)], "pages_per_compute_block=2", &Target::V5E);
         assert!(got[0].to_f64_vec()[4 * d..6 * d].iter().all(|x| x.is_finite()), "{dtype}: -inf logits weigh 0");
+    }
+}
+
+// ---- quantized caches ---------------------------------------------------------------------
+
+/// A cache of `dtype` for shape set `set`: stored values of that dtype (int8 codes in
+/// -127..=127; fp8 values of unit range), per-token scales `[Hkv, num_pages, page_size]`
+/// around 1/127 when `per_token`; q in `q_dtype`.
+fn quantized_inputs(set: usize, q_dtype: DType, cache: DType, per_token: bool, seed: u64) -> Vec<Array> {
+    use rand::Rng;
+    let mut a = inputs(set, q_dtype, seed);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let shape = a[1].shape.clone();
+    let n: usize = shape.iter().product();
+    for i in [1, 2] {
+        a[i] = if cache == DType::I8 {
+            Array::from_i8(&shape, (0..n).map(|_| rng.gen_range(-127..=127)).collect())
+        } else {
+            Array::from_f32_as_fp8(cache, &shape, &(0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
+        };
+    }
+    if per_token {
+        let tokens = n / shape[3];
+        for _ in 0..2 {
+            a.push(Array::from_f32(&shape[..3], (0..tokens).map(|_| rng.gen_range(0.5f32..1.5) / 127.0).collect()));
+        }
+    }
+    a
+}
+
+/// int8 caches with per-token scales, fp8 (e4m3fn, e5m2) caches with per-tensor scales and
+/// both kinds of scale together, over every shape set (GQA 1/4/8, lengths mid-page, empty
+/// and one-token sequences), q in f32 and bf16, on every backend of this build against the
+/// dequantise-then-attend f64 reference.
+#[test]
+fn quantized_caches_match_the_reference_on_every_backend() {
+    // (cache dtype, per-token scales, k_scale, v_scale).
+    let configs: &[(DType, bool, Option<f64>, Option<f64>)] = &[
+        (DType::I8, true, None, None),
+        (DType::I8, true, Some(0.5), Some(3.0)),
+        (DType::F8E4M3FN, false, Some(0.25), Some(2.0)),
+        (DType::F8E5M2, false, None, Some(0.5)),
+        (DType::F8E4M3FN, true, Some(2.0), None),
+    ];
+    for (set, sh) in SHAPES.iter().enumerate() {
+        for (c, &(cache, per_token, k_scale, v_scale)) in configs.iter().enumerate() {
+            let q_dtype = if (set + c) % 2 == 0 { DType::F32 } else { DType::BF16 };
+            let a = quantized_inputs(set, q_dtype, cache, per_token, 100 + (set * 8 + c) as u64);
+            let mut statics = format!("pages_per_compute_block={}", sh.7);
+            for (name, s) in [("k_scale", k_scale), ("v_scale", v_scale)] {
+                if let Some(s) = s {
+                    statics += &format!(", {name}={s}");
+                }
+            }
+            let scales = (k_scale.unwrap_or(1.0), v_scale.unwrap_or(1.0));
+            let want = reference::paged_attention_quantized(&a[0], &a[1], &a[2], &a[3], &a[4], scales, per_token.then(|| (&a[5], &a[6])));
+            let refs: Vec<&Array> = a.iter().collect();
+            for be in tessera_tests::backends::all() {
+                let out = tessera_kernels::run1(be.executor(), "paged_attention", &refs, &statics, &Target::V5E).unwrap_or_else(|e| panic!("set {set} {cache} {be:?}: {e}"));
+                let check = check_output(&out, &want);
+                assert!(check.passed(), "set {set}, {cache} cache (per_token {per_token}, {statics}), q {q_dtype}, {be:?}: {check:?}");
+            }
+        }
+    }
+}
+
+/// Bad scale operands are errors naming the op, the operand and the rule.
+#[test]
+fn quantized_cache_misuse_is_a_clear_error() {
+    let a = quantized_inputs(0, DType::F32, DType::I8, true, 9);
+    let refs: Vec<&Array> = a.iter().collect();
+    let run = |arrays: &[&Array]| tessera_kernels::run(&Interpreter, "paged_attention", arrays, "", &Target::V5E).unwrap_err();
+    // One per-token scale tensor without the other.
+    let e = run(&refs[..6]);
+    assert_eq!((e.rule, e.kernel.as_str()), ("kv-scales", "paged_attention"), "{e}");
+    // Scales of the wrong shape (per page instead of per token).
+    let per_page = Array::from_f32(&a[5].shape[..2], vec![1.0; a[5].shape[0] * a[5].shape[1]]);
+    let mut bad = refs.clone();
+    bad[5] = &per_page;
+    let e = run(&bad);
+    assert!(e.to_string().contains("k_token_scales"), "{e}");
+    // int8 keys with fp8 values.
+    let fp8 = Array::from_f32_as_fp8(DType::F8E4M3FN, &a[2].shape, &vec![0.5; a[2].data.len()]);
+    let mut bad = refs.clone();
+    bad[2] = &fp8;
+    let e = run(&bad);
+    assert_eq!(e.rule, "operand-dtype", "{e}");
+    assert!(e.to_string().contains("k_pages"), "{e}");
+}
+
+/// libtpu compiles the quantized variants: int8 with per-token scales, and fp8 with
+/// per-tensor scales (q bf16), on v5e, v6e and tpu7x.
+#[test]
+fn quantized_caches_compile_with_libtpu() {
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    let mut kernels = Vec::new();
+    for (cache, per_token) in [(DType::I8, true), (DType::F8E4M3FN, false), (DType::F8E5M2, true)] {
+        let a = quantized_inputs(4, DType::BF16, cache, per_token, 3);
+        let scales = pa::KvScales { k_scale: 0.5, v_scale: 2.0, per_token };
+        kernels.push(pa::build(&types_of(&a), Some(SHAPES[4].7), scales, &Target::V5E).unwrap_or_else(|e| panic!("{e}")));
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }
 }

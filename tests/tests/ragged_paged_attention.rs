@@ -278,3 +278,77 @@ fn nonfinite_values_reach_only_the_queries_that_see_them() {
         }
     }
 }
+
+// ---- quantized caches ---------------------------------------------------------------------
+
+/// int8 caches with per-token scales and fp8 (e4m3fn, e5m2) caches with per-tensor scales,
+/// over every shape set (mixed decode / prefill batches, GQA 1/4/8), with and without a
+/// sliding window, q in f32 and bf16, on every backend of this build against the
+/// dequantise-then-attend f64 reference.
+#[test]
+fn quantized_caches_match_the_reference_on_every_backend() {
+    use rand::Rng;
+    // (cache dtype, per-token scales, k_scale, v_scale, sliding window).
+    let configs: &[(DType, bool, f32, f32, Option<usize>)] = &[
+        (DType::I8, true, 1.0, 1.0, None),
+        (DType::I8, true, 0.5, 3.0, Some(20)),
+        (DType::F8E4M3FN, false, 0.25, 2.0, None),
+        (DType::F8E5M2, false, 1.0, 0.5, Some(7)),
+        (DType::F8E4M3FN, true, 2.0, 1.0, None),
+    ];
+    for (set, sh) in SHAPES.iter().enumerate() {
+        for (c, &(cache, per_token, k_scale, v_scale, window)) in configs.iter().enumerate() {
+            let q_dtype = if (set + c) % 2 == 0 { DType::F32 } else { DType::BF16 };
+            let mut a = inputs(set, q_dtype, 500 + (set * 8 + c) as u64);
+            let mut rng = StdRng::seed_from_u64(set as u64 * 31 + c as u64);
+            let shape = a[1].shape.clone();
+            let n: usize = shape.iter().product();
+            for i in [1, 2] {
+                a[i] = if cache == DType::I8 {
+                    Array::from_i8(&shape, (0..n).map(|_| rng.gen_range(-127..=127)).collect())
+                } else {
+                    Array::from_f32_as_fp8(cache, &shape, &(0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
+                };
+            }
+            if per_token {
+                for _ in 0..2 {
+                    a.push(Array::from_f32(&shape[..3], (0..n / shape[3]).map(|_| rng.gen_range(0.5f32..1.5) / 127.0).collect()));
+                }
+            }
+            let scales = tessera_kernels::paged_attention::KvScales { k_scale, v_scale, per_token };
+            let o = Options { sliding_window: window, scales, ..opts(sh, sh.3) };
+            let want = reference::ragged_paged_attention_quantized(&a, o.sm_scale as f64, window, None, (k_scale as f64, v_scale as f64));
+            for be in tessera_tests::backends::all() {
+                let out = rpa::ragged_paged_attention(be.executor(), &a, &o, &Target::V5E).unwrap_or_else(|e| panic!("set {set} {cache} {be:?}: {e}"));
+                let check = check_output(&out, &want);
+                assert!(check.passed(), "set {set}, {cache} cache (per_token {per_token}, k_scale {k_scale}, v_scale {v_scale}, window {window:?}), q {q_dtype}, {be:?}: {check:?}");
+            }
+        }
+    }
+}
+
+/// libtpu compiles the quantized variants (int8 with per-token scales, fp8 e4m3fn with
+/// per-tensor scales and a window; q bf16) on v5e, v6e and tpu7x.
+#[test]
+fn quantized_caches_compile_with_libtpu() {
+    if !oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    let sh = &SHAPES[0];
+    let mut kernels = Vec::new();
+    for (cache, per_token) in [(DType::I8, true), (DType::F8E4M3FN, false)] {
+        let mut t = types(sh, DType::BF16);
+        t[1].dtype = cache;
+        t[2].dtype = cache;
+        if per_token {
+            t.extend([Type::vector(DType::F32, &t[1].shape[..3]), Type::vector(DType::F32, &t[1].shape[..3])]);
+        }
+        let scales = tessera_kernels::paged_attention::KvScales { k_scale: 0.5, v_scale: 2.0, per_token };
+        let o = Options { sliding_window: (!per_token).then_some(24), scales, ..opts(sh, sh.3) };
+        kernels.push(rpa::build(&t, &o, &Target::V5E).unwrap_or_else(|e| panic!("{e}")));
+    }
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
+    }
+}

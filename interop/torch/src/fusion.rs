@@ -22,18 +22,6 @@ fn dtype_named(s: &str) -> PyResult<DType> {
     }
 }
 
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "float32",
-        DType::BF16 => "bfloat16",
-        DType::Bool => "bool",
-        DType::I32 => "int32",
-        DType::I8 => "int8",
-        DType::F8E4M3FN => "float8_e4m3fn",
-        DType::F8E5M2 => "float8_e5m2",
-    }
-}
-
 fn operand(a: &Bound<'_, PyAny>) -> PyResult<Operand> {
     // A Python int is a node id; a float is a number (the Python side passes numbers as
     // floats).
@@ -149,7 +137,7 @@ impl FusionGraph {
         }
         .map_err(py_err)?;
         let n = self.graph.node(id);
-        Ok((id, n.shape.clone(), dtype_name(n.dtype)))
+        Ok((id, n.shape.clone(), tessera_kernels::plan::dtype_to_torch(n.dtype)))
     }
 
     /// The node whose memory node `id` is (views followed).
