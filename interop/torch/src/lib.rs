@@ -268,7 +268,8 @@ fn op_named(name: &str) -> PyResult<&'static Op> {
 
 /// Every op of this module as a dict: `name`, `schema`, `doc`, `outputs` (`[(name, shape
 /// expression, dtype expression)]`, from which the Python side derives the fake kernel),
-/// `backward` (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
+/// `inputs` and `input_dims` (each tensor input's name and dims contract), `backward`
+/// (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
 /// (`None` or `(op, result)`), in registration order.
 #[pyfunction]
 fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
@@ -280,6 +281,9 @@ fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
             d.set_item("schema", op.schema)?;
             d.set_item("doc", op.doc)?;
             d.set_item("inputs", op.inputs.iter().map(|i| i.name).collect::<Vec<_>>())?;
+            // Each input's dims contract (`[b, h, sq, d]`, `[..., n]`): tessera.dtensor derives
+            // the sharding rules' placements from the dim names.
+            d.set_item("input_dims", op.inputs.iter().map(|i| i.dims).collect::<Vec<_>>())?;
             d.set_item("outputs", op.outputs.iter().map(|o| (o.name, o.shape, o.dtype)).collect::<Vec<_>>())?;
             let backward = op.backward.map(|b| {
                 let args: Vec<&str> = b.args.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
