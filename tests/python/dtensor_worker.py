@@ -1,10 +1,11 @@
-"""One rank of `test_dtensor.py`'s 4-process run (gloo on CPU): every case, one import.
+"""`test_dtensor.py`'s 4-process run (gloo on CPU): every case on every rank.
 
-    python dtensor_worker.py RANK WORLD PORT
+    python dtensor_worker.py WORLD PORT TIMEOUT
 
 Each case compares the DTensor run with the same computation on plain tensors in this
 process (the single-process reference, same weights), and the reference once with plain
-torch math. Prints one JSON line `{"rank", "passed": [...], "failed": {case: error}}`.
+torch math. Prints one JSON line: `{"ranks": [{"rank", "passed", "failed": {case: error},
+"times"}], "exitcodes"}`; a rank that hangs past TIMEOUT is killed and missing from it.
 """
 import copy
 import json
@@ -315,8 +316,8 @@ def case_2d_mesh(mesh2, rank, world):
 CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("wrong_placements", case_wrong_placements)]
 
 
-def main():
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+def run_rank(rank, world, port, results):
+    torch.set_num_threads(1)  # 4 ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
@@ -330,8 +331,32 @@ def main():
             failed[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
         times[name] = round(time.time() - t0, 2)
         dist.barrier()
-    print(json.dumps({"rank": rank, "passed": passed, "failed": failed, "times": times}), flush=True)
+    results.put({"rank": rank, "passed": passed, "failed": failed, "times": times})
     dist.destroy_process_group()
+
+
+def main():
+    """Imports once, then forks the ranks (no op has run yet, so no thread pool is
+    inherited): one import of torch + tessera instead of one per rank."""
+    import multiprocessing
+
+    world, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline, out = time.time() + timeout, []
+    try:
+        while len(out) < world:
+            out.append(results.get(timeout=max(0.1, deadline - time.time())))
+    except Exception:  # queue.Empty: a rank hung or died
+        pass
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.time()))
+        if p.is_alive():
+            p.kill()
+    print(json.dumps({"ranks": sorted(out, key=lambda r: r["rank"]), "exitcodes": [p.exitcode for p in procs]}), flush=True)
 
 
 if __name__ == "__main__":
