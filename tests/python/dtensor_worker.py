@@ -4,8 +4,9 @@
 
 Each case compares the DTensor run with the same computation on plain tensors in this
 process (the single-process reference, same weights), and the reference once with plain
-torch math. Prints one JSON line: `{"ranks": [{"rank", "passed", "failed": {case: error},
-"times"}], "exitcodes"}`; a rank that hangs past TIMEOUT is killed and missing from it.
+torch math. Prints one JSON line: `{"results": [{"rank", "case", "error", "time"}, ...],
+"exitcodes"}`, a result per case and rank as each ends; ranks still running at TIMEOUT
+(a hang) are killed, their missing cases reported by the test.
 """
 import copy
 import json
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module  # noqa: E402
 
-import tessera  # noqa: E402,F401  (torch.distributed.tensor already loaded: rules registered)
+import tessera  # noqa: E402  (torch.distributed.tensor already loaded: rules registered)
 
 tpu = torch.ops.tpu
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -311,27 +312,45 @@ def case_wrong_placements(mesh, rank, world):
 
 def case_2d_mesh(mesh2, rank, world):
     case_llama_tp(mesh2, rank, world, tp_dim="tp")
+    # Heads sharded over both mesh dims: 6 kv heads split 2 ways per mesh dim but not 4
+    # ways overall, a condition on the whole mesh (each dim alone would pass).
+    torch.manual_seed(3)
+    q, kv = torch.randn(2, 12, 16, 16), torch.randn(2, 6, 16, 16)
+    o = tpu.flash_attention(*(distribute_tensor(t, mesh2, [Shard(1), Shard(1)]) for t in (q, kv, kv)))
+    close(o, tpu.flash_attention(q, kv, kv), "flash attention, heads over both mesh dims")
+    assert o.placements != (Shard(1), Shard(1)), o.placements
 
 
-CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("wrong_placements", case_wrong_placements)]
+def case_user_op(mesh, rank, world):
+    """A user crate's op (no rules): replicated, still right."""
+    try:
+        import tessera_example
+    except ImportError:
+        return
+    tessera.register_ops(tessera_example)  # torch.ops.tpu.scaled_silu, and its DTensor strategy
+    x, scale = torch.randn(8, 16), torch.randn(16)
+    got = tpu.scaled_silu(distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(scale, mesh, [Replicate()]))
+    close(got, tpu.scaled_silu(x, scale), "a user op without rules")
+    assert got.placements == (Replicate(),), got.placements
+
+
+CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("wrong_placements", case_wrong_placements), ("user_op", case_user_op)]
 
 
 def run_rank(rank, world, port, results):
     torch.set_num_threads(1)  # 4 ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     mesh = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-    passed, failed, times = [], {}, {}
     for name, fn in CASES + [("llama_dp_x_tp", lambda m, r, w: case_2d_mesh(mesh2, r, w))]:
         t0 = time.time()
         try:
             fn(mesh, rank, world)
-            passed.append(name)
-        except Exception as e:  # reported per case; the parent fails the test
-            failed[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
-        times[name] = round(time.time() - t0, 2)
+            error = None
+        except Exception as e:  # reported per case as it ends (a later hang loses nothing)
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+        results.put({"rank": rank, "case": name, "error": error, "time": round(time.time() - t0, 2)})
         dist.barrier()
-    results.put({"rank": rank, "passed": passed, "failed": failed, "times": times})
     dist.destroy_process_group()
 
 
@@ -339,6 +358,7 @@ def main():
     """Imports once, then forks the ranks (no op has run yet, so no thread pool is
     inherited): one import of torch + tessera instead of one per rank."""
     import multiprocessing
+    import queue
 
     world, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     ctx = multiprocessing.get_context("fork")
@@ -347,16 +367,17 @@ def main():
     for p in procs:
         p.start()
     deadline, out = time.time() + timeout, []
-    try:
-        while len(out) < world:
+    expected = world * (len(CASES) + 1)
+    while len(out) < expected:
+        try:
             out.append(results.get(timeout=max(0.1, deadline - time.time())))
-    except Exception:  # queue.Empty: a rank hung or died
-        pass
+        except queue.Empty:  # a rank hung or died: report what arrived
+            break
     for p in procs:
         p.join(timeout=max(0.1, deadline - time.time()))
         if p.is_alive():
             p.kill()
-    print(json.dumps({"ranks": sorted(out, key=lambda r: r["rank"]), "exitcodes": [p.exitcode for p in procs]}), flush=True)
+    print(json.dumps({"results": out, "exitcodes": [p.exitcode for p in procs]}), flush=True)
 
 
 if __name__ == "__main__":
