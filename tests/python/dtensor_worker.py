@@ -285,6 +285,17 @@ def case_wrong_placements(mesh, rank, world):
     close(loss, want_loss, "cross entropy of vocab-sharded logits")
     close(lse, want_lse, "cross entropy lse of vocab-sharded logits")
 
+    # ... and over tokens, with the mean after the op reduced by DTensor (aten's rule: the
+    # token-sharded sum becomes Partial, then Replicate), forward and backward.
+    lg_ref = logits.clone().requires_grad_()
+    tpu.cross_entropy(lg_ref, labels)[0].mean().backward()
+    lg = distribute_tensor(logits.clone(), mesh, [Shard(0)]).requires_grad_()
+    mean = tpu.cross_entropy(lg, distribute_tensor(labels, mesh, [Shard(0)]))[0].mean()
+    close(mean, tpu.cross_entropy(logits, labels)[0].mean(), "mean cross entropy over token shards")
+    mean.backward()
+    assert lg.grad.placements == (Shard(0),), lg.grad.placements
+    close(lg.grad, lg_ref.grad, "grad of the mean cross entropy over token shards")
+
     # matmul: column (Shard(1) weight -> Shard(1) out) and row (Shard(0) of K -> Partial).
     a, b = torch.randn(8, 32), torch.randn(32, 16)
     col = tpu.matmul(distribute_tensor(a, mesh, [Replicate()]), distribute_tensor(b, mesh, [Shard(1)]))
@@ -305,7 +316,7 @@ def case_wrong_placements(mesh, rank, world):
     try:
         tpu.gmm(distribute_tensor(lhs, mesh, [Shard(0)]), distribute_tensor(rhs, mesh, [Shard(0)]), distribute_tensor(torch.tensor([3, 5, 3, 5], dtype=torch.int32), mesh, [Shard(0)]))
     except ValueError as e:
-        assert "gmm" in str(e) and "group_sizes" in str(e), e
+        assert "gmm" in str(e) and "group_sizes" in str(e) and "Shard(0)" in str(e), e
     else:
         raise AssertionError("gmm on misaligned expert shards did not raise")
 
