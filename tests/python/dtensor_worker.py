@@ -49,7 +49,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
 
     def forward(self, x):
-        return tpu.rmsnorm(x, self.weight, 1e-6)
+        out = tpu.rmsnorm(x, self.weight, 1e-6)
+        if isinstance(out, DTensor):
+            self.seen = out.placements
+        return out
 
 
 class Attention(nn.Module):
@@ -71,6 +74,8 @@ class Attention(nn.Module):
         k = tpu.rope(k.reshape(b * s, self.hkv, self.dh), pos).reshape(b, s, self.hkv, self.dh).transpose(1, 2)
         v = v.reshape(b, s, self.hkv, self.dh).transpose(1, 2)
         o = tpu.flash_attention(q, k, v, causal=True)
+        if isinstance(o, DTensor):  # what the rules chose, checked by the test
+            self.seen = {"rope": q.placements, "flash_attention": o.placements, "local_heads": o.to_local().shape[1]}
         return self.wo(o.transpose(1, 2).reshape(b, s, self.h * self.dh))
 
 
@@ -80,7 +85,10 @@ class MLP(nn.Module):
         self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
 
     def forward(self, x):
-        return self.down(tpu.swiglu(self.gate(x), self.up(x)))
+        h = tpu.swiglu(self.gate(x), self.up(x))
+        if isinstance(h, DTensor):
+            self.seen = h.placements
+        return self.down(h)
 
 
 class Block(nn.Module):
@@ -169,6 +177,12 @@ def case_llama_tp(mesh, rank, world, tp_dim=None):
     out = block(x_dt, pos)
     assert isinstance(out, DTensor) and out.placements == (Shard(1),), out
     close(out, out_ref, "block output")
+    # Sharded all the way through: norms over sequence shards, heads through rope and
+    # attention (whole GQA groups per rank), the hidden dim through swiglu.
+    n = tp_mesh.size()
+    assert block.attn_norm.seen == block.mlp_norm.seen == (Shard(1),), (block.attn_norm.seen, block.mlp_norm.seen)
+    assert block.attn.seen == {"rope": (Shard(1),), "flash_attention": (Shard(1),), "local_heads": 8 // n}, block.attn.seen
+    assert block.mlp.seen == (Shard(2),), block.mlp.seen
     out.backward(DTensor.from_local(dy[:, mine].contiguous(), tp_mesh, [Shard(1)], run_check=False))
     for name, g in grads_of(block).items():
         close(g, grads_of(ref)[name], f"grad of {name}")
