@@ -322,7 +322,7 @@ pub fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, 
     }
     let total: i64 = sizes.iter().map(|&s| s as i64).sum();
     if total != m as i64 {
-        return Err(err(op, "input `group_sizes`", "group-sizes", format!("the group sizes sum to {total}, but `lhs` has {m} rows"), "make sum(group_sizes) equal the number of rows (rows sorted by group)"));
+        return Err(err(op, "input `group_sizes`", "group-sizes", format!("the group sizes sum to {total}, but `lhs` has {m} rows"), "make sum(group_sizes) equal the number of rows (rows sorted by group); sharded over experts (DTensor lhs rows Shard(0) with group_sizes and rhs Shard(0)), each rank's rows must be exactly its experts' groups"));
     }
     Ok(sizes)
 }

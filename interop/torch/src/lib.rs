@@ -268,7 +268,8 @@ fn op_named(name: &str) -> PyResult<&'static Op> {
 
 /// Every op of this module as a dict: `name`, `schema`, `doc`, `outputs` (`[(name, shape
 /// expression, dtype expression)]`, from which the Python side derives the fake kernel),
-/// `backward` (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
+/// `inputs` and `input_dims` (each tensor input's name and dims contract), `backward`
+/// (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
 /// (`None` or `(op, result)`), in registration order.
 #[pyfunction]
 fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
@@ -280,6 +281,9 @@ fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
             d.set_item("schema", op.schema)?;
             d.set_item("doc", op.doc)?;
             d.set_item("inputs", op.inputs.iter().map(|i| i.name).collect::<Vec<_>>())?;
+            // Each input's dims contract (`[b, h, sq, d]`, `[..., n]`): tessera.dtensor derives
+            // the sharding rules' placements from the dim names.
+            d.set_item("input_dims", op.inputs.iter().map(|i| i.dims).collect::<Vec<_>>())?;
             d.set_item("outputs", op.outputs.iter().map(|o| (o.name, o.shape, o.dtype)).collect::<Vec<_>>())?;
             let backward = op.backward.map(|b| {
                 let args: Vec<&str> = b.args.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
@@ -406,16 +410,25 @@ type Sample<'py> = (Vec<Bound<'py, PyAny>>, Vec<Bound<'py, PyAny>>);
 
 /// Random inputs of case `case` of op `name` for float `dtype` (`float32`/`bfloat16`):
 /// `(tensors, statics)` in schema order, the tensors fresh CPU tensors (the op's own
-/// contract-respecting generator, seeded by `seed`).
+/// contract-respecting generator, seeded by `seed`). `shapes` replaces the case's shapes
+/// (its statics kept); they are checked by building the op's plan first.
 #[pyfunction]
-fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64) -> PyResult<Sample<'py>> {
+#[pyo3(signature = (name, case, dtype, seed, shapes=None))]
+fn sample<'py>(py: Python<'py>, name: &str, case: &str, dtype: &str, seed: u64, shapes: Option<Vec<Vec<usize>>>) -> PyResult<Sample<'py>> {
     use rand::SeedableRng;
     let op = op_named(name)?;
     let case = case_named(op, case)?;
     let source = case_source(op);
     let dtype = plan::dtype_from_torch(dtype).filter(|d| d.is_float()).ok_or_else(|| PyValueError::new_err(format!("tessera: sample dtype {dtype:?}: use float32 or bfloat16")))?;
     let statics = source.case_statics(case).map_err(py_err)?;
-    let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+    let shapes: Vec<Vec<usize>> = match shapes {
+        Some(shapes) => {
+            // The generators assume shapes the contract accepts: the plan checks them.
+            source.plan_for(&source.types(&shapes, dtype), &statics, &Target::V6E).map_err(py_err)?;
+            shapes
+        }
+        None => case.shapes.iter().map(|s| s.to_vec()).collect(),
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let arrays = tessera_kernels::harness::inputs_for(source, &shapes, dtype, &statics, &mut rng);
     let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;

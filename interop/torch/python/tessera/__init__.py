@@ -15,6 +15,12 @@ from tessera.fusion import EagerMode, get_eager_mode, set_eager_mode
 
 __version__ = _native.__version__
 
+import sys as _sys
+
+if "torch.distributed.tensor" in _sys.modules:
+    # DTensor already loaded: register the ops' sharding rules now (else `import tessera.dtensor`).
+    from tessera import dtensor  # noqa: F401
+
 
 def ops():
     """`{name: schema}` of every registered op (`torch.ops.tpu.<name>`)."""

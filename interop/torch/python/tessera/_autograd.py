@@ -12,6 +12,8 @@ Two ops declare a `composite` backward: a torch composite of other ops, written 
 (`COMPOSITES`), until they get backward kernels of their own.
 """
 
+import sys
+
 import torch
 
 tpu = torch.ops.tpu
@@ -69,6 +71,19 @@ COMPOSITES = {
 }
 
 
+def _zeros_factory(out):
+    """Makes the zero gradient of output `out` when none flows into it: a DTensor's with
+    its mesh and placements (a plain tensor would not mix with the DTensor arguments)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and isinstance(out, dt.DTensor):
+        local, mesh, placements = out.to_local(), out.device_mesh, out.placements
+        shape, stride, dtype, device = out.shape, out.stride(), local.dtype, local.device
+        local_shape = local.shape
+        return lambda: dt.DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=device), mesh, placements, run_check=False, shape=shape, stride=stride)
+    shape, dtype, device = out.shape, out.dtype, out.device
+    return lambda: torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _declared(spec):
     """setup_context and backward of an op whose backward is another op of the table."""
     bwd_op, args, grads = spec.backward
@@ -86,7 +101,7 @@ def _declared(spec):
         env.update(zip(outputs, out))
         ctx.save_for_backward(*[env[a] for a in tensor_args])
         ctx.statics = {a: env[a] for a in static_args}
-        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in out]
+        ctx.out_zeros = [_zeros_factory(o) for o in out]
         nondiff = [o for name, o in zip(outputs, out) if name not in flowing or not o.is_floating_point()]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -94,8 +109,8 @@ def _declared(spec):
     def backward(ctx, *grad_outputs):
         env = dict(zip(tensor_args, ctx.saved_tensors))
         env.update(ctx.statics)
-        for name, g, (shape, dtype, device) in zip(outputs, grad_outputs, ctx.out_meta):
-            env["d_" + name] = g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        for name, g, zeros in zip(outputs, grad_outputs, ctx.out_zeros):
+            env["d_" + name] = g if g is not None else zeros()
         from tessera._ops import SPECS
 
         results = SPECS[bwd_op].as_tuple(backward_fn(*[env[a] for a in args]))

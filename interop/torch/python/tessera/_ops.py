@@ -21,6 +21,7 @@ An op that is an alias of another's result (`flash_attention` is `flash_attentio
 """
 
 import os
+import sys
 
 import torch
 
@@ -86,6 +87,9 @@ class OpSpec:
         self.outputs = [tuple(o) for o in info["outputs"]]
         self.backward = info["backward"]
         self.alias_of = info["alias_of"]
+        # Each tensor input's name and dims contract (tessera.dtensor's rules use the names).
+        self.input_names = list(info.get("inputs", ()))
+        self.input_dims = list(info.get("input_dims", ()))
         parsed = torch._C.parse_schema(f"{self.qualname}{self.schema}")
         self.arg_names = [a.name for a in parsed.arguments]
         is_tensor = [str(a.type) in ("Tensor", "Optional[Tensor]") for a in parsed.arguments]
@@ -193,6 +197,9 @@ def register_ops(native, fakes=None):
         # Rust directly (not under TESSERA_NATIVE_DISPATCH=1, whose kernel is the dispatcher's).
         fast_cpu = (lambda args, call=native.call_cpu, slot=spec.slot: call(slot, args)) if spec.alias_of is None and spec.slot is not None else None
         _autograd.register(_LIB, spec, error_without_backward=native is _native, fast_cpu=fast_cpu)
+    if "tessera.dtensor" in sys.modules:
+        # DTensor strategies for a user module's ops too (all-Replicate unless it has rules).
+        sys.modules["tessera.dtensor"].register([spec.name for spec in specs])
 
 
 register_ops(_native)
