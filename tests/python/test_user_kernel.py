@@ -212,3 +212,26 @@ def test_on_emulated_tpu_device():
         y = OP(x.to(device), scale.to(device), beta=1.702)
         assert y.device.type == "tpu"
         torch.testing.assert_close(y.cpu(), reference(x, scale, 1.702))
+
+
+def test_module_cache_never_serves_another_plans_module():
+    """Plans are keyed by the native plan's address: a plan the plan cache dropped must not
+    lend its address (and so its cached module) to the next plan. With a one-entry plan
+    cache every call below drops the previous plan; each must still get its own module."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, tessera
+from tessera import _tpu
+cache = _tpu.ModuleCache()
+for n in range(128, 128 + 40 * 8, 8):
+    plan = _tpu.plan_for(tessera._native, "rmsnorm", (1e-6,), [torch.empty(8, n), torch.empty(n)], "v6e")
+    text = cache.get(plan, 0).text
+    assert f"tensor<8x{n}xf32>" in text, f"n={n}: got another plan's module"
+    del plan
+print("ok")
+"""
+    env = dict(__import__("os").environ, TESSERA_PLAN_CACHE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-2000:]

@@ -61,13 +61,17 @@ class ModuleCache:
         if self.capacity is None:
             self.capacity = _capacity("TESSERA_MODULE_CACHE", 256)
         key = (plan.id, i)
-        module = self.entries.get(key)
-        if module is not None:
+        entry = self.entries.get(key)
+        if entry is not None:
             self.hits += 1
             self.entries.move_to_end(key)
-            return module
+            return entry[1]
         self.misses += 1
-        module = self.entries[key] = Module(plan.kernel_name(i), plan.module(i))
+        # The entry holds the plan: its id (the native plan's address) is then never reused
+        # by another plan while the entry lives (another module's, or one the plan cache
+        # dropped), which would hand out the wrong kernel.
+        module = Module(plan.kernel_name(i), plan.module(i))
+        self.entries[key] = (plan, module)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
         return module
