@@ -25,6 +25,7 @@ pub mod ragged_paged_attention;
 pub mod reference;
 pub mod rope_ce;
 pub mod routing;
+pub mod tune;
 pub mod wide_rows;
 
 use tessera_dsl::interp::Array;

@@ -105,3 +105,27 @@ fn every_op_matches_its_reference_at_its_smallest_case() {
         }
     }
 }
+
+/// Every tuning knob (`tessera_kernels::tune`) names an int or int-list static of its op,
+/// and every candidate's statics parse against the schema.
+#[test]
+fn tune_knobs_are_statics_of_their_ops() {
+    let mut tuned = 0;
+    for op in library() {
+        let knobs = tessera_kernels::tune::knobs(op.name);
+        for k in knobs {
+            let p = schema(op).statics().find(|p| p.name == k.name).cloned().unwrap_or_else(|| panic!("{}: knob `{}` is not a static of the op", op.name, k.name));
+            assert!(matches!(p.ty, ArgType::Int | ArgType::Ints), "{}: knob `{}` is {:?}", op.name, k.name, p.ty);
+        }
+        for c in tessera_kernels::tune::candidates(op, &[]) {
+            op.statics(&c).unwrap_or_else(|e| panic!("{}: candidate `{c}`: {e}", op.name));
+        }
+        tuned += usize::from(!knobs.is_empty());
+    }
+    assert!(tuned >= 7, "only {tuned} ops have tuning knobs");
+    // The product, the last knob fastest; a fixed knob drops out.
+    let fa = find("flash_attention_fwd").unwrap();
+    let all = tessera_kernels::tune::candidates(fa, &[]);
+    assert_eq!((all.len(), all[0].as_str(), all[1].as_str()), (16, "block_q=128, block_kv=128", "block_q=128, block_kv=256"));
+    assert_eq!(tessera_kernels::tune::candidates(fa, &["block_q"]).len(), 4);
+}

@@ -1,4 +1,4 @@
-//! The `tessera` command line (`list / run / emit / check / cost / table`) over an op table: the
+//! The `tessera` command line (`list / run / emit / check / cost / tune / table`) over an op table: the
 //! library's, and a user crate's beside it. The `tessera` binary is `main(&[])`; a user
 //! crate's binary is `fn main() -> ExitCode { tessera::cli::main(my_crate::OPS) }`.
 
@@ -70,6 +70,23 @@ enum Cmd {
         #[arg(long = "target", default_values = ["v5e", "v6e", "tpu7x"])]
         targets: Vec<String>,
     },
+    /// Tune an op's block statics for a target: every combination of its knobs
+    /// (`tessera_kernels::tune`), pruned by the plan builder and the verifier (tiling, VMEM),
+    /// ranked by libtpu's static cost (the `cost` figures). `--save` writes the run as JSON
+    /// (op, case, dtype, shapes, statics, libtpu version, every candidate's figures) so it
+    /// can be reproduced and compared.
+    Tune {
+        #[command(flatten)]
+        select: Select,
+        #[arg(long, default_value = "v6e")]
+        target: String,
+        /// Write (or update) this JSON table with the run.
+        #[arg(long)]
+        save: Option<PathBuf>,
+        /// Candidates compiled per libtpu process (progress is reported per batch).
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+    },
 }
 
 #[derive(Args)]
@@ -132,6 +149,7 @@ pub fn main(own: &'static [Op]) -> ExitCode {
         Cmd::Run { select, seed, target, backend } => run(&t, &select, seed, &target, &backend),
         Cmd::Check { select, targets } => check(&t, &select, &targets),
         Cmd::Cost { select, targets } => cost(&t, &select, &targets),
+        Cmd::Tune { select, target, save, batch } => tune(&t, &select, &target, save.as_deref(), batch),
         Cmd::Table { dtype, ops } => if ops { op_table(&t) } else { table(&t, &dtype) },
     });
     match result {
@@ -453,6 +471,160 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     }
     println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));
     Ok(all_ok)
+}
+
+/// One tuning candidate: its statics, and why it was pruned or what it costs.
+struct Candidate {
+    statics: String,
+    outcome: Result<Figures, String>,
+}
+
+/// A candidate's libtpu figures, summed over its plan's launches.
+#[derive(Default)]
+struct Figures {
+    cycles: u64,
+    bundles: u64,
+    spills: u64,
+    vmem_bytes: u64,
+    time_us: f64,
+    /// Some launch's estimate cannot see its trip counts: its time is the IR's model.
+    blind: bool,
+}
+
+fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: usize) -> CliResult<bool> {
+    let target = target(target_name)?;
+    let dtype = dtype(s)?;
+    if s.all {
+        return Err("tune one op at a time: name it (`tessera tune flash_attention_fwd --case causal`)".into());
+    }
+    let mut entries = Vec::new();
+    for sel in selection(t, s)? {
+        let knobs = tessera_kernels::tune::knobs(sel.op.name);
+        let fixed: Vec<&str> = knobs.iter().filter(|k| !matches!(sel.statics.get(k.name), tessera_kernels::Static::None)).map(|k| k.name).collect();
+        let all = tessera_kernels::tune::candidates(sel.op, &fixed);
+        if all.is_empty() {
+            let why = if knobs.is_empty() { "it has no block statics (its blocks follow from the shapes)".to_string() } else { format!("every knob ({}) is fixed by the case or --statics", fixed.join(", ")) };
+            return Err(format!("`{}`: nothing to tune: {why}", sel.op.name));
+        }
+        // Prune by the plan builder and the verifier (tiling, VMEM with its margin).
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut survivors: Vec<(usize, Vec<Kernel>)> = Vec::new();
+        for c in all {
+            let built = sel.op.statics(&format!("{}, {c}", sel.statics)).and_then(|st| sel.op.plan_for(&sel.op.types(&sel.shapes, dtype), &st, &target)).and_then(|plan| {
+                let kernels: Vec<Kernel> = plan.launches.into_iter().map(|l| l.kernel).collect();
+                kernels.iter().try_for_each(|k| tessera_dsl::verify::verify(k, &target)).map(|_| kernels)
+            });
+            let outcome = match built {
+                Ok(kernels) => {
+                    survivors.push((candidates.len(), kernels));
+                    Err("not compiled".to_string())
+                }
+                Err(e) => Err(format!("pruned: {} ({})", e.rule, e.message.lines().next().unwrap_or(""))),
+            };
+            candidates.push(Candidate { statics: c, outcome });
+        }
+        eprintln!("{} on {target}: {} candidates, {} pruned by the plan and the verifier, {} to compile with libtpu", stem(&sel), candidates.len(), candidates.len() - survivors.len(), survivors.len());
+        // Compile the survivors in batches (one libtpu process each), with progress.
+        let started = std::time::Instant::now();
+        let mut done = 0;
+        for chunk in survivors.chunks(batch.max(1)) {
+            let mut kernels = Vec::new();
+            for (i, ks) in chunk {
+                kernels.extend(ks.iter().enumerate().map(|(j, k)| (format!("c{i}-{j}"), k.clone())));
+            }
+            let verdicts = crate::tpu_profile(&kernels, &target).map_err(|e| e.to_string())?;
+            for (i, ks) in chunk {
+                let mut f = Figures::default();
+                let mut rejected = None;
+                for (j, k) in ks.iter().enumerate() {
+                    let Some(v) = verdicts.iter().find(|v| v.stem == format!("c{i}-{j}")) else { continue };
+                    if !v.ok {
+                        rejected = Some(format!("libtpu rejects it: {}", v.error.lines().next().unwrap_or("")));
+                        break;
+                    }
+                    let p = v.profile.clone().unwrap_or_default();
+                    let r = tessera_codegen::roofline(k, &p, &target);
+                    f.blind |= r.blind || v.profile.is_none();
+                    f.cycles += p.cycles + p.outside_cycles;
+                    f.bundles += p.bundles;
+                    f.spills += p.vector_spills + p.scalar_spills;
+                    f.vmem_bytes = f.vmem_bytes.max(p.vmem_bytes);
+                    f.time_us += if v.profile.is_some() { r.time_us } else { r.mxu_us.max(r.hbm_us) };
+                }
+                candidates[*i].outcome = match rejected {
+                    Some(why) => Err(why),
+                    None => Ok(f),
+                };
+            }
+            done += chunk.len();
+            let elapsed = started.elapsed().as_secs_f64();
+            let eta = elapsed / done as f64 * (survivors.len() - done) as f64;
+            eprintln!("  [{done}/{}] compiled, {elapsed:.0} s elapsed, ETA {eta:.0} s", survivors.len());
+        }
+        let mut ranked: Vec<&Candidate> = candidates.iter().collect();
+        ranked.sort_by(|a, b| match (&a.outcome, &b.outcome) {
+            (Ok(x), Ok(y)) => x.time_us.total_cmp(&y.time_us),
+            (Ok(_), Err(_)) => std::cmp::Ordering::Less,
+            (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
+            _ => std::cmp::Ordering::Equal,
+        });
+        println!("{} on {}, {}, shapes {}: ranked by time = max(libtpu's estimate, HBM) summed over the plan's launches", stem(&sel), target.name, dtype.name(), shapes_text(&sel));
+        println!("{:<4} {:<44} {:>10} {:>10} {:>8} {:>7} {:>8}", "rank", "statics", "time us", "cycles", "bundles", "spills", "VMEM MiB");
+        for (rank, c) in ranked.iter().enumerate() {
+            match &c.outcome {
+                Ok(f) => println!("{:<4} {:<44} {:>10.1} {:>10} {:>8} {:>7} {:>8.2}{}", rank + 1, c.statics, f.time_us, f.cycles, f.bundles, f.spills, f.vmem_bytes as f64 / (1 << 20) as f64, if f.blind { "  (time from the IR's model: libtpu's estimate cannot see the trip counts)" } else { "" }),
+                Err(why) => println!("{:<4} {:<44} {why}", "-", c.statics),
+            }
+        }
+        let best = ranked.first().filter(|c| c.outcome.is_ok()).map(|c| c.statics.clone());
+        match &best {
+            Some(b) => println!("best: {b}"),
+            None => println!("no candidate compiled"),
+        }
+        entries.push(serde_json::json!({
+            "op": sel.op.name,
+            "case": sel.case.name,
+            "target": target.name,
+            "dtype": dtype.name(),
+            "shapes": sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| (i.name.to_string(), serde_json::json!(s))).collect::<serde_json::Map<_, _>>(),
+            "statics": sel.statics.to_string(),
+            "best": best,
+            "candidates": candidates.iter().map(|c| match &c.outcome {
+                Ok(f) => serde_json::json!({"statics": c.statics, "time_us": f.time_us, "cycles": f.cycles, "bundles": f.bundles, "spills": f.spills, "vmem_bytes": f.vmem_bytes, "blind": f.blind}),
+                Err(why) => serde_json::json!({"statics": c.statics, "skipped": why}),
+            }).collect::<Vec<_>>(),
+        }));
+    }
+    if let Some(path) = save {
+        save_tuning(path, entries)?;
+        println!("saved to {}", path.display());
+    }
+    Ok(true)
+}
+
+fn shapes_text(sel: &Selected) -> String {
+    sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect::<Vec<_>>().join(" ")
+}
+
+/// Adds `entries` to the tuning table at `path` (created if missing), replacing any entry of
+/// the same op, case, target, dtype and shapes. The table records the tool's format and the
+/// libtpu version the figures came from.
+fn save_tuning(path: &Path, entries: Vec<serde_json::Value>) -> CliResult<()> {
+    let mut table = match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: not a tuning table: {e}", path.display()))?,
+        Err(_) => serde_json::json!({"format": 1, "entries": []}),
+    };
+    if table["format"] != 1 {
+        return Err(format!("{}: tuning table format {} (this tessera writes format 1)", path.display(), table["format"]));
+    }
+    table["libtpu"] = serde_json::json!(crate::libtpu_version());
+    let key = |e: &serde_json::Value| (e["op"].clone(), e["case"].clone(), e["target"].clone(), e["dtype"].clone(), e["shapes"].clone());
+    let list = table["entries"].as_array_mut().ok_or_else(|| format!("{}: `entries` is not a list", path.display()))?;
+    for e in entries {
+        list.retain(|old| key(old) != key(&e));
+        list.push(e);
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&table).map_err(|e| e.to_string())? + "\n").map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// `ok`, or what made a run against the reference fail.

@@ -29,7 +29,7 @@ pub mod testing;
 pub use compare::{allclose, Mismatch, Tolerance};
 pub use emit::{emit, emit_kernel, verify, Emitted};
 pub use host::{array, array_as, array_fp8_bits, random, type_of, zeros, Element};
-pub use tpu::{python, tpu_compile, tpu_profile, tpu_ready, Verdict};
+pub use tpu::{libtpu_version, python, tpu_compile, tpu_profile, tpu_ready, Verdict};
 
 pub use half::bf16;
 /// fp8 host elements (the `float8` crate's `F8E4M3` = `float8_e4m3fn`, `F8E5M2`) and

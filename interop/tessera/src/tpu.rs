@@ -41,6 +41,15 @@ pub fn tpu_ready() -> Result<PathBuf, Error> {
     Ok(py)
 }
 
+/// The installed libtpu's version (`0.0.52`), or `unknown`.
+pub fn libtpu_version() -> String {
+    let out = tpu_ready().ok().and_then(|py| Command::new(py).args(["-c", "import importlib.metadata as m; print(m.version('libtpu'))"]).output().ok());
+    match out {
+        Some(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        _ => "unknown".to_string(),
+    }
+}
+
 /// libtpu's verdict on one kernel for one target.
 #[derive(Clone, Debug)]
 pub struct Verdict {

@@ -43,3 +43,34 @@ fn checks_with_libtpu() {
     let out = cli(&["check", "residual_layernorm", "--target", "v5e", "--target", "tpu7x"]);
     assert_eq!(out.matches(" accept ").count(), 2, "{out}");
 }
+
+/// `tune` refuses what it cannot tune, naming why; with libtpu it ranks the candidates of a
+/// small flash attention and saves a table that records them.
+#[test]
+fn tunes_block_statics() {
+    let fail = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_user-kernels")).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?} should be refused");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(fail(&["tune", "matmul"]).contains("no block statics"));
+    assert!(fail(&["tune", "flash_attention_fwd", "--case", "causal", "--statics", "block_q=128, block_kv=128"]).contains("every knob (block_q, block_kv) is fixed"));
+    assert!(fail(&["tune", "--all"]).contains("one op at a time"));
+    if !tessera::testing::oracle_enabled() {
+        return; // the libtpu tier (TESSERA_TPU_ORACLE=1)
+    }
+    let table = std::env::temp_dir().join(format!("user-kernels-tune-{}.json", std::process::id()));
+    let shapes = ["--shape", "q=1x2x256x128", "--shape", "k=1x2x256x128", "--shape", "v=1x2x256x128"];
+    let mut args = vec!["tune", "flash_attention_fwd", "--case", "causal", "--dtype", "bf16", "--target", "v5e", "--statics", "block_q=128", "--save", table.to_str().unwrap()];
+    args.extend(shapes);
+    let out = cli(&args);
+    // block_kv 128 and 256 fit the 256 keys and are ranked; 512 and 1024 are listed as pruned.
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("block_kv=") && !l.starts_with("best")).collect();
+    assert_eq!((rows.len(), rows.iter().filter(|l| l.contains("pruned: block-shape")).count()), (4, 2), "{out}");
+    assert!(out.contains("best: block_kv="), "{out}");
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&table).unwrap()).unwrap();
+    let entry = &saved["entries"][0];
+    assert_eq!((entry["op"].as_str(), entry["target"].as_str(), entry["candidates"].as_array().map(Vec::len)), (Some("flash_attention_fwd"), Some("v5e"), Some(4)), "{saved}");
+    assert!(saved["libtpu"].as_str().is_some_and(|v| v != "unknown"), "{saved}");
+    std::fs::remove_file(table).unwrap();
+}
