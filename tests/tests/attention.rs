@@ -56,6 +56,8 @@ fn case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, s
         soft_cap: params.soft_cap.map(f64::from),
         q_segments: seg.as_ref().map(|s| s.q.as_i32().unwrap().to_vec()),
         kv_segments: seg.as_ref().map(|s| s.kv.as_i32().unwrap().to_vec()),
+        window_left: params.window_left,
+        window_right: params.window_right,
     };
     Case { q, k, v, seg, cfg }
 }
@@ -232,6 +234,8 @@ fn reference_backward_matches_finite_differences() {
         soft_cap: Some(1.5),
         q_segments: Some(vec![0, 0, 1]),
         kv_segments: Some(vec![0, 0, 1, 1]),
+        window_left: Some(1),
+        window_right: None,
     };
     let mut rng = StdRng::seed_from_u64(5);
     let mut draw = |n: usize| (0..n).map(|_| rng.gen_range(-1.5..1.5)).collect::<Vec<f64>>();
