@@ -933,7 +933,8 @@ const FWD_DOC: &str = "flash attention: (o [b, h, sq, d], float32 lse [b, h, sq]
 const FWD_OUTPUTS: &[Output] = &[Output { name: "o", shape: "q", dtype: "q" }, Output { name: "lse", shape: "[*q[:3]]", dtype: "f32" }];
 /// Default shapes `[1, 8, 1024, 128]`; alt: GQA 4:1, D = 64, Sq != Skv and neither a
 /// multiple of the blocks; segmented: `[2, 8, 1024, 128]` over 2 kv heads, soft cap 50
-/// (Gemma 2's).
+/// (Gemma 2's); window: a causal sliding window of 301 keys (no multiple of the blocks) over
+/// 2 kv heads (the backward's: non-causal, 300 keys left and 100 right).
 const FWD_CASES: &[Case] = &[
     Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128]] },
     Case { name: "causal_alt", statics: "causal=True", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
@@ -941,6 +942,7 @@ const FWD_CASES: &[Case] = &[
     Case { name: "noncausal_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
     Case { name: "segmented", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 1024, 128], &[2, 2, 1024, 128], &[2, 2, 1024, 128], &[2, 1024], &[2, 1024]] },
     Case { name: "segmented_alt", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 700], &[2, 1000]] },
+    Case { name: "window", statics: "causal=True, window_left=300", shapes: &[&[1, 8, 1024, 128], &[1, 2, 1024, 128], &[1, 2, 1024, 128]] },
 ];
 const BWD_CASES: &[Case] = &[
     Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
@@ -957,6 +959,7 @@ const BWD_CASES: &[Case] = &[
         statics: "causal=True, soft_cap=50.0",
         shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[2, 700], &[2, 1000]],
     },
+    Case { name: "window", statics: "window_left=300, window_right=100", shapes: &[&[1, 8, 1024, 128], &[1, 2, 1024, 128], &[1, 2, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
 ];
 
 /// This module's ops.
