@@ -3,8 +3,37 @@
 //!
 //! `logits = softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)` when a cap is
 //! given, masked by the causal rule (query row `r` sees key `c` iff `c <= r`, top-left
-//! aligned as Pallas' `flash_attention`, also when `Sq != Skv`) and by segment ids (a query
-//! sees only keys of its own segment); `o = softmax(logits) @ v`, `lse = logsumexp(logits)`.
+//! aligned as Pallas' `flash_attention`, also when `Sq != Skv`), by a sliding window, and by
+//! segment ids (a query sees only keys of its own segment); `o = softmax(logits) @ v`, `lse =
+//! logsumexp(logits)`.
+//!
+//! # Sliding window
+//!
+//! `window_left` / `window_right` (`int?`, default None = unbounded, as flash-attn's
+//! `window_size=(left, right)`): row `r` sees key `c` iff (`c <= r` if causal) and `r - c <=
+//! window_left` (when given) and `c - r <= window_right` (when given), and the segment rule;
+//! `r` and `c` count from 0 in q and in k (the causal rule's top-left alignment, also when
+//! `Sq != Skv`). Causal is the right extent 0, so with `causal=True` `window_right` is moot.
+//! A negative extent is an `option-value` error; one at least the sequence's length cuts
+//! nothing and builds the unwindowed kernel ([`AttentionParams::extents`]).
+//!
+//! transformers' `sliding_window = w` (Mistral, Gemma 2/3's sliding layers; `masking_utils.
+//! sliding_window_overlay`: `kv_idx > q_idx - w`, under `causal_mask_function`'s `kv_idx <=
+//! q_idx`) keeps `w` keys, the query's own included: it is `causal=True, window_left = w - 1`.
+//! JAX splash's `LocalMask(window_size=(l, r))` (`q - l <= k <= q + r`) is `window_left = l,
+//! window_right = r`, and ragged_paged_attention's `sliding_window` is HF's.
+//!
+//! Blocks entirely outside the window are skipped like the causal ones, on both sides: the
+//! body is under `if` on the block test (some key at most `right` after a query of the block
+//! and at most `left` before one), and the k/v index maps clamp the kv block into the q
+//! block's band, `min(max(j, lo), hi)` with `lo = (max(q_start, left) - left) / bk` (clamped
+//! to the last block) and `hi = (q_end + right) / bk`, so a skipped step maps to a block
+//! already resident and issues no DMA; the dkv kernel clamps the q block into the kv
+//! block's band (`[kv_start - right, kv_end + left]`) the same way. Only the blocks the
+//! window's edges cut build the iota mask; blocks fully inside need none. At S = 2048,
+//! `window_left = 255` and 128 blocks, a q block fetches 3 kv blocks, not 16 (counted in
+//! tests/tests/attention.rs). A row that sees no key (e.g. `Sq > Skv + window_left`) gets
+//! `o = 0`, `lse = -inf`, as the empty rows below.
 //!
 //! # Forward
 //!
@@ -64,7 +93,7 @@
 //! query that may not see it. `lse` is torch's `logsumexp` over the visible logits: NaN
 //! with a NaN, +inf with a +inf, -inf when they are all -inf.
 //!
-//! A query row that sees no key at all (possible only with segment ids), or whose visible
+//! A query row that sees no key at all (possible with segment ids or a window), or whose visible
 //! logits are all -inf, gets `o = 0` and `lse = -inf`, as torch's SDPA gives (its math
 //! backend's safe softmax, and its CPU kernels). The backward takes weights 0 for a row
 //! with `lse = -inf` ([`no_weight_past`]), so such a row's gradients are SDPA's.
@@ -74,7 +103,8 @@
 //! of a masked block's products: a NaN / inf row of q reaches dk, of k reaches dq, and of
 //! do reaches dv, of that block's positions that do not see it (a zero weight times the
 //! raw value). Nothing leaves the masked blocks that hold the value (the causal diagonal,
-//! segment ids, the ragged edge); unmasked blocks and a nonfinite v are exact. torch's
+//! segment ids, the window's edges, the ragged edge); unmasked blocks and a nonfinite v are
+//! exact. torch's
 //! math-SDPA autograd multiplies masked weights by zero for every pair, so its NaN set
 //! contains ours.
 
