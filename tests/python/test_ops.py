@@ -690,8 +690,8 @@ ATTENTION = {
     # Causal is top-left aligned (query i sees keys <= i), also when Sq != Skv, as SDPA's is_causal.
     "causal_sq_gt_skv": lambda r, dt: (*_qkv(r, dt, 1, 2, 2, 200, 64, 64), {"causal": True}),
     "long_causal_gqa": lambda r, dt: (*_qkv(r, dt, 1, 2, 1, 640, 640, 64), {"causal": True}),
-    # Sliding windows: causal (HF's sliding_window 100), and left + right with segment ids.
-    "causal_window": lambda r, dt: (*_qkv(r, dt, 1, 4, 1, 640, 640, 64), {"causal": True, "window_left": 99}),
+    # Sliding windows: causal (HF's sliding_window 64), and left + right with segment ids.
+    "causal_window": lambda r, dt: (*_qkv(r, dt, 1, 4, 1, 300, 300, 64), {"causal": True, "window_left": 63}),
     "window_left_right_segments": lambda r, dt: (
         *_qkv(r, dt, 1, 2, 2, 300, 300, 64),
         {"window_left": 40, "window_right": 7, "q_segment_ids": _segments(1, 300, (150,)), "kv_segment_ids": _segments(1, 300, (150,))},
