@@ -349,6 +349,9 @@ pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, 
 }
 
 /// dk, dv: kv blocks outside, the group's query heads and the q blocks inside (`arbitrary`).
+/// The q-side index maps clamp the q block into the band of rows that see kv block `j`,
+/// `[j * bk - right, j * bk + bk - 1 + left]`: the lower end is spelled `j * bk / bq` when
+/// causal and `j * 0 / bq` when unbounded, so those kernels are the ones from before windows.
 #[tpu_kernel(
     grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
