@@ -3,8 +3,37 @@
 //!
 //! `logits = softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)` when a cap is
 //! given, masked by the causal rule (query row `r` sees key `c` iff `c <= r`, top-left
-//! aligned as Pallas' `flash_attention`, also when `Sq != Skv`) and by segment ids (a query
-//! sees only keys of its own segment); `o = softmax(logits) @ v`, `lse = logsumexp(logits)`.
+//! aligned as Pallas' `flash_attention`, also when `Sq != Skv`), by a sliding window, and by
+//! segment ids (a query sees only keys of its own segment); `o = softmax(logits) @ v`, `lse =
+//! logsumexp(logits)`.
+//!
+//! # Sliding window
+//!
+//! `window_left` / `window_right` (`int?`, default None = unbounded, as flash-attn's
+//! `window_size=(left, right)`): row `r` sees key `c` iff (`c <= r` if causal) and `r - c <=
+//! window_left` (when given) and `c - r <= window_right` (when given), and the segment rule;
+//! `r` and `c` count from 0 in q and in k (the causal rule's top-left alignment, also when
+//! `Sq != Skv`). Causal is the right extent 0, so with `causal=True` `window_right` is moot.
+//! A negative extent is an `option-value` error; one at least the sequence's length cuts
+//! nothing and builds the unwindowed kernel ([`AttentionParams::extents`]).
+//!
+//! transformers' `sliding_window = w` (Mistral, Gemma 2/3's sliding layers; `masking_utils.
+//! sliding_window_overlay`: `kv_idx > q_idx - w`, under `causal_mask_function`'s `kv_idx <=
+//! q_idx`) keeps `w` keys, the query's own included: it is `causal=True, window_left = w - 1`.
+//! JAX splash's `LocalMask(window_size=(l, r))` (`q - l <= k <= q + r`) is `window_left = l,
+//! window_right = r`, and ragged_paged_attention's `sliding_window` is HF's.
+//!
+//! Blocks entirely outside the window are skipped like the causal ones, on both sides: the
+//! body is under `if` on the block test (some key at most `right` after a query of the block
+//! and at most `left` before one), and the k/v index maps clamp the kv block into the q
+//! block's band, `min(max(j, lo), hi)` with `lo = (max(q_start, left) - left) / bk` (clamped
+//! to the last block) and `hi = (q_end + right) / bk`, so a skipped step maps to a block
+//! already resident and issues no DMA; the dkv kernel clamps the q block into the kv
+//! block's band (`[kv_start - right, kv_end + left]`) the same way. Only the blocks the
+//! window's edges cut build the iota mask; blocks fully inside need none. At S = 2048,
+//! `window_left = 255` and 128 blocks, a q block fetches 3 kv blocks, not 16 (counted in
+//! tests/tests/attention.rs). A row that sees no key (e.g. `Sq > Skv + window_left`) gets
+//! `o = 0`, `lse = -inf`, as the empty rows below.
 //!
 //! # Forward
 //!
@@ -64,7 +93,7 @@
 //! query that may not see it. `lse` is torch's `logsumexp` over the visible logits: NaN
 //! with a NaN, +inf with a +inf, -inf when they are all -inf.
 //!
-//! A query row that sees no key at all (possible only with segment ids), or whose visible
+//! A query row that sees no key at all (possible with segment ids or a window), or whose visible
 //! logits are all -inf, gets `o = 0` and `lse = -inf`, as torch's SDPA gives (its math
 //! backend's safe softmax, and its CPU kernels). The backward takes weights 0 for a row
 //! with `lse = -inf` ([`no_weight_past`]), so such a row's gradients are SDPA's.
@@ -74,7 +103,8 @@
 //! of a masked block's products: a NaN / inf row of q reaches dk, of k reaches dq, and of
 //! do reaches dv, of that block's positions that do not see it (a zero weight times the
 //! raw value). Nothing leaves the masked blocks that hold the value (the causal diagonal,
-//! segment ids, the ragged edge); unmasked blocks and a nonfinite v are exact. torch's
+//! segment ids, the window's edges, the ragged edge); unmasked blocks and a nonfinite v are
+//! exact. torch's
 //! math-SDPA autograd multiplies masked weights by zero for every pair, so its NaN set
 //! contains ours.
 
@@ -89,10 +119,16 @@ use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
 use crate::plan::{host, result, single, Launch, Operand, Plan};
 
-/// How far past a q block's first row its keys can reach: `bq - 1` when causal, else past
-/// the end (the block test is always true and the index-map clamp the identity).
-fn reach(causal: bool, bq: usize, skv: usize) -> usize {
-    if causal { bq - 1 } else { skv }
+/// How far past a q block's first row its keys can reach: `bq - 1 + right` (`bq - 1` when
+/// causal), or past the end when the right extent is unbounded (`right >= skv`: the block
+/// test is always true and the index-map clamp the identity).
+fn reach(right: usize, bq: usize, skv: usize) -> usize {
+    if right >= skv { skv } else { bq - 1 + right }
+}
+
+/// How far before a kv block's first key its queries can reach: `bk - 1 + left`.
+fn back_reach(left: usize, bk: usize) -> usize {
+    bk - 1 + left
 }
 
 // ---- kernel fragments -----------------------------------------------------------------------
@@ -123,21 +159,52 @@ fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
 }
 
 /// Which logits of the `[bq, bk]` block at `(q_start, kv_start)` count: keys inside the
-/// array, queries inside it (with `rows`), and the causal rule (segments are the caller's).
+/// array, queries inside it (with `rows`), and the window: `c - r <= right` (the causal
+/// rule is `right = 0`) when `right < skv`, `r - c <= left` when `left < sq` (segments are
+/// the caller's).
 #[tpu_fn]
-fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, causal: bool) -> Value {
+fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, left: usize, right: usize) -> Value {
     let col = iota([bq, bk], 1) + kv_start;
     let mut keep = col < (skv as i32);
-    if rows || causal {
+    if rows || left < sq || right < skv {
         let row = iota([bq, bk], 0) + q_start;
         if rows {
             keep = (row < (sq as i32)) & keep;
         }
-        if causal {
-            keep = keep & (col <= row);
+        if right < skv {
+            keep = keep & if right == 0 { col <= row } else { col <= row + (right as i32) };
+        }
+        if left < sq {
+            keep = keep & (col + (left as i32) >= row);
         }
     }
     keep
+}
+
+/// Whether the block pair at `(q_start, kv_start)` has a visible pair at all: some key at
+/// most `right` past a query (`kv_start <= q_end + right`) and, with a left extent, at most
+/// `left` before one (`q_start <= kv_end + left`). A block that fails is skipped.
+#[tpu_fn]
+fn block_live(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
+    let mut live = kv_start <= q_start + (reach(right, bq, skv) as i32);
+    if left < sq {
+        live = live & (q_start <= kv_start + (back_reach(left, bk) as i32));
+    }
+    live
+}
+
+/// Whether the window cuts through the block pair (some pair inside it is outside the
+/// window), so that the block needs the iota mask; blocks fully inside need none.
+#[tpu_fn]
+fn window_cuts(needs_mask: Value, q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
+    let mut m = needs_mask;
+    if right < skv {
+        m = m | (kv_start + (bk as i32 - 1 - right as i32) > q_start);
+    }
+    if left < sq {
+        m = m | (q_start + (bq as i32 - 1 - left as i32) > kv_start);
+    }
+    m
 }
 
 /// The online softmax step of one block: the new running max, sum and accumulator, and
@@ -210,9 +277,9 @@ fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (V
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
     (q, o) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(if left < sq { max(j, min((max(i * bq, left) - left) / bk, skv.div_ceil(bk) - 1)) } else { j }, (i * bq + reach(right, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
-    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(if left < sq { max(j, min((max(i * bq, left) - left) / bk, skv.div_ceil(bk) - 1)) } else { j }, (i * bq + reach(right, bq, skv)) / bk) * usize::from(segmented)]),
     lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     (m_run, l_run) = scratch([bq, 1], f32),
     acc = scratch([bq, d], f32),
@@ -221,7 +288,7 @@ fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (V
 pub fn flash_attention_fwd_kernel(
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
-    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+    bq: usize, bk: usize, left: usize, right: usize, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
@@ -231,14 +298,12 @@ pub fn flash_attention_fwd_kernel(
         acc[..] = zeros([bq, d], f32);
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
-    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+    if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
         let s = logits(q[..], k[..], sm_scale, soft_cap);
-        let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
-        if causal {
-            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
-        }
+        let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
+        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
         if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -284,14 +349,17 @@ pub fn flash_attention_di_kernel(o: In<bsz, heads, sq, d>, dout: In<bsz, heads, 
 }
 
 /// dk, dv: kv blocks outside, the group's query heads and the q blocks inside (`arbitrary`).
+/// The q-side index maps clamp the q block into the band of rows that see kv block `j`,
+/// `[j * bk - right, j * bk + bk - 1 + left]`: the lower end is spelled `j * bk / bq` when
+/// causal and `j * 0 / bq` when unbounded, so those kernels are the ones from before windows.
 #[tpu_kernel(
     grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, sq.div_ceil(bq)],
     semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
-    (q, dout) = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (q, dout) = block([None, None, bq, d], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, if right == 0 || right >= skv { j * (if right == 0 { bk } else { 0 }) / bq } else { (max(j * bk, right) - right) / bq }), if left < sq { min((j * bk + back_reach(left, bk)) / bq, sq.div_ceil(bq) - 1) } else { sq.div_ceil(bq) - 1 }), 0]),
     (k, v, dk, dv) = block([None, None, bk, d], |b, kh, j, g, i| [b, kh, j, 0]),
-    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, i| [b * usize::from(segmented), min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, i| [b * usize::from(segmented), min(max(i, if right == 0 || right >= skv { j * (if right == 0 { bk } else { 0 }) / bq } else { (max(j * bk, right) - right) / bq }), if left < sq { min((j * bk + back_reach(left, bk)) / bq, sq.div_ceil(bq) - 1) } else { sq.div_ceil(bq) - 1 }) * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, i| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
-    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, j * (if causal { bk } else { 0 }) / bq), sq.div_ceil(bq) - 1), 0]),
+    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, i| [b, kh * (heads / kv_heads) + g, min(max(i, if right == 0 || right >= skv { j * (if right == 0 { bk } else { 0 }) / bq } else { (max(j * bk, right) - right) / bq }), if left < sq { min((j * bk + back_reach(left, bk)) / bq, sq.div_ceil(bq) - 1) } else { sq.div_ceil(bq) - 1 }), 0]),
     (dk_acc, dv_acc) = scratch([bk, d], f32),
 )]
 #[rustfmt::skip]
@@ -299,7 +367,7 @@ pub fn flash_attention_dkv_kernel(
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>,
     dk: Out<bsz, kv_heads, skv, d>, dv: Out<bsz, kv_heads, skv, d>, dk_acc: Scratch, dv_acc: Scratch,
-    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+    bq: usize, bk: usize, left: usize, right: usize, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let j = program_id(2);
     let g = program_id(3);
@@ -309,7 +377,7 @@ pub fn flash_attention_dkv_kernel(
         dv_acc[..] = zeros([bk, d], f32);
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
-    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+    if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
         let mut qb = q[..];
         let mut dob = dout[..];
         let mut lse_b = lse[..];
@@ -318,10 +386,8 @@ pub fn flash_attention_dkv_kernel(
         let mut vb = v[..];
         let ragged_q = !sq.is_multiple_of(bq) & (i == (sq.div_ceil(bq) - 1) as i32);
         let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
-        let mut needs_mask = segmented | ragged_q | ragged_kv;
-        if causal {
-            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
-        }
+        let needs_mask = segmented | ragged_q | ragged_kv;
+        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
         // The dots below contract over q rows and kv rows: zero the undefined rows past
         // the ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
         if needs_mask {
@@ -342,7 +408,7 @@ pub fn flash_attention_dkv_kernel(
         let mut p = (s - no_weight_past(lse_b)).exp();
         let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
         if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, causal);
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, left, right);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -365,9 +431,9 @@ pub fn flash_attention_dkv_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), skv.div_ceil(bk)],
     semantics = [parallel, parallel, parallel, arbitrary],
     (q, dout, dq) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(j, (i * bq + reach(causal, bq, skv)) / bk), 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(if left < sq { max(j, min((max(i * bq, left) - left) / bk, skv.div_ceil(bk) - 1)) } else { j }, (i * bq + reach(right, bq, skv)) / bk), 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
-    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(j, (i * bq + reach(causal, bq, skv)) / bk) * usize::from(segmented)]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(if left < sq { max(j, min((max(i * bq, left) - left) / bk, skv.div_ceil(bk) - 1)) } else { j }, (i * bq + reach(right, bq, skv)) / bk) * usize::from(segmented)]),
     (lse, di) = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     dq_acc = scratch([bq, d], f32),
 )]
@@ -375,7 +441,7 @@ pub fn flash_attention_dkv_kernel(
 pub fn flash_attention_dq_kernel(
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>, dq: Out<bsz, heads, sq, d>, dq_acc: Scratch,
-    bq: usize, bk: usize, causal: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+    bq: usize, bk: usize, left: usize, right: usize, segmented: bool, sm_scale: f32, soft_cap: f32,
 ) {
     let i = program_id(2);
     let j = program_id(3);
@@ -383,13 +449,11 @@ pub fn flash_attention_dq_kernel(
         dq_acc[..] = zeros([bq, d], f32);
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
-    if kv_start <= q_start + (reach(causal, bq, skv) as i32) {
+    if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
         let mut kb = k[..];
         let mut vb = v[..];
-        let mut needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
-        if causal {
-            needs_mask = needs_mask | (kv_start + (bk as i32 - 1) > q_start);
-        }
+        let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
+        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
         // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
         // past Sq are independent here and their writes are dropped.)
         if needs_mask {
@@ -403,7 +467,7 @@ pub fn flash_attention_dq_kernel(
         let p = (s - no_weight_past(lse[..])).exp();
         let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
         if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, causal);
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -426,12 +490,33 @@ pub struct AttentionParams {
     pub sm_scale: f32,
     /// `logits = cap * tanh(logits / cap)` (Gemma 2 style), applied after `sm_scale`.
     pub soft_cap: Option<f32>,
+    /// The sliding window's left extent: query row `r` sees key `c` only if `r - c <=
+    /// left` (HF's `sliding_window = w` is `left = w - 1`). `None`: unbounded.
+    pub window_left: Option<usize>,
+    /// The right extent: `r` sees `c` only if `c - r <= right`. `None`: unbounded (the
+    /// causal rule is `right = 0`, and with `causal` this extent is moot).
+    pub window_right: Option<usize>,
 }
 
 impl AttentionParams {
     /// `sm_scale = 1 / sqrt(head_dim)`, no soft cap.
     pub fn new(head_dim: usize, causal: bool) -> Self {
-        AttentionParams { causal, sm_scale: 1.0 / (head_dim as f32).sqrt(), soft_cap: None }
+        AttentionParams { causal, sm_scale: 1.0 / (head_dim as f32).sqrt(), soft_cap: None, window_left: None, window_right: None }
+    }
+
+    /// A sliding window of `left` / `right` extents (see the fields).
+    pub fn with_window(self, left: Option<usize>, right: Option<usize>) -> Self {
+        AttentionParams { window_left: left, window_right: right, ..self }
+    }
+
+    /// The kernels' `(left, right)` statics for `sq` queries and `skv` keys: the right
+    /// extent is 0 when causal; an extent that cuts nothing becomes the "unbounded" value
+    /// (`left = sq`, `right = skv`: no row is `sq` rows past a key, nor a key `skv` past a
+    /// row), so a window at least as long as the sequence builds the unwindowed kernel.
+    pub fn extents(&self, sq: usize, skv: usize) -> (usize, usize) {
+        let left = self.window_left.map_or(sq, |l| l.min(sq));
+        let right = if self.causal { 0 } else { self.window_right.map_or(skv, |r| r.min(skv)) };
+        (left, right)
     }
 
     pub fn with_soft_cap(self, cap: f32) -> Self {
@@ -577,6 +662,7 @@ fn checked(op: &str, q: &Type, k: &Type, v: &Type, segmented: bool, params: &Att
 /// `[B, H, Sq, 1]`).
 pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Kernel, KernelError> {
     let Checked { b, h, sq, qs, ks, bq, bk, .. } = checked("flash_attention", q, k, v, segmented, params, blocks)?;
+    let (left, right) = params.extents(sq, k.shape[2]);
     let kernel = flash_attention_fwd_kernel(
         q.clone(),
         k.clone(),
@@ -587,7 +673,8 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
         Type::vector(DType::F32, &[b, h, sq, 1]),
         bq,
         bk,
-        params.causal,
+        left,
+        right,
         segmented,
         params.sm_scale,
         cap_of(params),
@@ -599,10 +686,11 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
 pub fn build_flash_attention_bwd(q: &Type, k: &Type, v: &Type, segmented: bool, params: &AttentionParams, blocks: AttentionBlocks, target: &Target) -> Result<Vec<Kernel>, KernelError> {
     let Checked { b, h, sq, qs, ks, bq, bk } = checked("flash_attention_bwd", q, k, v, segmented, params, blocks)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
-    let (causal, scale, cap) = (params.causal, params.sm_scale, cap_of(params));
+    let (left, right) = params.extents(sq, k.shape[2]);
+    let (scale, cap) = (params.sm_scale, cap_of(params));
     let di = flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), bq)?;
-    let dkv = flash_attention_dkv_kernel(q.clone(), k.clone(), v.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), bq, bk, causal, segmented, scale, cap)?;
-    let dq = flash_attention_dq_kernel(q.clone(), k.clone(), v.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), bq, bk, causal, segmented, scale, cap)?;
+    let dkv = flash_attention_dkv_kernel(q.clone(), k.clone(), v.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), bq, bk, left, right, segmented, scale, cap)?;
+    let dq = flash_attention_dq_kernel(q.clone(), k.clone(), v.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), bq, bk, left, right, segmented, scale, cap)?;
     Ok(vec![fit_vmem_limit(di, target), fit_vmem_limit(dkv, target), fit_vmem_limit(dq, target)])
 }
 
@@ -629,6 +717,12 @@ fn statics_of(params: &AttentionParams, blocks: Option<AttentionBlocks>) -> Stri
     let mut s = format!("causal={}, sm_scale={:?}", flag(params.causal), params.sm_scale as f64);
     if let Some(cap) = params.soft_cap {
         s += &format!(", soft_cap={:?}", cap as f64);
+    }
+    if let Some(l) = params.window_left {
+        s += &format!(", window_left={l}");
+    }
+    if let Some(r) = params.window_right {
+        s += &format!(", window_right={r}");
     }
     if let Some(b) = blocks {
         s += &format!(", block_q={}, block_kv={}", b.block_q, b.block_kv);
@@ -684,7 +778,8 @@ pub fn flash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array,
 
 // ---- ops ------------------------------------------------------------------------------------
 
-/// The attention statics `(causal, sm_scale, soft_cap)` of a call.
+/// The attention statics `(causal, sm_scale, soft_cap, window_left, window_right)` of a
+/// call (a negative extent is an `option-value` error naming the argument).
 fn attention_params(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
     let d = q.shape.get(3).copied().unwrap_or(1);
     let mut params = AttentionParams::new(d, c.statics.bool("causal"));
@@ -692,6 +787,8 @@ fn attention_params(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> 
         params.sm_scale = finite_scale(c, s)?;
     }
     params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
+    params.window_left = c.usize_opt("window_left")?;
+    params.window_right = c.usize_opt("window_right")?;
     Ok(params)
 }
 
@@ -824,6 +921,8 @@ fn reference_params(a: &[Array], s: &Statics, segmented: bool) -> reference::Att
         soft_cap: s.f64("soft_cap").map(|x| x as f32 as f64),
         q_segments: seg(at),
         kv_segments: seg(at + 1),
+        window_left: s.i64("window_left").map(|x| x as usize),
+        window_right: s.i64("window_right").map(|x| x as usize),
     }
 }
 
@@ -862,12 +961,13 @@ const K: Input = Input { name: "k", dims: "[b, hkv, skv, d]", kind: Kind::Float 
 const V: Input = Input { name: "v", dims: "[b, hkv, skv, d]", kind: Kind::Float };
 const Q_SEG: Input = Input { name: "q_segment_ids", dims: "[b, sq]", kind: Kind::Int32 };
 const KV_SEG: Input = Input { name: "kv_segment_ids", dims: "[b, skv]", kind: Kind::Int32 };
-const FWD_SCHEMA: &str = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor)";
-const FWD_DOC: &str = "flash attention: (o [b, h, sq, d], float32 lse [b, h, sq]); q [b, h, sq, d], k and v [b, hkv, skv, d] (GQA: h % hkv == 0); online softmax in f32 VMEM scratch over the kv axis, causal blocks skipped (body and DMA), soft cap, segment ids";
+const FWD_SCHEMA: &str = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor)";
+const FWD_DOC: &str = "flash attention: (o [b, h, sq, d], float32 lse [b, h, sq]); q [b, h, sq, d], k and v [b, hkv, skv, d] (GQA: h % hkv == 0); online softmax in f32 VMEM scratch over the kv axis, causal and sliding-window blocks skipped (body and DMA), soft cap, segment ids, window_left / window_right (query r sees key c iff r - c <= window_left and c - r <= window_right; HF's sliding_window w is window_left = w - 1)";
 const FWD_OUTPUTS: &[Output] = &[Output { name: "o", shape: "q", dtype: "q" }, Output { name: "lse", shape: "[*q[:3]]", dtype: "f32" }];
 /// Default shapes `[1, 8, 1024, 128]`; alt: GQA 4:1, D = 64, Sq != Skv and neither a
 /// multiple of the blocks; segmented: `[2, 8, 1024, 128]` over 2 kv heads, soft cap 50
-/// (Gemma 2's).
+/// (Gemma 2's); window: a causal sliding window of 301 keys (no multiple of the blocks) over
+/// 2 kv heads (the backward's: non-causal, 300 keys left and 100 right).
 const FWD_CASES: &[Case] = &[
     Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128]] },
     Case { name: "causal_alt", statics: "causal=True", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
@@ -875,6 +975,7 @@ const FWD_CASES: &[Case] = &[
     Case { name: "noncausal_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64]] },
     Case { name: "segmented", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 1024, 128], &[2, 2, 1024, 128], &[2, 2, 1024, 128], &[2, 1024], &[2, 1024]] },
     Case { name: "segmented_alt", statics: "causal=True, soft_cap=50.0", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 700], &[2, 1000]] },
+    Case { name: "window", statics: "causal=True, window_left=300", shapes: &[&[1, 8, 1024, 128], &[1, 2, 1024, 128], &[1, 2, 1024, 128]] },
 ];
 const BWD_CASES: &[Case] = &[
     Case { name: "causal", statics: "causal=True", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
@@ -891,6 +992,7 @@ const BWD_CASES: &[Case] = &[
         statics: "causal=True, soft_cap=50.0",
         shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[2, 700], &[2, 1000]],
     },
+    Case { name: "window", statics: "window_left=300, window_right=100", shapes: &[&[1, 8, 1024, 128], &[1, 2, 1024, 128], &[1, 2, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128]] },
 ];
 
 /// This module's ops.
@@ -898,16 +1000,16 @@ pub const OPS: &[Op] = &[
     Op {
         name: "flash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_flash_attention_fwd, reference: Some(ref_forward),
         inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: FWD_OUTPUTS,
-        backward: Some(Backward { op: "flash_attention_bwd", args: "q, k, v, o, lse, d_o, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids", grads: &["q", "k", "v"] }),
+        backward: Some(Backward { op: "flash_attention_bwd", args: "q, k, v, o, lse, d_o, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids, window_left, window_right", grads: &["q", "k", "v"] }),
         cases: FWD_CASES, random: Some(forward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
+        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
         inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq, 1?]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
         cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "flash_attention", doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result", schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? block_q=None, int? block_kv=None) -> Tensor",
+        name: "flash_attention", doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result", schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> Tensor",
         inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
         alias_of: Some(("flash_attention_fwd", 0)), ..Op::EMPTY
     },
@@ -931,16 +1033,21 @@ pub mod reference {
         pub soft_cap: Option<f64>,
         pub q_segments: Option<Vec<i32>>,
         pub kv_segments: Option<Vec<i32>>,
+        /// Row `r` sees key `c` only if `r - c <= left` / `c - r <= right`, when given.
+        pub window_left: Option<usize>,
+        pub window_right: Option<usize>,
     }
 
     impl Attention {
         fn visible(&self, b: usize, r: usize, c: usize) -> bool {
             let causal_ok = !self.causal || c <= r;
+            let (ri, ci) = (r as i64, c as i64);
+            let window_ok = self.window_left.is_none_or(|l| ri - ci <= l as i64) && self.window_right.is_none_or(|w| ci - ri <= w as i64);
             let seg_ok = match (&self.q_segments, &self.kv_segments) {
                 (Some(qs), Some(ks)) => qs[b * self.sq + r] == ks[b * self.skv + c],
                 _ => true,
             };
-            causal_ok && seg_ok
+            causal_ok && window_ok && seg_ok
         }
 
         fn q_row(&self, b: usize, h: usize, r: usize) -> usize {

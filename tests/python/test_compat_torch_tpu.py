@@ -63,10 +63,27 @@ def test_splash_sdpa_is_sdpa(causal, heads, kv_heads, scale):
         torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)
 
 
+@pytest.mark.parametrize("causal,window", [(True, 40), (False, 70), (True, 0)])
+def test_splash_sdpa_local_window_is_sdpa_with_the_band_mask(causal, window):
+    """local_window_size = w: key c is seen by query r iff r - w <= c and c <= r (causal) or
+    c <= r + w, against SDPA with that boolean mask written out (values and gradients)."""
+    q = torch.randn(1, 4, 200, 64, requires_grad=True)
+    k = torch.randn(1, 2, 200, 64, requires_grad=True)
+    v = torch.randn(1, 2, 200, 64, requires_grad=True)
+    out = tpu_ops.splash_sdpa(q, k, v, is_causal=causal, local_window_size=window, enable_gqa=True)
+    r, c = torch.arange(200)[:, None], torch.arange(200)[None, :]
+    band = (r - c <= window) & ((c <= r) if causal else (c - r <= window))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+    cot = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(want, (q, k, v), cot)):
+        torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)
+
+
 def test_what_is_not_there_says_so():
     q = torch.randn(1, 2, 128, 64)
-    with pytest.raises(NotImplementedError, match="local_window_size"):
-        tpu_ops.splash_sdpa(q, q, q, local_window_size=64)
+    with pytest.raises(ValueError, match="local_window_size"):
+        tpu_ops.splash_sdpa(q, q, q, local_window_size=-1)
     with pytest.raises(ValueError, match="enable_gqa"):
         tpu_ops.splash_sdpa(q, q[:, :1], q[:, :1])
     with pytest.raises(TypeError, match="block_zz"):

@@ -421,6 +421,14 @@ def valid_call(op, gen, dt):
             S["soft_cap"] = gen.pick([50.0, 5.0, 1.0])
         if gen.coin(0.3):
             S["sm_scale"] = gen.pick([0.5, 1.0, 0.01])
+        # Sliding windows, drawn from a copy of the generator so the cases without one stay as they were.
+        side = torch.Generator()
+        side.set_state(gen.g.get_state())
+        w = Gen(int(torch.randint(0, 2**31 - 1, (1,), generator=side)))
+        if w.coin(0.3):
+            S["window_left"] = w.int(0, sq + 8)
+        if w.coin(0.2):
+            S["window_right"] = w.int(0, skv + 8)
         q, k, v = r(b, hkv * g, sq, d, dtype=dt), r(b, hkv, skv, d, dtype=dt), r(b, hkv, skv, d, dtype=dt)
         segs = [None, None]
         if gen.coin(0.3):
@@ -429,7 +437,7 @@ def valid_call(op, gen, dt):
             cuts = sorted(gen.int(1, max(span - 1, 1)) for _ in range(gen.int(0, 3))) if span > 1 else []
             segs = [T._segments(b, sq, cuts), T._segments(b, skv, cuts)]
         if op == "flash_attention_bwd":
-            kw = {n: S[n] for n in ("causal", "sm_scale", "soft_cap") if n in S}
+            kw = {n: S[n] for n in ("causal", "sm_scale", "soft_cap", "window_left", "window_right") if n in S}
             o, lse = T.ref_flash_attention_fwd(q.double(), k.double(), v.double(), q_segment_ids=segs[0], kv_segment_ids=segs[1], **kw)
             tensors = [q, k, v, o.to(dt), lse.float(), r(*q.shape, dtype=dt), *segs]
         else:

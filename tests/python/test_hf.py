@@ -5,7 +5,9 @@ Tiny randomly initialised models (no download): the same weights run once with "
 went through torch.ops.tpu.flash_attention (one call per layer per forward, one backward kernel per
 layer per backward) with the expected arguments. Covered: f32 and bf16 Llama (GQA), backward, padded
 batches (segment ids), decoding with dynamic and static caches, Gemma 2 (softcap, custom scaling,
-sliding-window decoding), and the clear errors for masks the kernel cannot express and for dropout.
+sliding-window decoding), sliding-window prompts longer than the window (Mistral, Gemma 2 and
+Gemma 3: the kernel's window_left, padded batches, generate), the op's window against SDPA with an
+explicit band mask, and the clear errors for masks the kernel cannot express and for dropout.
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest tests/python/test_hf.py
 
@@ -30,7 +32,7 @@ tessera = pytest.importorskip("tessera")
 if not hasattr(torch.ops.tpu, "flash_attention"):
     pytest.skip("this tessera build has no torch.ops.tpu.flash_attention", allow_module_level=True)
 
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, StaticCache  # noqa: E402
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, StaticCache  # noqa: E402
 
 
 from tessera import hf  # noqa: E402
@@ -436,6 +438,160 @@ def test_gemma2_sliding_window_decode_matches_eager():
     assert rel_err(got[0][valid], ref[0][valid]) <= F32_TOL
     for step, step_ref in zip(got[1:], ref[1:]):
         assert rel_err(step, step_ref) <= F32_TOL
-    # a multi-token input longer than the window needs a band mask: refused
-    with pytest.raises(NotImplementedError, match="sliding window"), torch.no_grad():
-        tes(ids, attention_mask=mask, position_ids=pos)
+    # a multi-token input longer than the window: the sliding layer runs with window_left = 15
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask, position_ids=pos).logits
+        with TpuOps() as ops:
+            got = tes(ids, attention_mask=mask, position_ids=pos).logits
+    assert sorted(str(c["window_left"]) for c in ops.flash()) == ["15", "None"]
+    valid = mask.bool()
+    assert rel_err(got[valid], ref[valid]) <= F32_TOL
+
+
+# ---- sliding windows longer than the window: Mistral, Gemma 3 ---------------------------------
+
+WINDOW = 16  # HF's sliding_window: query q sees keys q - 15 ..= q (window_left = 15)
+
+
+def mistral_config(**overrides):
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=1,  # GQA 4
+        head_dim=32,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return MistralConfig(**kw)
+
+
+def gemma3_config(**overrides):
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        layer_types=["sliding_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+def windowed_prompt(seq=4 * WINDOW + 8):
+    """A batch of two prompts of `seq` tokens (4 windows and more), the first left-padded by 5."""
+    ids = tokens(seq=seq, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_window_logits_match_eager(model, padded):
+    config = mistral_config() if model == "mistral" else gemma3_config()
+    eager, tes = pair(config)
+    ids, mask = windowed_prompt()
+    kw = dict(attention_mask=mask) if padded else {}
+    with torch.no_grad():
+        ref = eager(ids, **kw).logits
+        with TpuOps() as ops:
+            got = tes(ids, **kw).logits
+        # The window matters here: full causal attention gives other logits.
+        unwindowed = copy.deepcopy(config)
+        unwindowed.sliding_window = None if model == "mistral" else 4096
+        full, _ = pair(unwindowed)
+        full.load_state_dict(eager.state_dict())
+        far = full(ids, **kw).logits
+    calls = ops.flash()
+    assert len(calls) == LAYERS
+    want = [str(WINDOW - 1)] * LAYERS if model == "mistral" else [str(WINDOW - 1), "None"]
+    assert [str(c["window_left"]) for c in calls] == want
+    assert all(c["causal"] is True for c in calls)
+    if padded:
+        assert all(c["q_segment_ids"] is not None for c in calls)
+    valid = mask.bool() if padded else torch.ones_like(mask, dtype=torch.bool)
+    assert rel_err(far[valid], ref[valid]) > 100 * F32_TOL
+    err = rel_err(got[valid], ref[valid])
+    print(f"{model} padded={padded}: logits rel err {err:.2e}")
+    assert err <= F32_TOL
+
+
+@pytest.mark.parametrize("model", ["mistral", "gemma3"])
+def test_sliding_window_generate_matches_eager(model):
+    eager, tes = pair(mistral_config() if model == "mistral" else gemma3_config())
+    ids, mask = windowed_prompt()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = eager.generate(ids, **kw)
+        with TpuOps() as ops:
+            got = tes.generate(ids, **kw)
+    assert len(ops.flash()) == 8 * LAYERS  # prefill + 7 decode steps
+    assert torch.equal(got, ref)
+
+
+def test_sliding_window_backward_matches_eager():
+    eager, tes = pair(mistral_config())
+    ids, mask = windowed_prompt()
+    grads = []
+    for m in (eager, tes):
+        m.zero_grad()
+        logits = m(ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for r, g in zip(*grads):
+        assert rel_err(g, r) <= F32_TOL
+
+
+def band(sq, skv, causal, left, right):
+    r, c = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    if causal:
+        m &= c <= r
+    if left is not None:
+        m &= r - c <= left
+    if right is not None:
+        m &= c - r <= right
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sq,skv,causal,left,right", [(200, 200, True, 30, None), (150, 260, False, 70, 20), (96, 96, True, 200, None)])
+def test_flash_attention_window_is_sdpa_with_a_band_mask(dtype, sq, skv, causal, left, right):
+    """torch.ops.tpu.flash_attention's window against SDPA with the explicit boolean band mask
+    (float64), values and gradients; GQA 2."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, sq, 32, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 2, skv, 32, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(2, 2, skv, 32, generator=g).to(dtype).requires_grad_()
+    out = torch.ops.tpu.flash_attention(q, k, v, causal, window_left=left, window_right=right)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=band(sq, skv, causal, left, right), enable_gqa=True)
+    tol = BF16_TOL if dtype == torch.bfloat16 else F32_TOL
+    assert rel_err(out, want) <= tol
+    cot = torch.randn(out.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v), cot)
+    ref = torch.autograd.grad(want, (q64, k64, v64), cot.double())
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) <= 2 * tol
+
+
+def test_flash_attention_negative_window_is_refused():
+    q = torch.randn(1, 2, 64, 32)
+    with pytest.raises(Exception) as e:
+        torch.ops.tpu.flash_attention(q, q, q, True, window_left=-1)
+    text = str(e.value)
+    assert "flash_attention" in text and "window_left" in text and "option-value" in text, text
+    print(f"refused: {text}")

@@ -237,8 +237,9 @@ def ref_combine(y, weights, expert_ids, num_experts):
     return (weights[..., None] * y[pos.view(t, k)]).sum(1)
 
 
-def _attention_logits(q, k, sm_scale, soft_cap, causal, q_segment_ids, kv_segment_ids):
-    """Scaled, capped logits [b, h, sq, skv] and the visibility mask (GQA by repeating kv heads)."""
+def _attention_logits(q, k, sm_scale, soft_cap, causal, q_segment_ids, kv_segment_ids, window_left=None, window_right=None):
+    """Scaled, capped logits [b, h, sq, skv] and the visibility mask (GQA by repeating kv heads;
+    row r sees key c only if r - c <= window_left and c - r <= window_right, when given)."""
     g = q.shape[1] // k.shape[1]
     s = sm_scale * q @ k.repeat_interleave(g, 1).transpose(-1, -2)
     if soft_cap is not None:
@@ -247,20 +248,25 @@ def _attention_logits(q, k, sm_scale, soft_cap, causal, q_segment_ids, kv_segmen
     mask = torch.ones(sq, skv, dtype=torch.bool)
     if causal:
         mask = torch.tril(mask)  # top-left aligned, as SDPA's is_causal
+    r, c = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+    if window_left is not None:
+        mask = mask & (r - c <= window_left)
+    if window_right is not None:
+        mask = mask & (c - r <= window_right)
     mask = mask[None, None]
     if q_segment_ids is not None:
         mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     return s, mask
 
 
-def ref_flash_attention_fwd(q, k, v, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
+def ref_flash_attention_fwd(q, k, v, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None, window_left=None, window_right=None):
     """(o, lse) by math attention over the visible keys: masking selects (a masked logit is
     -inf whatever its value), and a row with no visible key or only -inf logits gets o = 0
     (SDPA's safe softmax). Neither SDPA backend is this on nonfinite inputs: CPU's fused
     kernel turns a NaN query row into zeros, the math backend adds its mask, so a masked
     NaN or +inf logit poisons the row."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s, mask = _attention_logits(q, k, scale, soft_cap, causal, q_segment_ids, kv_segment_ids)
+    s, mask = _attention_logits(q, k, scale, soft_cap, causal, q_segment_ids, kv_segment_ids, window_left, window_right)
     s = s.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(s, -1)
     p = torch.softmax(s, -1).masked_fill((s == -math.inf).all(-1, keepdim=True), 0.0)
@@ -272,8 +278,8 @@ def ref_flash_attention(*args, **kwargs):
     return ref_flash_attention_fwd(*args, **kwargs)[0]
 
 
-def ref_flash_attention_bwd(q, k, v, o, lse, do, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
-    fwd = lambda q, k, v: ref_flash_attention_fwd(q, k, v, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids)[0]  # noqa: E731
+def ref_flash_attention_bwd(q, k, v, o, lse, do, causal=False, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None, window_left=None, window_right=None):
+    fwd = lambda q, k, v: ref_flash_attention_fwd(q, k, v, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids, window_left, window_right)[0]  # noqa: E731
     return vjp(fwd, (q, k, v), (do,))
 
 
@@ -690,6 +696,12 @@ ATTENTION = {
     # Causal is top-left aligned (query i sees keys <= i), also when Sq != Skv, as SDPA's is_causal.
     "causal_sq_gt_skv": lambda r, dt: (*_qkv(r, dt, 1, 2, 2, 200, 64, 64), {"causal": True}),
     "long_causal_gqa": lambda r, dt: (*_qkv(r, dt, 1, 2, 1, 640, 640, 64), {"causal": True}),
+    # Sliding windows: causal (HF's sliding_window 64), and left + right with segment ids.
+    "causal_window": lambda r, dt: (*_qkv(r, dt, 1, 4, 1, 300, 300, 64), {"causal": True, "window_left": 63}),
+    "window_left_right_segments": lambda r, dt: (
+        *_qkv(r, dt, 1, 2, 2, 300, 300, 64),
+        {"window_left": 40, "window_right": 7, "q_segment_ids": _segments(1, 300, (150,)), "kv_segment_ids": _segments(1, 300, (150,))},
+    ),
     "long_kv_segments_softcap": lambda r, dt: (
         *_qkv(r, dt, 1, 2, 1, 64, 600, 128),
         {"sm_scale": 0.1, "soft_cap": 4.0, "q_segment_ids": _segments(1, 64, (40,)), "kv_segment_ids": _segments(1, 600, (300,))},

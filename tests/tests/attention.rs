@@ -9,7 +9,7 @@
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tessera_dsl::Interpreter;
 use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{DType, Target, Type};
+use tessera_dsl::{DType, Executor, Target, Type};
 use tessera_kernels::attention::{self, reference, AttentionBlocks, AttentionParams, SegmentIds};
 use tessera_kernels::harness::{check_output, random_array, run_case};
 use tessera_kernels::find;
@@ -56,6 +56,8 @@ fn case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, s
         soft_cap: params.soft_cap.map(f64::from),
         q_segments: seg.as_ref().map(|s| s.q.as_i32().unwrap().to_vec()),
         kv_segments: seg.as_ref().map(|s| s.kv.as_i32().unwrap().to_vec()),
+        window_left: params.window_left,
+        window_right: params.window_right,
     };
     Case { q, k, v, seg, cfg }
 }
@@ -76,17 +78,32 @@ fn tol(dtype: DType, backward: bool) -> f64 {
 }
 
 fn forward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
+    forward_case_on(&Interpreter, shape, dtype, params, segmented, blocks, target, seed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_case_on(exec: &dyn Executor, shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
     let c = case(shape, dtype, params, segmented, seed);
-    let (o, lse) = attention::flash_attention_with_blocks(&Interpreter, &c.q, &c.k, &c.v, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (o, lse) = attention::flash_attention_with_blocks(exec, &c.q, &c.k, &c.v, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
     let (o_ref, lse_ref) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
     let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
     assert_eq!(o.dtype, dtype);
     assert_eq!(lse.shape, vec![shape.0, shape.1, shape.3]);
     assert_close(&format!("o of {what}"), &o, &o_ref, tol(dtype, false));
     assert_close(&format!("lse of {what}"), &lse, &lse_ref, tol(DType::F32, false));
+    // Rows that see no key (a window past the keys): o = 0 and lse = -inf, as the reference.
+    for (name, got, want) in [("o", &o, &o_ref), ("lse", &lse, &lse_ref)] {
+        let nonfinite = check_output(got, want).nonfinite;
+        assert_eq!(nonfinite, 0, "{name} of {what}: {nonfinite} infinities where the reference differs");
+    }
 }
 
 fn backward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
+    backward_case_on(&Interpreter, shape, dtype, params, segmented, blocks, target, seed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_case_on(exec: &dyn Executor, shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, blocks: AttentionBlocks, target: &Target, seed: u64) {
     let c = case(shape, dtype, params, segmented, seed);
     let (q, k, v) = (c.q.to_f64_vec(), c.k.to_f64_vec(), c.v.to_f64_vec());
     let (o_ref, lse_ref) = reference::forward(&c.cfg, &q, &k, &v);
@@ -98,7 +115,7 @@ fn backward_case(shape: Shape, dtype: DType, params: &AttentionParams, segmented
     let lse = Array::from_f32(&c.q.shape[..3], lse_ref.iter().map(|&x| x as f32).collect());
     let mut rng = StdRng::seed_from_u64(seed + 1000);
     let dout = random_array(dtype, &c.q.shape, &mut rng);
-    let (dq, dk, dv) = attention::flash_attention_bwd_with_blocks(&Interpreter, &c.q, &c.k, &c.v, &o, &lse, &dout, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let (dq, dk, dv) = attention::flash_attention_bwd_with_blocks(exec, &c.q, &c.k, &c.v, &o, &lse, &dout, c.seg.as_ref(), params, blocks, target).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
     let (dq_ref, dk_ref, dv_ref) = reference::backward(&c.cfg, &q, &k, &v, &dout.to_f64_vec());
     let what = format!("{shape:?} {dtype} {params:?} seg={segmented} {blocks:?} on {target}");
     assert_close(&format!("dq of {what}"), &dq, &dq_ref, tol(dtype, true));
@@ -171,9 +188,11 @@ fn library_entries_match_reference() {
                 ("flash_attention_fwd", "causal", fwd(q, kv)),
                 ("flash_attention_fwd", "noncausal", fwd(q, kv)),
                 ("flash_attention_fwd", "segmented", seg(fwd(q, kv), q, kv)),
+                ("flash_attention_fwd", "window", fwd(q, kv)),
                 ("flash_attention_bwd", "causal", bwd(q, kv)),
                 ("flash_attention_bwd", "noncausal", bwd(q, kv)),
                 ("flash_attention_bwd", "segmented", seg(bwd(q, kv), q, kv)),
+                ("flash_attention_bwd", "window", bwd(q, kv)),
             ] {
                 let op = find(name).unwrap();
                 let statics = op.case_statics(op.case(case).unwrap()).unwrap();
@@ -232,6 +251,8 @@ fn reference_backward_matches_finite_differences() {
         soft_cap: Some(1.5),
         q_segments: Some(vec![0, 0, 1]),
         kv_segments: Some(vec![0, 0, 1, 1]),
+        window_left: Some(1),
+        window_right: None,
     };
     let mut rng = StdRng::seed_from_u64(5);
     let mut draw = |n: usize| (0..n).map(|_| rng.gen_range(-1.5..1.5)).collect::<Vec<f64>>();
@@ -465,5 +486,102 @@ fn backward_nonfinite_inputs() {
                 }
             }
         }
+    }
+}
+
+/// Sliding windows `(window_left, window_right)`, each with its causal flag and segment ids,
+/// on a shape set: smaller than a block (blocks are 32 x 128 here), larger than one, larger
+/// than the sequence (the unwindowed kernel), left + right without causal, left 0 (the
+/// diagonal only), and rows that see no key (Sq > Skv + left: o = 0, lse = -inf).
+fn window_sets() -> Vec<(Shape, AttentionParams, bool)> {
+    let p = |d: usize, causal: bool, l: Option<usize>, r: Option<usize>| AttentionParams::new(d, causal).with_window(l, r);
+    vec![
+        // GQA 1, aligned; causal, a window smaller than a block (HF sliding_window 41).
+        ((1, 2, 2, 256, 256, 32), p(32, true, Some(40), None), false),
+        // GQA 4, ragged Sq < Skv, non-causal left + right, both larger than bq; soft cap.
+        ((2, 4, 1, 200, 333, 64), p(64, false, Some(150), Some(60)).with_soft_cap(5.0), false),
+        // GQA 8, ragged; a window longer than the sequence: the unwindowed kernel.
+        ((1, 8, 1, 130, 130, 32), p(32, true, Some(300), None), false),
+        // GQA 4, Sq > Skv: rows 300.. see no key; causal, a window of a block and a bit.
+        ((1, 4, 1, 384, 200, 32), p(32, true, Some(100), None), false),
+        // GQA 1 over 2 kv heads, segment ids with a right-only window, non-causal.
+        ((2, 2, 2, 77, 300, 64), p(64, false, None, Some(5)), true),
+        // The diagonal alone (left 0, causal) with segment ids.
+        ((1, 4, 1, 96, 160, 32), p(32, true, Some(0), None), true),
+    ]
+}
+
+/// The window against the f64 reference with its explicit mask, forward and backward, f32
+/// and bf16, on every CPU backend of the build (the interpreter and the compiled ones).
+#[test]
+fn window_matches_reference_on_every_backend() {
+    for be in tessera_tests::backends::all() {
+        let before = tessera_codegen::cpu::cache_stats().fallbacks;
+        for dtype in [DType::F32, DType::BF16] {
+            for (n, (shape, params, seg)) in window_sets().into_iter().enumerate() {
+                let target = [Target::V5E, Target::V6E, Target::TPU7X][n % 3];
+                forward_case_on(be.executor(), shape, dtype, &params, seg, SMALL, &target, 100 + n as u64);
+                backward_case_on(be.executor(), shape, dtype, &params, seg, SMALL, &target, 100 + n as u64);
+            }
+        }
+        assert_eq!(tessera_codegen::cpu::cache_stats().fallbacks, before, "{be:?} fell back to the interpreter");
+    }
+}
+
+/// Sliding window: blocks entirely outside the window are neither computed nor fetched.
+/// S = 2048, window_left = 255 (HF's sliding_window 256), causal, blocks 128: each q block
+/// meets 3 kv blocks (its own and the two before), not 16; the dkv kernel fetches, per kv
+/// block, the 3 q blocks that see its keys. Counted as DMAs by the interpreter, and the
+/// output is the reference's.
+#[test]
+fn window_skips_blocks_and_their_dma() {
+    let (b, h, s, d) = (1, 1, 2048, 64);
+    let params = AttentionParams::new(d, true).with_window(Some(255), None);
+    let c = case((b, h, h, s, s, d), DType::F32, &params, false, 2);
+    let blocks = AttentionBlocks { block_q: 128, block_kv: 128 };
+    let t = Type::vector(DType::F32, &c.q.shape);
+    let kernel = attention::build_flash_attention(&t, &t, &t, false, &params, blocks, &Target::V5E).unwrap();
+    let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
+    let (out, stats) = interp::run_with_stats(&kernel, &[&c.q, &c.k, &c.v, &dummy, &dummy]).unwrap();
+    // q: 16 blocks. k, v: q block i sees kv blocks max(i - 2, 0)..=i, fetched when the block
+    // changes: 1 (i = 0) + 1 (i = 1: block 0 still resident) + 3 x 14, i.e. 44 <= 3 per q
+    // block (an unwindowed causal kernel: 136; non-causal: 256). The dummies: once each.
+    let kv_fetches = 1 + 1 + 3 * 14;
+    assert_eq!(stats.block_loads, 16 + 2 * kv_fetches + 2, "{stats:?}");
+    assert!(kv_fetches <= 3 * 16);
+    let (o_ref, _) = reference::forward(&c.cfg, &c.q.to_f64_vec(), &c.k.to_f64_vec(), &c.v.to_f64_vec());
+    assert_close("o (window skipping)", &out[0], &o_ref, 1e-5);
+
+    let bwd = attention::build_flash_attention_bwd(&t, &t, &t, false, &params, blocks, &Target::V5E).unwrap();
+    let col = Array::from_f32(&[b, h, s, 1], vec![0.0; s]);
+    let (_, stats) = interp::run_with_stats(&bwd[1], &[&c.q, &c.k, &c.v, &dummy, &dummy, &c.q, &col, &col]).unwrap();
+    // k, v: 16 blocks each. q, do, lse, di: kv block j is seen by q blocks j..=min(j + 2,
+    // 15), fetched when the block changes (the previous kv block's last is j + 1, not j):
+    // 3 x 14 + 2 (j = 14) + 0 (j = 15: block 15 still resident) = 44, not 16 x 16.
+    assert_eq!(stats.block_loads, 2 * 16 + 4 * (3 * 14 + 2) + 2, "{stats:?}");
+    let (_, stats) = interp::run_with_stats(&bwd[2], &[&c.q, &c.k, &c.v, &dummy, &dummy, &c.q, &col, &col]).unwrap();
+    // The dq kernel walks kv blocks as the forward: q, do, lse, di 16 each, k, v 44 each.
+    assert_eq!(stats.block_loads, 4 * 16 + 2 * kv_fetches + 2, "{stats:?}");
+}
+
+/// A negative window is an option error naming the op and the argument, never a panic.
+#[test]
+fn negative_window_is_an_option_error() {
+    let q = random_array(DType::F32, &[1, 2, 16, 8], &mut StdRng::seed_from_u64(0));
+    for (name, arg) in [("flash_attention_fwd", "window_left"), ("flash_attention_fwd", "window_right"), ("flash_attention_bwd", "window_left")] {
+        let op = find(name).unwrap();
+        let inputs: Vec<Option<&Array>> = if name.ends_with("bwd") {
+            vec![Some(&q), Some(&q), Some(&q), Some(&q), None, Some(&q), None, None]
+        } else {
+            vec![Some(&q), Some(&q), Some(&q), None, None]
+        };
+        let lse = Array::from_f32(&[1, 2, 16], vec![0.0; 32]);
+        let mut inputs = inputs;
+        if name.ends_with("bwd") {
+            inputs[4] = Some(&lse);
+        }
+        let e = op.run(&Interpreter, &inputs, &op.statics(&format!("causal=True, {arg}=-3")).unwrap(), &Target::V5E).unwrap_err();
+        let text = e.to_string();
+        assert!(e.rule == "option-value" && text.contains(arg) && text.contains(name), "{name} {arg}: {text}");
     }
 }

@@ -20,11 +20,14 @@ How transformers (5.24) wires a custom name, and what ``register()`` therefore d
   ``create_causal_mask`` returns ``None``: padding would be silently dropped. ``mask_fn`` here is
   transformers' own ``sdpa_mask`` (so the model gets exactly the mask SDPA would: ``None`` when the
   pattern is plain causal, a boolean ``[B, 1, Sq, Skv]`` mask otherwise), and when that mask is
-  "causal (top-left aligned) or full, plus a 2D padding mask" it tags the tensor with the padding,
-  which the attention function turns into the kernel's segment ids without reading the 4D mask.
-  Plain causal and full masks are recognised by their mask function; wrapped ones (sliding window,
-  chunks, overlays, packing) by one comparison with the plain causal mask per forward, since e.g. a
-  padded prompt shorter than the sliding window is plain causal after all.
+  "causal (top-left aligned) or full, optionally a causal sliding window, plus a 2D padding mask" it
+  tags the tensor with the padding and the window, which the attention function turns into the
+  kernel's segment ids and ``window_left`` without reading the 4D mask. Plain causal and full masks
+  are recognised by their mask function; wrapped ones (sliding window, chunks, overlays, packing) by
+  one comparison per forward with the plain causal mask (e.g. a padded prompt shorter than the
+  sliding window is plain causal after all) and, failing that, with the plain sliding-window causal
+  mask of the ``local_size`` transformers passes (Mistral's ``sliding_window``, Gemma 2/3's sliding
+  layers), built by transformers' own ``sliding_window_causal_mask_function``.
 
 The attention function follows ``integrations/sdpa_attention.py``: arguments
 ``(module, query [B,H,Sq,D], key/value [B,Hkv,Skv,D], attention_mask, dropout=, scaling=, **kwargs)``,
@@ -32,6 +35,10 @@ returns ``(attn_output [B,Sq,H,D] contiguous, None)``.
 
 * ``scaling`` -> ``sm_scale``; ``softcap`` (Gemma 2/3) -> ``soft_cap``.
 * Grouped-query attention is passed through as is; the kernel handles ``H % Hkv == 0``.
+* Sliding window: transformers' ``sliding_window = w`` lets query position ``q`` see key position
+  ``kv`` iff ``kv <= q`` and ``kv > q - w`` (``masking_utils.sliding_window_overlay``): ``w`` keys,
+  the query's own included. That is the kernel's ``window_left = w - 1`` with ``causal=True``
+  (``q - kv <= w - 1``); blocks outside the band are skipped, not masked.
 * No mask: causal iff the layer is causal (``is_causal`` kwarg, else ``module.is_causal``) and
   ``Sq > 1``; a single decode query attends to the whole cache. ``Skv > Sq > 1`` without a mask only
   happens in a prefill into an empty static cache; the unwritten cache tail is cut off, as the SDPA
@@ -41,8 +48,8 @@ returns ``(attn_output [B,Sq,H,D] contiguous, None)``.
   query positions are as meaningless as in eager). Bidirectional masks give the queries all 1.
 * One query token (decoding) with any boolean mask ``[B, 1, 1, Skv]`` (padding, static cache slots,
   sliding window): that mask is a per-key mask, so it becomes the kv segment ids directly.
-* Any other mask (packed sequences, a sliding window shorter than a multi-token input, several new
-  tokens on top of a filled cache, image-token overlays, custom 4D or float masks) ->
+* Any other mask (packed sequences, several new tokens on top of a filled cache, bidirectional or
+  chunked windows, image-token overlays, custom 4D or float masks) ->
   ``NotImplementedError``; so are dropout while training, ``position_bias``, attention sinks
   (``s_aux``) and varlen kwargs. Nothing is silently ignored.
 
@@ -64,10 +71,11 @@ _warned_output_attentions = False
 
 _MASK_RULE = (
     'attn_implementation="tessera" runs torch.ops.tpu.flash_attention, which masks only by the causal rule '
-    "(top-left aligned) and by segment ids; this covers no mask, padding (a 2D attention_mask), and any "
-    "boolean mask while decoding one token at a time. transformers built a different mask here ({what}). "
-    "That happens with packed sequences (position_ids restarting inside a row), a sliding window shorter "
-    "than a multi-token input, several new tokens on top of a filled cache (chunked prefill, speculative "
+    "(top-left aligned), a causal sliding window and segment ids; this covers no mask, padding (a 2D "
+    "attention_mask), sliding-window layers, and any boolean mask while decoding one token at a time. "
+    "transformers built a different mask here ({what}). "
+    "That happens with packed sequences (position_ids restarting inside a row), "
+    "several new tokens on top of a filled cache (chunked prefill, speculative "
     "decoding, assisted generation), image-token or other overlays on the causal mask, and custom 4D or "
     "float masks. Load the model with attn_implementation=\"sdpa\" or \"eager\" for these inputs "
     '(model.set_attn_implementation("sdpa") switches an existing model), or avoid the pattern (e.g. pad '
@@ -126,7 +134,7 @@ def tessera_attention_forward(
         )
 
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
-    q_seg = kv_seg = None
+    q_seg = kv_seg = window_left = None
     if attention_mask is None:
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True)
@@ -135,7 +143,7 @@ def tessera_attention_forward(
         causal = bool(is_causal) and q_len > 1
     else:
         # With a mask, the mask alone defines the pattern (SDPA drops is_causal then too).
-        causal, q_seg, kv_seg = _segments(attention_mask, batch, q_len, kv_len)
+        causal, q_seg, kv_seg, window_left = _segments(attention_mask, batch, q_len, kv_len)
 
     if causal and kv_len > q_len:
         # Top-left causal never reaches keys past q_len: these are unwritten static-cache slots.
@@ -152,16 +160,18 @@ def tessera_attention_forward(
         None if softcap is None else float(softcap),
         q_seg,
         kv_seg,
+        window_left=window_left,
     )
     return out.transpose(1, 2).contiguous(), None
 
 
-# The tag the mask function puts on the masks it can describe: (pattern, padding [B, Skv] bool or None).
+# The tag the mask function puts on the masks it can describe: (pattern, padding [B, Skv] bool or None,
+# window_left or None).
 _TAG = "_tessera_mask"
 
 
 def _segments(mask, batch: int, q_len: int, kv_len: int):
-    """(causal, q_segment_ids, kv_segment_ids) expressing `mask`, or NotImplementedError."""
+    """(causal, q_segment_ids, kv_segment_ids, window_left) expressing `mask`, or NotImplementedError."""
     what = type(mask).__name__
     if isinstance(mask, torch.Tensor):
         what += f" of shape {tuple(mask.shape)}, dtype {mask.dtype}"
@@ -169,21 +179,21 @@ def _segments(mask, batch: int, q_len: int, kv_len: int):
         if shaped and mask.shape[0] in (1, batch):
             tag = getattr(mask, _TAG, None)
             if tag is not None:
-                # Built by _mask below: causal (aligned) or full attention, plus padding.
-                pattern, padding = tag
+                # Built by _mask below: causal (aligned) or full attention, a window, plus padding.
+                pattern, padding, window = tag
                 causal = pattern == "causal" and q_len > 1
                 if padding is None:
-                    return causal, None, None
+                    return causal, None, None, window
                 kv_seg = padding.to(torch.int32).expand(batch, kv_len)
                 if pattern == "causal":
                     q_seg = kv_seg[:, :q_len]  # queries are the first q_len keys
                 else:
                     q_seg = torch.ones((batch, q_len), dtype=torch.int32, device=kv_seg.device)
-                return causal, q_seg.contiguous(), kv_seg.contiguous()
+                return causal, q_seg.contiguous(), kv_seg.contiguous(), window
             if q_len == 1 and mask.dtype == torch.bool:
                 # A single query row: the mask is just which keys it sees.
                 kv_seg = mask[:, 0, 0, :].to(torch.int32).expand(batch, kv_len).contiguous()
-                return False, torch.ones((batch, 1), dtype=torch.int32, device=kv_seg.device), kv_seg
+                return False, torch.ones((batch, 1), dtype=torch.int32, device=kv_seg.device), kv_seg, None
     raise NotImplementedError(_MASK_RULE.format(what=what))
 
 
@@ -194,6 +204,7 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
         causal_mask_function,
         prepare_padding_mask,
         sdpa_mask,
+        sliding_window_causal_mask_function,
     )
 
     if mask_function is None:
@@ -210,6 +221,7 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     )
     if not isinstance(mask, torch.Tensor):
         return mask
+    window = None
     if mask_function is bidirectional_mask_function:
         pattern = "full"
     else:
@@ -226,26 +238,34 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
             # Compare once per forward (not per layer); unequal -> untagged -> refused.
             if torch.compiler.is_compiling():
                 return mask
-            plain = sdpa_mask(
-                batch_size=batch_size,
-                q_length=q_length,
-                kv_length=kv_length,
-                q_offset=q_offset,
-                kv_offset=kv_offset,
-                mask_function=causal_mask_function,
-                attention_mask=attention_mask,
-                allow_is_causal_skip=False,
-                device=mask.device,
-            )
-            if plain is None or plain.shape != mask.shape or not torch.equal(plain, mask):
-                return mask
+
+            def same_as(function):
+                plain = sdpa_mask(
+                    batch_size=batch_size,
+                    q_length=q_length,
+                    kv_length=kv_length,
+                    q_offset=q_offset,
+                    kv_offset=kv_offset,
+                    mask_function=function,
+                    attention_mask=attention_mask,
+                    allow_is_causal_skip=False,
+                    device=mask.device,
+                )
+                return plain is not None and plain.shape == mask.shape and torch.equal(plain, mask)
+
+            if not same_as(causal_mask_function):
+                # A sliding window of `local_size` keys (the query's own included): window_left = w - 1.
+                local = kwargs.get("local_size")
+                if not (isinstance(local, int) and local >= 1 and same_as(sliding_window_causal_mask_function(local))):
+                    return mask
+                window = local - 1
         pattern = "causal"
     padding = None
     if attention_mask is not None:
         # As sdpa_mask reads it: key j is position kv_offset + j, positions past the 2D mask are padding.
         padding = prepare_padding_mask(attention_mask.to(torch.bool), kv_length, kv_offset)
         padding = padding[:, kv_offset : kv_offset + kv_length]
-    setattr(mask, _TAG, (pattern, padding))
+    setattr(mask, _TAG, (pattern, padding, window))
     return mask
 
 

@@ -6,11 +6,10 @@ no JAX installed, on the CPU, the emulated `tpu` device and TorchTPU's `tpu` dev
     out = tpu_ops.ragged_dot(lhs, rhs, group_sizes)
 
 Covered: `ragged_dot`, `ragged_dot_weight_grad` (Tessera's gmm / tgmm) and `splash_sdpa`
-for causal and full masks, GQA, and an explicit scale (Tessera's flash attention, whose
-backward is Tessera's). Not yet: `splash_sdpa`'s `local_window_size` (sliding windows need
-Tessera's splash attention) and `scaled_mm_1x128_128x128` (blockwise-scaled fp8): both
-raise NotImplementedError saying so. Block-size arguments are accepted and ignored:
-Tessera picks its blocks per generation.
+for causal and full masks, local (sliding-window) masks, GQA, and an explicit scale
+(Tessera's flash attention with its window, whose backward is Tessera's). Not yet:
+`scaled_mm_1x128_128x128` (blockwise-scaled fp8), which raises NotImplementedError saying
+so. Block-size arguments are accepted and ignored: Tessera picks its blocks per generation.
 """
 
 from __future__ import annotations
@@ -55,19 +54,31 @@ def splash_sdpa(
     **blocks,
 ) -> torch.Tensor:
     """`F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)` for `[b, h, s, d]`
-    tensors (`k`, `v` with `h / g` heads under GQA), differentiable in q, k and v."""
+    tensors (`k`, `v` with `h / g` heads under GQA), differentiable in q, k and v.
+
+    `local_window_size = w`: a local mask as JAX splash attention's `LocalMask(window_size=(w,
+    0 if is_causal else w))`, which TorchTPU's splash_sdpa builds on: query `r` sees key `c`
+    iff `r - w <= c` (and `c <= r` when causal, else `c <= r + w`), i.e. `w` keys before the
+    query plus its own (`window_left = w`, `window_right = w` when not causal). This is one
+    more key than transformers' `sliding_window = w` (`window_left = w - 1`). (My reading of
+    TorchTPU's argument: its source was not available to check; the JAX mask it wraps is.)
+    Blocks outside the window are skipped (no compute, no DMA)."""
     unknown = set(blocks) - _BLOCK_ARGS
     if unknown:
         raise TypeError(f"splash_sdpa() got unexpected keyword arguments {sorted(unknown)}")
+    window_left = window_right = None
     if local_window_size is not None:
-        raise NotImplementedError(
-            "tessera.compat.torch_tpu.splash_sdpa: local_window_size (sliding-window masks) needs Tessera's "
-            "splash attention, which is not built yet; full and causal masks are supported"
-        )
+        if isinstance(local_window_size, bool) or not isinstance(local_window_size, int) or local_window_size < 0:
+            raise ValueError(
+                f"tessera.compat.torch_tpu.splash_sdpa: local_window_size must be a non-negative int (keys before "
+                f"the query), got {local_window_size!r}"
+            )
+        window_left = local_window_size
+        window_right = None if is_causal else local_window_size
     heads, kv_heads = q.shape[1], k.shape[1]
     if enable_gqa != (heads != kv_heads):
         raise ValueError(f"enable_gqa ({enable_gqa}) does not match inputs: n_heads={heads}, n_kv_heads={kv_heads}")
-    return torch.ops.tpu.flash_attention(q, k, v, causal=is_causal, sm_scale=scale)
+    return torch.ops.tpu.flash_attention(q, k, v, causal=is_causal, sm_scale=scale, window_left=window_left, window_right=window_right)
 
 
 _BLOCK_ARGS = {
