@@ -195,8 +195,11 @@ impl Op {
     /// The plan of one call: the op's plan builder on these input types and statics, after
     /// the inputs are checked against the op's contract ([`crate::contract::check_inputs`]),
     /// its results bounded by the target's HBM.
+    /// Block statics left unset take the shipped tuning table's blocks when it holds this
+    /// exact call ([`crate::tune::tuned_statics`]).
     pub fn plan_for(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
-        let mut plan = self.unchecked_plan(inputs, statics, target)?;
+        let tuned = crate::tune::tuned_statics(self, inputs, statics, target.name).map(|best| self.statics(&format!("{statics}, {best}"))).transpose()?;
+        let mut plan = self.unchecked_plan(inputs, tuned.as_ref().unwrap_or(statics), target)?;
         self.check_results(&plan, target)?;
         plan.inputs = inputs.to_vec();
         plan.input_names = self.inputs.iter().map(|i| i.name).collect();

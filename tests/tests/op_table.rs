@@ -129,3 +129,41 @@ fn tune_knobs_are_statics_of_their_ops() {
     assert_eq!((all.len(), all[0].as_str(), all[1].as_str()), (16, "block_q=128, block_kv=128", "block_q=128, block_kv=256"));
     assert_eq!(tessera_kernels::tune::candidates(fa, &["block_q"]).len(), 4);
 }
+
+/// The shipped tuning table (kernels/tuned.json) is what the library's defaults read: each
+/// entry names an op, a target and shapes whose plan, with the knobs unset, is the plan of
+/// the entry's best statics given explicitly (and verifies); a shape the table lacks keeps
+/// the op's own defaults.
+#[test]
+fn shipped_tuning_table_sets_the_defaults_it_holds() {
+    let table = tessera_kernels::tune::table();
+    for e in table {
+        let op = find(&e.op).unwrap_or_else(|| panic!("tuned.json: no op `{}`", e.op));
+        let target = Target::by_name(&e.target).unwrap_or_else(|| panic!("tuned.json: no target `{}`", e.target));
+        let dtype = DType::parse(&e.dtype).unwrap();
+        let shapes: Vec<Vec<usize>> = op.inputs.iter().map(|i| e.shapes.iter().find(|(n, _)| n == i.name).map(|(_, s)| s.clone()).unwrap_or_default()).collect();
+        let given = e.shapes.len();
+        let types = op.types(&shapes[..given], dtype);
+        let unset = op.statics(&e.statics).unwrap();
+        let explicit = op.statics(&format!("{}, {}", e.statics, e.best)).unwrap();
+        let by_table = op.plan_for(&types, &unset, &target).unwrap_or_else(|err| panic!("{}: {err}", e.op));
+        let by_hand = op.plan_for(&types, &explicit, &target).unwrap();
+        let ir = |p: &tessera_kernels::Plan| p.launches.iter().map(|l| format!("{:?}", l.kernel)).collect::<Vec<_>>();
+        assert_eq!(ir(&by_table), ir(&by_hand), "{} on {}: the table's blocks ({}) are not the defaults", e.op, e.target, e.best);
+        for l in &by_table.launches {
+            tessera_dsl::verify::verify(&l.kernel, &target).unwrap();
+        }
+        // Another batch: not in the table, so the op's own defaults.
+        let mut other = shapes[..given].to_vec();
+        other[0][0] += 1;
+        let other_types = op.types(&other, dtype);
+        assert!(tessera_kernels::tune::tuned_statics(op, &other_types, &unset, target.name).is_none());
+    }
+    assert!(table.iter().any(|e| e.op == "flash_attention_fwd"), "the table ships flash attention's blocks");
+    // The differentiable alias takes its source's entries.
+    let (fwd, alias) = (find("flash_attention_fwd").unwrap(), find("flash_attention").unwrap());
+    let e = table.iter().find(|e| e.op == "flash_attention_fwd").unwrap();
+    let shapes: Vec<Vec<usize>> = ["q", "k", "v"].iter().map(|n| e.shapes.iter().find(|(m, _)| m == n).unwrap().1.clone()).collect();
+    let types = fwd.types(&shapes, DType::parse(&e.dtype).unwrap());
+    assert_eq!(tessera_kernels::tune::tuned_statics(alias, &types, &alias.statics(&e.statics).unwrap(), &e.target), Some(e.best.as_str()));
+}
