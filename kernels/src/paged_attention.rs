@@ -355,6 +355,28 @@ pub(crate) fn check_page_table(op: &str, seq: usize, len: usize, row: &[i32], pa
     Ok(())
 }
 
+/// Replaces the K / V pages at `inputs[first]`, `inputs[first + 1]` by a random cache stored as
+/// `cache` (int8 codes spanning -127..=127, or fp8 of unit-range values), and with
+/// `per_token` appends per-token scales `[Hkv, num_pages, page_size]` around 1/127 (as for
+/// unit-range data quantised to int8). Shared by the random inputs and the tests of both
+/// paged kernels.
+pub fn quantize_cache(inputs: &mut Vec<Array>, first: usize, cache: DType, per_token: bool, rng: &mut StdRng) {
+    let shape = inputs[first].shape.clone();
+    let n: usize = shape.iter().product();
+    for i in [first, first + 1] {
+        inputs[i] = if cache == DType::I8 {
+            Array::from_i8(&shape, (0..n).map(|_| rng.gen_range(-127..=127)).collect())
+        } else {
+            Array::from_f32_as_fp8(cache, &shape, &(0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
+        };
+    }
+    if per_token {
+        for _ in 0..2 {
+            inputs.push(Array::from_f32(&shape[..3], (0..n / shape[3]).map(|_| rng.gen_range(0.5f32..1.5) / 127.0).collect()));
+        }
+    }
+}
+
 /// The reference for a call's arrays (the per-token scales, when given, are arrays 5 and 6).
 fn reference_of_call(a: &[Array], statics: &crate::op::Statics) -> Vec<Vec<f64>> {
     let scales = (statics.f64("k_scale").unwrap_or(1.0), statics.f64("v_scale").unwrap_or(1.0));
@@ -380,16 +402,8 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
     let pages: Vec<i32> = (0..b * pps).map(|_| rng.gen_range(0..num_pages) as i32).collect();
     let mut inputs = vec![q, k, v, Array::from_i32(&[b], lengths), Array::from_i32(&[b, pps], pages)];
     if shapes.len() == 7 {
-        // Per-token scales given: an int8 cache, each token quantised with its own scale
-        // (stored values spanning -127..=127, scales around 1/127 as for unit-range data).
-        let n: usize = shapes[1].iter().product();
-        for i in [1, 2] {
-            inputs[i] = Array::from_i8(&shapes[1], (0..n).map(|_| rng.gen_range(-127..=127)).collect());
-        }
-        let tokens: usize = shapes[5].iter().product();
-        for s in [5, 6] {
-            inputs.push(Array::from_f32(&shapes[s], (0..tokens).map(|_| rng.gen_range(0.5..1.5) / 127.0).collect()));
-        }
+        // Per-token scales given: an int8 cache, each token quantised with its own scale.
+        quantize_cache(&mut inputs, 1, DType::I8, true, rng);
     }
     inputs
 }

@@ -517,15 +517,8 @@ pub fn random_inputs(shapes: &[Vec<usize>], dtype: DType, rng: &mut StdRng) -> V
     let pages: Vec<i32> = (0..ms * pps).map(|_| rng.gen_range(0..num_pages) as i32).collect();
     let mut inputs = vec![q, k, v, Array::from_i32(&[ms], kv_lens), Array::from_i32(&[ms, pps], pages), Array::from_i32(&[ms + 1], cu), Array::from_i32(&[1], vec![ns as i32])];
     if shapes.len() == 9 {
-        // Per-token scales given: an int8 cache (codes -127..=127, scales around 1/127).
-        let n: usize = shapes[1].iter().product();
-        for i in [1, 2] {
-            inputs[i] = Array::from_i8(&shapes[1], (0..n).map(|_| rng.gen_range(-127..=127)).collect());
-        }
-        for s in [7, 8] {
-            let tokens: usize = shapes[s].iter().product();
-            inputs.push(Array::from_f32(&shapes[s], (0..tokens).map(|_| rng.gen_range(0.5..1.5) / 127.0).collect()));
-        }
+        // Per-token scales given: an int8 cache.
+        crate::paged_attention::quantize_cache(&mut inputs, 1, DType::I8, true, rng);
     }
     inputs
 }

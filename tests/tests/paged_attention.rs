@@ -247,24 +247,8 @@ fn nonfinite_values_reach_only_their_sequence() {
 /// -127..=127; fp8 values of unit range), per-token scales `[Hkv, num_pages, page_size]`
 /// around 1/127 when `per_token`; q in `q_dtype`.
 fn quantized_inputs(set: usize, q_dtype: DType, cache: DType, per_token: bool, seed: u64) -> Vec<Array> {
-    use rand::Rng;
     let mut a = inputs(set, q_dtype, seed);
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-    let shape = a[1].shape.clone();
-    let n: usize = shape.iter().product();
-    for i in [1, 2] {
-        a[i] = if cache == DType::I8 {
-            Array::from_i8(&shape, (0..n).map(|_| rng.gen_range(-127..=127)).collect())
-        } else {
-            Array::from_f32_as_fp8(cache, &shape, &(0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
-        };
-    }
-    if per_token {
-        let tokens = n / shape[3];
-        for _ in 0..2 {
-            a.push(Array::from_f32(&shape[..3], (0..tokens).map(|_| rng.gen_range(0.5f32..1.5) / 127.0).collect()));
-        }
-    }
+    pa::quantize_cache(&mut a, 1, cache, per_token, &mut StdRng::seed_from_u64(seed ^ 0x5eed));
     a
 }
 

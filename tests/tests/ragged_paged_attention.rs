@@ -287,7 +287,6 @@ fn nonfinite_values_reach_only_the_queries_that_see_them() {
 /// dequantise-then-attend f64 reference.
 #[test]
 fn quantized_caches_match_the_reference_on_every_backend() {
-    use rand::Rng;
     // (cache dtype, per-token scales, k_scale, v_scale, sliding window).
     let configs: &[(DType, bool, f32, f32, Option<usize>)] = &[
         (DType::I8, true, 1.0, 1.0, None),
@@ -300,21 +299,7 @@ fn quantized_caches_match_the_reference_on_every_backend() {
         for (c, &(cache, per_token, k_scale, v_scale, window)) in configs.iter().enumerate() {
             let q_dtype = if (set + c) % 2 == 0 { DType::F32 } else { DType::BF16 };
             let mut a = inputs(set, q_dtype, 500 + (set * 8 + c) as u64);
-            let mut rng = StdRng::seed_from_u64(set as u64 * 31 + c as u64);
-            let shape = a[1].shape.clone();
-            let n: usize = shape.iter().product();
-            for i in [1, 2] {
-                a[i] = if cache == DType::I8 {
-                    Array::from_i8(&shape, (0..n).map(|_| rng.gen_range(-127..=127)).collect())
-                } else {
-                    Array::from_f32_as_fp8(cache, &shape, &(0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
-                };
-            }
-            if per_token {
-                for _ in 0..2 {
-                    a.push(Array::from_f32(&shape[..3], (0..n / shape[3]).map(|_| rng.gen_range(0.5f32..1.5) / 127.0).collect()));
-                }
-            }
+            tessera_kernels::paged_attention::quantize_cache(&mut a, 1, cache, per_token, &mut StdRng::seed_from_u64(set as u64 * 31 + c as u64));
             let scales = tessera_kernels::paged_attention::KvScales { k_scale, v_scale, per_token };
             let o = Options { sliding_window: window, scales, ..opts(sh, sh.3) };
             let want = reference::ragged_paged_attention_quantized(&a, o.sm_scale as f64, window, None, (k_scale as f64, v_scale as f64));
