@@ -329,10 +329,15 @@ pub fn reference_quantize(x: &[f64], rows: usize, cols: usize, along_rows: bool)
 
 // ---- random inputs ----------------------------------------------------------------------------
 
-/// The fp8 format a run of the op table at float dtype `dtype` uses: e4m3fn for f32 runs,
-/// e5m2 for bf16 runs (so `tessera run` and the table's cases exercise both formats).
+/// The fp8 format a run of the op table at float dtype `dtype` uses: that format for an
+/// fp8 run (`tessera run --dtype float8_e5m2`), else e4m3fn for f32 runs and e5m2 for bf16
+/// runs (so the table's cases at f32 and bf16 exercise both formats).
 pub fn format_for(dtype: DType) -> DType {
-    if dtype == DType::BF16 { DType::F8E5M2 } else { DType::F8E4M3FN }
+    match dtype {
+        DType::F8E4M3FN | DType::F8E5M2 => dtype,
+        DType::BF16 => DType::F8E5M2,
+        _ => DType::F8E4M3FN,
+    }
 }
 
 /// fp8 data of `dtype` in about [-4, 4) (so e5m2's and e4m3fn's subnormal-free range is
