@@ -28,9 +28,11 @@ tessera = pytest.importorskip("tessera")
 tpu = torch.ops.tpu
 
 F32, BF16, I32, I8 = torch.float32, torch.bfloat16, torch.int32, torch.int8
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOATS = (F32, BF16)
-# Relative max-norm tolerance by the dtype of the output compared.
-TOL = {F32: 1e-5, BF16: 2e-2}
+# Relative max-norm tolerance by the dtype of the output compared (fp8 results are the
+# quantizers', bit for bit against a reference computed as torch computes them).
+TOL = {F32: 1e-5, BF16: 2e-2, E4M3: 0.0, E5M2: 0.0}
 
 # Differentiable ops, from the op table's declared backwards: which arguments get gradients,
 # which outputs carry them (lse, expert ids and group sizes do not).
@@ -190,6 +192,42 @@ def ref_cross_entropy_with_grad(logits, labels):
 
 def ref_quantized_matmul(x, w, scale):
     return x @ (w.double() * scale.double()[:, None]).T
+
+
+def _per_element(scale, rows, cols, br, bc):
+    """A scale per `br x bc` block, repeated to every element of a `[rows, cols]` operand."""
+    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def ref_scaled_mm_blockwise(a, b, scale_a, scale_b, transpose_rhs=False):
+    """Dequantize (a * its 1x128 scales, b * its 128x128 tile scales), then matmul."""
+    da = a.double() * _per_element(scale_a.double(), *a.shape, 1, 128)
+    db = b.double() * _per_element(scale_b.double(), *b.shape, 128, 128)
+    return da @ (db.T if transpose_rhs else db)
+
+
+def ref_scaled_mm_blockwise_wgrad(a, g, scale_a, scale_g):
+    """Dequantize both operands by their 128x1 scales, then a^T @ g."""
+    return (a.double() * _per_element(scale_a.double(), *a.shape, 128, 1)).T @ (g.double() * _per_element(scale_g.double(), *g.shape, 128, 1))
+
+
+def _quantize(x, br, bc):
+    """torch's amax/448 recipe in float32: scale = amax.clamp(min=1e-12) / 448 per block,
+    q = (x / scale).to(float8_e4m3fn)."""
+    x = x.float()
+    m, n = x.shape
+    amax = x.abs().reshape(m // br, br, n // bc, bc).amax(dim=(1, 3))
+    scale = amax.clamp(min=1e-12) / 448.0
+    q = (x / _per_element(scale, m, n, br, bc)).to(E4M3)
+    return q.double(), scale.double()
+
+
+def ref_quantize_fp8_1x128(x):
+    return _quantize(x, 1, 128)
+
+
+def ref_quantize_fp8_128x1(x):
+    return _quantize(x, 128, 1)
 
 
 def _groups(group_sizes):
@@ -558,6 +596,44 @@ def _(r, dt):
     return (r.randn(16, 2048, dtype=dt), r.randint(-127, 128, 1536, 2048, dtype=I8), r.uniform(1536, lo=0.001, hi=0.02)), {}
 
 
+def _fp8(r, dt, *shape, mag=4.0):
+    """fp8 data: e4m3fn in float32 samples, e5m2 in bfloat16 samples (both formats run)."""
+    return r.uniform(*shape, lo=-mag, hi=mag).to(E4M3 if dt == F32 else E5M2)
+
+
+def _scales(r, *shape):
+    return r.uniform(*shape, lo=2**-8, hi=2**-4)
+
+
+@sample("scaled_mm_blockwise", "edges")
+def _(r, dt):
+    # M and N not multiples of the 128 blocks; two K blocks.
+    return (_fp8(r, dt, 72, 256), _fp8(r, dt, 256, 200), _scales(r, 72, 2), _scales(r, 2, 2)), {}
+
+
+@sample("scaled_mm_blockwise", "dgrad")
+def _(r, dt):
+    # dA = dOut @ B^T: b [n, k] read in place, its tile scales [ceil(n/128), k/128].
+    return (_fp8(r, dt, 40, 384), _fp8(r, dt, 136, 384), _scales(r, 40, 3), _scales(r, 2, 3)), {"transpose_rhs": True}
+
+
+@sample("scaled_mm_blockwise_wgrad", "two_m_blocks")
+def _(r, dt):
+    return (_fp8(r, dt, 256, 72), _fp8(r, dt, 256, 136), _scales(r, 2, 72), _scales(r, 2, 136)), {}
+
+
+@sample("quantize_fp8_1x128", "rows")
+def _(r, dt):
+    x = r.randn(40, 384, dtype=F32) * torch.logspace(-3, 3, 40, dtype=F32)[:, None]
+    x[0, :128] = 0  # an all-zero block: scale 1e-12 / 448, q = 0
+    return (x.to(dt),), {}
+
+
+@sample("quantize_fp8_128x1", "columns")
+def _(r, dt):
+    return ((r.randn(256, 72, dtype=F32) * torch.logspace(-3, 3, 72, dtype=F32)).to(dt),), {}
+
+
 GROUPS = [5, 0, 43, 16]  # an empty group and unaligned boundaries; 64 rows
 
 
@@ -882,6 +958,8 @@ def test_opcheck(op, name, dtype):
 
 # Outputs that are float32 whatever the input dtype (the others have the float inputs' dtype).
 F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_attention_fwd": (1,)}
+# Outputs whose dtype is the op's own, whatever the inputs' (the blockwise fp8 recipe).
+FIXED_OUTPUTS = {"scaled_mm_blockwise": (BF16,), "scaled_mm_blockwise_wgrad": (BF16,), "quantize_fp8_1x128": (E4M3, F32), "quantize_fp8_128x1": (E4M3, F32)}
 
 
 @functools.cache
@@ -897,7 +975,7 @@ def test_numerics(op, name, dtype):
     got = as_tuple(getattr(tpu, op)(*args, **kwargs))
     assert len(got) == len(ref)
     for i, (g, r) in enumerate(zip(got, ref)):
-        want = F32 if i in F32_OUTPUTS.get(op, ()) else dtype if r.is_floating_point() else r.dtype
+        want = FIXED_OUTPUTS[op][i] if op in FIXED_OUTPUTS else F32 if i in F32_OUTPUTS.get(op, ()) else dtype if r.is_floating_point() else r.dtype
         assert g.dtype == want, f"{op} output {i}: dtype {g.dtype}, expected {want}"
         assert_close(g, r, f"{op} output {i}")
 
