@@ -59,10 +59,10 @@ pub const E4M3_MAX: f32 = 448.0;
 pub const AMAX_EPS: f32 = 1e-12;
 
 #[tpu_kernel(
-    grid = [m.div_ceil(bm), n.div_ceil(bn), k / 128],
+    grid = [m.div_ceil(bm), n.div_ceil(bn), k / bk],
     semantics = [parallel, parallel, arbitrary],
-    a = block([bm, 128], |i, j, kk| [i, kk]),
-    b = block([if transpose_rhs { bn } else { 128 }, if transpose_rhs { 128 } else { bn }], |i, j, kk| [if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
+    a = block([bm, bk], |i, j, kk| [i, kk]),
+    b = block([if transpose_rhs { bn } else { bk }, if transpose_rhs { bk } else { bn }], |i, j, kk| [if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
     scale_a = block([bm, kb], |i, j, kk| [i, 0]),
     scale_b = block([sb0, sb1], |i, j, kk| [0, 0]),
     out = block([bm, bn], |i, j, kk| [i, j]),
@@ -71,31 +71,48 @@ pub const AMAX_EPS: f32 = 1e-12;
 #[rustfmt::skip]
 pub fn scaled_mm_blockwise_kernel(
     a: In<m, k>, b: In<_, _>, scale_a: In<m, kb>, scale_b: In<sb0, sb1>, out: Out<m, n>, acc: Scratch,
-    bm: usize, bn: usize, transpose_rhs: bool, up: bool,
+    bm: usize, bn: usize, bk: usize, transpose_rhs: bool, up: bool,
 ) {
     if program_id(2) == 0 {
         acc[..] = zeros([bm, bn], f32);
     }
-    let mut x = a[..];
-    let mut y = b[..];
-    if up {
-        x = x.cast(bf16);
-        y = y.cast(bf16);
-    }
-    // This K block's row scales [bm, 1] and its (K block, N block) weight scale [1, 1]:
-    // each picked by a select (the rest 0, so a NaN elsewhere stays out) and a sum.
-    let sa = select(iota([bm, kb], 1) == program_id(2), scale_a[..], 0.0).sum(1);
     let r = iota([sb0, sb1], 0);
     let c = iota([sb0, sb1], 1);
-    let mut hit = (r == program_id(2)) & (c == program_id(1));
-    if transpose_rhs {
-        hit = (r == program_id(1)) & (c == program_id(2));
-    }
-    let sb = select(hit, scale_b[..], 0.0).sum(1).sum(0);
-    if transpose_rhs {
-        acc[..] += dot_t(x, y) * sa * sb;
-    } else {
-        acc[..] += dot(x, y) * sa * sb;
+    let lane = iota([1, bn], 1);
+    // The 128-wide K sub-blocks of this step, one scale column of `scale_a` and one row of
+    // tile scales each.
+    for t in 0..bk / 128 {
+        let kbi = program_id(2) * (bk / 128) + t;
+        let mut x = a[(.., ds(t * 128, 128))];
+        if up {
+            x = x.cast(bf16);
+        }
+        // Row scales [bm, 1]: picked by a select (the rest 0, so a NaN elsewhere stays out)
+        // and a sum; the tile scales [1, bn]: each 128-column tile's entry likewise.
+        let sa = select(iota([bm, kb], 1) == kbi, scale_a[..], 0.0).sum(1);
+        let mut sb = zeros([1, bn], f32);
+        for u in 0..bn.div_ceil(128) {
+            let nbi = program_id(1) * bn.div_ceil(128) + u;
+            let mut hit = (r == kbi) & (c == nbi);
+            if transpose_rhs {
+                hit = (r == nbi) & (c == kbi);
+            }
+            let v = select(hit, scale_b[..], 0.0).sum(1).sum(0);
+            sb = select((lane >= u * 128) & (lane < u * 128 + 128), v, sb);
+        }
+        if transpose_rhs {
+            let mut y = b[(.., ds(t * 128, 128))];
+            if up {
+                y = y.cast(bf16);
+            }
+            acc[..] += dot_t(x, y) * sa * sb;
+        } else {
+            let mut y = b[(ds(t * 128, 128), ..)];
+            if up {
+                y = y.cast(bf16);
+            }
+            acc[..] += dot(x, y) * sa * sb;
+        }
     }
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
@@ -230,9 +247,8 @@ fn plan_scaled_mm(c: &Call) -> Result<Plan, KernelError> {
     let sb_shape = if t { [nb, kb] } else { [kb, nb] };
     scale_shape(c, "scale_b", sb_shape, if t { "transpose_rhs: b is [N, K], one scale per 128x128 tile of b ([ceil(N/128), K/128])" } else { "one scale per 128x128 tile of b ([K/128, ceil(N/128)])" })?;
     let (sa, sb) = (c.tensor("scale_a")?.clone(), c.tensor("scale_b")?.clone());
-    let bm = if m <= 512 { m } else { 512 };
-    let bn = n.min(BLOCK);
-    let kernel = scaled_mm_blockwise_kernel(at.clone(), bt.clone(), sa.clone(), sb.clone(), Type::vector(DType::BF16, &[m, n]), bm, bn, t, up)?;
+    let (bm, bn, bk) = scaled_mm_blocks(m, k, n);
+    let kernel = scaled_mm_blockwise_kernel(at.clone(), bt.clone(), sa.clone(), sb.clone(), Type::vector(DType::BF16, &[m, n]), bm, bn, bk, t, up)?;
     let kernel = crate::blocks::fit_vmem_limit(kernel, c.target);
     Ok(single(c, kernel, vec![c.input("a", at)?, c.input("b", bt)?, c.input("scale_a", sa)?, c.input("scale_b", sb)?], &[]))
 }
@@ -269,12 +285,20 @@ fn plan_quantize_128x1(c: &Call) -> Result<Plan, KernelError> {
     Ok(single(c, kernel, vec![c.input("x", xt)?], &[]))
 }
 
+/// Blocks of [`scaled_mm_blockwise_kernel`]: `bm`, `bn` up to 512 (all of the dim if
+/// smaller, else 512 with a partial last block), `bk` the largest multiple of 128 up to 512
+/// dividing K (each grid step runs `bk / 128` scaled sub-products).
+pub fn scaled_mm_blocks(m: usize, k: usize, n: usize) -> (usize, usize, usize) {
+    (m.min(512), n.min(512), crate::blocks::pick_block(k, 512, BLOCK))
+}
+
 /// `scaled_mm_blockwise(a, b, scale_a, scale_b)` for `target` (types as the op takes them).
 pub fn scaled_mm_blockwise(a: &Type, b: &Type, scale_a: &Type, scale_b: &Type, transpose_rhs: bool, target: &Target) -> Result<Kernel, KernelError> {
     let up = a.dtype.is_fp8() && !(target.matmul_dtypes.contains(&a.dtype) && target.matmul_dtypes.contains(&b.dtype));
     let dim = |t: &Type, i: usize| t.shape.get(i).copied().unwrap_or(0);
     let (m, n) = (dim(a, 0), if transpose_rhs { dim(b, 0) } else { dim(b, 1) });
-    scaled_mm_blockwise_kernel(a.clone(), b.clone(), scale_a.clone(), scale_b.clone(), Type::vector(DType::BF16, &[m, n]), m.min(512), n.min(BLOCK), transpose_rhs, up)
+    let (bm, bn, bk) = scaled_mm_blocks(m, dim(a, 1), n);
+    scaled_mm_blockwise_kernel(a.clone(), b.clone(), scale_a.clone(), scale_b.clone(), Type::vector(DType::BF16, &[m, n]), bm, bn, bk, transpose_rhs, up)
 }
 
 // ---- references (f64, dequantize first) ------------------------------------------------------
