@@ -42,8 +42,8 @@
 //! scales `[bm, 1]` (picked from the `[bm, K/128]` scale block with a select and a sum)
 //! times the tile-scale row `[1, bn]` (each 128-column tile's entry picked from the whole
 //! `scale_b` array in VMEM likewise; all exact: the other entries are replaced by 0, so a
-//! NaN elsewhere stays out). The wgrad kernel tiles `[bk, bn]` up to 512 and steps M in
-//! 128-row blocks.
+//! NaN elsewhere stays out). The wgrad kernel tiles `[bk, bn]` up to 512 and steps M by up
+//! to 512 rows, a loop over their 128-row blocks.
 
 use rand::{rngs::StdRng, Rng};
 use tessera_dsl::interp::Array;
@@ -123,12 +123,13 @@ pub fn scaled_mm_blockwise_kernel(
 
 /// `dB = A^T @ G` with both operands' 128x1 scales (`scale_a [M/128, K]`, `scale_g
 /// [M/128, N]`): the product of M block `mb` is scaled by the outer product of the two
-/// scale rows, `scale_a[mb, :]^T scale_g[mb, :]`.
+/// scale rows, `scale_a[mb, :]^T scale_g[mb, :]`. Each grid step takes `bm` rows of M (a
+/// loop over its 128-row sub-blocks).
 #[tpu_kernel(
-    grid = [k.div_ceil(bk), n.div_ceil(bn), m / 128],
+    grid = [k.div_ceil(bk), n.div_ceil(bn), m / bm],
     semantics = [parallel, parallel, arbitrary],
-    a = block([128, bk], |i, j, mm| [mm, i]),
-    g = block([128, bn], |i, j, mm| [mm, j]),
+    a = block([bm, bk], |i, j, mm| [mm, i]),
+    g = block([bm, bn], |i, j, mm| [mm, j]),
     scale_a = block([mb, bk], |i, j, mm| [0, i]),
     scale_g = block([mb, bn], |i, j, mm| [0, j]),
     out = block([bk, bn], |i, j, mm| [i, j]),
@@ -137,20 +138,23 @@ pub fn scaled_mm_blockwise_kernel(
 #[rustfmt::skip]
 pub fn scaled_mm_blockwise_wgrad_kernel(
     a: In<m, k>, g: In<m, n>, scale_a: In<mb, k>, scale_g: In<mb, n>, out: Out<k, n>, acc: Scratch,
-    bk: usize, bn: usize, up: bool,
+    bm: usize, bk: usize, bn: usize, up: bool,
 ) {
     if program_id(2) == 0 {
         acc[..] = zeros([bk, bn], f32);
     }
-    let mut x = a[..];
-    let mut y = g[..];
-    if up {
-        x = x.cast(bf16);
-        y = y.cast(bf16);
+    for t in 0..bm / 128 {
+        let mbi = program_id(2) * (bm / 128) + t;
+        let mut x = a[(ds(t * 128, 128), ..)];
+        let mut y = g[(ds(t * 128, 128), ..)];
+        if up {
+            x = x.cast(bf16);
+            y = y.cast(bf16);
+        }
+        let sa = select(iota([mb, bk], 0) == mbi, scale_a[..], 0.0).sum(0);
+        let sg = select(iota([mb, bn], 0) == mbi, scale_g[..], 0.0).sum(0);
+        acc[..] += dot_tn(x, y) * sa.t() * sg;
     }
-    let sa = select(iota([mb, bk], 0) == program_id(2), scale_a[..], 0.0).sum(0);
-    let sg = select(iota([mb, bn], 0) == program_id(2), scale_g[..], 0.0).sum(0);
-    acc[..] += dot_tn(x, y) * sa.t() * sg;
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
     }
@@ -263,8 +267,9 @@ fn plan_wgrad(c: &Call) -> Result<Plan, KernelError> {
     scale_shape(c, "scale_a", [m / BLOCK, k], "one scale per column of a per 128-row block (128x1)")?;
     scale_shape(c, "scale_g", [m / BLOCK, n], "one scale per column of g per 128-row block (128x1)")?;
     let (sa, sg) = (c.tensor("scale_a")?.clone(), c.tensor("scale_g")?.clone());
-    let (bk, bn) = (k.min(512), n.min(512));
-    let kernel = scaled_mm_blockwise_wgrad_kernel(at.clone(), gt.clone(), sa.clone(), sg.clone(), Type::vector(DType::BF16, &[k, n]), bk, bn, up)?;
+    // Rows of M per step: the largest multiple of 128 up to 512 dividing M.
+    let (bm, bk, bn) = (crate::blocks::pick_block(m, 512, BLOCK), k.min(512), n.min(512));
+    let kernel = scaled_mm_blockwise_wgrad_kernel(at.clone(), gt.clone(), sa.clone(), sg.clone(), Type::vector(DType::BF16, &[k, n]), bm, bk, bn, up)?;
     let kernel = crate::blocks::fit_vmem_limit(kernel, c.target);
     Ok(single(c, kernel, vec![c.input("a", at)?, c.input("g", gt)?, c.input("scale_a", sa)?, c.input("scale_g", sg)?], &[]))
 }

@@ -76,11 +76,12 @@ const BF16_TOL: f64 = 1.6e-2;
 
 #[test]
 fn forward_and_dgrad_match_dequantize_then_matmul_on_every_backend() {
-    // (m, k, n, bm, transpose_rhs): partial M blocks (bm not dividing m), partial N blocks
-    // (n % 128 != 0), n < 128, a single row, several K blocks.
-    let sets = [(64, 128, 128, 64, false), (200, 256, 300, 64, false), (96, 384, 100, 32, false), (1, 256, 256, 1, false), (130, 256, 136, 64, true), (72, 384, 256, 32, true)];
+    // (m, k, n, bm, bn, bk, transpose_rhs): partial M blocks (bm not dividing m), partial N
+    // blocks (n % 128 != 0, and n % bn != 0), n < 128, a single row, several K steps and
+    // several 128-wide sub-blocks per step.
+    let sets = [(64, 128, 128, 64, 128, 128, false), (200, 256, 300, 64, 256, 128, false), (96, 384, 100, 32, 100, 384, false), (1, 512, 256, 1, 256, 256, false), (130, 256, 400, 64, 256, 256, true), (72, 384, 256, 32, 128, 128, true)];
     let mut rng = StdRng::seed_from_u64(15);
-    for (idx, &(m, k, n, bm, t)) in sets.iter().enumerate() {
+    for (idx, &(m, k, n, bm, bn, bk, t)) in sets.iter().enumerate() {
         for (da, db) in [(E4, E4), (E5, E5), (E4, E5)] {
             let a = fp8_array(da, &[m, k], &mut rng);
             let b = fp8_array(db, &if t { [n, k] } else { [k, n] }, &mut rng);
@@ -88,9 +89,9 @@ fn forward_and_dgrad_match_dequantize_then_matmul_on_every_backend() {
             let sb = scales(&if t { [n.div_ceil(B), k / B] } else { [k / B, n.div_ceil(B)] }, &mut rng);
             let want = dequant_matmul(&a, &b, &sa, &sb, t);
             for up in [true, false] {
-                let kern = scaled_mm_blockwise_kernel(ty(da, &a.shape), ty(db, &b.shape), ty(DType::F32, &sa.shape), ty(DType::F32, &sb.shape), ty(DType::BF16, &[m, n]), bm, n.min(B), t, up).unwrap();
+                let kern = scaled_mm_blockwise_kernel(ty(da, &a.shape), ty(db, &b.shape), ty(DType::F32, &sa.shape), ty(DType::F32, &sb.shape), ty(DType::BF16, &[m, n]), bm, bn, bk, t, up).unwrap();
                 let out = run_all(&kern, &[&a, &b, &sa, &sb]);
-                assert_close(&out[0], &want, BF16_TOL, &format!("set {idx} {m}x{k}x{n} bm {bm} t {t} {da} x {db} up {up}"));
+                assert_close(&out[0], &want, BF16_TOL, &format!("set {idx} {m}x{k}x{n} blocks {bm}x{bn}x{bk} t {t} {da} x {db} up {up}"));
             }
         }
     }
@@ -98,10 +99,11 @@ fn forward_and_dgrad_match_dequantize_then_matmul_on_every_backend() {
 
 #[test]
 fn wgrad_matches_dequantize_then_matmul_on_every_backend() {
-    // (m, k, n, bk, bn): partial K and N output blocks, one M block, several.
-    let sets = [(128, 128, 128, 128, 128), (256, 200, 136, 128, 128), (384, 64, 300, 64, 128), (128, 512, 40, 256, 40), (256, 136, 256, 128, 256)];
+    // (m, k, n, bm, bk, bn): partial K and N output blocks, one M block, several M steps,
+    // several 128-row sub-blocks per step.
+    let sets = [(128, 128, 128, 128, 128, 128), (256, 200, 136, 128, 128, 128), (384, 64, 300, 384, 64, 128), (128, 512, 40, 128, 256, 40), (512, 136, 256, 256, 128, 256)];
     let mut rng = StdRng::seed_from_u64(16);
-    for (idx, &(m, k, n, bk, bn)) in sets.iter().enumerate() {
+    for (idx, &(m, k, n, bm, bk, bn)) in sets.iter().enumerate() {
         for (da, dg) in [(E4, E4), (E5, E5), (E4, E5)] {
             let a = fp8_array(da, &[m, k], &mut rng);
             let g = fp8_array(dg, &[m, n], &mut rng);
@@ -116,7 +118,7 @@ fn wgrad_matches_dequantize_then_matmul_on_every_backend() {
                     }
                 }
             }
-            let kern = scaled_mm_blockwise_wgrad_kernel(ty(da, &[m, k]), ty(dg, &[m, n]), ty(DType::F32, &sa.shape), ty(DType::F32, &sg.shape), ty(DType::BF16, &[k, n]), bk, bn, true).unwrap();
+            let kern = scaled_mm_blockwise_wgrad_kernel(ty(da, &[m, k]), ty(dg, &[m, n]), ty(DType::F32, &sa.shape), ty(DType::F32, &sg.shape), ty(DType::BF16, &[k, n]), bm, bk, bn, true).unwrap();
             let out = run_all(&kern, &[&a, &g, &sa, &sg]);
             assert_close(&out[0], &want, BF16_TOL, &format!("wgrad set {idx} {m}x{k}x{n} {da} x {dg}"));
         }
@@ -307,9 +309,9 @@ fn library_kernels(target: &Target) -> Vec<Kernel> {
     let f = DType::F32;
     let up = |d: DType| !target.matmul_dtypes.contains(&d);
     vec![
-        scaled_mm_blockwise_kernel(ty(E4, &[512, 1024]), ty(E4, &[1024, 1024]), ty(f, &[512, 8]), ty(f, &[8, 8]), ty(DType::BF16, &[512, 1024]), 512, 128, false, up(E4)).unwrap(),
-        scaled_mm_blockwise_kernel(ty(E5, &[200, 384]), ty(E5, &[300, 384]), ty(f, &[200, 3]), ty(f, &[3, 3]), ty(DType::BF16, &[200, 300]), 200, 128, true, up(E5)).unwrap(),
-        scaled_mm_blockwise_wgrad_kernel(ty(E4, &[1024, 512]), ty(E5, &[1024, 512]), ty(f, &[8, 512]), ty(f, &[8, 512]), ty(DType::BF16, &[512, 512]), 512, 512, up(E4)).unwrap(),
+        scaled_mm_blockwise_kernel(ty(E4, &[512, 1024]), ty(E4, &[1024, 1024]), ty(f, &[512, 8]), ty(f, &[8, 8]), ty(DType::BF16, &[512, 1024]), 512, 512, 1024, false, up(E4)).unwrap(),
+        scaled_mm_blockwise_kernel(ty(E5, &[200, 384]), ty(E5, &[600, 384]), ty(f, &[200, 3]), ty(f, &[5, 3]), ty(DType::BF16, &[200, 600]), 200, 512, 384, true, up(E5)).unwrap(),
+        scaled_mm_blockwise_wgrad_kernel(ty(E4, &[1024, 512]), ty(E5, &[1024, 512]), ty(f, &[8, 512]), ty(f, &[8, 512]), ty(DType::BF16, &[512, 512]), 512, 512, 512, up(E4)).unwrap(),
         quantize_fp8_1x128_kernel(ty(DType::BF16, &[512, 1024]), ty(E4, &[512, 1024]), ty(f, &[512, 8]), 512).unwrap(),
         quantize_fp8_128x1_kernel(ty(DType::BF16, &[1024, 512]), ty(E4, &[1024, 512]), ty(f, &[8, 512]), 512).unwrap(),
     ]
