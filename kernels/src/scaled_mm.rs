@@ -31,6 +31,17 @@
 //! e4m3fn's largest finite value), so `q * scale` dequantizes; a NaN in a block makes its
 //! scale and every `q` of the block NaN (as torch's `amax` and division do).
 //!
+//! **No autograd.** The ops declare no backward: their data inputs are fp8, and torch
+//! casts a gradient to its input's dtype, so a gradient into `a` would be rounded to fp8.
+//! The recipe's backward is these ops called explicitly (the training test in
+//! `tests/tests/scaled_mm.rs` and `tests/python/test_compat_torch_tpu.py`).
+//!
+//! **Nonfinite values.** NaN in an operand or a scale propagates as torch's
+//! dequantize-first product does (the row, the column, the tile's columns). An infinite
+//! scale gives the factored product `(sum a b) * scale` (so `inf` unless the block's sum is
+//! 0), where dequantizing first gives NaN from any `0 * inf` term: the quantizers never
+//! produce an infinite scale from finite data.
+//!
 //! **fp8 on the MXU.** Both formats (`float8_e4m3fn`, `float8_e5m2`, also mixed) are
 //! multiplied natively on tpu7x; on v5e/v5p/v6e, whose MXUs have no fp8 mode, the blocks
 //! are up-converted to bf16 in VMEM first (exact: every fp8 value is a bf16 value), so the
