@@ -38,9 +38,10 @@
 //!
 //! **Nonfinite values.** NaN in an operand or a scale propagates as torch's
 //! dequantize-first product does (the row, the column, the tile's columns). An infinite
-//! scale gives the factored product `(sum a b) * scale` (so `inf` unless the block's sum is
-//! 0), where dequantizing first gives NaN from any `0 * inf` term: the quantizers never
-//! produce an infinite scale from finite data.
+//! scale gives TorchTPU's factored product (its kernel computes `dot * sa * sb` per block:
+//! `inf` unless the block's sum is 0), where dequantizing first in torch gives NaN from any
+//! `0 * inf` term; the references here follow TorchTPU. The quantizers never produce an
+//! infinite scale from finite data.
 //!
 //! **fp8 on the MXU.** Both formats (`float8_e4m3fn`, `float8_e5m2`, also mixed) are
 //! multiplied natively on tpu7x; on v5e/v5p/v6e, whose MXUs have no fp8 mode, the blocks
@@ -321,30 +322,31 @@ pub fn scaled_mm_blockwise(a: &Type, b: &Type, scale_a: &Type, scale_b: &Type, t
     scaled_mm_blockwise_kernel(a.clone(), b.clone(), scale_a.clone(), scale_b.clone(), Type::vector(DType::BF16, &[m, n]), bm, bn, bk, transpose_rhs, up)
 }
 
-// ---- references (f64, dequantize first) ------------------------------------------------------
+// ---- references (f64, the recipe's factored form) ---------------------------------------------
 
-/// `out[i, j] = sum_p (a[i, p] * scale_a[i, p/128]) * (b[p, j] * scale_b[p/128, j/128])`
-/// (`b` read as `[n, k]` with `transpose_rhs`, `scale_b` as `[n/128, k/128]`).
+/// `out[i, j] = sum_kb scale_a[i, kb] * scale_b[kb, j/128] * sum_{p in kb} a[i, p] b[p, j]`
+/// (`b` read as `[n, k]` with `transpose_rhs`, `scale_b` as `[n/128, k/128]`): each
+/// 128-block's exact sum times its two scales, TorchTPU's definition (for finite scales
+/// equal to dequantizing first).
 pub fn reference(a: &[f64], b: &[f64], sa: &[f64], sb: &[f64], m: usize, k: usize, n: usize, transpose_rhs: bool) -> Vec<f64> {
     let (kb, nb) = (k / BLOCK, n.div_ceil(BLOCK));
-    let bval = |p: usize, j: usize| {
-        if transpose_rhs { b[j * k + p] * sb[(j / BLOCK) * kb + p / BLOCK] } else { b[p * n + j] * sb[(p / BLOCK) * nb + j / BLOCK] }
-    };
+    let bval = |p: usize, j: usize| if transpose_rhs { b[j * k + p] } else { b[p * n + j] };
+    let sbv = |q: usize, j: usize| if transpose_rhs { sb[(j / BLOCK) * kb + q] } else { sb[q * nb + j / BLOCK] };
     let mut out = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            out[i * n + j] = (0..k).map(|p| a[i * k + p] * sa[i * kb + p / BLOCK] * bval(p, j)).sum();
+            out[i * n + j] = (0..kb).map(|q| (q * BLOCK..(q + 1) * BLOCK).map(|p| a[i * k + p] * bval(p, j)).sum::<f64>() * sa[i * kb + q] * sbv(q, j)).sum();
         }
     }
     out
 }
 
-/// `dB[p, j] = sum_i (a[i, p] * scale_a[i/128, p]) * (g[i, j] * scale_g[i/128, j])`.
+/// `dB[p, j] = sum_mb scale_a[mb, p] * scale_g[mb, j] * sum_{i in mb} a[i, p] g[i, j]`.
 pub fn reference_wgrad(a: &[f64], g: &[f64], sa: &[f64], sg: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
     let mut out = vec![0.0; k * n];
     for p in 0..k {
         for j in 0..n {
-            out[p * n + j] = (0..m).map(|i| a[i * k + p] * sa[(i / BLOCK) * k + p] * g[i * n + j] * sg[(i / BLOCK) * n + j]).sum();
+            out[p * n + j] = (0..m / BLOCK).map(|q| (q * BLOCK..(q + 1) * BLOCK).map(|i| a[i * k + p] * g[i * n + j]).sum::<f64>() * sa[q * k + p] * sg[q * n + j]).sum();
         }
     }
     out

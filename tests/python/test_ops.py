@@ -200,15 +200,25 @@ def _per_element(scale, rows, cols, br, bc):
 
 
 def ref_scaled_mm_blockwise(a, b, scale_a, scale_b, transpose_rhs=False):
-    """Dequantize (a * its 1x128 scales, b * its 128x128 tile scales), then matmul."""
-    da = a.double() * _per_element(scale_a.double(), *a.shape, 1, 128)
-    db = b.double() * _per_element(scale_b.double(), *b.shape, 128, 128)
-    return da @ (db.T if transpose_rhs else db)
+    """TorchTPU's blockwise recipe: per 128-wide K block, the block's product times its row
+    scales and its 128x128 tile scales (for finite scales: dequantize, then matmul)."""
+    a, b = a.double(), (b.double().T if transpose_rhs else b.double())
+    sb = scale_b.double().T if transpose_rhs else scale_b.double()  # [k/128, ceil(n/128)]
+    n = b.shape[1]
+    out = 0
+    for q in range(a.shape[1] // 128):
+        blk = slice(q * 128, (q + 1) * 128)
+        out = out + (a[:, blk] @ b[blk]) * scale_a.double()[:, q : q + 1] * sb[q].repeat_interleave(128)[:n]
+    return out
 
 
 def ref_scaled_mm_blockwise_wgrad(a, g, scale_a, scale_g):
-    """Dequantize both operands by their 128x1 scales, then a^T @ g."""
-    return (a.double() * _per_element(scale_a.double(), *a.shape, 128, 1)).T @ (g.double() * _per_element(scale_g.double(), *g.shape, 128, 1))
+    """a^T @ g per 128-row block, times the outer product of the blocks' 128x1 scales."""
+    out = 0
+    for q in range(a.shape[0] // 128):
+        blk = slice(q * 128, (q + 1) * 128)
+        out = out + (a.double()[blk].T @ g.double()[blk]) * scale_a.double()[q][:, None] * scale_g.double()[q][None, :]
+    return out
 
 
 def _quantize(x, br, bc):
