@@ -480,6 +480,8 @@ pub fn dtype_from_torch(name: &str) -> Option<DType> {
         "int32" => Some(DType::I32),
         "int8" => Some(DType::I8),
         "bool" => Some(DType::Bool),
+        "float8_e4m3fn" => Some(DType::F8E4M3FN),
+        "float8_e5m2" => Some(DType::F8E5M2),
         _ => None,
     }
 }
