@@ -99,6 +99,13 @@ def rel_err(got, ref):
     return diff.max().item() / (scale if scale > 1e-12 else 1.0)
 
 
+def bits_equal(a, b):
+    """Exactly equal (fp8 compared by their codes: fp8 CPU tensors take no torch.equal)."""
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and a.dtype == b.dtype:
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
 def assert_close(got, ref, what, tol=None):
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
     if not ref.is_floating_point():
