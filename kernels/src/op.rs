@@ -81,7 +81,8 @@ pub struct Output {
     pub name: &'static str,
     /// `x` (x's shape), or `[item, ...]` with items `*x` (all of x's dims), `*x[a:b]`,
     /// `x.i` (dim i, negative from the end), an integer static's name, an integer,
-    /// products `a * b` and `flag ? a : b` on a bool static.
+    /// products `a * b`, a quotient by an integer `a / 128` (rounded down) and `flag ? a : b`
+    /// on a bool static.
     pub shape: &'static str,
     /// A tensor input's name (its dtype) or a dtype name (`f32`, `i32`, ...).
     pub dtype: &'static str,
@@ -712,6 +713,10 @@ fn eval_dim<'t>(item: &str, tensor: &impl Fn(&str) -> Result<&'t Type, String>, 
         let (a, b) = rest.split_once(':').ok_or_else(|| format!("`{item}`: expected flag ? a : b"))?;
         let pick = if statics.bool(cond.trim()) { a } else { b };
         return eval_dim(pick, tensor, statics);
+    }
+    if let Some((num, den)) = item.rsplit_once('/') {
+        let den: usize = den.trim().parse().ok().filter(|&d| d > 0).ok_or_else(|| format!("`{item}`: `{den}` is not a positive integer divisor"))?;
+        return Ok(eval_dim(num, tensor, statics)? / den);
     }
     let mut product = 1usize;
     for atom in item.split('*') {

@@ -88,8 +88,75 @@ def test_what_is_not_there_says_so():
         tpu_ops.splash_sdpa(q, q[:, :1], q[:, :1])
     with pytest.raises(TypeError, match="block_zz"):
         tpu_ops.splash_sdpa(q, q, q, block_zz=1)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        tpu_ops.scaled_mm_1x128_128x128(q, q)
+    a, sa = torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.ones(8, 1)
+    b, sb = torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1)
+    with pytest.raises(NotImplementedError, match="bias"):
+        tpu_ops.scaled_mm_1x128_128x128(a, b, sa, sb, bias=torch.zeros(128))
+    with pytest.raises(ValueError, match="out_dtype"):
+        tpu_ops.scaled_mm_1x128_128x128(a, b, sa, sb, out_dtype=torch.float32)
+    # K not a multiple of 128: TorchTPU's precondition, an error naming the op, `a` and the rule.
+    with pytest.raises(ValueError, match=r"scaled_mm_blockwise.*`a`.*multiple of 128"):
+        tpu_ops.scaled_mm_1x128_128x128(torch.zeros(8, 100, dtype=torch.float8_e4m3fn), torch.zeros(100, 128, dtype=torch.float8_e4m3fn), sa, sb)
+    with pytest.raises(ValueError, match=r"scale_b.*\[1, 2\]"):
+        tpu_ops.scaled_mm_1x128_128x128(a, torch.zeros(128, 200, dtype=torch.float8_e4m3fn), sa, sb)
+
+
+def per_element(scale, rows, cols, br, bc):
+    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def quantize(x, br, bc):
+    """torch's amax/448 recipe: scale = amax.clamp(min=1e-12) / 448 per block, q = x / scale."""
+    m, n = x.shape
+    amax = x.float().abs().reshape(m // br, br, n // bc, bc).amax(dim=(1, 3))
+    scale = amax.clamp(min=1e-12) / 448
+    return (x.float() / per_element(scale, m, n, br, bc)).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("m,k,n", [(64, 256, 256), (200, 384, 300), (1, 128, 72)])
+def test_scaled_mm_1x128_128x128_is_dequantize_then_matmul(fmt, m, k, n):
+    torch.manual_seed(m + k + n)
+    a = (torch.rand(m, k) * 8 - 4).to(fmt)
+    b = (torch.rand(k, n) * 8 - 4).to(fmt)
+    sa = torch.rand(m, k // 128) * 0.05 + 0.004
+    sb = torch.rand(k // 128, -(-n // 128)) * 0.05 + 0.004
+    out = tpu_ops.scaled_mm_1x128_128x128(a, b, sa, sb, tile_m=256, tile_n=256, tile_k=512)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = (a.double() * per_element(sa.double(), m, k, 1, 128)) @ (b.double() * per_element(sb.double(), k, n, 128, 128))
+    err = (out.double() - want).abs().max() / want.abs().max()
+    assert err < 1e-2, err
+    # NaN in a row scale: that row only, as torch's dequantize-first product.
+    row = min(3, m - 1)
+    sa[row, 0] = float("nan")
+    out = tpu_ops.scaled_mm_1x128_128x128(a, b, sa, sb)
+    assert out[row].isnan().all() and not out[:row].isnan().any() and not out[row + 1:].isnan().any()
+
+
+def test_the_training_recipe_against_torch():
+    """out = x @ w, dx = dout @ w^T (dgrad: the same op, transpose_rhs), dw = x^T @ dout
+    (wgrad, 128x1 operands), with the quantizers checked bit for bit against torch's
+    amax/448 recipe and the results against the unquantized float64 products."""
+    torch.manual_seed(0)
+    m, k, n = 256, 384, 256
+    x, w, dout = torch.randn(m, k), torch.randn(k, n) * 0.05, torch.randn(m, n) * 0.01
+    tpu = torch.ops.tpu
+    qx, sx = tpu.quantize_fp8_1x128(x)
+    rq, rs = quantize(x, 1, 128)
+    assert torch.equal(qx.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sx, rs)
+    qw, sw = quantize(w, 128, 128)  # a weight is quantized once, per 128x128 tile
+    out = tpu.scaled_mm_blockwise(qx, qw, sx, sw)
+    qd, sd = tpu.quantize_fp8_1x128(dout)
+    dx = tpu.scaled_mm_blockwise(qd, qw, sd, sw, transpose_rhs=True)
+    qx1, sx1 = tpu.quantize_fp8_128x1(x)
+    qd1, sd1 = tpu.quantize_fp8_128x1(dout)
+    rq, rs = quantize(dout, 128, 1)
+    assert torch.equal(qd1.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sd1, rs)
+    dw = tpu.scaled_mm_blockwise_wgrad(qx1, qd1, sx1, sd1)
+    x64, w64, d64 = x.double(), w.double(), dout.double()
+    for got, want in [(out, x64 @ w64), (dx, d64 @ w64.T), (dw, x64.T @ d64)]:
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs().max() / want.abs().max()) < 5e-2
 
 
 def test_jax_is_never_imported():
@@ -99,6 +166,7 @@ def test_jax_is_never_imported():
         "x = torch.randn(256, 128); w = torch.randn(2, 128, 128); gs = torch.tensor([128, 128], dtype=torch.int32)\n"
         "t.ragged_dot(x, w, gs); t.ragged_dot_weight_grad(x, torch.randn(256, 128), gs)\n"
         "q = torch.randn(1, 2, 128, 64); t.splash_sdpa(q, q, q)\n"
+        "f8 = torch.float8_e4m3fn; t.scaled_mm_1x128_128x128(torch.zeros(8, 128, dtype=f8), torch.zeros(128, 128, dtype=f8), torch.ones(8, 1), torch.ones(1, 1))\n"
         "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib')))\n"
         "print('JAX', bad)\n"
     )

@@ -140,6 +140,10 @@ def contract(op, transpose_rhs=False):
         "cross_entropy_bwd": ["t v", "t", "t 1?", "t"],
         "quantized_matmul": ["m k", "n k", "n"],
         "quantized_matmul_dx": ["m n", "n k", "n"],
+        "scaled_mm_blockwise": ["m k", "n k" if transpose_rhs else "k n", "m kb", "nb kb" if transpose_rhs else "kb nb"],
+        "scaled_mm_blockwise_wgrad": ["m k", "m n", "mb k", "mb n"],
+        "quantize_fp8_1x128": ["m k"],
+        "quantize_fp8_128x1": ["m n"],
         "gmm": ["m k", "g n k" if transpose_rhs else "g k n", "g"],
         "tgmm": ["m k", "m n", "g"],
         "gmm_bwd": ["m k", "g n k" if transpose_rhs else "g k n", "g", "m n"],
@@ -206,6 +210,15 @@ def keeps_contract(op, shapes, statics):
     if op == "router_topk":
         k = statics.get("k", 2)
         return isinstance(k, int) and 1 <= k <= g("e")
+    # The blockwise fp8 recipe: the contraction in 128-blocks, one scale per block.
+    if op == "scaled_mm_blockwise":
+        return g("k") % 128 == 0 and g("kb") == g("k") // 128 and g("nb") == -(-g("n") // 128)
+    if op == "scaled_mm_blockwise_wgrad":
+        return g("m") % 128 == 0 and g("mb") == g("m") // 128
+    if op == "quantize_fp8_1x128":
+        return g("k") % 128 == 0
+    if op == "quantize_fp8_128x1":
+        return g("m") % 128 == 0
     return True
 
 
@@ -382,6 +395,23 @@ def valid_call(op, gen, dt):
     elif op == "quantized_matmul_dx":
         m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
         tensors = [r(m, n, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
+    elif op in ("scaled_mm_blockwise", "scaled_mm_blockwise_wgrad"):
+        f8 = gen.pick([torch.float8_e4m3fn, torch.float8_e5m2])
+        q = lambda *s: (r(*s) * 3).to(f8)  # noqa: E731
+        sc = lambda *s: torch.rand(*s, generator=gen.g) * 0.05 + 0.004  # noqa: E731
+        if op == "scaled_mm_blockwise":
+            m, k, n = gen.dim(200), 128 * gen.int(1, 3), gen.dim(300)
+            t = gen.coin(0.4)
+            if t:
+                S["transpose_rhs"] = True
+            tensors = [q(m, k), q(n, k) if t else q(k, n), sc(m, k // 128), sc(-(-n // 128), k // 128) if t else sc(k // 128, -(-n // 128))]
+        else:
+            m, k, n = 128 * gen.int(1, 2), gen.dim(200), gen.dim(200)
+            tensors = [q(m, k), q(m, n), sc(m // 128, k), sc(m // 128, n)]
+    elif op == "quantize_fp8_1x128":
+        tensors = [r(gen.dim(200), 128 * gen.int(1, 3), dtype=dt)]
+    elif op == "quantize_fp8_128x1":
+        tensors = [r(128 * gen.int(1, 2), gen.dim(300), dtype=dt)]
     elif op in ("gmm", "gmm_bwd", "tgmm"):
         m, k, n, g = gen.dim(300), gen.dim(200), gen.dim(200), gen.int(1, 6)
         sizes = _group_sizes(gen, m, g)
@@ -589,6 +619,8 @@ def bits_equal(a, b):
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            x, y = x.float(), y.float()  # exact; fp8 CPU tensors take no nan_to_num
         if x.is_floating_point():
             if not torch.equal(torch.nan_to_num(x, nan=1.2345), torch.nan_to_num(y, nan=1.2345)) or not torch.equal(torch.isnan(x), torch.isnan(y)):
                 return False

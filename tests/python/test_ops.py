@@ -28,9 +28,11 @@ tessera = pytest.importorskip("tessera")
 tpu = torch.ops.tpu
 
 F32, BF16, I32, I8 = torch.float32, torch.bfloat16, torch.int32, torch.int8
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLOATS = (F32, BF16)
-# Relative max-norm tolerance by the dtype of the output compared.
-TOL = {F32: 1e-5, BF16: 2e-2}
+# Relative max-norm tolerance by the dtype of the output compared (fp8 results are the
+# quantizers', bit for bit against a reference computed as torch computes them).
+TOL = {F32: 1e-5, BF16: 2e-2, E4M3: 0.0, E5M2: 0.0}
 
 # Differentiable ops, from the op table's declared backwards: which arguments get gradients,
 # which outputs carry them (lse, expert ids and group sizes do not).
@@ -95,6 +97,13 @@ def rel_err(got, ref):
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
     scale = ref.abs().max().item()
     return diff.max().item() / (scale if scale > 1e-12 else 1.0)
+
+
+def bits_equal(a, b):
+    """Exactly equal (fp8 compared by their codes: fp8 CPU tensors take no torch.equal)."""
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and a.dtype == b.dtype:
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def assert_close(got, ref, what, tol=None):
@@ -190,6 +199,52 @@ def ref_cross_entropy_with_grad(logits, labels):
 
 def ref_quantized_matmul(x, w, scale):
     return x @ (w.double() * scale.double()[:, None]).T
+
+
+def _per_element(scale, rows, cols, br, bc):
+    """A scale per `br x bc` block, repeated to every element of a `[rows, cols]` operand."""
+    return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+
+
+def ref_scaled_mm_blockwise(a, b, scale_a, scale_b, transpose_rhs=False):
+    """TorchTPU's blockwise recipe: per 128-wide K block, the block's product times its row
+    scales and its 128x128 tile scales (for finite scales: dequantize, then matmul)."""
+    a, b = a.double(), (b.double().T if transpose_rhs else b.double())
+    sb = scale_b.double().T if transpose_rhs else scale_b.double()  # [k/128, ceil(n/128)]
+    n = b.shape[1]
+    out = 0
+    for q in range(a.shape[1] // 128):
+        blk = slice(q * 128, (q + 1) * 128)
+        out = out + (a[:, blk] @ b[blk]) * scale_a.double()[:, q : q + 1] * sb[q].repeat_interleave(128)[:n]
+    return out
+
+
+def ref_scaled_mm_blockwise_wgrad(a, g, scale_a, scale_g):
+    """a^T @ g per 128-row block, times the outer product of the blocks' 128x1 scales."""
+    out = 0
+    for q in range(a.shape[0] // 128):
+        blk = slice(q * 128, (q + 1) * 128)
+        out = out + (a.double()[blk].T @ g.double()[blk]) * scale_a.double()[q][:, None] * scale_g.double()[q][None, :]
+    return out
+
+
+def _quantize(x, br, bc):
+    """torch's amax/448 recipe in float32: scale = amax.clamp(min=1e-12) / 448 per block,
+    q = (x / scale).to(float8_e4m3fn)."""
+    x = x.float()
+    m, n = x.shape
+    amax = x.abs().reshape(m // br, br, n // bc, bc).amax(dim=(1, 3))
+    scale = amax.clamp(min=1e-12) / 448.0
+    q = (x / _per_element(scale, m, n, br, bc)).to(E4M3)
+    return q.double(), scale.double()
+
+
+def ref_quantize_fp8_1x128(x):
+    return _quantize(x, 1, 128)
+
+
+def ref_quantize_fp8_128x1(x):
+    return _quantize(x, 128, 1)
 
 
 def _groups(group_sizes):
@@ -570,6 +625,44 @@ def _(r, dt):
     return (r.randn(16, 2048, dtype=dt), r.randint(-127, 128, 1536, 2048, dtype=I8), r.uniform(1536, lo=0.001, hi=0.02)), {}
 
 
+def _fp8(r, dt, *shape, mag=4.0):
+    """fp8 data: e4m3fn in float32 samples, e5m2 in bfloat16 samples (both formats run)."""
+    return r.uniform(*shape, lo=-mag, hi=mag).to(E4M3 if dt == F32 else E5M2)
+
+
+def _scales(r, *shape):
+    return r.uniform(*shape, lo=2**-8, hi=2**-4)
+
+
+@sample("scaled_mm_blockwise", "edges")
+def _(r, dt):
+    # M and N not multiples of the 128 blocks; two K blocks.
+    return (_fp8(r, dt, 72, 256), _fp8(r, dt, 256, 200), _scales(r, 72, 2), _scales(r, 2, 2)), {}
+
+
+@sample("scaled_mm_blockwise", "dgrad")
+def _(r, dt):
+    # dA = dOut @ B^T: b [n, k] read in place, its tile scales [ceil(n/128), k/128].
+    return (_fp8(r, dt, 40, 384), _fp8(r, dt, 136, 384), _scales(r, 40, 3), _scales(r, 2, 3)), {"transpose_rhs": True}
+
+
+@sample("scaled_mm_blockwise_wgrad", "two_m_blocks")
+def _(r, dt):
+    return (_fp8(r, dt, 256, 72), _fp8(r, dt, 256, 136), _scales(r, 2, 72), _scales(r, 2, 136)), {}
+
+
+@sample("quantize_fp8_1x128", "rows")
+def _(r, dt):
+    x = r.randn(40, 384, dtype=F32) * torch.logspace(-3, 3, 40, dtype=F32)[:, None]
+    x[0, :128] = 0  # an all-zero block: scale 1e-12 / 448, q = 0
+    return (x.to(dt),), {}
+
+
+@sample("quantize_fp8_128x1", "columns")
+def _(r, dt):
+    return ((r.randn(256, 72, dtype=F32) * torch.logspace(-3, 3, 72, dtype=F32)).to(dt),), {}
+
+
 GROUPS = [5, 0, 43, 16]  # an empty group and unaligned boundaries; 64 rows
 
 
@@ -923,12 +1016,16 @@ def test_differentiable_ops_are_the_ones_with_autograd():
 @pytest.mark.parametrize("op,name,dtype", cases(large=False))
 def test_opcheck(op, name, dtype):
     args, kwargs = build(op, name, dtype, requires_grad=op in DIFF_ARGS)
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # opcheck's defaults
-    if any(isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for a in args):
-        # torch's test_schema compares inputs by arithmetic that float8 tensors lack
-        # ("mul_cpu_reduced_float" not implemented): the other checks still run.
-        tests = tests[1:]
-    torch.library.opcheck(getattr(tpu, op).default, args, kwargs, test_utils=tests)
+    fp8 = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in (E4M3, E5M2)]
+    if not fp8:
+        torch.library.opcheck(getattr(tpu, op).default, args, kwargs)
+        return
+    # torch's SchemaCheckMode (opcheck's test_schema) multiplies inputs to detect mutation,
+    # which fp8 CPU tensors do not support: check the rest, and non-mutation by the bytes.
+    before = [a.view(torch.uint8).clone() for a in fp8]
+    torch.library.opcheck(getattr(tpu, op).default, args, kwargs, test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    getattr(tpu, op)(*args, **kwargs)
+    assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(fp8, before)), f"{op} mutated an fp8 input"
 
 
 # ---- numerics ------------------------------------------------------------------------------------
@@ -936,6 +1033,8 @@ def test_opcheck(op, name, dtype):
 
 # Outputs that are float32 whatever the input dtype (the others have the float inputs' dtype).
 F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_attention_fwd": (1,)}
+# Outputs whose dtype is the op's own, whatever the inputs' (the blockwise fp8 recipe).
+FIXED_OUTPUTS = {"scaled_mm_blockwise": (BF16,), "scaled_mm_blockwise_wgrad": (BF16,), "quantize_fp8_1x128": (E4M3, F32), "quantize_fp8_128x1": (E4M3, F32)}
 
 
 @functools.cache
@@ -951,7 +1050,7 @@ def test_numerics(op, name, dtype):
     got = as_tuple(getattr(tpu, op)(*args, **kwargs))
     assert len(got) == len(ref)
     for i, (g, r) in enumerate(zip(got, ref)):
-        want = F32 if i in F32_OUTPUTS.get(op, ()) else dtype if r.is_floating_point() else r.dtype
+        want = FIXED_OUTPUTS[op][i] if op in FIXED_OUTPUTS else F32 if i in F32_OUTPUTS.get(op, ()) else dtype if r.is_floating_point() else r.dtype
         assert g.dtype == want, f"{op} output {i}: dtype {g.dtype}, expected {want}"
         assert_close(g, r, f"{op} output {i}")
 

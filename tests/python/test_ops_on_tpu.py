@@ -57,7 +57,7 @@ def test_op_on_tpu_matches_cpu(launches, op, name, dtype):
     for j, (g, w) in enumerate(zip(got, want)):
         assert g.device.type == "tpu", f"result {j} is on {g.device}"
         assert g.dtype == w.dtype and g.shape == w.shape
-        assert torch.equal(g.cpu(), w), f"{op}/{name}: result {j} differs from the CPU op"
+        assert test_ops.bits_equal(g.cpu(), w), f"{op}/{name}: result {j} differs from the CPU op"
 
 
 GRAD_CASES = [(op, name) for op, name, dt in CASES if dt == torch.float32 and op in test_ops.DIFF_ARGS]

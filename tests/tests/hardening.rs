@@ -1238,6 +1238,11 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "cross_entropy_bwd" => &["t v", "t", "t 1?", "t"],
         "quantized_matmul" => &["m k", "n k", "n"],
         "quantized_matmul_dx" => &["m n", "n k", "n"],
+        "scaled_mm_blockwise" if transpose_rhs => &["m k", "n k", "m kb", "nb kb"],
+        "scaled_mm_blockwise" => &["m k", "k n", "m kb", "kb nb"],
+        "scaled_mm_blockwise_wgrad" => &["m k", "m n", "mb k", "mb n"],
+        "quantize_fp8_1x128" => &["m k"],
+        "quantize_fp8_128x1" => &["m n"],
         "gmm" if transpose_rhs => &["m k", "g n k", "g"],
         "gmm" => &["m k", "g k n", "g"],
         "tgmm" => &["m k", "m n", "g"],
@@ -1318,6 +1323,11 @@ fn keeps_contract(op: &str, statics: &Statics, shapes: &[Vec<usize>]) -> bool {
         "flash_attention_fwd" | "flash_attention" | "flash_attention_bwd" | "paged_attention" | "ragged_paged_attention" => get("hkv") > 0 && get("h") % get("hkv").max(1) == 0,
         "rope" | "rope_bwd" => get("dh") % 2 == 0,
         "router_topk" => statics.i64("k").is_some_and(|k| k >= 1 && k as usize <= get("e")),
+        // The blockwise fp8 recipe: the contraction in 128-blocks, one scale per block.
+        "scaled_mm_blockwise" => get("k") % 128 == 0 && get("kb") == get("k") / 128 && get("nb") == get("n").div_ceil(128),
+        "scaled_mm_blockwise_wgrad" => get("m") % 128 == 0 && get("mb") == get("m") / 128,
+        "quantize_fp8_1x128" => get("k") % 128 == 0,
+        "quantize_fp8_128x1" => get("m") % 128 == 0,
         _ => true,
     }
 }
@@ -1443,6 +1453,21 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
             let (m, k, n) = (dim(rng, 200), dim(rng, 300), dim(rng, 200));
             vec![vec![m, n], vec![n, k], vec![n]]
         }
+        "scaled_mm_blockwise" => {
+            let (m, k, n) = (dim(rng, 200), 128 * rng.gen_range(1..=3), dim(rng, 300));
+            if rng.gen_bool(0.4) {
+                st.push("transpose_rhs=True".into());
+                vec![vec![m, k], vec![n, k], vec![m, k / 128], vec![n.div_ceil(128), k / 128]]
+            } else {
+                vec![vec![m, k], vec![k, n], vec![m, k / 128], vec![k / 128, n.div_ceil(128)]]
+            }
+        }
+        "scaled_mm_blockwise_wgrad" => {
+            let (m, k, n) = (128 * rng.gen_range(1..=2), dim(rng, 200), dim(rng, 200));
+            vec![vec![m, k], vec![m, n], vec![m / 128, k], vec![m / 128, n]]
+        }
+        "quantize_fp8_1x128" => vec![vec![dim(rng, 200), 128 * rng.gen_range(1..=3)]],
+        "quantize_fp8_128x1" => vec![vec![128 * rng.gen_range(1..=2), dim(rng, 300)]],
         "gmm" | "gmm_bwd" => {
             let (m, k, n, g) = (dim(rng, 300), dim(rng, 200), dim(rng, 200), rng.gen_range(1..=6));
             let t = rng.gen_bool(0.4);

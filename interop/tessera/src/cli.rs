@@ -261,8 +261,8 @@ fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
 
 fn dtype(s: &Select) -> CliResult<DType> {
     match DType::parse(&s.dtype) {
-        Some(d @ (DType::F32 | DType::BF16)) => Ok(d),
-        _ => Err(format!("--dtype `{}`: the library kernels take f32 or bf16", s.dtype)),
+        Some(d @ (DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2)) => Ok(d),
+        _ => Err(format!("--dtype `{}`: the library kernels take f32 or bf16 (float8_e4m3fn or float8_e5m2 for the ops whose operands may be fp8, such as scaled_mm_blockwise)", s.dtype)),
     }
 }
 

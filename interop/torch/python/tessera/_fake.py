@@ -15,7 +15,8 @@ a dtype (`f32`, `bf16`, `i32`, `i8`, `bool`).
 
 import torch
 
-_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i8": torch.int8, "bool": torch.bool}
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i32": torch.int32, "i8": torch.int8, "bool": torch.bool,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def _split(s):
@@ -39,6 +40,9 @@ def _dim(item, env):
         cond, rest = item.split("?", 1)
         a, b = rest.split(":", 1)
         return _dim(a.strip() if env[cond.strip()] else b.strip(), env)
+    if "/" in item:
+        num, den = item.rsplit("/", 1)
+        return _dim(num.strip(), env) // int(den)
     value = 1
     for atom in item.split("*"):
         atom = atom.strip()

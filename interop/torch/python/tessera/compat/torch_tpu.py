@@ -5,11 +5,15 @@ no JAX installed, on the CPU, the emulated `tpu` device and TorchTPU's `tpu` dev
     from tessera.compat import torch_tpu as tpu_ops
     out = tpu_ops.ragged_dot(lhs, rhs, group_sizes)
 
-Covered: `ragged_dot`, `ragged_dot_weight_grad` (Tessera's gmm / tgmm) and `splash_sdpa`
+Covered: `ragged_dot`, `ragged_dot_weight_grad` (Tessera's gmm / tgmm), `splash_sdpa`
 for causal and full masks, local (sliding-window) masks, GQA, and an explicit scale
-(Tessera's flash attention with its window, whose backward is Tessera's). Not yet:
-`scaled_mm_1x128_128x128` (blockwise-scaled fp8), which raises NotImplementedError saying
-so. Block-size arguments are accepted and ignored: Tessera picks its blocks per generation.
+(Tessera's flash attention with its window, whose backward is Tessera's), and
+`scaled_mm_1x128_128x128`, the blockwise-scaled fp8 matmul (Tessera's
+`scaled_mm_blockwise`; its training forms are `torch.ops.tpu.scaled_mm_blockwise` with
+`transpose_rhs=True`, `scaled_mm_blockwise_wgrad` and the quantizers `quantize_fp8_1x128` /
+`quantize_fp8_128x1`). Not yet: `scaled_mm_1x128_128x128`'s fused `bias`, which raises
+NotImplementedError saying so. Block-size arguments are accepted and ignored: Tessera picks
+its blocks per generation.
 """
 
 from __future__ import annotations
@@ -87,8 +91,43 @@ _BLOCK_ARGS = {
 }
 
 
-def scaled_mm_1x128_128x128(*args, **kwargs):
-    """Blockwise-scaled fp8 matmul (1x128 activation scales, 128x128 weight scales)."""
-    raise NotImplementedError(
-        "tessera.compat.torch_tpu.scaled_mm_1x128_128x128: Tessera's blockwise-scaled fp8 matmul is not built yet"
-    )
+def scaled_mm_1x128_128x128(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tile_m: Optional[int] = None,
+    tile_n: Optional[int] = None,
+    tile_k: Optional[int] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Blockwise-scaled fp8 matmul, TorchTPU's recipe (its Pallas kernel
+    `torch_tpu/_internal/ops/scaled_mm/kernels/blockwise128_scaled_mm_kernel.py`):
+    `a [M, K]` fp8 (float8_e4m3fn or float8_e5m2) with float32 `scale_a [M, K // 128]`
+    (1x128: one scale per row per 128-wide K block), `b [K, N]` fp8 (K-major) with float32
+    `scale_b [K // 128, ceil(N / 128)]` (128x128 tiles); the scales multiply (dequantization
+    factors, not reciprocals): `out[m, n] = sum_kb scale_a[m, kb] * scale_b[kb, n // 128] *
+    sum_{k in kb} a[m, k] * b[k, n]`, accumulated in float32, returned in bfloat16.
+
+    K must be a multiple of 128 (TorchTPU's precondition too; zero-pad K and the scales
+    otherwise); M and N are free. fp8 is multiplied natively on tpu7x and up-converted to
+    bf16 (exactly) on v5e/v5p/v6e. `out_dtype` other than bfloat16 and a fused `bias` are
+    not supported (a clear error says so); the tile arguments are accepted and ignored. Not
+    differentiable (autograd into fp8 tensors would round the gradients to fp8): the training
+    recipe's backward is `torch.ops.tpu.scaled_mm_blockwise(q_dout, b, s_dout, scale_b,
+    transpose_rhs=True)` for dA and `torch.ops.tpu.scaled_mm_blockwise_wgrad` for dB, with
+    `torch.ops.tpu.quantize_fp8_1x128` / `quantize_fp8_128x1` for their operands."""
+    del tile_m, tile_n, tile_k
+    if out_dtype != torch.bfloat16:
+        raise ValueError(
+            f"tessera.compat.torch_tpu.scaled_mm_1x128_128x128: out_dtype={out_dtype} is not supported; Tessera's "
+            "scaled_mm_blockwise writes bfloat16 (the recipe's default): pass out_dtype=torch.bfloat16"
+        )
+    if bias is not None:
+        raise NotImplementedError(
+            "tessera.compat.torch_tpu.scaled_mm_1x128_128x128: a fused bias is not built yet (TorchTPU adds it in "
+            "float32 before the bfloat16 cast); call without bias"
+        )
+    return torch.ops.tpu.scaled_mm_blockwise(a, b, scale_a, scale_b)
