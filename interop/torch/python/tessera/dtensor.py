@@ -41,6 +41,7 @@ the wrong shard. Registration goes through DTensor's own op-strategy machinery
 """
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,12 @@ RULES = {
     "flash_attention_bwd": [Rule("b"), HEADS],
     "paged_attention": [Rule("b"), HEADS],
     "ragged_paged_attention": [HEADS],
+    # Blockwise fp8: the scales' blocks run along k (1x128) or m (128x1), so the other dim
+    # shards freely; the wgrad contracts over m (output [k, n]).
+    "scaled_mm_blockwise": [Rule("m")],
+    "scaled_mm_blockwise_wgrad": [Rule("k"), Rule("n")],
+    "quantize_fp8_1x128": [Rule("m")],
+    "quantize_fp8_128x1": [Rule("n")],
 }
 
 # Ops that run replicated on purpose (none in the library today; a user crate's ops are
@@ -176,7 +183,7 @@ def _output_sources(expr, tensor_dims, statics):
                 lo, _, hi = rng.rstrip("]").partition(":")
                 positions = positions[int(lo) if lo.strip() else None : int(hi) if hi.strip() else None]
             out.extend((name.strip(), p) for p in positions)
-        elif "." in item and "*" not in item:
+        elif re.fullmatch(r"\s*\w+\.-?\d+\s*", item):  # `x.1`; `x.1 / 128` is opaque
             name, d = item.split(".", 1)
             rank = len(tensor_dims[name.strip()])
             out.append((name.strip(), int(d) % rank))
