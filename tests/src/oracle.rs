@@ -120,7 +120,8 @@ fn cache_key(text: &str, target: &str, version: &str) -> String {
 }
 
 /// [`compile`] with a verdict cache under `target/tpu-verdicts/` (key: module text, target,
-/// libtpu version). Targets are compiled two at a time, each in its own worker process.
+/// libtpu version). Every target's modules compile at once, each target in its own worker
+/// process (three workers keep both cores busy where two left one idle behind the slowest).
 pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
     let version = libtpu_version();
     let dir = cache_dir();
@@ -138,7 +139,7 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
     let mut targets: Vec<&str> = jobs.iter().zip(&out).filter(|(_, v)| v.is_none()).map(|((_, t, _), _)| t.as_str()).collect();
     targets.sort();
     targets.dedup();
-    for pair in targets.chunks(2) {
+    for pair in targets.chunks(targets.len().max(1)) {
         let results: Vec<(Vec<usize>, Vec<Verdict>)> = std::thread::scope(|s| {
             let handles: Vec<_> = pair
                 .iter()
@@ -168,6 +169,17 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
 
 /// Compiles `modules` for `target`, prints each verdict, and fails listing every module
 /// libtpu rejected.
+/// [`assert_accepted`] for `(name, target, module)` jobs of several targets: compiled all
+/// targets at once and cached by module text ([`compile_cached`]).
+pub fn assert_all_accepted(jobs: &[(String, String, String)]) {
+    let verdicts = compile_cached(jobs);
+    for v in &verdicts {
+        eprintln!("{:<6} {:<44} {}", v.target, v.name, if v.ok { "accept" } else { "REJECT" });
+    }
+    let rejected: Vec<String> = verdicts.iter().filter(|v| !v.ok).map(|v| format!("{} on {}: {}", v.name, v.target, v.error)).collect();
+    assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
+}
+
 pub fn assert_accepted(modules: &[(String, String)], target: &str) {
     let verdicts = compile(modules, target);
     for v in &verdicts {
