@@ -421,6 +421,15 @@ pub const OPS: &[Op] = &[Op {
 pub mod reference {
     use tessera_dsl::interp::Array;
 
+    /// A cache's stored `[Hkv, num_pages, page_size, D]` pages as the values they stand for:
+    /// `stored * scale * token_scales[token]` (the per-token scales `[Hkv, num_pages,
+    /// page_size]` when given). Shared by both paged kernels' references.
+    pub fn dequantize(pages: &Array, scale: f64, token_scales: Option<&Array>) -> Vec<f64> {
+        let d = pages.shape[3];
+        let tokens = token_scales.map(Array::to_f64_vec);
+        pages.to_f64_vec().iter().enumerate().map(|(i, x)| x * scale * tokens.as_ref().map_or(1.0, |t| t[i / d])).collect()
+    }
+
     pub fn paged_attention(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array) -> Vec<f64> {
         paged_attention_quantized(q, k, v, lengths, page_indices, (1.0, 1.0), None)
     }
@@ -428,11 +437,9 @@ pub mod reference {
     /// `scales` are the per-tensor `(k_scale, v_scale)`; `token_scales` the per-token
     /// `[Hkv, num_pages, page_size]` arrays.
     pub fn paged_attention_quantized(q: &Array, k: &Array, v: &Array, lengths: &Array, page_indices: &Array, scales: (f64, f64), token_scales: Option<(&Array, &Array)>) -> Vec<f64> {
-        let (qs, ks, vs) = (q.to_f64_vec(), k.to_f64_vec(), v.to_f64_vec());
-        let (kt, vt) = match token_scales {
-            Some((kt, vt)) => (kt.to_f64_vec(), vt.to_f64_vec()),
-            None => (vec![1.0; k.shape[..3].iter().product()], vec![1.0; k.shape[..3].iter().product()]),
-        };
+        let qs = q.to_f64_vec();
+        let ks = dequantize(k, scales.0, token_scales.map(|t| t.0));
+        let vs = dequantize(v, scales.1, token_scales.map(|t| t.1));
         let (b, h, d) = (q.shape[0], q.shape[1], q.shape[2]);
         let (hkv, num_pages, ps) = (k.shape[0], k.shape[1], k.shape[2]);
         let pps = page_indices.shape[1];
@@ -445,8 +452,8 @@ pub mod reference {
                 let kv = head / group;
                 // The cache token of sequence s at position t: its index among [Hkv, pages, ps].
                 let token = |t: usize| (kv * num_pages + table[s * pps + t / ps] as usize) * ps + t % ps;
-                let key = |t: usize, e: usize| scales.0 * kt[token(t)] * ks[token(t) * d + e];
-                let value = |t: usize, e: usize| scales.1 * vt[token(t)] * vs[token(t) * d + e];
+                let key = |t: usize, e: usize| ks[token(t) * d + e];
+                let value = |t: usize, e: usize| vs[token(t) * d + e];
                 let qrow = &qs[(s * h + head) * d..][..d];
                 let scores: Vec<f64> = (0..len).map(|t| (0..d).map(|e| qrow[e] * key(t, e)).sum()).collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

@@ -556,11 +556,7 @@ pub mod reference {
     /// [`ragged_paged_attention`] over a cache dequantised first: stored * `scales` (the
     /// per-tensor `(k_scale, v_scale)`) * the per-token scales `a[7]`, `a[8]` when given.
     pub fn ragged_paged_attention_quantized(a: &[Array], sm_scale: f64, sliding_window: Option<usize>, soft_cap: Option<f64>, scales: (f64, f64)) -> Vec<f64> {
-        let d = a[1].shape[3];
-        let dequantize = |pages: &Array, scale: f64, tokens: Option<&Array>| -> Vec<f64> {
-            let tokens = tokens.map(Array::to_f64_vec);
-            pages.to_f64_vec().iter().enumerate().map(|(i, x)| x * scale * tokens.as_ref().map_or(1.0, |t| t[i / d])).collect()
-        };
+        use crate::paged_attention::reference::dequantize;
         let (qs, ks, vs) = (a[0].to_f64_vec(), dequantize(&a[1], scales.0, a.get(7)), dequantize(&a[2], scales.1, a.get(8)));
         let (t, h, d) = (a[0].shape[0], a[0].shape[1], a[0].shape[2]);
         let (hkv, num_pages, ps) = (a[1].shape[0], a[1].shape[1], a[1].shape[2]);

@@ -44,16 +44,7 @@ fn dequant_matmul(a: &Array, b: &Array, sa: &Array, sb: &Array, t: bool) -> Vec<
     let da: Vec<f64> = (0..m * k).map(|e| a[e] * sa[(e / k) * kb + (e % k) / B]).collect();
     // b dequantized as [k, n].
     let db: Vec<f64> = (0..k * n).map(|e| { let (p, j) = (e / n, e % n); if t { b[j * k + p] * sb[(j / B) * kb + p / B] } else { b[e] * sb[(p / B) * nb + j / B] } }).collect();
-    let mut out = vec![0.0; m * n];
-    for i in 0..m {
-        for p in 0..k {
-            let x = da[i * k + p];
-            for j in 0..n {
-                out[i * n + j] += x * db[p * n + j];
-            }
-        }
-    }
-    out
+    tessera_kernels::reference::matmul(&da, &db, m, k, n)
 }
 
 /// `max|got - want| / max|want|` over finite references, and the NaN positions agree.
