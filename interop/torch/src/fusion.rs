@@ -152,6 +152,20 @@ impl FusionGraph {
         self.graph.to_string()
     }
 
+    /// The cached program for the results `live` on `target` (`cached=False`: built afresh,
+    /// the cache and its counters untouched), and whether it was a cache hit; a program that
+    /// cannot be built is a `ValueError` saying why.
+    #[pyo3(signature = (live, target, cached=true))]
+    fn program(&self, live: Vec<usize>, target: &str, cached: bool) -> PyResult<(FusionProgram, bool)> {
+        let target = target_named(target)?;
+        let (program, hit) = if cached { fusion::program(&self.graph, &live, &target) } else { (fusion::Program::build(&self.graph, &live, &target).map(std::sync::Arc::new), false) };
+        let program = program.map_err(py_err)?;
+        let key = fusion::key(&self.graph, &live, &target);
+        let digest = format!("{:016x}{:08x}", fnv1a(key.as_bytes(), 0xcbf2_9ce4_8422_2325), fnv1a(key.as_bytes(), 0x6c62_272e_07bb_0142) as u32);
+        let lowered = program.launches.iter().map(|_| std::sync::OnceLock::new()).collect();
+        Ok((FusionProgram { program, digest, lowered }, hit))
+    }
+
     /// Runs the graph for the results `live` (node ids, one per memory) writing
     /// `outputs[k]` (contiguous tensors; bool ones viewed as int8) from `inputs` (one per
     /// graph input, bool ones viewed as int8). `dump`: a file to write the graph, its
@@ -212,4 +226,118 @@ pub fn fusion_cache_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("entries", s.entries)?;
     d.set_item("capacity", s.capacity)?;
     Ok(d)
+}
+
+// ---- programs for a device's execution path ---------------------------------------------------
+
+/// A built [`fusion::Program`] for the `tpu` device's path (`tessera._fusion_device`):
+/// Python walks its launches, allocating temporaries on the device, and submits each
+/// launch through a runner (`tessera._tpu`'s TorchTPU or emulator runner), which sees it
+/// as it sees a library plan: `id`, `kernel_name(i)`, `module(i)`, `emulate(...)`.
+#[pyclass(frozen, module = "tessera._native")]
+pub struct FusionProgram {
+    program: std::sync::Arc<fusion::Program>,
+    /// A digest of the structural key (graph, live nodes, target): equal programs share it.
+    digest: String,
+    lowered: Vec<std::sync::OnceLock<Result<tessera_codegen::Lowered, String>>>,
+}
+
+fn buf_tuple(b: &fusion::Buf, shape: &[usize]) -> (&'static str, usize, Vec<usize>) {
+    match *b {
+        fusion::Buf::Input(i) => ("input", i, shape.to_vec()),
+        fusion::Buf::Output(k) => ("output", k, shape.to_vec()),
+        fusion::Buf::Temp(t) => ("temp", t, shape.to_vec()),
+    }
+}
+
+fn fnv1a(bytes: &[u8], basis: u64) -> u64 {
+    bytes.iter().fold(basis, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl FusionProgram {
+    fn launch(&self, i: usize) -> PyResult<&fusion::Launch> {
+        self.program.launches.get(i).ok_or_else(|| PyValueError::new_err(format!("tessera.fusion: launch {i} of {}", self.program.launches.len())))
+    }
+
+    fn lowered(&self, i: usize) -> PyResult<&tessera_codegen::Lowered> {
+        let launch = self.launch(i)?;
+        let target = self.program.target;
+        self.lowered[i]
+            .get_or_init(|| tessera_codegen::lower(&launch.kernel, &target).map_err(|e| format!("tessera.fusion: {} does not lower for {}: {e}", launch.kernel.name, target.name)))
+            .as_ref()
+            .map_err(|e| PyValueError::new_err(e.clone()))
+    }
+}
+
+#[pymethods]
+impl FusionProgram {
+    /// The structural key's digest: the same graph, live nodes and target give the same id
+    /// (so TorchTPU's module cache and registrations are shared by equal programs).
+    #[getter]
+    fn id(&self) -> String {
+        self.digest.clone()
+    }
+
+    #[getter]
+    fn target(&self) -> &'static str {
+        self.program.target.name
+    }
+
+    fn __len__(&self) -> usize {
+        self.program.launches.len()
+    }
+
+    /// Launch `i`'s kernel name, unique per program structure:
+    /// `tessera.fusion.<digest>.fused<i>`.
+    fn kernel_name(&self, i: usize) -> PyResult<String> {
+        Ok(format!("tessera.fusion.{}.{}", self.digest, self.launch(i)?.kernel.name))
+    }
+
+    /// Launch `i`'s StableHLO module (holding its Mosaic `tpu_custom_call`), lowered once.
+    fn module(&self, i: usize) -> PyResult<String> {
+        Ok(self.lowered(i)?.stablehlo.clone())
+    }
+
+    /// Launch `i`'s Mosaic text.
+    fn mosaic(&self, i: usize) -> PyResult<String> {
+        Ok(self.lowered(i)?.mosaic.clone())
+    }
+
+    /// Launch `i`'s operands as `(kind, index, shape)`: kind `input` (graph input),
+    /// `output` (the caller's `live[index]`) or `temp` (a buffer of the run), each seen as
+    /// the kernel's `[rows, cols]`.
+    fn args(&self, i: usize) -> PyResult<Vec<(&'static str, usize, Vec<usize>)>> {
+        Ok(self.launch(i)?.inputs.iter().map(|(b, s)| buf_tuple(b, s)).collect())
+    }
+
+    /// Launch `i`'s results, as [`FusionProgram::args`].
+    fn outputs(&self, i: usize) -> PyResult<Vec<(&'static str, usize, Vec<usize>)>> {
+        Ok(self.launch(i)?.outputs.iter().map(|(b, s)| buf_tuple(b, s)).collect())
+    }
+
+    /// The temporaries: `(dtype, elements)` each (bool as int8).
+    #[getter]
+    fn temps(&self) -> Vec<(&'static str, usize)> {
+        self.program.temps.iter().map(|&(d, n)| (tessera_kernels::plan::dtype_to_torch(d), n)).collect()
+    }
+
+    /// The graph, its partition and each kernel's IR (what `TESSERA_DUMP_FUSION` writes).
+    fn describe(&self) -> String {
+        self.program.describe()
+    }
+
+    /// Runs launch `i`'s kernel on the CPU backend over `inputs` and `outputs` (contiguous
+    /// tensors of its operand and result types, on the CPU or on `host_device`, the emulated
+    /// `tpu`, whose memory is host memory).
+    #[pyo3(signature = (i, inputs, outputs, host_device=None))]
+    fn emulate(&self, i: usize, inputs: &Bound<'_, PyList>, outputs: &Bound<'_, PyList>, host_device: Option<&str>) -> PyResult<()> {
+        let launch = self.launch(i)?;
+        let ins = crate::tensor_refs("fusion", inputs, host_device)?;
+        let outs = crate::tensor_refs("fusion", outputs, host_device)?;
+        check_disjoint(&ins, &outs).map_err(|r| py_err(KernelError::new("fusion", "outputs", r.rule, r.message, r.help)))?;
+        let ins: Vec<_> = ins.iter().flatten().map(TensorRef::host).collect();
+        let mut outs: Vec<TensorRef<'_>> = outs.into_iter().flatten().collect();
+        let mut outs = crate::outputs_of("fusion", &mut outs)?;
+        backend()?.run_into(&launch.kernel, &ins, &mut outs).map(|_| ()).map_err(py_err)
+    }
 }

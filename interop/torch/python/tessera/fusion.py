@@ -43,7 +43,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from tessera import _native
+from tessera import _fusion_device, _native
 
 aten = torch.ops.aten
 
@@ -163,6 +163,7 @@ class _State:
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
         self.max_ops = _max_ops()
+        self.device = None  # the recorded tensors' device type: "cpu" or "tpu"
 
     def entry(self, t):
         e = self.pending.get(id(t))
@@ -191,8 +192,9 @@ def _node_of(t, st):
     e = st.entry(t)
     if e is not None:
         return e[1]
-    if not _is_plain_cpu(t) or t.device.type != "cpu" or t.layout != torch.strided:
+    if not _is_plain_cpu(t) or t.layout != torch.strided:
         raise _Unsupported("device")
+    _same_device(t, st)
     if t.dtype not in _DTYPES:
         raise _Unsupported("fusion-dtype")
     n = st.input_nodes.get(id(t))
@@ -206,6 +208,17 @@ def _node_of(t, st):
     st.inputs.append(t)
     st.input_storages.add(_storage_ptr(t))
     return node
+
+
+def _same_device(t, st):
+    """A recording holds tensors of one device, `cpu` or `tpu` (see `tessera._fusion_device`)."""
+    dev = t.device.type
+    if dev not in ("cpu", "tpu"):
+        raise _Unsupported("device")
+    if st.device is None or not (st.inputs or st.records):
+        st.device = dev
+    elif dev != st.device:
+        raise _Unsupported("fusion-device-mix")
 
 
 def _operand(a, st):
@@ -321,7 +334,7 @@ def _record(func, name, args, kwargs, st):
         layout = kw.pop("layout", None)
         pin = kw.pop("pin_memory", None)
         mf = kw.pop("memory_format", None)
-        if kw or len(args) != 1 or (dev is not None and torch.device(dev).type != "cpu") or layout not in (None, torch.strided) or pin or mf not in (None, torch.preserve_format, torch.contiguous_format):
+        if kw or len(args) != 1 or (dev is not None and torch.device(dev).type != args[0].device.type) or layout not in (None, torch.strided) or pin or mf not in (None, torch.preserve_format, torch.contiguous_format):
             raise _Unsupported("to-args")
         dtype = args[0].dtype if dtype is None else dtype
         if dtype not in _DTYPES:
@@ -470,7 +483,7 @@ class _DeferMode(TorchDispatchMode):
 
     def _result(self, func, args, kwargs, node, shape, dtype, st):
         # Inside __torch_dispatch__ the mode is off already: a plain allocation.
-        out = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+        out = _fusion_device.placeholder(shape, _TORCH_DTYPES[dtype], st.device)
         grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype])
         grp.members.append(weakref.ref(out))
         st.groups.append(grp)
@@ -618,7 +631,7 @@ def _storage_tensor(grp):
     alive = grp.alive()
     if not alive:
         return None
-    t = torch.empty(0, dtype=grp.dtype)
+    t = torch.empty(0, dtype=grp.dtype, device=alive[0].device)
     t.set_(alive[0].untyped_storage(), 0, grp.shape)
     return t
 
@@ -638,6 +651,7 @@ def _flush(cause):
             dst = _storage_tensor(grp)
             if dst is None:
                 continue
+            _fusion_device.materialize(dst)  # memory only for what somebody holds
             live.append(grp.root)
             dsts.append(dst)
             outs.append(dst.view(torch.int8) if dst.dtype == torch.bool else dst)
@@ -655,9 +669,7 @@ def _flush(cause):
             _replay(st, live, dsts)
             return
         try:
-            from tessera._ops import get_target
-
-            r = st.graph.run(live, ins, outs, get_target(), dump)
+            r = _run_graph(st, live, ins, outs, dump)
             _stats["kernels_launched"] += r["kernels"]
             _stats["results_written"] += len(live)
             _stats["temporaries"] += r["temps"]
@@ -665,6 +677,19 @@ def _flush(cause):
         except Exception as err:  # noqa: BLE001 (any failure: run the ops as eager would)
             _stats["fallbacks"].append(f"{cause}: {err}")
             _replay(st, live, dsts)
+
+
+def _run_graph(st, live, ins, outs, dump):
+    """The program on the recording's device: natively on the CPU, else through the device's
+    execution path (`tessera._fusion_device`)."""
+    from tessera._ops import get_target
+
+    if _fusion_device.takes(st.device):
+        r = _fusion_device.run(st.graph, live, ins, outs, get_target(), dump, st.device)
+    else:
+        r = st.graph.run(live, ins, outs, get_target(), dump)
+    _fusion_device.write_modules(st.graph, live)
+    return r
 
 
 def _replay(st, live, dsts):

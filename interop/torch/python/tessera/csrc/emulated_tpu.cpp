@@ -274,6 +274,40 @@ at::Tensor& set_empty(at::Tensor& self) {
   return self.set_(std::move(empty), 0, {0}, {});
 }
 
+// DeferAndFuse's placeholders: a contiguous tensor whose storage has its full size but
+// no memory yet. Its views are real views (their bounds checks see the size); nothing
+// reads or writes it before `materialize` gives it memory from the allocator, so a
+// placeholder that is never materialised never appears in the statistics.
+at::Tensor empty_unallocated(c10::IntArrayRef size, c10::ScalarType dtype) {
+  size_t nbytes = c10::elementSize(dtype);
+  for (int64_t d : size) {
+    TORCH_CHECK(d >= 0, "empty_unallocated: negative dimension ", d);
+    nbytes *= static_cast<size_t>(d);
+  }
+  c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, c10::DataPtr(nullptr, kTpu0),
+                 &g_allocator, /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(s), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(size);
+  return t;
+}
+
+// Gives an unallocated storage (see empty_unallocated) its memory; every tensor sharing
+// the storage (views) sees it. Returns whether it allocated.
+bool materialize(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  if (impl->data() != nullptr || impl->nbytes() == 0) return false;
+  impl->set_data_ptr_noswap(g_allocator.allocate(impl->nbytes()));
+  return true;
+}
+
+// Whether t's storage has memory (false only for an unmaterialised placeholder).
+bool is_allocated(const at::Tensor& t) {
+  const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  return impl->data() != nullptr || impl->nbytes() == 0;
+}
+
 // There are no streams to synchronise with.
 void record_stream(at::Tensor&, c10::Stream) {}
 
@@ -339,6 +373,9 @@ TORCH_LIBRARY_IMPL(aten, Negative, m) {
 TORCH_LIBRARY(tessera_emulated_tpu, m) {
   m.def("memory_stats() -> int[]", &memory_stats);
   m.def("reset_peak_memory_stats() -> ()", &reset_peak_memory_stats);
+  m.def("empty_unallocated(int[] size, ScalarType dtype) -> Tensor", &empty_unallocated);
+  m.def("materialize(Tensor t) -> bool", &materialize);
+  m.def("is_allocated(Tensor t) -> bool", &is_allocated);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
