@@ -6,8 +6,23 @@ import os
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # no torch-tpu autoload here
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The libtpu tier of the fusion tests (test_fusion_libtpu.py): every flush of the session
+# writes its kernels here as StableHLO modules, and that test (ordered last) compiles them.
+if os.environ.get("TESSERA_TPU_ORACLE") == "1" and not os.environ.get("TESSERA_FUSION_MODULES"):
+    os.environ["TESSERA_FUSION_MODULES"] = tempfile.mkdtemp(prefix="tessera-fusion-modules-")
+    atexit.register(shutil.rmtree, os.environ["TESSERA_FUSION_MODULES"], True)
+
+
+def pytest_collection_modifyitems(items):
+    """test_fusion_libtpu.py runs after every test that may generate a fused kernel."""
+    items.sort(key=lambda item: item.path.name == "test_fusion_libtpu.py")
 
 
 @pytest.fixture(autouse=True)

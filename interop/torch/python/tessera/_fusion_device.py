@@ -151,7 +151,8 @@ def _write(path, text):
 
 # ---- TESSERA_FUSION_MODULES: the kernels a run generated, for the libtpu tier -----------------
 
-_written: set = set()
+_written: set = set()  # module files written by this process
+_structures: set = set()  # (graph, live) whose modules were written
 
 
 def write_modules(graph, live) -> None:
@@ -161,6 +162,10 @@ def write_modules(graph, live) -> None:
     out = os.environ.get("TESSERA_FUSION_MODULES")
     if not out:
         return
+    structure = f"{graph}|{list(live)}"
+    if structure in _structures:
+        return
+    _structures.add(structure)
     targets = [t for t in os.environ.get("TESSERA_FUSION_MODULE_TARGETS", "v5e,v6e,tpu7x").split(",") if t]
     os.makedirs(out, exist_ok=True)
     for target in targets:
