@@ -2,6 +2,9 @@
 //! planner that cuts it into row kernels ([`planner`]), a generator that builds each
 //! kernel with the dsl builder ([`generate`]), and a [`Program`] that picks blocks,
 //! verifies every kernel, runs them on a CPU backend, and is cached by structure.
+//! A program also runs launch by launch on a device: each [`Launch`] names its buffers
+//! ([`Buf`]), so the torch front-end's `tpu` path walks them with device memory and submits
+//! each kernel lowered by `tessera_codegen` (one TorchTPU custom kernel per launch).
 //!
 //! # What a graph holds
 //!

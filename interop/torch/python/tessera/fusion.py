@@ -1,4 +1,4 @@
-"""DeferAndFuse: plain PyTorch ops on CPU tensors, recorded and run as generated Tessera kernels.
+"""DeferAndFuse: plain PyTorch ops on CPU or `tpu` tensors, recorded and run as generated Tessera kernels.
 
     with tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE):
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w   # recorded
@@ -11,6 +11,11 @@ real tensor of the result's shape and dtype whose memory is not written yet. A f
 the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
 CPU backend (`TESSERA_BACKEND`), and writes only the placeholders somebody still references
 (intermediates nobody holds are never written, so their pages are never touched).
+A recording holds tensors of one device; on `tpu` (the emulated device or TorchTPU) the
+placeholders are device tensors and a flush runs the kernels on the device's execution path
+(`tessera._fusion_device`: on the emulated device a placeholder gets memory only when it is
+materialised; on TorchTPU each kernel is one `register_custom_kernel` module). A tensor of
+another device in the same recording is refused (`fusion-device-mix`: the op runs eagerly).
 
 Flushes happen on: reading values (`.item()`, `bool/int/float()`, `.tolist()`, `.numpy()`,
 `repr`/`print`/format, `data_ptr()`, pickling), an op the engine does not take whose inputs are pending (it runs
@@ -28,7 +33,8 @@ If a graph cannot be built or a kernel fails verification the recorded ops are r
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
 `TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
 decode loops) instead of compiling a program per step. `TESSERA_DUMP_FUSION=DIR` writes each flushed
-graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`.
+graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`;
+`TESSERA_FUSION_MODULES=DIR` every kernel flushed as StableHLO for v5e/v6e/tpu7x (the libtpu tier).
 """
 
 from __future__ import annotations
