@@ -258,3 +258,28 @@ def test_torch_tpu_registers_each_kernel_once_and_calls_it_without_jax(tmp_path)
         assert second["calls"] - first["calls"] == second["kernels"], (name, w)
     assert len(report["modules"]) == len(report["registered"])
     assert report["work"]["colsum_then_scale"]["runs"][0]["kernels"] == 2
+
+
+def test_bool_results_and_where_on_tpu():
+    x, y = torch.randn(32, 128), torch.randn(32, 128)
+    want_mask, want = x > y, torch.where(x > y, x, y * 0.5)
+    with tessera.set_eager_mode(DEFER):
+        xt, yt = x.to("tpu"), y.to("tpu")
+        mask = xt > yt  # a bool result: int8 memory on the device
+        out = torch.where(mask, xt, yt * 0.5)
+        fusion.flush()
+    assert fusion.stats()["kernels_launched"] == 1 and mask.dtype == torch.bool
+    assert torch.equal(mask.cpu(), want_mask)
+    torch.testing.assert_close(out.cpu(), want)
+
+
+def test_an_alias_of_a_dropped_placeholder_is_an_error_not_a_crash():
+    x = torch.randn(8, 128, device="tpu")
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2.0
+        storage = y.untyped_storage()  # a storage object: no tensor the mode could track
+        del y
+        fusion.flush()  # nobody the mode knows holds y: not materialised
+    alias = torch.empty(0, device="tpu").set_(storage, 0, (8, 128))
+    with pytest.raises(RuntimeError, match="no memory: it aliases a DeferAndFuse placeholder"):
+        alias.cpu()

@@ -199,6 +199,12 @@ at::Tensor host_alias(const at::Tensor& t) {
   TORCH_CHECK(t.device().type() == kTpu, "expected a cpu or tpu tensor, got ",
               t.device());
   const c10::Storage& s = t.storage();
+  // A DeferAndFuse placeholder that no flush materialised (see empty_unallocated): only
+  // reachable through an alias the mode cannot see (`.data` of a placeholder since dropped).
+  TORCH_CHECK(s.data() != nullptr || s.nbytes() == 0,
+              "this tpu tensor has no memory: it aliases a DeferAndFuse placeholder that was "
+              "dropped before a flush gave it memory (take such aliases after "
+              "tessera.fusion.flush(), or keep the placeholder alive)");
   c10::Storage host(c10::Storage::use_byte_size_t(), s.nbytes(),
                     c10::DataPtr(s.mutable_data(), c10::Device(c10::kCPU)),
                     /*allocator=*/nullptr, /*resizable=*/false);
