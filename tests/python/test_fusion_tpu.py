@@ -193,10 +193,13 @@ def chain_peaks(n=1024):
 
 
 def test_eight_op_chain_peak_is_inputs_plus_output():
+    _fusion_device.hbm_bytes(reset=True)
     in_bytes, peaks = chain_peaks(1024)
     out_bytes = 1024 * 1024 * 4
     # Deferred: the output is the only allocation; the input was there already.
     assert peaks["defer_and_fuse"] == out_bytes, peaks
+    # And the one kernel's cost estimate moves exactly the input and the output once.
+    assert _fusion_device.hbm_bytes() == {"bytes": in_bytes + out_bytes, "kernels": 1}
     assert peaks["strict"] > out_bytes, peaks
     print(f"\n8-op chain 1024x1024 f32 on the emulated tpu: peak allocated = inputs {in_bytes / MiB:.0f} MiB + "
           f"{peaks['defer_and_fuse'] / MiB:.0f} MiB deferred, + {peaks['strict'] / MiB:.0f} MiB strict")

@@ -298,6 +298,17 @@ impl FusionProgram {
         Ok(self.lowered(i)?.stablehlo.clone())
     }
 
+    /// Launch `i`'s cost estimate (`tessera_codegen`'s: `flops`, `transcendentals`,
+    /// `bytes_accessed`, the HBM bytes its blocks move).
+    fn cost<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.lowered(i)?.cost;
+        let d = PyDict::new(py);
+        d.set_item("flops", c.flops)?;
+        d.set_item("transcendentals", c.transcendentals)?;
+        d.set_item("bytes_accessed", c.bytes_accessed)?;
+        Ok(d)
+    }
+
     /// Launch `i`'s Mosaic text.
     fn mosaic(&self, i: usize) -> PyResult<String> {
         Ok(self.lowered(i)?.mosaic.clone())

@@ -84,6 +84,19 @@ def materialize(t) -> None:
         torch.ops.tessera_emulated_tpu.materialize(t)
 
 
+# HBM bytes the launched kernels move by their cost estimate (scripts/fusion_memory_tpu.py).
+_hbm = {"bytes": 0, "kernels": 0}
+
+
+def hbm_bytes(reset=False) -> dict:
+    """`{"bytes", "kernels"}`: the cost estimate's HBM bytes of every kernel this path launched
+    (since the last `reset`)."""
+    out = dict(_hbm)
+    if reset:
+        _hbm.update(bytes=0, kernels=0)
+    return out
+
+
 def run(graph, live, inputs, outputs, target, dump, device_type) -> dict:
     """Runs the program of `graph` for `live` into `outputs` (the live results' memory, on the
     device) from `inputs` through the device's runner; returns `{"hit", "kernels", "temps"}`.
@@ -104,6 +117,9 @@ def run(graph, live, inputs, outputs, target, dump, device_type) -> dict:
         _write(dump, text)
     runner = _routes.get(device_type) or _tpu.runner()
     run_program(program, inputs, outputs, runner)
+    for i in range(len(program)):
+        _hbm["bytes"] += program.cost(i)["bytes_accessed"]
+        _hbm["kernels"] += 1
     return {"hit": hit, "kernels": len(program), "temps": len(program.temps)}
 
 
