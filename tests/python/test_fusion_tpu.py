@@ -286,3 +286,17 @@ def test_an_alias_of_a_dropped_placeholder_is_an_error_not_a_crash():
     alias = torch.empty(0, device="tpu").set_(storage, 0, (8, 128))
     with pytest.raises(RuntimeError, match="no memory: it aliases a DeferAndFuse placeholder"):
         alias.cpu()
+
+
+def test_a_library_op_between_fused_ops_on_tpu():
+    # torch.ops.tpu.rmsnorm is not recorded: its pending input flushes, it runs on the tpu
+    # path (its PrivateUse1 kernel), and its result feeds the next recording.
+    x, w = torch.randn(32, 128), torch.rand(128) + 0.5
+    want = torch.tanh(rmsnorm(x * 2.0, w)) + 1.0
+    with tessera.set_eager_mode(DEFER):
+        h = torch.ops.tpu.rmsnorm(x.to("tpu") * 2.0, w.to("tpu"))
+        y = torch.tanh(h) + 1.0
+    s = fusion.stats()
+    assert s["kernels_launched"] == 2 and s["flush_causes"] == {"eager-op:rmsnorm": 1, "exit": 1}, s
+    assert y.device.type == "tpu"
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
