@@ -300,3 +300,16 @@ def test_a_library_op_between_fused_ops_on_tpu():
     assert s["kernels_launched"] == 2 and s["flush_causes"] == {"eager-op:rmsnorm": 1, "exit": 1}, s
     assert y.device.type == "tpu"
     torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_held_result_read_by_a_later_kernel():
+    x = torch.randn(64, 128)
+    s_want = torch.tanh(x).sum(0, keepdim=True)
+    with tessera.set_eager_mode(DEFER):
+        xt = x.to("tpu")
+        s = torch.tanh(xt).sum(0, keepdim=True)  # held, and read by the next kernel
+        y = xt * s
+    st = fusion.stats()
+    assert st["kernels_launched"] == 2 and st["temporaries"] == 0, st
+    torch.testing.assert_close(s.cpu(), s_want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.cpu(), x * s_want, rtol=1e-4, atol=1e-4)
