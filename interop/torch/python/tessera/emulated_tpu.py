@@ -23,6 +23,10 @@ Behaviour to know about (all process-wide, and enable() cannot be undone):
   (availability, one device, RNG state, allocator statistics as ``torch.cuda`` names them:
   ``memory_stats()``, ``memory_allocated()``, ``max_memory_allocated()``,
   ``reset_peak_memory_stats()``) marked ``torch.tpu.tessera_emulated``.
+* DeferAndFuse's placeholders (``tessera._fusion_device``) are tensors whose storage has
+  no memory until a flush materialises them (``torch.ops.tessera_emulated_tpu``'s
+  ``empty_unallocated`` / ``materialize`` / ``is_allocated``); reading one that was never
+  materialised (only reachable through a raw storage alias) is an error.
 * Random ops draw from the CPU default generator: same seed, same numbers as on
   the CPU. ``torch.Generator(device="tpu")`` is not supported.
 * Ops with a CompositeExplicitAutograd decomposition run decomposed (e.g.
