@@ -164,15 +164,71 @@ def test_a_program_that_cannot_be_built_replays_eagerly_and_says_why(monkeypatch
     assert len(fusion.stats()["fallbacks"]) >= 2 and fusion.stats()["kernels_launched"] == 0
 
 
+NO_REPEATS = [torch.tanh, torch.sigmoid, torch.exp, torch.neg, torch.abs, torch.relu, torch.sin, torch.cos,
+              torch.atan, lambda y: y * 1.01, lambda y: y + 0.5, lambda y: y - 0.25]  # 12 different aten ops
+
+
 def test_size_cap_flushes(monkeypatch):
     monkeypatch.setenv("TESSERA_FUSION_MAX_OPS", "5")
     x = torch.randn(4, 8)
     y = x
     with tessera.set_eager_mode(DEFER):
-        for _ in range(12):
-            y = y * 1.01
-    torch.testing.assert_close(y, x * 1.01 ** 12, rtol=1e-5, atol=1e-6)
-    assert fusion.stats()["flush_causes"].get("size-cap") == 2, fusion.stats()
+        for f in NO_REPEATS:
+            y = f(y)
+    want = x
+    for f in NO_REPEATS:
+        want = f(want)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    # atan is not the engine's: it flushes the first 8 and runs eagerly; then 3 more.
+    s = fusion.stats()
+    assert s["flush_causes"].get("size-cap") == 1 and s["loop_boundaries"] == 0, s
+
+
+def loop_step(x, w):
+    y = torch.tanh(x * w + 1.0)
+    y = y.sigmoid() - 0.5
+    return (y * y).sum(-1, keepdim=True) + x  # 8 aten ops
+
+
+def test_a_loop_flushes_at_its_iteration_boundary(monkeypatch):
+    """A cap of 10 ops cuts 8-op steps at drifting phases (4 structures); the loop heuristic
+    finds the period and cuts every step at the same place: one structure, cache hits."""
+    monkeypatch.setenv("TESSERA_FUSION_MAX_OPS", "10")
+    x, w = torch.randn(8, 32), torch.randn(32)
+    entries = tessera._native.fusion_cache_info()["entries"]
+    n = 24
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for _ in range(n):
+            y = loop_step(y, w)
+    want = x
+    for _ in range(n):
+        want = loop_step(want, w)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    s = fusion.stats()
+    # Found after two steps (the first cut by the cap): then one flush per step.
+    assert s["flush_causes"].get("loop", 0) >= n - 3 and s["flush_causes"].get("size-cap", 0) <= 1, s
+    assert s["cache_hits"] >= n - 4 and s["cache_misses"] <= 3, s
+    assert tessera._native.fusion_cache_info()["entries"] - entries <= 3
+    # Under the default cap (512) the same loop is cut where the next step would not fit:
+    # the flushes after the first hold the same 63 whole steps.
+    fusion.reset_stats()
+    monkeypatch.delenv("TESSERA_FUSION_MAX_OPS")
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for _ in range(200):
+            y = loop_step(y, w)
+    s = fusion.stats()
+    assert s["flush_causes"] == {"loop": 3, "exit": 1} and s["cache_hits"] >= 1, s
+
+
+def test_the_loop_heuristic_needs_a_whole_repeated_period():
+    x = torch.randn(4, 8)
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for f in NO_REPEATS[:8] + NO_REPEATS[:7]:  # a period and most of a second
+            y = f(y)
+    assert fusion.stats()["loop_boundaries"] == 0, fusion.stats()
 
 
 def test_only_referenced_results_are_written():

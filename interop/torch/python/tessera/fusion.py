@@ -16,8 +16,17 @@ Flushes happen on: reading values (`.item()`, `bool/int/float()`, `.tolist()`, `
 `repr`/`print`/format, `data_ptr()`, pickling), an op the engine does not take whose inputs are pending (it runs
 eagerly after the flush), a write to a tensor the pending graph reads, an in-place op on a
 pending tensor that has views, `backward()` / `torch.autograd.grad` (before and after), more
-than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, leaving the mode, and `flush()`. Flush
-points depend only on the op sequence.
+than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, a loop boundary (below), leaving the mode,
+and `flush()`. Flush points depend only on the op sequence, never on timing.
+
+The loop heuristic (as TorchTPU cuts training steps): the deferred ops' fingerprints (their
+aten overloads) are watched for a repeated suffix; once a whole period of P ops repeats the
+P before it, every P ops is a loop boundary, and a flush is cut at a boundary when the next
+iteration would pass the size cap. So every flush of a loop holds the same whole iterations
+(one structure, program-cache hits) instead of wherever the cap falls. A period is found
+when some op occurs once per iteration (the candidate is the distance to the op's previous
+occurrence); a mismatch drops it. A loop whose iterations already flush on their own
+(an eager op each step) is unaffected: the cap is never near.
 
 Aliasing is eager's: views of pending tensors are real views of the placeholder's memory;
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
@@ -104,7 +113,7 @@ def reset_stats() -> None:
     """Zeroes the counters of `stats()`."""
     _stats.clear()
     _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
-                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, fallbacks=[])
+                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, loop_boundaries=0, fallbacks=[])
 
 
 reset_stats()
@@ -476,7 +485,7 @@ class _DeferMode(TorchDispatchMode):
         st.groups.append(grp)
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
-        _count_op(st)
+        _count_op(st, func)
         return out
 
     def _view(self, func, base, args, kwargs, st):
@@ -499,7 +508,7 @@ class _DeferMode(TorchDispatchMode):
         grp.members.append(weakref.ref(out))
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
-        _count_op(st)
+        _count_op(st, func)
         return out
 
     def _inplace(self, func, name, base, args, kwargs, st, pending):
@@ -530,7 +539,7 @@ class _DeferMode(TorchDispatchMode):
         grp.root = node
         st.pending[id(target)] = (e[0], node, grp)
         st.records.append((func, _template(args, st, before=e[1]), _template(kwargs, st), node, e[1]))
-        _count_op(st)
+        _count_op(st, func)
         return target
 
     def _eager(self, func, args, kwargs, reason, pending, writes=(), cause=None):
@@ -551,13 +560,54 @@ def _recordable(base):
         "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone") or base in _BACKWARD
 
 
-def _count_op(st):
+def _count_op(st, func):
     _stats["ops_deferred"] += 1
     if st.ops == 0:
         st.max_ops = _max_ops()  # read once per recording
     st.ops += 1
-    if st.ops >= st.max_ops:
+    period = _loop.step(func)
+    if period and st.ops + period > st.max_ops:
+        _flush("loop")  # at a loop boundary, when the next iteration would pass the cap
+    elif st.ops >= st.max_ops:
         _flush("size-cap")
+
+
+class _LoopDetector:
+    """The loop heuristic: finds a period in the stream of deferred ops' fingerprints (the
+    aten overload), across flushes, in O(1) per op. A candidate period is the distance to
+    the previous op of the same fingerprint; it is confirmed once a whole period repeats
+    the one before it (`run` ops in a row equal to the op `period` before). After that,
+    every `period` ops is a loop boundary (`step` returns the period there, else 0); a
+    mismatch drops the loop. Only the op sequence decides, never timing."""
+
+    MAX_PERIOD = 4096
+
+    def __init__(self):
+        self.n = 0
+        self.ring = [None] * self.MAX_PERIOD
+        self.last = {}
+        self.period = 0
+        self.run = 0
+
+    def step(self, fp):
+        i, ring, cap = self.n, self.ring, self.MAX_PERIOD
+        self.n = i + 1
+        p = self.period
+        if p and ring[(i - p) % cap] == fp:
+            self.run += 1
+        else:
+            j = self.last.get(fp)
+            self.period = p = i - j if j is not None and i - j < cap else 0
+            self.run = 1 if p else 0
+        self.last[fp] = i
+        ring[i % cap] = fp
+        if p and self.run >= p and self.run % p == 0:
+            _stats["loop_boundaries"] += 1
+            return p
+        return 0
+
+
+_loop = _LoopDetector()
 
 
 def _flat(args, kwargs):
@@ -775,13 +825,14 @@ class _ModeGuard:
 def set_eager_mode(mode: EagerMode) -> _ModeGuard:
     """Switches the eager mode now; as a context manager, restores the previous one on exit
     (leaving DEFER_AND_FUSE flushes)."""
-    global _current, _mode_obj
+    global _current, _mode_obj, _loop
     if not isinstance(mode, EagerMode):
         raise ValueError(f"tessera: set_eager_mode takes a tessera.EagerMode, not {mode!r}")
     previous = _current
     if mode is _current:
         return _ModeGuard(previous)
     if mode is EagerMode.DEFER_AND_FUSE:
+        _loop = _LoopDetector()  # a fresh op stream
         _mode_obj = _DeferMode()
         _mode_obj.__enter__()
         _install()
