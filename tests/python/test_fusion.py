@@ -608,3 +608,43 @@ def test_rounding_sign_and_trig_fuse_and_match_torch(dtype):
         torch.testing.assert_close(got[name], f(x), rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{name}: {m}")
     s = fusion.stats()
     assert s["kernels_launched"] >= 1 and not any(k.startswith("op:") and k[3:] in exact.keys() | smooth.keys() for k in s["eager_reasons"]), s
+
+
+# ---- churning modules step aside ----------------------------------------------------------------
+
+
+class RowNorm(torch.nn.Module):
+    def forward(self, x):
+        return rmsnorm(x, torch.ones(x.shape[-1])).softmax(-1) @ torch.ones(x.shape[-1], 1)  # mm: a flush
+
+
+def test_a_module_whose_calls_churn_steps_aside(monkeypatch):
+    """A decode-like loop: every call is a new shape. After the call that churned (the 9th
+    variant), the module's calls run strictly with the mode popped (nothing recorded, no
+    per-op cost), and so does the code after them, until a trigger brings the mode back."""
+    monkeypatch.setattr(fusion, "_variants", {})
+    m, other = RowNorm(), torch.nn.Identity()
+    outs = []
+    with tessera.set_eager_mode(DEFER):
+        for n in range(1, 16):
+            x = torch.randn(2, n)
+            outs.append((x, m(x)))
+        s = fusion.stats()
+        # 9 calls recorded (7 ops each), the 9th churned; the 6 after it ran strictly.
+        assert s["shape_churn"] == 1 and s["stepped_aside"] == 1 and s["ops_deferred"] == 9 * 7, s
+        deferred = s["ops_deferred"]
+        y = m(torch.randn(2, 3)) * 2  # aside: strict, both the call and the op after it
+        assert fusion.stats()["ops_deferred"] == deferred, fusion.stats()
+        other(y)  # a module that does not churn: the mode is back
+        z = torch.exp(y)
+        assert fusion.stats()["ops_deferred"] == deferred + 1, fusion.stats()
+        m(y)
+        fusion.flush()  # flush() brings it back too
+        w = z + 1
+        assert fusion.stats()["ops_deferred"] == deferred + 2 and fusion.stats()["stepped_aside"] == 2, fusion.stats()
+    for x, got in outs:
+        torch.testing.assert_close(got, RowNorm()(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, torch.exp(y) + 1)
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None

@@ -36,8 +36,17 @@ mode, so backward ops are recorded and fused too.
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
 `TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
-decode loops) instead of compiling a program per step. `TESSERA_DUMP_FUSION=DIR` writes each flushed
-graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`.
+decode loops) instead of compiling a program per step. And a module (`nn.Module`) an
+outermost call of which had such a flush is *churning* (for the process): its later calls
+flush what is pending and step the mode aside, popping it off the dispatch stack, so the call
+and the code after it run strictly at strict eager's cost (a Python dispatch mode costs ~5 us
+an op even passing ops through, more than a small model's ops cost: `generate()` of a tiny
+Llama ran 2.7x slower under a no-op mode). The mode comes back at the next outermost call of
+a module that is not churning, `backward()` / `torch.autograd.grad`, `flush()`, or leaving the
+mode; `stats()["stepped_aside"]` counts the steps aside. Like every flush point, this
+depends only on the op sequence (and the module calls), never on timing.
+`TESSERA_DUMP_FUSION=DIR` writes each flushed graph, its partition and every kernel's IR and
+Mosaic to `DIR/flush_NNNNN.txt`.
 """
 
 from __future__ import annotations
@@ -113,7 +122,7 @@ def reset_stats() -> None:
     """Zeroes the counters of `stats()`."""
     _stats.clear()
     _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
-                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, loop_boundaries=0, fallbacks=[])
+                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, loop_boundaries=0, stepped_aside=0, fallbacks=[])
 
 
 reset_stats()
@@ -124,8 +133,9 @@ def stats() -> dict:
     flushes and their causes, kernels launched, results written to tensors
     (`results_written`) and buffers allocated between kernels (`temporaries`), flushes run
     per op because their structure keeps changing shape (`shape_churn`), program-cache
-    hits and misses (this process's flushes), and `fallbacks` (why a flushed graph ran
-    eagerly instead)."""
+    hits and misses (this process's flushes), loop boundaries the loop heuristic found,
+    steps aside for churning modules, and `fallbacks` (why a flushed graph ran eagerly
+    instead)."""
     out = dict(_stats)
     out["eager_reasons"] = dict(_stats["eager_reasons"])
     out["flush_causes"] = dict(_stats["flush_causes"])
@@ -702,6 +712,7 @@ def _flush(cause):
             return
         if _churning(str(st.graph), live):
             _stats["shape_churn"] += 1
+            _aside.churn_events += 1
             _replay(st, live, dsts)
             return
         try:
@@ -745,8 +756,63 @@ def _replay(st, live, dsts):
 
 
 def flush() -> None:
-    """Runs everything recorded so far (cause `explicit`)."""
+    """Runs everything recorded so far (cause `explicit`); a mode stepped aside comes back."""
     _flush("explicit")
+    _step_back()
+
+
+# ---- stepping aside for churning modules -------------------------------------------------------
+
+
+class _Aside:
+    """Modules whose calls churn, and whether the mode is stepped aside now."""
+
+    def __init__(self):
+        self.churning = weakref.WeakSet()  # modules a call of which churned (for the process)
+        self.active = False  # the dispatch mode is popped
+        self.depth = 0  # module calls in progress (only the outermost one decides)
+        self.churn_events = 0
+
+
+_aside = _Aside()
+
+
+def _step_aside():
+    """Flushes and pops the dispatch mode: ops run strictly, at eager's cost."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _aside.active or _mode_obj is None or _get_current_dispatch_mode() is not _mode_obj:
+        return  # (another mode above ours: stay, popping would reorder the stack)
+    _flush("step-aside")
+    _mode_obj.__exit__(None, None, None)
+    _aside.active = True
+    _stats["stepped_aside"] += 1
+
+
+def _step_back():
+    if _aside.active:
+        _aside.active = False
+        _mode_obj.__enter__()
+
+
+def _wrap_module_call(orig):
+    def call(self, *a, **k):
+        if _aside.depth:
+            return orig(self, *a, **k)  # a submodule: its outermost call decided
+        if self in _aside.churning:
+            _step_aside()  # and stay aside after it, until a trigger brings the mode back
+        else:
+            _step_back()
+        before = _aside.churn_events
+        _aside.depth = 1
+        try:
+            return orig(self, *a, **k)
+        finally:
+            _aside.depth = 0
+            if _aside.churn_events != before:
+                _aside.churning.add(self)
+
+    return call
 
 
 # ---- the mode -------------------------------------------------------------------------------------
@@ -775,6 +841,7 @@ def _wrap_reader(name, cause):
 
 def _wrap_backward(orig, cause):
     def backward(*a, **k):
+        _step_back()
         _flush(cause)
         try:
             return orig(*a, **k)
@@ -796,6 +863,8 @@ def _install():
     torch.autograd.backward = _wrap_backward(torch.autograd.backward, "backward")
     _saved[("a", "grad")] = torch.autograd.grad
     torch.autograd.grad = _wrap_backward(torch.autograd.grad, "grad")
+    _saved[("m", "__call__")] = torch.nn.Module.__call__
+    torch.nn.Module.__call__ = _wrap_module_call(torch.nn.Module.__call__)
 
 
 def _uninstall():
@@ -805,6 +874,8 @@ def _uninstall():
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, orig)
+        elif kind == "m":
+            setattr(torch.nn.Module, name, orig)
         else:
             setattr(torch.autograd, name, orig)
     _saved.clear()
@@ -840,8 +911,9 @@ def set_eager_mode(mode: EagerMode) -> _ModeGuard:
         _flush("exit")
         _uninstall()
         m, _mode_obj = _mode_obj, None
-        if m is not None:
+        if m is not None and not _aside.active:
             m.__exit__(None, None, None)
+        _aside.active = False
     _current = mode
     return _ModeGuard(previous)
 
