@@ -515,7 +515,10 @@ def test_bf16_numbers_round_as_torch_rounds_them():
     c = -1.21484375  # not a bf16 value
     cases = [lambda x: x > 0.1, lambda x: x >= 0.1, lambda x: x + c, lambda x: x - c, lambda x: c - x,
              lambda x: x * c, lambda x: x / c, lambda x: x.abs() ** 1.3, lambda x: x * torch.tensor(c),
-             lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1)]
+             lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1),
+             # A 0-dim f32 tensor first (found by the random graphs): torch multiplies by its f32 value.
+             lambda x: torch.tensor(c) * x, lambda x: torch.tensor(c) / x, lambda x: x / torch.tensor(c),
+             lambda x: torch.tensor(c) * torch.tanh(x)]
     for f in cases:
         want = f(x)
         with tessera.set_eager_mode(DEFER):
@@ -648,3 +651,54 @@ def test_a_module_whose_calls_churn_steps_aside(monkeypatch):
     assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     assert _get_current_dispatch_mode() is None
+
+
+# ---- bad input: eager, with the reason ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,make,reason", [
+    ("float64", lambda: torch.randn(4, 8, dtype=torch.float64), "fusion-dtype"),
+    ("float16", lambda: torch.randn(4, 8).half(), "fusion-dtype"),
+    ("int64", lambda: torch.arange(32).reshape(4, 8), "fusion-dtype"),
+    ("int32", lambda: torch.arange(32, dtype=torch.int32).reshape(4, 8), "fusion-dtype"),
+    ("complex64", lambda: torch.randn(4, 8, dtype=torch.complex64), "fusion-dtype"),
+    ("rows wider than the cap", lambda: torch.randn(2, 40000), "fusion-row-width"),
+    ("empty", lambda: torch.randn(0, 8), "fusion-empty"),
+    ("empty rows", lambda: torch.randn(3, 0), "fusion-empty"),
+])
+def test_unsupported_inputs_run_eagerly_with_the_reason(name, make, reason):
+    x = make()
+
+    def f(t):
+        y = t * 2 + 1
+        return y if not t.dtype.is_floating_point and not t.is_complex() else torch.exp(y) - t
+
+    want = f(x)
+    with tessera.set_eager_mode(DEFER):
+        got = f(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # eager's own kernels: bit for bit
+    s = fusion.stats()
+    assert s["eager_reasons"].get(reason, 0) >= 2 and s["ops_deferred"] == 0 and s["kernels_launched"] == 0, s
+
+
+def test_a_kernel_the_verifier_refuses_falls_back_and_says_why():
+    """Not simulated: 16 inputs and 16 results of rows of 32768 f32 in one kernel need ~79 MiB
+    of VMEM at the smallest block (8 rows), over tpu7x's 64 MiB: the verifier refuses it, the
+    ops replay eagerly, and `fallbacks` carries the verifier's rule and numbers."""
+    from tessera import _ops
+
+    xs = [torch.randn(8, 32768) for _ in range(16)]
+    before = _ops.get_target()
+    _ops.set_target("tpu7x")
+    try:
+        with tessera.set_eager_mode(DEFER):
+            ys = [torch.tanh(xs[i] * 2 + xs[(i + 1) % 16]) for i in range(16)]
+            fusion.flush()
+    finally:
+        _ops.set_target(before)
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y, torch.tanh(xs[i] * 2 + xs[(i + 1) % 16]), rtol=0, atol=0)
+    s = fusion.stats()
+    assert s["kernels_launched"] == 0 and len(s["fallbacks"]) == 1, s
+    assert "vmem-budget" in s["fallbacks"][0] and "tpu7x" in s["fallbacks"][0], s["fallbacks"]

@@ -262,6 +262,20 @@ def _bf16_scalars(args, a, b):
     return a, b
 
 
+def _leading_scalar_tensor(args, st):
+    """Torch's CPU mul and div take a 0-dim f32 tensor *first* beside a bf16 tensor cast to
+    bf16 (second, at its f32 value: the engine's way for both): a real one becomes its
+    bf16-rounded number; a pending one (its value unknown until a flush) is refused."""
+    x, y = args
+    if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float32
+            and isinstance(y, torch.Tensor) and y.dim() > 0 and y.dtype == torch.bfloat16):
+        if st.entry(x) is not None:
+            raise _Unsupported("fusion-f32-0dim-times-bf16")
+        # (The mode is off here: plain reads.)
+        return float(aten._local_scalar_dense.default(aten._to_copy.default(x, dtype=torch.bfloat16))), y
+    return args
+
+
 def _last_dim(dims, rank):
     if dims is None:
         return False
@@ -305,6 +319,8 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-args")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
+        if name in ("mul", "div"):
+            args = _leading_scalar_tensor(args, st)
         a, b = _operand(args[0], st), _operand(args[1], st)
         if name == "pow":
             a, b = _bf16_scalars(args, a, b)
