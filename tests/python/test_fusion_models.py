@@ -21,6 +21,16 @@ transformers = pytest.importorskip("transformers")
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: torch's intra-op threads only add hand-offs (milliseconds on a loaded
+    machine), for strict and the mode alike."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 class CountOps(TorchDispatchMode):
     """Counts the aten ops strict eager dispatches."""
 
