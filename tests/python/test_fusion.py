@@ -641,13 +641,18 @@ def test_a_module_whose_calls_churn_steps_aside(monkeypatch):
         other(y)  # a module that does not churn: the mode is back
         z = torch.exp(y)
         assert fusion.stats()["ops_deferred"] == deferred + 1, fusion.stats()
-        m(y)
-        fusion.flush()  # flush() brings it back too
+        a = torch.randn(2, 5, requires_grad=True)
+        m(a).sum().backward()  # aside: a backward of a strict forward runs strictly too
+        assert fusion.stats()["ops_deferred"] == deferred + 1, fusion.stats()
+        fusion.flush()  # flush() brings the mode back
         w = z + 1
         assert fusion.stats()["ops_deferred"] == deferred + 2 and fusion.stats()["stepped_aside"] == 2, fusion.stats()
     for x, got in outs:
         torch.testing.assert_close(got, RowNorm()(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w, torch.exp(y) + 1)
+    ar = a.detach().clone().requires_grad_(True)
+    RowNorm()(ar).sum().backward()
+    torch.testing.assert_close(a.grad, ar.grad)
     assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     assert _get_current_dispatch_mode() is None

@@ -42,8 +42,9 @@ flush what is pending and step the mode aside, popping it off the dispatch stack
 and the code after it run strictly at strict eager's cost (a Python dispatch mode costs ~5 us
 an op even passing ops through, more than a small model's ops cost: `generate()` of a tiny
 Llama ran 2.7x slower under a no-op mode). The mode comes back at the next outermost call of
-a module that is not churning, `backward()` / `torch.autograd.grad`, `flush()`, or leaving the
-mode; `stats()["stepped_aside"]` counts the steps aside. Like every flush point, this
+a module that is not churning, `flush()`, or leaving the mode (a `backward()` while aside runs
+strictly too: its forward did, and its shapes churn as the forward's); `stats()["stepped_aside"]`
+counts the steps aside. Like every flush point, this
 depends only on the op sequence (and the module calls), never on timing.
 `TESSERA_DUMP_FUSION=DIR` writes each flushed graph, its partition and every kernel's IR and
 Mosaic to `DIR/flush_NNNNN.txt`.
@@ -869,7 +870,6 @@ def _wrap_reader(name, cause):
 
 def _wrap_backward(orig, cause):
     def backward(*a, **k):
-        _step_back()
         _flush(cause)
         try:
             return orig(*a, **k)
