@@ -264,9 +264,10 @@ def _bf16_scalars(args, a, b):
 
 
 def _leading_scalar_tensor(args, st):
-    """Torch's CPU mul and div take a 0-dim f32 tensor *first* beside a bf16 tensor cast to
-    bf16 (second, at its f32 value: the engine's way for both): a real one becomes its
-    bf16-rounded number; a pending one (its value unknown until a flush) is refused."""
+    """Torch's CPU mul and div round a 0-dim f32 tensor that comes *first* beside a bf16
+    tensor to bf16 (one that comes second they take at its f32 value, as the engine takes
+    both): a real one becomes its bf16-rounded number; a pending one (its value unknown
+    until a flush) is refused (`fusion-f32-0dim-times-bf16`)."""
     x, y = args
     if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float32
             and isinstance(y, torch.Tensor) and y.dim() > 0 and y.dtype == torch.bfloat16):
