@@ -518,7 +518,8 @@ def test_bf16_numbers_round_as_torch_rounds_them():
              lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1),
              # A 0-dim f32 tensor first (found by the random graphs): torch multiplies by its f32 value.
              lambda x: torch.tensor(c) * x, lambda x: torch.tensor(c) / x, lambda x: x / torch.tensor(c),
-             lambda x: torch.tensor(c) * torch.tanh(x)]
+             lambda x: torch.tensor(c) * torch.tanh(x),
+             lambda x: (torch.tensor(c) + 0.0) * x]  # a pending 0-dim first: refused, eager
     for f in cases:
         want = f(x)
         with tessera.set_eager_mode(DEFER):
