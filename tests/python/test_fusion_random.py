@@ -205,7 +205,18 @@ def run(program, tensors, requires_grad=False, copy=True):
             # Shapes that do not broadcast: eager raises, and so does the mode (the op is
             # refused and runs eagerly); the op is skipped on both sides.
             assert "broadcast" in str(err) or "size of tensor" in str(err), err
+            _skipped[0] += 1
     return pool
+
+
+_skipped = [0]  # ops `run` skipped because eager raised
+
+
+def runs_cleanly(program, tensors):
+    """Whether every op of `program` runs (none raises and is skipped)."""
+    before = _skipped[0]
+    run(program, tensors)
+    return _skipped[0] == before
 
 
 def inputs_of(program, seed):
@@ -325,7 +336,14 @@ def test_random_graphs_under_torch_compile(batch, fresh_dynamo):
     function, so backward runs AOTAutograd's compiled backward), odd batches forward with
     in-place ops and views (AOTAutograd functionalizes them)."""
     backward = batch % 2 == 0
-    progs = [program_of(1_000_003 * (batch * COMPILE_BATCH + i) + 17, inplace=not backward) for i in range(COMPILE_BATCH)]
+    # Programs none of whose ops raise: dynamo gives up on a frame whose tracing raises (even
+    # inside a try) and runs it eagerly, which would compare eager with eager.
+    progs, seed = [], 1_000_003 * batch * COMPILE_BATCH + 17
+    while len(progs) < COMPILE_BATCH:
+        p = program_of(seed, inplace=not backward)
+        seed += 1
+        if runs_cleanly(p, inputs_of(p, 2)):
+            progs.append(p)
     data = [inputs_of(p, 2) for p in progs]
 
     def leaves():
