@@ -164,15 +164,71 @@ def test_a_program_that_cannot_be_built_replays_eagerly_and_says_why(monkeypatch
     assert len(fusion.stats()["fallbacks"]) >= 2 and fusion.stats()["kernels_launched"] == 0
 
 
+NO_REPEATS = [torch.tanh, torch.sigmoid, torch.exp, torch.neg, torch.abs, torch.relu, torch.sin, torch.cos,
+              torch.atan, lambda y: y * 1.01, lambda y: y + 0.5, lambda y: y - 0.25]  # 12 different aten ops
+
+
 def test_size_cap_flushes(monkeypatch):
     monkeypatch.setenv("TESSERA_FUSION_MAX_OPS", "5")
     x = torch.randn(4, 8)
     y = x
     with tessera.set_eager_mode(DEFER):
-        for _ in range(12):
-            y = y * 1.01
-    torch.testing.assert_close(y, x * 1.01 ** 12, rtol=1e-5, atol=1e-6)
-    assert fusion.stats()["flush_causes"].get("size-cap") == 2, fusion.stats()
+        for f in NO_REPEATS:
+            y = f(y)
+    want = x
+    for f in NO_REPEATS:
+        want = f(want)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    # atan is not the engine's: it flushes the first 8 and runs eagerly; then 3 more.
+    s = fusion.stats()
+    assert s["flush_causes"].get("size-cap") == 1 and s["loop_boundaries"] == 0, s
+
+
+def loop_step(x, w):
+    y = torch.tanh(x * w + 1.0)
+    y = y.sigmoid() - 0.5
+    return (y * y).sum(-1, keepdim=True) + x  # 8 aten ops
+
+
+def test_a_loop_flushes_at_its_iteration_boundary(monkeypatch):
+    """A cap of 10 ops cuts 8-op steps at drifting phases (4 structures); the loop heuristic
+    finds the period and cuts every step at the same place: one structure, cache hits."""
+    monkeypatch.setenv("TESSERA_FUSION_MAX_OPS", "10")
+    x, w = torch.randn(8, 32), torch.randn(32)
+    entries = tessera._native.fusion_cache_info()["entries"]
+    n = 24
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for _ in range(n):
+            y = loop_step(y, w)
+    want = x
+    for _ in range(n):
+        want = loop_step(want, w)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    s = fusion.stats()
+    # Found after two steps (the first cut by the cap): then one flush per step.
+    assert s["flush_causes"].get("loop", 0) >= n - 3 and s["flush_causes"].get("size-cap", 0) <= 1, s
+    assert s["cache_hits"] >= n - 4 and s["cache_misses"] <= 3, s
+    assert tessera._native.fusion_cache_info()["entries"] - entries <= 3
+    # Under the default cap (512) the same loop is cut where the next step would not fit:
+    # the flushes after the first hold the same 63 whole steps.
+    fusion.reset_stats()
+    monkeypatch.delenv("TESSERA_FUSION_MAX_OPS")
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for _ in range(200):
+            y = loop_step(y, w)
+    s = fusion.stats()
+    assert s["flush_causes"] == {"loop": 3, "exit": 1} and s["cache_hits"] >= 1, s
+
+
+def test_the_loop_heuristic_needs_a_whole_repeated_period():
+    x = torch.randn(4, 8)
+    with tessera.set_eager_mode(DEFER):
+        y = x
+        for f in NO_REPEATS[:8] + NO_REPEATS[:7]:  # a period and most of a second
+            y = f(y)
+    assert fusion.stats()["loop_boundaries"] == 0, fusion.stats()
 
 
 def test_only_referenced_results_are_written():
@@ -459,7 +515,11 @@ def test_bf16_numbers_round_as_torch_rounds_them():
     c = -1.21484375  # not a bf16 value
     cases = [lambda x: x > 0.1, lambda x: x >= 0.1, lambda x: x + c, lambda x: x - c, lambda x: c - x,
              lambda x: x * c, lambda x: x / c, lambda x: x.abs() ** 1.3, lambda x: x * torch.tensor(c),
-             lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1)]
+             lambda x: x + torch.tensor(c), lambda x: x > torch.tensor(0.1),
+             # A 0-dim f32 tensor first (found by the random graphs): torch multiplies by its f32 value.
+             lambda x: torch.tensor(c) * x, lambda x: torch.tensor(c) / x, lambda x: x / torch.tensor(c),
+             lambda x: torch.tensor(c) * torch.tanh(x),
+             lambda x: (torch.tensor(c) + 0.0) * x]  # a pending 0-dim first: refused, eager
     for f in cases:
         want = f(x)
         with tessera.set_eager_mode(DEFER):
@@ -552,3 +612,99 @@ def test_rounding_sign_and_trig_fuse_and_match_torch(dtype):
         torch.testing.assert_close(got[name], f(x), rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{name}: {m}")
     s = fusion.stats()
     assert s["kernels_launched"] >= 1 and not any(k.startswith("op:") and k[3:] in exact.keys() | smooth.keys() for k in s["eager_reasons"]), s
+
+
+# ---- churning modules step aside ----------------------------------------------------------------
+
+
+class RowNorm(torch.nn.Module):
+    def forward(self, x):
+        return rmsnorm(x, torch.ones(x.shape[-1])).softmax(-1) @ torch.ones(x.shape[-1], 1)  # mm: a flush
+
+
+def test_a_module_whose_calls_churn_steps_aside(monkeypatch):
+    """A decode-like loop: every call is a new shape. After the call that churned (the 9th
+    variant), the module's calls run strictly with the mode popped (nothing recorded, no
+    per-op cost), and so does the code after them, until a trigger brings the mode back."""
+    monkeypatch.setattr(fusion, "_variants", {})
+    m, other = RowNorm(), torch.nn.Identity()
+    outs = []
+    with tessera.set_eager_mode(DEFER):
+        for n in range(1, 16):
+            x = torch.randn(2, n)
+            outs.append((x, m(x)))
+        s = fusion.stats()
+        # 9 calls recorded (7 ops each), the 9th churned; the 6 after it ran strictly.
+        assert s["shape_churn"] == 1 and s["stepped_aside"] == 1 and s["ops_deferred"] == 9 * 7, s
+        deferred = s["ops_deferred"]
+        y = m(torch.randn(2, 3)) * 2  # aside: strict, both the call and the op after it
+        assert fusion.stats()["ops_deferred"] == deferred, fusion.stats()
+        other(y)  # a module that does not churn: the mode is back
+        z = torch.exp(y)
+        assert fusion.stats()["ops_deferred"] == deferred + 1, fusion.stats()
+        a = torch.randn(2, 5, requires_grad=True)
+        m(a).sum().backward()  # aside: a backward of a strict forward runs strictly too
+        assert fusion.stats()["ops_deferred"] == deferred + 1, fusion.stats()
+        fusion.flush()  # flush() brings the mode back
+        w = z + 1
+        assert fusion.stats()["ops_deferred"] == deferred + 2 and fusion.stats()["stepped_aside"] == 2, fusion.stats()
+    for x, got in outs:
+        torch.testing.assert_close(got, RowNorm()(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, torch.exp(y) + 1)
+    ar = a.detach().clone().requires_grad_(True)
+    RowNorm()(ar).sum().backward()
+    torch.testing.assert_close(a.grad, ar.grad)
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    assert _get_current_dispatch_mode() is None
+
+
+# ---- bad input: eager, with the reason ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,make,reason", [
+    ("float64", lambda: torch.randn(4, 8, dtype=torch.float64), "fusion-dtype"),
+    ("float16", lambda: torch.randn(4, 8).half(), "fusion-dtype"),
+    ("int64", lambda: torch.arange(32).reshape(4, 8), "fusion-dtype"),
+    ("int32", lambda: torch.arange(32, dtype=torch.int32).reshape(4, 8), "fusion-dtype"),
+    ("complex64", lambda: torch.randn(4, 8, dtype=torch.complex64), "fusion-dtype"),
+    ("rows wider than the cap", lambda: torch.randn(2, 40000), "fusion-row-width"),
+    ("empty", lambda: torch.randn(0, 8), "fusion-empty"),
+    ("empty rows", lambda: torch.randn(3, 0), "fusion-empty"),
+])
+def test_unsupported_inputs_run_eagerly_with_the_reason(name, make, reason):
+    x = make()
+
+    def f(t):
+        y = t * 2 + 1
+        return y if not t.dtype.is_floating_point and not t.is_complex() else torch.exp(y) - t
+
+    want = f(x)
+    with tessera.set_eager_mode(DEFER):
+        got = f(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # eager's own kernels: bit for bit
+    s = fusion.stats()
+    assert s["eager_reasons"].get(reason, 0) >= 2 and s["ops_deferred"] == 0 and s["kernels_launched"] == 0, s
+
+
+def test_a_kernel_the_verifier_refuses_falls_back_and_says_why():
+    """Not simulated: 16 inputs and 16 results of rows of 32768 f32 in one kernel need ~79 MiB
+    of VMEM at the smallest block (8 rows), over tpu7x's 64 MiB: the verifier refuses it, the
+    ops replay eagerly, and `fallbacks` carries the verifier's rule and numbers."""
+    from tessera import _ops
+
+    xs = [torch.randn(8, 32768) for _ in range(16)]
+    before = _ops.get_target()
+    _ops.set_target("tpu7x")
+    try:
+        with tessera.set_eager_mode(DEFER):
+            ys = [torch.tanh(xs[i] * 2 + xs[(i + 1) % 16]) for i in range(16)]
+            fusion.flush()
+    finally:
+        _ops.set_target(before)
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y, torch.tanh(xs[i] * 2 + xs[(i + 1) % 16]), rtol=0, atol=0)
+    s = fusion.stats()
+    assert s["kernels_launched"] == 0 and len(s["fallbacks"]) == 1, s
+    assert "vmem-budget" in s["fallbacks"][0] and "tpu7x" in s["fallbacks"][0], s["fallbacks"]

@@ -21,8 +21,17 @@ Flushes happen on: reading values (`.item()`, `bool/int/float()`, `.tolist()`, `
 `repr`/`print`/format, `data_ptr()`, pickling), an op the engine does not take whose inputs are pending (it runs
 eagerly after the flush), a write to a tensor the pending graph reads, an in-place op on a
 pending tensor that has views, `backward()` / `torch.autograd.grad` (before and after), more
-than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, leaving the mode, and `flush()`. Flush
-points depend only on the op sequence.
+than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, a loop boundary (below), leaving the mode,
+and `flush()`. Flush points depend only on the op sequence, never on timing.
+
+The loop heuristic (as TorchTPU cuts training steps): the deferred ops' fingerprints (their
+aten overloads) are watched for a repeated suffix; once a whole period of P ops repeats the
+P before it, every P ops is a loop boundary, and a flush is cut at a boundary when the next
+iteration would pass the size cap. So every flush of a loop holds the same whole iterations
+(one structure, program-cache hits) instead of wherever the cap falls. A period is found
+when some op occurs once per iteration (the candidate is the distance to the op's previous
+occurrence); a mismatch drops it. A loop whose iterations already flush on their own
+(an eager op each step) is unaffected: the cap is never near.
 
 Aliasing is eager's: views of pending tensors are real views of the placeholder's memory;
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
@@ -32,9 +41,19 @@ mode, so backward ops are recorded and fused too.
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
 `TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
-decode loops) instead of compiling a program per step. `TESSERA_DUMP_FUSION=DIR` writes each flushed
-graph, its partition and every kernel's IR and Mosaic to `DIR/flush_NNNNN.txt`;
-`TESSERA_FUSION_MODULES=DIR` every kernel flushed as StableHLO for v5e/v6e/tpu7x (the libtpu tier).
+decode loops) instead of compiling a program per step. And a module (`nn.Module`) an
+outermost call of which had such a flush is *churning* (for the process): its later calls
+flush what is pending and step the mode aside, popping it off the dispatch stack, so the call
+and the code after it run strictly at strict eager's cost (a Python dispatch mode costs ~5 us
+an op even passing ops through, more than a small model's ops cost: `generate()` of a tiny
+Llama ran 2.7x slower under a no-op mode). The mode comes back at the next outermost call of
+a module that is not churning, `flush()`, or leaving the mode (a `backward()` while aside runs
+strictly too: its forward did, and its shapes churn as the forward's); `stats()["stepped_aside"]`
+counts the steps aside. Like every flush point, this
+depends only on the op sequence (and the module calls), never on timing.
+`TESSERA_DUMP_FUSION=DIR` writes each flushed graph, its partition and every kernel's IR and
+Mosaic to `DIR/flush_NNNNN.txt`; `TESSERA_FUSION_MODULES=DIR` every kernel flushed as StableHLO
+for v5e/v6e/tpu7x (the libtpu tier).
 """
 
 from __future__ import annotations
@@ -110,7 +129,7 @@ def reset_stats() -> None:
     """Zeroes the counters of `stats()`."""
     _stats.clear()
     _stats.update(ops_deferred=0, ops_eager=0, eager_reasons=Counter(), flushes=0, flush_causes=Counter(),
-                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, fallbacks=[])
+                  kernels_launched=0, shape_churn=0, results_written=0, temporaries=0, cache_hits=0, cache_misses=0, loop_boundaries=0, stepped_aside=0, fallbacks=[])
 
 
 reset_stats()
@@ -121,8 +140,9 @@ def stats() -> dict:
     flushes and their causes, kernels launched, results written to tensors
     (`results_written`) and buffers allocated between kernels (`temporaries`), flushes run
     per op because their structure keeps changing shape (`shape_churn`), program-cache
-    hits and misses (this process's flushes), and `fallbacks` (why a flushed graph ran
-    eagerly instead)."""
+    hits and misses (this process's flushes), loop boundaries the loop heuristic found,
+    steps aside for churning modules, and `fallbacks` (why a flushed graph ran eagerly
+    instead)."""
     out = dict(_stats)
     out["eager_reasons"] = dict(_stats["eager_reasons"])
     out["flush_causes"] = dict(_stats["flush_causes"])
@@ -262,6 +282,21 @@ def _bf16_scalars(args, a, b):
     return a, b
 
 
+def _leading_scalar_tensor(args, st):
+    """Torch's CPU mul and div round a 0-dim f32 tensor that comes *first* beside a bf16
+    tensor to bf16 (one that comes second they take at its f32 value, as the engine takes
+    both): a real one becomes its bf16-rounded number; a pending one (its value unknown
+    until a flush) is refused (`fusion-f32-0dim-times-bf16`)."""
+    x, y = args
+    if (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float32
+            and isinstance(y, torch.Tensor) and y.dim() > 0 and y.dtype == torch.bfloat16):
+        if st.entry(x) is not None:
+            raise _Unsupported("fusion-f32-0dim-times-bf16")
+        # (The mode is off here: plain reads.)
+        return float(aten._local_scalar_dense.default(aten._to_copy.default(x, dtype=torch.bfloat16))), y
+    return args
+
+
 def _last_dim(dims, rank):
     if dims is None:
         return False
@@ -305,6 +340,8 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-args")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
+        if name in ("mul", "div"):
+            args = _leading_scalar_tensor(args, st)
         a, b = _operand(args[0], st), _operand(args[1], st)
         if name == "pow":
             a, b = _bf16_scalars(args, a, b)
@@ -447,15 +484,27 @@ def _record_backward_f32(name, args, kw, st, op):
     raise _Unsupported(name)
 
 
-class _DeferMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        st = _state
+_OP_INFO: dict = {}
+
+
+def _op_info(func):
+    """(name, base name, in place, mutable) of an aten overload, read from its schema once
+    (reading `_schema` costs ~3 us, a third of recording an op)."""
+    info = _OP_INFO.get(func)
+    if info is None:
         schema = func._schema
         name = schema.name.split("::")[-1]  # "add", "add_", "_softmax", ...
         first = schema.arguments[0] if schema.arguments else None
         inplace = name.endswith("_") and not name.startswith("_") and first is not None and first.alias_info is not None and first.alias_info.is_write
-        base = name[:-1] if inplace else name
+        info = _OP_INFO[func] = (name, name[:-1] if inplace else name, inplace, schema.is_mutable)
+    return info
+
+
+class _DeferMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = _state
+        name, base, inplace, mutable = _op_info(func)
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         pending = [t for t in tensors if st.entry(t) is not None]
 
@@ -472,7 +521,7 @@ class _DeferMode(TorchDispatchMode):
                 return self._eager(func, args, kwargs, f"{base}:{why}", pending)
         if inplace or (base == "copy" and name == "copy_"):
             return self._inplace(func, name, base, args, kwargs, st, pending)
-        if schema.is_mutable or "out" in kwargs:
+        if mutable or "out" in kwargs:
             return self._eager(func, args, kwargs, f"mutating:{name}", pending, writes=tensors)
         if not tensors:
             return func(*args, **kwargs)
@@ -495,7 +544,7 @@ class _DeferMode(TorchDispatchMode):
         st.groups.append(grp)
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
-        _count_op(st)
+        _count_op(st, func)
         return out
 
     def _view(self, func, base, args, kwargs, st):
@@ -518,7 +567,7 @@ class _DeferMode(TorchDispatchMode):
         grp.members.append(weakref.ref(out))
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
-        _count_op(st)
+        _count_op(st, func)
         return out
 
     def _inplace(self, func, name, base, args, kwargs, st, pending):
@@ -549,7 +598,7 @@ class _DeferMode(TorchDispatchMode):
         grp.root = node
         st.pending[id(target)] = (e[0], node, grp)
         st.records.append((func, _template(args, st, before=e[1]), _template(kwargs, st), node, e[1]))
-        _count_op(st)
+        _count_op(st, func)
         return target
 
     def _eager(self, func, args, kwargs, reason, pending, writes=(), cause=None):
@@ -570,13 +619,54 @@ def _recordable(base):
         "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone") or base in _BACKWARD
 
 
-def _count_op(st):
+def _count_op(st, func):
     _stats["ops_deferred"] += 1
     if st.ops == 0:
         st.max_ops = _max_ops()  # read once per recording
     st.ops += 1
-    if st.ops >= st.max_ops:
+    period = _loop.step(func)
+    if period and st.ops + period > st.max_ops:
+        _flush("loop")  # at a loop boundary, when the next iteration would pass the cap
+    elif st.ops >= st.max_ops:
         _flush("size-cap")
+
+
+class _LoopDetector:
+    """The loop heuristic: finds a period in the stream of deferred ops' fingerprints (the
+    aten overload), across flushes, in O(1) per op. A candidate period is the distance to
+    the previous op of the same fingerprint; it is confirmed once a whole period repeats
+    the one before it (`run` ops in a row equal to the op `period` before). After that,
+    every `period` ops is a loop boundary (`step` returns the period there, else 0); a
+    mismatch drops the loop. Only the op sequence decides, never timing."""
+
+    MAX_PERIOD = 4096
+
+    def __init__(self):
+        self.n = 0
+        self.ring = [None] * self.MAX_PERIOD
+        self.last = {}
+        self.period = 0
+        self.run = 0
+
+    def step(self, fp):
+        i, ring, cap = self.n, self.ring, self.MAX_PERIOD
+        self.n = i + 1
+        p = self.period
+        if p and ring[(i - p) % cap] == fp:
+            self.run += 1
+        else:
+            j = self.last.get(fp)
+            self.period = p = i - j if j is not None and i - j < cap else 0
+            self.run = 1 if p else 0
+        self.last[fp] = i
+        ring[i % cap] = fp
+        if p and self.run >= p and self.run % p == 0:
+            _stats["loop_boundaries"] += 1
+            return p
+        return 0
+
+
+_loop = _LoopDetector()
 
 
 def _flat(args, kwargs):
@@ -672,6 +762,7 @@ def _flush(cause):
             return
         if _churning(str(st.graph), live):
             _stats["shape_churn"] += 1
+            _aside.churn_events += 1
             _replay(st, live, dsts)
             return
         try:
@@ -726,8 +817,63 @@ def _replay(st, live, dsts):
 
 
 def flush() -> None:
-    """Runs everything recorded so far (cause `explicit`)."""
+    """Runs everything recorded so far (cause `explicit`); a mode stepped aside comes back."""
     _flush("explicit")
+    _step_back()
+
+
+# ---- stepping aside for churning modules -------------------------------------------------------
+
+
+class _Aside:
+    """Modules whose calls churn, and whether the mode is stepped aside now."""
+
+    def __init__(self):
+        self.churning = weakref.WeakSet()  # modules a call of which churned (for the process)
+        self.active = False  # the dispatch mode is popped
+        self.depth = 0  # module calls in progress (only the outermost one decides)
+        self.churn_events = 0
+
+
+_aside = _Aside()
+
+
+def _step_aside():
+    """Flushes and pops the dispatch mode: ops run strictly, at eager's cost."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _aside.active or _mode_obj is None or _get_current_dispatch_mode() is not _mode_obj:
+        return  # (another mode above ours: stay, popping would reorder the stack)
+    _flush("step-aside")
+    _mode_obj.__exit__(None, None, None)
+    _aside.active = True
+    _stats["stepped_aside"] += 1
+
+
+def _step_back():
+    if _aside.active:
+        _aside.active = False
+        _mode_obj.__enter__()
+
+
+def _wrap_module_call(orig):
+    def call(self, *a, **k):
+        if _aside.depth:
+            return orig(self, *a, **k)  # a submodule: its outermost call decided
+        if self in _aside.churning:
+            _step_aside()  # and stay aside after it, until a trigger brings the mode back
+        else:
+            _step_back()
+        before = _aside.churn_events
+        _aside.depth = 1
+        try:
+            return orig(self, *a, **k)
+        finally:
+            _aside.depth = 0
+            if _aside.churn_events != before:
+                _aside.churning.add(self)
+
+    return call
 
 
 # ---- the mode -------------------------------------------------------------------------------------
@@ -777,6 +923,8 @@ def _install():
     torch.autograd.backward = _wrap_backward(torch.autograd.backward, "backward")
     _saved[("a", "grad")] = torch.autograd.grad
     torch.autograd.grad = _wrap_backward(torch.autograd.grad, "grad")
+    _saved[("m", "__call__")] = torch.nn.Module.__call__
+    torch.nn.Module.__call__ = _wrap_module_call(torch.nn.Module.__call__)
 
 
 def _uninstall():
@@ -786,6 +934,8 @@ def _uninstall():
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, orig)
+        elif kind == "m":
+            setattr(torch.nn.Module, name, orig)
         else:
             setattr(torch.autograd, name, orig)
     _saved.clear()
@@ -806,13 +956,14 @@ class _ModeGuard:
 def set_eager_mode(mode: EagerMode) -> _ModeGuard:
     """Switches the eager mode now; as a context manager, restores the previous one on exit
     (leaving DEFER_AND_FUSE flushes)."""
-    global _current, _mode_obj
+    global _current, _mode_obj, _loop
     if not isinstance(mode, EagerMode):
         raise ValueError(f"tessera: set_eager_mode takes a tessera.EagerMode, not {mode!r}")
     previous = _current
     if mode is _current:
         return _ModeGuard(previous)
     if mode is EagerMode.DEFER_AND_FUSE:
+        _loop = _LoopDetector()  # a fresh op stream
         _mode_obj = _DeferMode()
         _mode_obj.__enter__()
         _install()
@@ -820,8 +971,9 @@ def set_eager_mode(mode: EagerMode) -> _ModeGuard:
         _flush("exit")
         _uninstall()
         m, _mode_obj = _mode_obj, None
-        if m is not None:
+        if m is not None and not _aside.active:
             m.__exit__(None, None, None)
+        _aside.active = False
     _current = mode
     return _ModeGuard(previous)
 
