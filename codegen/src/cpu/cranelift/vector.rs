@@ -136,6 +136,31 @@ pub fn store_bf16x4(b: &mut FunctionBuilder, v: Value, addr: Value) {
     b.ins().store(mflags(), x, addr, 0);
 }
 
+/// `c > x ? c : x` lane-wise: IEEE `maximum(x, c)` for a `c` that is neither ±0 nor NaN
+/// (a NaN `x` is kept). The pattern the x64 backend lowers to one `maxps c, x`.
+pub fn max_over_const(b: &mut FunctionBuilder, c: Value, x: Value) -> Value {
+    let gt = b.ins().fcmp(FloatCC::LessThan, x, c);
+    vselect(b, gt, c, x)
+}
+
+/// `c < x ? c : x` lane-wise: IEEE `minimum(x, c)` for a `c` that is neither ±0 nor NaN
+/// (a NaN `x` is kept): one `minps c, x` on x64.
+pub fn min_under_const(b: &mut FunctionBuilder, c: Value, x: Value) -> Value {
+    let lt = b.ins().fcmp(FloatCC::LessThan, c, x);
+    vselect(b, lt, c, x)
+}
+
+/// The i32 lanes of f32 lanes holding integers of magnitude below 2^22: their bits after
+/// adding 1.5 * 2^23 (which puts the integer in the low mantissa bits, exactly), minus
+/// that constant's bits. Two instructions where a saturating conversion takes seven.
+fn small_int_bits(b: &mut FunctionBuilder, x: Value) -> Value {
+    let magic = fsplat(b, 12_582_912.0);
+    let s = b.ins().fadd(x, magic);
+    let s = as_i(b, s);
+    let m = isplat(b, 0x4b40_0000);
+    b.ins().isub(s, m)
+}
+
 fn poly(b: &mut FunctionBuilder, x: Value, coeffs: &[f32]) -> Value {
     // Horner, highest degree first.
     let mut acc = fsplat(b, coeffs[0]);
@@ -159,10 +184,11 @@ fn copysign(b: &mut FunctionBuilder, mag: Value, sign_of: Value) -> Value {
 }
 
 pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
+    // A NaN passes both clamps and is selected at the end.
     let lo = fsplat(b, -104.0);
     let hi = fsplat(b, 89.0);
-    let xc = b.ins().fmax(x, lo);
-    let xc = b.ins().fmin(xc, hi);
+    let xc = max_over_const(b, lo, x);
+    let xc = min_under_const(b, hi, xc);
     let log2e = fsplat(b, std::f32::consts::LOG2_E);
     let half = fsplat(b, 0.5);
     let t = b.ins().fmul(xc, log2e);
@@ -180,7 +206,8 @@ pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
     let p = b.ins().fadd(p, r);
     let one = fsplat(b, 1.0);
     let p = b.ins().fadd(p, one);
-    let n = b.ins().fcvt_to_sint_sat(I32X4, fx);
+    // `fx` is an integer in [-150, 129] (or NaN, selected away below).
+    let n = small_int_bits(b, fx);
     let n1 = b.ins().sshr_imm_s(n, 1);
     let n2 = b.ins().isub(n, n1);
     let bias = isplat(b, 127);
