@@ -18,6 +18,9 @@
 //! | floor, ceil, round | exact | the hardware's `roundps` (`floor`, `ceil`, `nearest`: ties to even) |
 //! | sign | exact | compares and selects (both zeros give +0, NaN stays NaN) |
 //!
+//! The polynomials (Horner) and exp's reduction use fused multiply-adds where the host has
+//! them ([`native_fma`]): fewer instructions and one rounding a step.
+//!
 //! Special values follow the interpreter: NaN in, NaN out; `exp(-inf) = 0`, `exp(inf) = inf`,
 //! `log(0) = -inf`, `log(x < 0) = NaN`, `tanh(±inf) = ±1`, signed zeros kept.
 
@@ -161,13 +164,40 @@ fn small_int_bits(b: &mut FunctionBuilder, x: Value) -> Value {
     b.ins().isub(s, m)
 }
 
+/// Whether the host fuses multiply-adds in hardware (x86-64 with FMA3; every aarch64).
+/// Where it does not, Cranelift would call `fmaf` per lane, so the polynomials multiply
+/// and add instead (both within the bounds above).
+pub fn native_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        true
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// `a * x + c`: one rounding with a native FMA, else two.
+fn mul_add(b: &mut FunctionBuilder, a: Value, x: Value, c: Value) -> Value {
+    if native_fma() {
+        b.ins().fma(a, x, c)
+    } else {
+        let m = b.ins().fmul(a, x);
+        b.ins().fadd(m, c)
+    }
+}
+
 fn poly(b: &mut FunctionBuilder, x: Value, coeffs: &[f32]) -> Value {
     // Horner, highest degree first.
     let mut acc = fsplat(b, coeffs[0]);
     for &c in &coeffs[1..] {
-        let m = b.ins().fmul(acc, x);
         let cv = fsplat(b, c);
-        acc = b.ins().fadd(m, cv);
+        acc = mul_add(b, acc, x, cv);
     }
     acc
 }
@@ -194,16 +224,14 @@ pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
     let t = b.ins().fmul(xc, log2e);
     let t = b.ins().fadd(t, half);
     let fx = b.ins().floor(t);
-    let c1 = fsplat(b, 0.693_359_4);
-    let c2 = fsplat(b, -2.121_944_4e-4);
-    let a = b.ins().fmul(fx, c1);
-    let r = b.ins().fsub(xc, a);
-    let a = b.ins().fmul(fx, c2);
-    let r = b.ins().fsub(r, a);
+    // r = x - fx ln 2 in two steps (`fx * c1` is exact: c1 has 10 significant bits).
+    let c1 = fsplat(b, -0.693_359_4);
+    let c2 = fsplat(b, 2.121_944_4e-4);
+    let r = mul_add(b, fx, c1, xc);
+    let r = mul_add(b, fx, c2, r);
     let z = b.ins().fmul(r, r);
     let p = poly(b, r, &[1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1]);
-    let p = b.ins().fmul(p, z);
-    let p = b.ins().fadd(p, r);
+    let p = mul_add(b, p, z, r);
     let one = fsplat(b, 1.0);
     let p = b.ins().fadd(p, one);
     // `fx` is an integer in [-150, 129] (or NaN, selected away below).
