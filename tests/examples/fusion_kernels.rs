@@ -1,6 +1,6 @@
 //! The kernels DeferAndFuse generates for `scripts/bench_fusion.py`'s two workloads (the
 //! 8-op elementwise chain and RMSNorm in plain ops, [4096, 4096] f32), timed alone (into preallocated outputs) on each
-//! CPU backend (medians and minima of 7 after a warm-up that compiles): the kernel's share of the
+//! CPU backend (medians and minima of 7 after a warm-up that compiles; the compile time): the kernel's share of the
 //! Python figure, without recording, planning or torch.
 //! `cargo run --release -p tessera-tests --example fusion_kernels [--features llvm]`.
 use std::time::Instant;
@@ -58,7 +58,9 @@ fn main() {
         let mut line = format!("{name:8}");
         for b in Backend::ALL.into_iter().filter(|b| b.available() && *b != Backend::Interp) {
             let exec = b.executor();
+            let before = tessera_codegen::cpu::cache_stats().compile_time;
             let mut out: Vec<Array> = p.run(exec, &inputs).unwrap();
+            let compile = (tessera_codegen::cpu::cache_stats().compile_time - before).as_secs_f64() * 1e3;
             let ins: Vec<HostRef<'_>> = inputs.iter().map(|a| a.as_host()).collect();
             let mut ts: Vec<f64> = (0..7)
                 .map(|_| {
@@ -69,7 +71,7 @@ fn main() {
                 })
                 .collect();
             ts.sort_by(f64::total_cmp);
-            line += &format!("   {b} {:7.1} ms (min {:.1})", ts[3], ts[0]);
+            line += &format!("   {b} {:7.1} ms (min {:.1}; compiled in {compile:.0} ms)", ts[3], ts[0]);
         }
         println!("{line}");
     }
