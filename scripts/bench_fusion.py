@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """DeferAndFuse on the CPU: an 8-op elementwise chain and RMSNorm written in plain torch ops,
 [4096, 4096] f32, strict eager vs DEFER_AND_FUSE (the generated kernels on TESSERA_BACKEND,
-the JIT by default) vs torch.compile (inductor, unless --no-inductor).
+the JIT by default) vs torch.compile(backend="tessera") vs torch.compile (inductor, unless
+--no-inductor).
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python scripts/bench_fusion.py [--iters 7] [--size 4096]
 
 Each figure is the median of --iters timed calls after one warm-up call (which compiles:
 the deferred path's kernels are cached by structure, inductor's by its own cache). The
 deferred call includes recording the ops and the flush (planning is a cache hit). Prints one
-line per workload with the medians in ms and the ratios strict/deferred and
-deferred/inductor, and the kernels launched per call; then (unless --no-memory) the peak
+line per workload with the medians in ms, each way's speed-up over strict eager, the
+deferred and tessera-compiled times over inductor's, and the kernels launched per call; then (unless --no-memory) the peak
 resident memory of one call of each way in a fresh process, above the inputs (VmHWM after
 resetting it through /proc/self/clear_refs; Linux).
 """
@@ -77,16 +78,16 @@ def main():
         defer = median_ms(deferred, a.iters)
         s = fusion.stats()
         kernels = s["kernels_launched"] / (a.iters + 1)
-        line = f"{name:8s} ({nops} aten ops): strict {strict:8.1f} ms   deferred {defer:8.1f} ms ({kernels:.0f} kernel/call, hits {s['cache_hits']})   strict/deferred {strict / defer:5.2f}x"
+        line = f"{name:8s} ({nops} aten ops): strict {strict:8.1f} ms   deferred {defer:8.1f} ms ({kernels:.0f} kernel/call, hits {s['cache_hits']}) {strict / defer:5.2f}x faster"
+        t = torch.compile(f, backend="tessera")
+        torch.testing.assert_close(t(*args), want, rtol=1e-5, atol=1e-5)
+        comp = median_ms(lambda: t(*args), a.iters)
+        line += f"   compile(tessera) {comp:8.1f} ms {strict / comp:5.2f}x faster"
         if not a.no_inductor:
             c = torch.compile(f)
             torch.testing.assert_close(c(*args), want, rtol=1e-5, atol=1e-5)
             ind = median_ms(lambda: c(*args), a.iters)
-            line += f"   inductor {ind:8.1f} ms   deferred/inductor {defer / ind:5.2f}x"
-        t = torch.compile(f, backend="tessera")
-        torch.testing.assert_close(t(*args), want, rtol=1e-5, atol=1e-5)
-        comp = median_ms(lambda: t(*args), a.iters)
-        line += f"   compile(tessera) {comp:8.1f} ms"
+            line += f"   inductor {ind:8.1f} ms {strict / ind:5.2f}x faster   deferred/inductor {defer / ind:5.2f}x   compile(tessera)/inductor {comp / ind:5.2f}x"
         print(line, flush=True)
     if not a.no_memory:
         for name in ("chain8", "rmsnorm"):

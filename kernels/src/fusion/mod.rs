@@ -70,7 +70,9 @@
 //! # Blocks, verification, cache
 //!
 //! A kernel's block is `bm` whole rows: [`RowTiles`] (about 1 MiB f32 blocks, sublanes
-//! of the widest-tiled dtype it touches) for `reads + stored + 2` streams; the scoped VMEM
+//! of the widest-tiled dtype it touches) for `reads + stored + 2` streams, lowered to a
+//! multiple of the sublanes dividing the rows when one is at least half of it (no partial
+//! last block); the scoped VMEM
 //! limit is raised to what the verifier counts (`fit_vmem_limit`); a kernel the verifier
 //! still refuses for VMEM is retried with half the rows, any other refusal is the
 //! program's error (the front-end falls back to eager and reports it). Programs are
@@ -131,6 +133,18 @@ fn gcd(a: usize, b: usize) -> usize {
     } else {
         gcd(b, a % b)
     }
+}
+
+/// The largest multiple of `sub` at most `bm` that divides `rows`, when it is at least half
+/// of `bm`; else `bm`. Whole blocks only: the CPU backends then read and write the caller's
+/// memory in place (a partial last block sends the operand through copied windows, which
+/// made RMSNorm over 4096 rows in 48-row blocks several times slower), and the TPU has no
+/// masked last step.
+fn dividing_block(rows: usize, bm: usize, sub: usize) -> usize {
+    if rows.is_multiple_of(bm) || sub == 0 {
+        return bm;
+    }
+    (bm / 2..=bm).rev().find(|&d| d > 0 && d.is_multiple_of(sub) && rows.is_multiple_of(d)).unwrap_or(bm)
 }
 
 fn sublanes(dtypes: impl Iterator<Item = DType>, target: &Target) -> usize {
@@ -197,7 +211,7 @@ impl Program {
         let streams = p.reads.len() + p.outputs.len() + 2;
         let limit = target.default_scoped_vmem_bytes / (4 * streams);
         let tiles = RowTiles::new(p.rows, p.cols, sub, ROW_BLOCK_BYTES.min(limit), limit);
-        let mut bm = tiles.bm;
+        let mut bm = dividing_block(p.rows, tiles.bm, sub);
         // Periodic reads (rows dividing the kernel's, a multiple of 32): blocks divide them.
         let period = p.reads.iter().filter(|r| r.rows != p.rows && r.rows != 1).fold(0, |g, r| gcd(g, r.rows));
         if period > 0 {

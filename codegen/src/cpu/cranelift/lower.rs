@@ -261,7 +261,10 @@ impl<'a, 'b> Lower<'a, 'b> {
             };
             let elementwise_fused = |s: &Self| -> How {
                 let u = &uses[vi];
-                if u.len() == 1 && s.pos.get(&u[0]).map(|p| p.0) == s.block_of_value(v) {
+                // `x * x` (a binary op or comparison with `v` on both sides) is one consumer:
+                // `eval` computes `v` once for both operands.
+                let one_consumer = u.len() == 1 || u.len() == 2 && u[0] == u[1] && matches!(k.inst(u[0]).inst, Inst::Binary(..) | Inst::Cmp(..));
+                if one_consumer && s.pos.get(&u[0]).map(|p| p.0) == s.block_of_value(v) {
                     let fusible = match &k.inst(u[0]).inst {
                         Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => true,
                         Inst::Store { value, .. } => *value == v,
@@ -974,17 +977,22 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             Inst::Binary(op, a, bb) => {
                 let av = self.eval(*a, at)?;
-                let bv = self.eval(*bb, at)?;
-                let r = if op.is_shift() && class(k.ty(*a).dtype) == Class::I {
+                let bv = if a == bb { av } else { self.eval(*bb, at)? };
+                let c = class(k.ty(*a).dtype);
+                let r = if op.is_shift() && c == Class::I {
                     vx::shift_lanes(&mut self.b, *op, av, bv, ty.dtype.bits() as u32)
+                } else if let (Class::F, BinaryOp::Max | BinaryOp::Min, Some((cv, xv))) = (c, op, self.nonzero_const_side(*a, *bb, av, bv)) {
+                    // Against a constant that is neither zero nor NaN, IEEE `maximum`
+                    // (NaN wins, -0 < +0) is the hardware's `max(c, x)` (x when NaN).
+                    if *op == BinaryOp::Max { vx::max_over_const(&mut self.b, cv, xv) } else { vx::min_under_const(&mut self.b, cv, xv) }
                 } else {
-                    self.binary_vec(*op, class(k.ty(*a).dtype), av, bv)?
+                    self.binary_vec(*op, c, av, bv)?
                 };
                 self.norm(r, ty.dtype)
             }
             Inst::Cmp(op, a, bb) => {
                 let av = self.eval(*a, at)?;
-                let bv = self.eval(*bb, at)?;
+                let bv = if a == bb { av } else { self.eval(*bb, at)? };
                 self.cmp_vec(*op, class(k.ty(*a).dtype), av, bv)
             }
             Inst::Select { cond, on_true, on_false } => {
@@ -1016,6 +1024,31 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let m = self.b.ins().bmask(I32, s);
                 self.b.ins().splat(I32X4, m)
             }
+        }
+    }
+
+    /// A float constant (or a broadcast of one) that is neither ±0 nor NaN.
+    fn nonzero_float_const(&self, v: Value) -> bool {
+        let k = self.k;
+        let s = k.as_const(v).or_else(|| match self.inst_of(v).map(|i| &k.inst(i).inst) {
+            Some(Inst::Broadcast(x)) => k.as_const(*x),
+            _ => None,
+        });
+        s.is_some_and(|s| {
+            let c = Self::const_f32(s, k.ty(v).dtype);
+            c != 0.0 && !c.is_nan()
+        })
+    }
+
+    /// `(constant, other)` of a binary op's evaluated operands when one side is a
+    /// [`Self::nonzero_float_const`].
+    fn nonzero_const_side(&self, a: Value, b: Value, av: CV, bv: CV) -> Option<(CV, CV)> {
+        if self.nonzero_float_const(b) {
+            Some((bv, av))
+        } else if self.nonzero_float_const(a) {
+            Some((av, bv))
+        } else {
+            None
         }
     }
 

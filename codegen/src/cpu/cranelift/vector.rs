@@ -18,6 +18,9 @@
 //! | floor, ceil, round | exact | the hardware's `roundps` (`floor`, `ceil`, `nearest`: ties to even) |
 //! | sign | exact | compares and selects (both zeros give +0, NaN stays NaN) |
 //!
+//! The polynomials (Horner) and exp's reduction use fused multiply-adds where the host has
+//! them ([`native_fma`]): fewer instructions and one rounding a step.
+//!
 //! Special values follow the interpreter: NaN in, NaN out; `exp(-inf) = 0`, `exp(inf) = inf`,
 //! `log(0) = -inf`, `log(x < 0) = NaN`, `tanh(±inf) = ±1`, signed zeros kept.
 
@@ -136,13 +139,65 @@ pub fn store_bf16x4(b: &mut FunctionBuilder, v: Value, addr: Value) {
     b.ins().store(mflags(), x, addr, 0);
 }
 
+/// `c > x ? c : x` lane-wise: IEEE `maximum(x, c)` for a `c` that is neither ±0 nor NaN
+/// (a NaN `x` is kept). The pattern the x64 backend lowers to one `maxps c, x`.
+pub fn max_over_const(b: &mut FunctionBuilder, c: Value, x: Value) -> Value {
+    let gt = b.ins().fcmp(FloatCC::LessThan, x, c);
+    vselect(b, gt, c, x)
+}
+
+/// `c < x ? c : x` lane-wise: IEEE `minimum(x, c)` for a `c` that is neither ±0 nor NaN
+/// (a NaN `x` is kept): one `minps c, x` on x64.
+pub fn min_under_const(b: &mut FunctionBuilder, c: Value, x: Value) -> Value {
+    let lt = b.ins().fcmp(FloatCC::LessThan, c, x);
+    vselect(b, lt, c, x)
+}
+
+/// The i32 lanes of f32 lanes holding integers of magnitude below 2^22: their bits after
+/// adding 1.5 * 2^23 (which puts the integer in the low mantissa bits, exactly), minus
+/// that constant's bits. Two instructions where a saturating conversion takes seven.
+fn small_int_bits(b: &mut FunctionBuilder, x: Value) -> Value {
+    let magic = fsplat(b, 12_582_912.0);
+    let s = b.ins().fadd(x, magic);
+    let s = as_i(b, s);
+    let m = isplat(b, 0x4b40_0000);
+    b.ins().isub(s, m)
+}
+
+/// Whether the host fuses multiply-adds in hardware (x86-64 with FMA3; every aarch64).
+/// Where it does not, Cranelift would call `fmaf` per lane, so the polynomials multiply
+/// and add instead (both within the bounds above).
+pub fn native_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        true
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// `a * x + c`: one rounding with a native FMA, else two.
+fn mul_add(b: &mut FunctionBuilder, a: Value, x: Value, c: Value) -> Value {
+    if native_fma() {
+        b.ins().fma(a, x, c)
+    } else {
+        let m = b.ins().fmul(a, x);
+        b.ins().fadd(m, c)
+    }
+}
+
 fn poly(b: &mut FunctionBuilder, x: Value, coeffs: &[f32]) -> Value {
     // Horner, highest degree first.
     let mut acc = fsplat(b, coeffs[0]);
     for &c in &coeffs[1..] {
-        let m = b.ins().fmul(acc, x);
         let cv = fsplat(b, c);
-        acc = b.ins().fadd(m, cv);
+        acc = mul_add(b, acc, x, cv);
     }
     acc
 }
@@ -159,28 +214,28 @@ fn copysign(b: &mut FunctionBuilder, mag: Value, sign_of: Value) -> Value {
 }
 
 pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
+    // A NaN passes both clamps and is selected at the end.
     let lo = fsplat(b, -104.0);
     let hi = fsplat(b, 89.0);
-    let xc = b.ins().fmax(x, lo);
-    let xc = b.ins().fmin(xc, hi);
+    let xc = max_over_const(b, lo, x);
+    let xc = min_under_const(b, hi, xc);
     let log2e = fsplat(b, std::f32::consts::LOG2_E);
     let half = fsplat(b, 0.5);
     let t = b.ins().fmul(xc, log2e);
     let t = b.ins().fadd(t, half);
     let fx = b.ins().floor(t);
-    let c1 = fsplat(b, 0.693_359_4);
-    let c2 = fsplat(b, -2.121_944_4e-4);
-    let a = b.ins().fmul(fx, c1);
-    let r = b.ins().fsub(xc, a);
-    let a = b.ins().fmul(fx, c2);
-    let r = b.ins().fsub(r, a);
+    // r = x - fx ln 2 in two steps (`fx * c1` is exact: c1 has 10 significant bits).
+    let c1 = fsplat(b, -0.693_359_4);
+    let c2 = fsplat(b, 2.121_944_4e-4);
+    let r = mul_add(b, fx, c1, xc);
+    let r = mul_add(b, fx, c2, r);
     let z = b.ins().fmul(r, r);
     let p = poly(b, r, &[1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1]);
-    let p = b.ins().fmul(p, z);
-    let p = b.ins().fadd(p, r);
+    let p = mul_add(b, p, z, r);
     let one = fsplat(b, 1.0);
     let p = b.ins().fadd(p, one);
-    let n = b.ins().fcvt_to_sint_sat(I32X4, fx);
+    // `fx` is an integer in [-150, 129] (or NaN, selected away below).
+    let n = small_int_bits(b, fx);
     let n1 = b.ins().sshr_imm_s(n, 1);
     let n2 = b.ins().isub(n, n1);
     let bias = isplat(b, 127);

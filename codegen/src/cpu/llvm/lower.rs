@@ -394,6 +394,12 @@ fn translate_inst(tx: &mut Tx<'_>, inst: ir::Inst, block: ir::Block) -> R<()> {
             let s = tx.intrinsic(name, t, &[(t, a), (t, b)], "")?;
             set(tx, s);
         }
+        (Opcode::Fma, _) => {
+            let t = rty.unwrap();
+            let (a, b, c) = (tx.op(args[0])?, tx.op(args[1])?, tx.op(args[2])?);
+            let s = tx.intrinsic("fma", t, &[(t, a), (t, b), (t, c)], "")?;
+            set(tx, s);
+        }
         (Opcode::Fabs | Opcode::Sqrt | Opcode::Floor | Opcode::Ceil | Opcode::Nearest, _) => {
             let t = rty.unwrap();
             let name = match op {
