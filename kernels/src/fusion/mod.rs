@@ -75,6 +75,7 @@
 //! nodes; the target) in an LRU of [`cache_capacity`] entries (`TESSERA_FUSION_CACHE`,
 //! default 256); failures are cached too.
 
+pub mod anchor;
 pub mod generate;
 pub mod graph;
 pub mod planner;
@@ -84,7 +85,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use tessera_dsl::interp::{Array, Fill, HostData, HostMut, HostRef};
-use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, RefKind, Target, Type};
 
 pub use graph::{Binary, CmpOp, Graph, Node, NodeId, NodeOp, Operand, RowOp, Unary};
 pub use planner::{Partition, Partitioning, Read};
@@ -171,16 +172,11 @@ impl Program {
         }
         let mut launches = Vec::new();
         for (i, p) in partitioning.parts.iter().enumerate() {
-            let kernel = Self::kernel(graph, p, i, target)?;
-            let inputs = p.reads.iter().map(|r| (bufs[&r.storage], vec![r.rows, r.cols])).collect();
-            let outputs = p
-                .outputs
-                .iter()
-                .map(|&o| {
-                    let (r, c) = graph.node(o).layout();
-                    (bufs[&o], vec![r, c])
-                })
-                .collect();
+            let kernel = if p.anchor.is_some() { anchor::kernel(graph, p, i, target)? } else { Self::kernel(graph, p, i, target)? };
+            // Each buffer is passed in the shape its kernel declares (rows for row kernels,
+            // batched or N-d for anchors).
+            let inputs = p.reads.iter().zip(kernel.refs_of(RefKind::Input)).map(|(r, (_, d))| (bufs[&r.storage], d.shape.clone())).collect();
+            let outputs = p.outputs.iter().zip(kernel.refs_of(RefKind::Output)).map(|(&o, (_, d))| (bufs[&o], d.shape.clone())).collect();
             launches.push(Launch { kernel, inputs, outputs });
         }
         Ok(Program { graph: graph.clone(), live: live.to_vec(), target: *target, partitioning, launches, temps })

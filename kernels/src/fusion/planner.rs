@@ -37,6 +37,21 @@ pub struct Partition {
     pub has_col_sum: bool,
     /// Why the previous partition ended here (for dumps and stats).
     pub cut: String,
+    /// The matmul or copy node this kernel is built around (its first node), if any: then
+    /// `reads[..anchor_reads]` are its operands in order, each read whole.
+    pub anchor: Option<NodeId>,
+    pub anchor_reads: usize,
+}
+
+/// Whether `op` is an anchor: a matmul, or a copy that moves elements between rows
+/// (transpose, gather, cat). Each starts its own kernel.
+pub fn is_anchor(op: &NodeOp) -> bool {
+    matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_) | NodeOp::CatCols)
+}
+
+/// Whether `op` may join a matmul's epilogue: pointwise in the matmul's output space.
+fn is_epilogue(op: &NodeOp) -> bool {
+    matches!(op, NodeOp::Unary(_) | NodeOp::Binary(_) | NodeOp::Compare(_) | NodeOp::Where | NodeOp::Clamp(..) | NodeOp::Cast(_))
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -129,9 +144,16 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             new_reads.extend(reads.iter().copied());
             let is_row = matches!(node.op, NodeOp::Row(_));
             let is_col = matches!(node.op, NodeOp::ColSum);
-            cut = if let Some(o) = needs_stored {
+            let anchor = part.anchor.map(|a| &g.node(a).op);
+            cut = if is_anchor(&node.op) {
+                Some(format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" }))
+            } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
+                Some(format!("node %{id} reads the result of a copy kernel"))
+            } else if anchor.is_some() && (!is_epilogue(&node.op) || space != (part.rows, part.cols) || !reads.iter().all(|r| fits((r.rows, r.cols), (part.rows, part.cols))) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
+                Some(format!("node %{id} is not pointwise in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
+            } else if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads.iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
+            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
             } else if let Some(c) = reads_col_sum {
                 Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
@@ -152,7 +174,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 part.cols = n;
                 part.nodes.push(id);
                 for r in reads {
-                    if !part.reads.contains(&r) {
+                    if !part.reads[part.anchor_reads..].contains(&r) {
                         part.reads.push(r);
                     }
                 }
@@ -170,15 +192,27 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 continue;
             }
         }
-        // A new partition. Reads of the previous one's values are now reads of memory.
+        // A new partition. Reads of the previous one's values are now reads of memory (an
+        // anchor's operands each once, in order, even when two are one buffer).
         let mut reads = Vec::new();
+        let anchored = is_anchor(&node.op);
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
             let (rows, cols) = g.node(o).layout();
             let r = Read { storage: g.storage(o), rows, cols };
-            if !reads.contains(&r) {
+            if anchored || !reads.contains(&r) {
                 reads.push(r);
             }
+        }
+        if anchored {
+            let (rows, cols) = node.layout();
+            layouts = vec![(rows, cols)];
+            row_op_cols = None;
+            col_sum_rows = None;
+            let anchor_reads = reads.len();
+            parts.push(Partition { nodes: vec![id], rows, cols, reads, outputs: Vec::new(), has_row_op: false, has_col_sum: false, cut: cut.unwrap_or_else(|| "start".into()), anchor: Some(id), anchor_reads });
+            assigned[id] = Some(parts.len() - 1);
+            continue;
         }
         let is_row = matches!(node.op, NodeOp::Row(_));
         let is_col = matches!(node.op, NodeOp::ColSum);
@@ -190,7 +224,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits((r.rows, r.cols), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
-        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()) });
+        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });
         assigned[id] = Some(parts.len() - 1);
     }
     // What is stored: every compute node read from memory, and the live results.
