@@ -623,6 +623,22 @@ impl Graph {
             return self.view(x, shape);
         }
         let refuse = |why: String| err("as_strided", "the view", "fusion-strided-view", why, "views that pick rows (permute/slice/select of leading dims, expand), a column window, or swap the last two dims fuse; this one runs eagerly");
+        // See the memory as the dims the view's strides name (`[b * s, h * d]` read as
+        // `[b, s, h, d]` by a head transpose): every stride of the view is then one of them.
+        let mut steps: Vec<usize> = shape.iter().zip(strides).filter(|&(&n, &st)| n > 1 && st > 0).map(|(_, &st)| st).collect();
+        steps.push(1);
+        steps.sort_unstable_by(|a, b| b.cmp(a));
+        steps.dedup();
+        let mut fact = Vec::new();
+        let mut prev = total;
+        for &st in &steps {
+            if st > prev || !prev.is_multiple_of(st) {
+                return Err(refuse(format!("stride {st} does not divide the source's {prev} elements")));
+            }
+            fact.push(prev / st);
+            prev = st;
+        }
+        let (x, src) = if fact != src { (self.view(x, &fact)?, fact) } else { (x, src) };
         let r = shape.len();
         if r >= 2 && r == src.len() && offset == 0 {
             let mut t = src.clone();

@@ -159,6 +159,7 @@ class _State:
         self.inputs = []  # real tensors, in graph-input order
         self.input_nodes = {}  # id(real tensor) -> node
         self.input_storages = set()  # data_ptr of the inputs' storages
+        self.strided_inputs = {}  # id(real strided view) -> (weakref, node)
         self.groups = []
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
@@ -195,6 +196,10 @@ def _node_of(t, st):
         raise _Unsupported("device")
     if t.dtype not in _DTYPES:
         raise _Unsupported("fusion-dtype")
+    if not t.is_contiguous():
+        node = _real_strided_node(t, st)
+        if node is not None:
+            return node
     n = st.input_nodes.get(id(t))
     if n is not None and st.inputs[n[1]] is t:
         return n[0]
@@ -216,6 +221,37 @@ def _operand(a, st):
     return float(a)
 
 
+def _strided_node(st, grp, view):
+    """The value of `view`, a strided view of group `grp`'s placeholder (contiguous, offset
+    0): a node of the graph's `strided` op over the group's current value (a reshape, a
+    transpose of the last two dims, or a gather of rows and a column window). The tensor
+    stays a real view of the placeholder's memory; in-place ops on a group with views are
+    never deferred, so the copy and the memory agree."""
+    try:
+        return st.graph.op("strided", "as_strided", [grp.root, list(view.shape), list(view.stride()), view.storage_offset()])[0]
+    except ValueError as err:
+        raise _Unsupported(_rule_of(err)) from None
+
+
+def _real_strided_node(t, st):
+    """A non-contiguous real tensor that is a view of a contiguous real base: the base as a
+    graph input and the view as a `strided` node (a transposed weight is then read in place
+    by a matmul); None when it is not such a view."""
+    b = t._base
+    if b is None or not _is_plain_cpu(b) or not b.is_contiguous() or b.dtype != t.dtype or st.entry(b) is not None:
+        return None
+    hit = st.strided_inputs.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    base_node = _node_of(b, st)
+    try:
+        node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
+    except ValueError:
+        return None
+    st.strided_inputs[id(t)] = (weakref.ref(t), node)
+    return node
+
+
 def _has_bool_tensor(args, st):
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
 
@@ -228,6 +264,10 @@ _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "m
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _ROW = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "_softmax": "softmax", "_log_softmax": "log_softmax"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "detach", "alias", "expand"}
+# Views that move elements between rows: recorded as copies of the group's memory (see
+# `_strided_node`), so they do not flush.
+_STRIDED_VIEWS = {"t", "transpose", "permute", "slice", "select", "_reshape_alias", "as_strided"}
+_VIEWS |= _STRIDED_VIEWS
 # Ops that read only their arguments' metadata: they run eagerly on placeholders.
 _META_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "randn_like", "rand_like"}
 
@@ -359,6 +399,26 @@ def _record(func, name, args, kwargs, st):
         if not _last_dim(dims, rank):
             raise _Unsupported(f"{name}-dim")
         return op("row", _ROW[name], [_node_of(x, st), keepdim])
+    if name in ("mm", "bmm"):
+        if kw or len(args) != 2:
+            raise _Unsupported(f"{name}-args")
+        return op("matmul", name, [_node_of(args[0], st), _node_of(args[1], st), None])
+    if name == "addmm":
+        beta, alpha = kw.pop("beta", 1), kw.pop("alpha", 1)
+        if kw or len(args) != 3 or beta != 1 or alpha != 1 or not isinstance(args[0], torch.Tensor):
+            raise _Unsupported("addmm-scale")
+        bias, a, b = args
+        if bias.dim() == 1 and bias.dtype == a.dtype:
+            # linear's bias: added in f32 before the one rounding, as torch's addmm.
+            return op("matmul", "addmm", [_node_of(a, st), _node_of(b, st), _node_of(bias, st)])
+        mm = op("matmul", "addmm", [_node_of(a, st), _node_of(b, st), None])[0]
+        return op("binary", "add", [_node_of(bias, st), mm])
+    if name == "cat":
+        xs = args[0]
+        dim = args[1] if len(args) > 1 else kw.pop("dim", 0)
+        if kw or not xs or not all(isinstance(t, torch.Tensor) for t in xs) or not _last_dim(dim, xs[0].dim()):
+            raise _Unsupported("cat-dim")
+        return op("cat", "cat", [[_node_of(t, st) for t in xs]])
     if name in _BACKWARD:
         return _record_backward(name, args, kw, st, op)
     raise _Unsupported(name)
@@ -483,19 +543,20 @@ class _DeferMode(TorchDispatchMode):
         x = args[0]
         e = st.entry(x)
         out = func(*args, **kwargs)  # the real view of the placeholder (the mode is off here)
+        grp = e[2]
         if base == "expand":
             try:
                 node = st.graph.op("expand", "expand", [e[1], list(out.shape)])[0]
-            except ValueError as err:
-                raise _Unsupported(_rule_of(err)) from None
-        else:
-            if not out.is_contiguous() or out.numel() != x.numel():
-                raise _Unsupported("strided-view")
+            except ValueError:
+                # An expand over inner dims (repeat_kv's): a copy of the stride-0 view.
+                node = _strided_node(st, grp, out)
+        elif x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel():
             try:
                 node = st.graph.op("view", "view", [e[1], list(out.shape)])[0]
             except ValueError as err:
                 raise _Unsupported(_rule_of(err)) from None
-        grp = e[2]
+        else:
+            node = _strided_node(st, grp, out)
         grp.members.append(weakref.ref(out))
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
@@ -548,7 +609,7 @@ class _DeferMode(TorchDispatchMode):
 
 def _recordable(base):
     return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
-        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone") or base in _BACKWARD
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat") or base in _BACKWARD
 
 
 def _count_op(st):
