@@ -338,22 +338,28 @@ fn a_long_contraction_accumulates_over_k_blocks() {
 
 #[test]
 fn epilogue_boundaries_are_where_the_rules_say() {
-    let mut rng = StdRng::seed_from_u64(4);
-    let mut c = Case::new("boundaries");
-    let x = c.input(DType::F32, &[64, 128], &mut rng);
-    let w = c.input(DType::F32, &[128, 256], &mut rng);
-    let y = c.graph.matmul(x, w, None).unwrap();
-    let t = c.graph.unary(Unary::Tanh, y).unwrap();
-    // A row op over n does not join the matmul (its n may be tiled).
-    let s = c.graph.row(RowOp::Softmax, t, true).unwrap();
-    // A matmul of the result starts another kernel.
-    let w2 = c.input(DType::F32, &[256, 32], &mut rng);
-    let z = c.graph.matmul(s, w2, None).unwrap();
-    c.live = vec![z];
-    let p = c.check();
-    assert_eq!(p.launches.len(), 3, "{}", p.describe());
-    assert!(p.partitioning.parts[1].cut.contains("not pointwise"), "{}", p.partitioning.parts[1].cut);
-    assert!(p.partitioning.parts[2].cut.contains("matmul"), "{}", p.partitioning.parts[2].cut);
+    for (n, kernels) in [(256, 2), (1024, 3)] {
+        let mut rng = StdRng::seed_from_u64(4);
+        let mut c = Case::new(format!("boundaries n {n}"));
+        let x = c.input(DType::F32, &[2, 64, 128], &mut rng);
+        let w = c.input(DType::F32, &[128, n], &mut rng);
+        let y = c.graph.matmul(x, w, None).unwrap();
+        // A [64, n] mask shared by both batches, then a row op over n: in the epilogue
+        // when n is one column block, a kernel of its own when n is tiled.
+        let mask = c.input(DType::F32, &[64, n], &mut rng);
+        let t = c.graph.binary(Binary::Add, Operand::Node(y), Operand::Node(mask)).unwrap();
+        let s = c.graph.row(RowOp::Softmax, t, true).unwrap();
+        // A matmul of the result starts another kernel.
+        let w2 = c.input(DType::F32, &[n, 32], &mut rng);
+        let z = c.graph.matmul(s, w2, None).unwrap();
+        c.live = vec![z];
+        let p = c.check();
+        assert_eq!(p.launches.len(), kernels, "{}", p.describe());
+        assert!(p.partitioning.parts.last().unwrap().cut.contains("matmul"));
+        if n > 512 {
+            assert!(p.partitioning.parts[1].cut.contains("row op over the matmul's"), "{}", p.partitioning.parts[1].cut);
+        }
+    }
 }
 
 /// The views a transformer block takes: the head split transpose(1, 2) both ways (slab and

@@ -114,7 +114,8 @@ fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, target: &Tar
     let dtypes = p.reads.iter().map(|r| g.node(r.storage).dtype).chain(p.outputs.iter().map(|&o| g.node(o).dtype)).map(memory_dtype);
     let sub = sublanes(dtypes, target);
     let (align_m, lane) = (if ta { 128 } else { sub }, 128);
-    let (mut bm, mut bn, mut bk) = (pick(d.m, 256, align_m), pick(d.n, 512, lane), pick(d.k, 512, lane));
+    // A row op in the epilogue needs whole rows: bn = n (the planner admits it for n <= 512).
+    let (mut bm, mut bn, mut bk) = (pick(d.m, 256, align_m), if p.has_row_op { d.n } else { pick(d.n, 512, lane) }, pick(d.k, 512, lane));
     loop {
         let k = verified(matmul_kernel(g, p, name, &d, ta, tb, bm, bn, bk)?, target);
         match k {
@@ -123,7 +124,7 @@ fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, target: &Tar
                 let halve = |b: usize, dim: usize, align: usize| (b / 2).is_multiple_of(align) && b / 2 >= align && dim.is_multiple_of(b / 2);
                 if halve(bk, d.k, lane) {
                     bk /= 2;
-                } else if halve(bn, d.n, lane) {
+                } else if halve(bn, d.n, lane) && !p.has_row_op {
                     bn /= 2;
                 } else if halve(bm, d.m, align_m) {
                     bm /= 2;
@@ -182,6 +183,9 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         let (bc, jc) = if c == d.n { (bn, IndexExpr::Grid(2)) } else { (1, IndexExpr::Const(0)) };
         if r == rows {
             (vec![d.batch, d.m, c], BlockSpec { block_shape: vec![None, Some(bm), Some(bc)], index_map: vec![IndexExpr::Grid(0), IndexExpr::Grid(1), jc] })
+        } else if r == d.m {
+            // One batch's rows, shared by every batch (a causal mask).
+            (vec![d.m, c], BlockSpec { block_shape: vec![Some(bm), Some(bc)], index_map: vec![IndexExpr::Grid(1), jc] })
         } else {
             (vec![1, c], BlockSpec { block_shape: vec![Some(1), Some(bc)], index_map: vec![IndexExpr::Const(0), jc] })
         }

@@ -68,8 +68,7 @@ impl Gen<'_> {
                 if let Some(&v) = self.vals.get(&s) {
                     return Arg::Val(v);
                 }
-                let (rows, cols) = self.g.node(o).layout();
-                Arg::Val(self.loaded[&Read { storage: self.g.storage(o), rows, cols }])
+                Arg::Val(self.loaded[&super::planner::read_of(self.g, o)])
             }
         }
     }
@@ -326,7 +325,8 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, bm: usize) -> Result<tesse
     }
     let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm, bn: p.cols, acc };
     for (r, id) in &in_refs {
-        let v = gen.b.load(*id, &[Index::Full, Index::Full]);
+        let cols = r.window.map_or(Index::Full, |(start, len)| tessera_dsl::ds(start as i64, len));
+        let v = gen.b.load(*id, &[Index::Full, cols]);
         let v = match g.node(r.storage).dtype {
             DType::Bool => gen.b.cmp(CmpOp::Ne, v, 0),
             DType::BF16 => gen.b.cast(v, DType::F32),

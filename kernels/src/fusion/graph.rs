@@ -454,6 +454,12 @@ impl Graph {
             return Err(err("to", "dtype", "fusion-dtype", format!("a cast to {to}"), "casts to float32, bfloat16 and bool fuse; others run eagerly"));
         }
         let shape = n.shape.clone();
+        // A copy of a copy between rows (`.contiguous()` / `clone()` of a transposed or
+        // expanded view) is that copy again, so one kernel makes it, not two.
+        if to == n.dtype && matches!(n.op, NodeOp::Transpose | NodeOp::Gather(_)) {
+            let (op, args, dtype) = (n.op.clone(), n.args.clone(), n.dtype);
+            return Ok(self.push(op, args, dtype, shape));
+        }
         Ok(self.push(NodeOp::Cast(to), vec![Operand::Node(x)], to, shape))
     }
 
@@ -684,6 +690,17 @@ impl Graph {
         let gather = Gather { walks, start: start[..p - 1].to_vec(), col_start };
         let dtype = self.nodes[x].dtype;
         Ok(self.push(NodeOp::Gather(gather), vec![Operand::Node(x)], dtype, shape.to_vec()))
+    }
+
+    /// A [`Gather`] that keeps every row of its source and takes a window of its columns
+    /// (`x[..., a:b]`): the source (through views) and the window's first column.
+    pub fn col_window(&self, id: NodeId) -> Option<(NodeId, usize)> {
+        let n = &self.nodes[id];
+        let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
+        let s = &self.nodes[src].shape;
+        let lead = &n.shape[..n.shape.len().saturating_sub(1)];
+        let keeps_rows = n.shape.len() == s.len() && lead == &s[..s.len() - 1] && gt.start.iter().all(|&x| x == 0) && gt.walks.iter().enumerate().all(|(i, w)| *w == Some(i) || (lead[i] == 1 && w.is_none()));
+        keeps_rows.then_some((src, gt.col_start))
     }
 
     /// `torch.cat(xs, -1)`: pieces of one dtype and leading shape.

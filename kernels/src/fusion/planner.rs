@@ -18,6 +18,28 @@ pub struct Read {
     pub storage: NodeId,
     pub rows: usize,
     pub cols: usize,
+    /// A column window `(start, len)` of each row (a row kernel reading `x[..., a:b]`
+    /// straight from `x`'s memory), or the whole row.
+    pub window: Option<(usize, usize)>,
+}
+
+impl Read {
+    /// The read as a value of the kernel: `rows x` the window's or the row's columns.
+    pub fn space(&self) -> (usize, usize) {
+        (self.rows, self.window.map_or(self.cols, |w| w.1))
+    }
+}
+
+/// How a row kernel reads node `o` from memory: its storage in `o`'s layout, or, for a
+/// column window of a value (a [`NodeOp::Gather`] that keeps the rows), the source's rows
+/// with the window.
+pub fn read_of(g: &Graph, o: NodeId) -> Read {
+    if let Some((src, start)) = g.col_window(o) {
+        let (rows, cols) = g.node(src).layout();
+        return Read { storage: g.storage(src), rows, cols, window: Some((start, g.node(o).layout().1)) };
+    }
+    let (rows, cols) = g.node(o).layout();
+    Read { storage: g.storage(o), rows, cols, window: None }
 }
 
 /// One kernel: compute nodes over the row space `rows x cols`.
@@ -47,6 +69,18 @@ pub struct Partition {
 /// (transpose, gather, cat). Each starts its own kernel.
 pub fn is_anchor(op: &NodeOp) -> bool {
     matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_) | NodeOp::CatCols)
+}
+
+/// A row op joins a matmul's epilogue only when the matmul's columns are one block (the
+/// generator then takes `bn = n`): a row op over a tiled `n` would see part of its row.
+pub const MAX_EPILOGUE_ROW: usize = 512;
+
+/// Whether an epilogue read fits the matmul's output space: rows all of it, one, or one
+/// batch's `m` (a `[m, n]` mask or bias shared by every batch); columns all or one.
+fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
+    let out = &g.node(part.anchor.expect("a matmul partition")).shape;
+    let m = out[out.len() - 2];
+    r.window.is_none() && (r.rows == part.rows || r.rows == 1 || r.rows == m) && (r.cols == part.cols || r.cols == 1)
 }
 
 /// Whether `op` may join a matmul's epilogue: pointwise in the matmul's output space.
@@ -97,8 +131,14 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     }
     for id in (0..g.len()).rev() {
         if needed[id] {
+            let row_kernel_node = !is_anchor(&g.node(id).op);
             for a in &g.node(id).args {
                 if let Operand::Node(o) = *a {
+                    // A row kernel reads a column window from its source's memory.
+                    let o = match g.col_window(o) {
+                        Some((src, _)) if row_kernel_node => src,
+                        _ => o,
+                    };
                     if let Some(n) = needed.get_mut(o) {
                         *n = true;
                     }
@@ -120,6 +160,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let mut reads_col_sum = None;
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
+            if !is_anchor(&node.op) && g.col_window(o).is_some() {
+                // From memory: a value in VMEM has no column slices.
+                let r = read_of(g, o);
+                if cur.is_some() && assigned[r.storage] == cur {
+                    needs_stored = Some(o);
+                }
+                reads.push(r);
+                continue;
+            }
             let s = g.same_rows_source(o);
             let in_cur = cur.is_some() && assigned[s] == cur;
             if in_cur {
@@ -133,7 +182,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 needs_stored = Some(o);
             }
             let (rows, cols) = g.node(o).layout();
-            reads.push(Read { storage, rows, cols });
+            reads.push(Read { storage, rows, cols, window: None });
         }
         let mut cut = None;
         if let Some(p) = cur {
@@ -149,11 +198,13 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 Some(format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" }))
             } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
                 Some(format!("node %{id} reads the result of a copy kernel"))
-            } else if anchor.is_some() && (!is_epilogue(&node.op) || space != (part.rows, part.cols) || !reads.iter().all(|r| fits((r.rows, r.cols), (part.rows, part.cols))) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
-                Some(format!("node %{id} is not pointwise in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
+            } else if anchor.is_some() && matches!(node.op, NodeOp::Row(_)) && part.cols > MAX_EPILOGUE_ROW {
+                Some(format!("node %{id} is a row op over the matmul's {} columns, more than one column block ({MAX_EPILOGUE_ROW}) holds", part.cols))
+            } else if anchor.is_some() && (!(is_epilogue(&node.op) || matches!(node.op, NodeOp::Row(_))) || space != (part.rows, part.cols) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
+                Some(format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
             } else if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
+            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| read_fits(r.space(), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
             } else if let Some(c) = reads_col_sum {
                 Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
@@ -198,8 +249,12 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let anchored = is_anchor(&node.op);
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
-            let (rows, cols) = g.node(o).layout();
-            let r = Read { storage: g.storage(o), rows, cols };
+            let r = if anchored {
+                let (rows, cols) = g.node(o).layout();
+                Read { storage: g.storage(o), rows, cols, window: None }
+            } else {
+                read_of(g, o)
+            };
             if anchored || !reads.contains(&r) {
                 reads.push(r);
             }
@@ -220,8 +275,8 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         row_op_cols = is_row.then_some(space.1);
         col_sum_rows = is_col.then_some(space.0);
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
-        let (m, n) = layouts.iter().chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
-        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits((r.rows, r.cols), (m, n))) {
+        let (m, n) = layouts.iter().chain(reads.iter().map(Read::space).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
+        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits(r.space(), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
         parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });

@@ -221,14 +221,16 @@ def _operand(a, st):
     return float(a)
 
 
-def _strided_node(st, grp, view):
-    """The value of `view`, a strided view of group `grp`'s placeholder (contiguous, offset
-    0): a node of the graph's `strided` op over the group's current value (a reshape, a
-    transpose of the last two dims, or a gather of rows and a column window). The tensor
-    stays a real view of the placeholder's memory; in-place ops on a group with views are
-    never deferred, so the copy and the memory agree."""
+def _strided_node(st, node, x, func, args, kwargs):
+    """The value of the view `func(x, *args[1:])` of pending `x` (node `node`), whatever
+    x's own strides: the same view of a contiguous meta tensor of x's shape gives its
+    shape, strides and offset relative to x's value, recorded as the graph's `strided` op
+    (a reshape, a transpose of the last two dims, or a gather of rows and a column window).
+    The result stays a real view of the placeholder's memory; in-place ops on a group with
+    views are never deferred, so the copy and the memory agree."""
+    probe = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
     try:
-        return st.graph.op("strided", "as_strided", [grp.root, list(view.shape), list(view.stride()), view.storage_offset()])[0]
+        return st.graph.op("strided", "as_strided", [node, list(probe.shape), list(probe.stride()), probe.storage_offset()])[0]
     except ValueError as err:
         raise _Unsupported(_rule_of(err)) from None
 
@@ -549,14 +551,14 @@ class _DeferMode(TorchDispatchMode):
                 node = st.graph.op("expand", "expand", [e[1], list(out.shape)])[0]
             except ValueError:
                 # An expand over inner dims (repeat_kv's): a copy of the stride-0 view.
-                node = _strided_node(st, grp, out)
+                node = _strided_node(st, e[1], x, func, args, kwargs)
         elif x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel():
             try:
                 node = st.graph.op("view", "view", [e[1], list(out.shape)])[0]
             except ValueError as err:
                 raise _Unsupported(_rule_of(err)) from None
         else:
-            node = _strided_node(st, grp, out)
+            node = _strided_node(st, e[1], x, func, args, kwargs)
         grp.members.append(weakref.ref(out))
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
