@@ -384,6 +384,11 @@ fn gather_kernel(g: &Graph, id: NodeId, gt: &Gather, name: &str, target: &Target
     b.finish()
 }
 
+/// The reads of a `cat` node, as the planner makes them.
+fn p_reads(g: &Graph, id: NodeId) -> Vec<super::planner::Read> {
+    g.node(id).args.iter().map(|a| super::planner::read_of(g, node_id(a))).collect()
+}
+
 fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel, KernelError> {
     let n = g.node(id);
     let dt = memory_dtype(n.dtype);
@@ -393,16 +398,20 @@ fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel
     let mut b = KernelBuilder::new(name);
     b.grid(&[(rows.div_ceil(bm), Semantics::Parallel)]);
     let spec = |c: usize| BlockSpec { block_shape: vec![Some(bm), Some(c)], index_map: vec![IndexExpr::Grid(0), IndexExpr::Const(0)] };
+    // A piece that is a column window is read from its source's memory (see `read_of`).
     let mut ins = Vec::new();
-    for (k, a) in n.args.iter().enumerate() {
-        let x = node_id(a);
-        let c = g.node(x).layout().1;
-        ins.push((b.input(&format!("in{k}_n{}", g.storage(x)), dt, &[rows, c], spec(c)), c));
+    for (k, r) in p_reads(g, id).into_iter().enumerate() {
+        let i = b.input(&format!("in{k}_n{}", r.storage), dt, &[rows, r.cols], spec(r.cols));
+        ins.push((i, r));
     }
     let o = b.output(&format!("out_n{id}"), dt, &[rows, cols], spec(cols));
     let mut off = 0;
-    for (i, c) in ins {
-        let v = b.load(i, &[Index::Full, Index::Full]);
+    for (i, r) in ins {
+        let (c, window) = match r.window {
+            Some((start, len)) => (len, ds(start as i64, len)),
+            None => (r.cols, Index::Full),
+        };
+        let v = b.load(i, &[Index::Full, window]);
         b.store(o, &[Index::Full, ds(off as i64, c)], v);
         off += c;
     }

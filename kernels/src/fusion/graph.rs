@@ -456,6 +456,14 @@ impl Graph {
         let shape = n.shape.clone();
         // A copy of a copy between rows (`.contiguous()` / `clone()` of a transposed or
         // expanded view) is that copy again, so one kernel makes it, not two.
+        let mut c = x;
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[c].op, self.nodes[c].args.first()) {
+            if self.nodes[src].shape != shape {
+                break;
+            }
+            c = src;
+        }
+        let n = &self.nodes[c];
         if to == n.dtype && matches!(n.op, NodeOp::Transpose | NodeOp::Gather(_)) {
             let (op, args, dtype) = (n.op.clone(), n.args.clone(), n.dtype);
             return Ok(self.push(op, args, dtype, shape));
@@ -496,6 +504,10 @@ impl Graph {
             return Err(err("expand", "operand `self`", "fusion-broadcast-rows", format!("shape {} expands into {} over some leading dims but not all", shape_str(&n.shape), shape_str(shape)), "an operand's leading dims must be all the result's or all 1"));
         }
         Self::check_row("expand", shape)?;
+        if n.shape == shape {
+            // matmul expands its operands to the shapes they have: the same value.
+            return self.view(x, shape);
+        }
         let dtype = n.dtype;
         Ok(self.push(NodeOp::Expand, vec![Operand::Node(x)], dtype, shape.to_vec()))
     }
@@ -532,8 +544,20 @@ impl Graph {
         let (mut a, mut b) = (self.node_arg("matmul", "self", Operand::Node(a))?, self.node_arg("matmul", "mat2", Operand::Node(b))?);
         let (mut ta, mut tb) = (false, false);
         for (x, t) in [(&mut a, &mut ta), (&mut b, &mut tb)] {
-            if let (NodeOp::Transpose, Some(&Operand::Node(src))) = (&self.nodes[*x].op, self.nodes[*x].args.first()) {
-                *x = src;
+            // Through reshapes of the batch dims (matmul's `[b, h, ..] -> [b * h, ..]`).
+            let mut y = *x;
+            while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+                let (ys, ss) = (&self.nodes[y].shape, &self.nodes[src].shape);
+                if ys.len() < 2 || ss.len() < 2 || ys[ys.len() - 2..] != ss[ss.len() - 2..] {
+                    break;
+                }
+                y = src;
+            }
+            if let (NodeOp::Transpose, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+                let mut shape = self.nodes[*x].shape.clone();
+                let r = shape.len();
+                shape.swap(r - 1, r - 2);
+                *x = if self.nodes[src].shape == shape { src } else { self.view(src, &shape)? };
                 *t = true;
             }
         }

@@ -83,6 +83,12 @@ fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
     r.window.is_none() && (r.rows == part.rows || r.rows == 1 || r.rows == m) && (r.cols == part.cols || r.cols == 1)
 }
 
+/// Whether a node of `op` reads a column window straight from its source's memory (row
+/// kernels and `cat`; a matmul or gather reads the window's node).
+fn reads_windows(op: &NodeOp) -> bool {
+    !is_anchor(op) || matches!(op, NodeOp::CatCols)
+}
+
 /// Whether `op` may join a matmul's epilogue: pointwise in the matmul's output space.
 fn is_epilogue(op: &NodeOp) -> bool {
     matches!(op, NodeOp::Unary(_) | NodeOp::Binary(_) | NodeOp::Compare(_) | NodeOp::Where | NodeOp::Clamp(..) | NodeOp::Cast(_))
@@ -131,7 +137,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     }
     for id in (0..g.len()).rev() {
         if needed[id] {
-            let row_kernel_node = !is_anchor(&g.node(id).op);
+            let row_kernel_node = reads_windows(&g.node(id).op);
             for a in &g.node(id).args {
                 if let Operand::Node(o) = *a {
                     // A row kernel reads a column window from its source's memory.
@@ -249,7 +255,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let anchored = is_anchor(&node.op);
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
-            let r = if anchored {
+            let r = if anchored && !reads_windows(&node.op) {
                 let (rows, cols) = g.node(o).layout();
                 Read { storage: g.storage(o), rows, cols, window: None }
             } else {
