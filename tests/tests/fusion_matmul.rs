@@ -389,7 +389,11 @@ fn view_cases() -> Vec<Case> {
         // repeat_kv: [b, h, s, d] -> [b, h, 2, s, d] (stride 0).
         let rep = c.graph.strided(q, &[b, h, 2, s, d], &[h * s * d, s * d, 0, d, 1], 0).unwrap();
         let tr = c.graph.transpose(x).unwrap();
-        c.live = vec![back, sel, sl, rep, tr];
+        // slice_backward's zeros: a broadcast 0-dim tensor as a piece of a cat.
+        let zero = c.input(dtype, &[], &mut rng);
+        let zeros = c.graph.expand(zero, &[b, h, s, 8]).unwrap();
+        let padded = c.graph.cat_cols(&[zeros, x1, zeros]).unwrap();
+        c.live = vec![back, sel, sl, rep, tr, padded];
         out.push(c);
     }
     out

@@ -386,7 +386,7 @@ fn gather_kernel(g: &Graph, id: NodeId, gt: &Gather, name: &str, target: &Target
 
 /// The reads of a `cat` node, as the planner makes them.
 fn p_reads(g: &Graph, id: NodeId) -> Vec<super::planner::Read> {
-    g.node(id).args.iter().map(|a| super::planner::read_of(g, node_id(a))).collect()
+    g.node(id).args.iter().map(|a| super::planner::cat_read_of(g, node_id(a))).collect()
 }
 
 fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel, KernelError> {
@@ -400,18 +400,25 @@ fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel
     let spec = |c: usize| BlockSpec { block_shape: vec![Some(bm), Some(c)], index_map: vec![IndexExpr::Grid(0), IndexExpr::Const(0)] };
     // A piece that is a column window is read from its source's memory (see `read_of`).
     let mut ins = Vec::new();
-    for (k, r) in p_reads(g, id).into_iter().enumerate() {
-        let i = b.input(&format!("in{k}_n{}", r.storage), dt, &[rows, r.cols], spec(r.cols));
-        ins.push((i, r));
+    for (k, (r, a)) in p_reads(g, id).into_iter().zip(&n.args).enumerate() {
+        let width = g.node(node_id(a)).layout().1;
+        let i = if r.rows == 1 && rows > 1 {
+            // One element, broadcast to the piece.
+            b.input(&format!("in{k}_n{}", r.storage), dt, &[1, 1], BlockSpec { block_shape: vec![Some(1), Some(1)], index_map: vec![IndexExpr::Const(0), IndexExpr::Const(0)] })
+        } else {
+            b.input(&format!("in{k}_n{}", r.storage), dt, &[rows, r.cols], spec(r.cols))
+        };
+        ins.push((i, r, width));
     }
     let o = b.output(&format!("out_n{id}"), dt, &[rows, cols], spec(cols));
     let mut off = 0;
-    for (i, r) in ins {
-        let (c, window) = match r.window {
-            Some((start, len)) => (len, ds(start as i64, len)),
-            None => (r.cols, Index::Full),
+    for (i, r, c) in ins {
+        let window = match r.window {
+            Some((start, len)) => ds(start as i64, len),
+            None => Index::Full,
         };
         let v = b.load(i, &[Index::Full, window]);
+        let v = if b.ty(v).shape != [bm, c] { b.broadcast(v, &[bm, c]) } else { v };
         b.store(o, &[Index::Full, ds(off as i64, c)], v);
         off += c;
     }

@@ -83,6 +83,18 @@ fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
     r.window.is_none() && (r.rows == part.rows || r.rows == 1 || r.rows == m) && (r.cols == part.cols || r.cols == 1)
 }
 
+/// How `cat` reads piece `o`: as [`read_of`], but a broadcast of one element (the zeros
+/// of `slice_backward`) is that element, broadcast in the kernel.
+pub fn cat_read_of(g: &Graph, o: NodeId) -> Read {
+    let n = g.node(o);
+    if let (NodeOp::Expand, Some(&Operand::Node(src))) = (&n.op, n.args.first()) {
+        if g.node(src).shape.iter().product::<usize>() == 1 {
+            return Read { storage: g.storage(src), rows: 1, cols: 1, window: None };
+        }
+    }
+    read_of(g, o)
+}
+
 /// Whether a node of `op` reads a column window straight from its source's memory (row
 /// kernels and `cat`; a matmul or gather reads the window's node).
 fn reads_windows(op: &NodeOp) -> bool {
@@ -143,6 +155,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                     // A row kernel reads a column window from its source's memory.
                     let o = match g.col_window(o) {
                         Some((src, _)) if row_kernel_node => src,
+                        _ if matches!(g.node(id).op, NodeOp::CatCols) => cat_read_of(g, o).storage,
                         _ => o,
                     };
                     if let Some(n) = needed.get_mut(o) {
@@ -255,7 +268,9 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let anchored = is_anchor(&node.op);
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
-            let r = if anchored && !reads_windows(&node.op) {
+            let r = if matches!(node.op, NodeOp::CatCols) {
+                cat_read_of(g, o)
+            } else if anchored && !reads_windows(&node.op) {
                 let (rows, cols) = g.node(o).layout();
                 Read { storage: g.storage(o), rows, cols, window: None }
             } else {

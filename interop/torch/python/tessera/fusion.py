@@ -421,6 +421,22 @@ def _record(func, name, args, kwargs, st):
         if kw or not xs or not all(isinstance(t, torch.Tensor) for t in xs) or not _last_dim(dim, xs[0].dim()):
             raise _Unsupported("cat-dim")
         return op("cat", "cat", [[_node_of(t, st) for t in xs]])
+    if name == "slice_backward":
+        # The gradient of `x[..., a:b]`: zeros, the gradient, zeros, as a cat over the last dim.
+        grad, sizes, dim, start, end, step = args
+        rank = len(sizes)
+        if kw or step != 1 or rank == 0 or dim % rank != rank - 1 or grad.dtype not in (torch.float32, torch.bfloat16):
+            raise _Unsupported("slice_backward-dim")
+        cols = sizes[-1]
+        start = min(max(start + cols if start < 0 else start, 0), cols)
+        end = min(max(end + cols if end < 0 else end, start), cols)
+        zero = _node_of(torch.zeros((), dtype=grad.dtype), st)
+        lead = list(sizes[:-1])
+        pieces = [op("expand", "expand", [zero, lead + [start]])[0]] if start > 0 else []
+        pieces.append(_node_of(grad, st))
+        if end < cols:
+            pieces.append(op("expand", "expand", [zero, lead + [cols - end]])[0])
+        return op("cat", "cat", [pieces])
     if name in _BACKWARD:
         return _record_backward(name, args, kw, st, op)
     raise _Unsupported(name)
@@ -611,7 +627,7 @@ class _DeferMode(TorchDispatchMode):
 
 def _recordable(base):
     return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
-        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat") or base in _BACKWARD
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward") or base in _BACKWARD
 
 
 def _count_op(st):
