@@ -139,7 +139,7 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                 }
                 T { shape: n.shape.clone(), v }
             }
-            NodeOp::Matmul { transpose_a, transpose_b } => {
+            NodeOp::Matmul { transpose_a, transpose_b, repeat } => {
                 let (a, b) = (arg(0), arg(1));
                 let r = n.shape.len();
                 let (m, nn) = (n.shape[r - 2], n.shape[r - 1]);
@@ -149,7 +149,7 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                 let bias = (n.args.len() == 3).then(|| arg(2));
                 let mut v = Vec::with_capacity(count);
                 for bi in 0..batch {
-                    let (oa, ob) = (if ba == 1 { 0 } else { bi * m * k }, if bb == 1 { 0 } else { bi * k * nn });
+                    let (oa, ob) = (if ba == 1 { 0 } else { bi / repeat[0] * m * k }, if bb == 1 { 0 } else { bi / repeat[1] * k * nn });
                     for i in 0..m {
                         for j in 0..nn {
                             let mut s = 0.0;
@@ -466,5 +466,29 @@ fn anchor_kernels_compile_with_libtpu() {
         }
         tessera_tests::oracle::assert_accepted(&modules, target.name);
         eprintln!("{}: {} anchor kernels accepted by libtpu", target.name, modules.len());
+    }
+}
+
+#[test]
+fn a_repeat_kv_operand_is_read_in_place() {
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut c = Case::new(format!("repeat_kv {dtype}"));
+        let (b, kvh, rep, s, d) = (2, 2, 3, 32, 16);
+        let q = c.input(dtype, &[b * kvh * rep, 8, d], &mut rng);
+        let k = c.input(dtype, &[b, kvh, s, d], &mut rng);
+        // k[:, :, None].expand(b, kvh, rep, s, d).reshape(b * kvh * rep, s, d), transposed.
+        let kr = c.graph.strided(k, &[b, kvh, rep, s, d], &[kvh * s * d, s * d, 0, d, 1], 0).unwrap();
+        let kr = c.graph.view(kr, &[b * kvh * rep, s, d]).unwrap();
+        let kt = c.graph.transpose(kr).unwrap();
+        let y = c.graph.matmul(q, kt, None).unwrap();
+        assert!(matches!(c.graph.node(y).op, NodeOp::Matmul { transpose_b: true, repeat: [1, 3], .. }), "{}", c.graph);
+        c.live = vec![y];
+        let p = c.check();
+        assert_eq!(p.launches.len(), 1, "{}", p.describe());
+        for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+            let p = Program::build(&c.graph, &c.live, &target).unwrap();
+            tessera_codegen::lower(&p.launches[0].kernel, &target).unwrap();
+        }
     }
 }

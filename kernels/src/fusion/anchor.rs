@@ -78,7 +78,7 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, target: &Target) -> Result
     let id = p.anchor.expect("an anchor partition");
     let name = format!("fused{index}");
     match &g.node(id).op {
-        NodeOp::Matmul { transpose_a, transpose_b } => matmul(g, p, &name, *transpose_a, *transpose_b, target),
+        NodeOp::Matmul { transpose_a, transpose_b, repeat } => matmul(g, p, &name, *transpose_a, *transpose_b, *repeat, target),
         NodeOp::Transpose => verified(transpose(g, id, &name)?, target),
         NodeOp::Gather(gather) => verified(gather_kernel(g, id, gather, &name, target)?, target),
         NodeOp::CatCols => verified(cat_cols(g, id, &name, target)?, target),
@@ -108,7 +108,7 @@ fn mm_dims(g: &Graph, id: NodeId, ta: bool, tb: bool) -> Mm {
     Mm { batch: n.shape[..r - 2].iter().product(), m, n: nn, k, batch_a: a[..a.len() - 2].iter().product(), batch_b: b[..b.len() - 2].iter().product() }
 }
 
-fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, target: &Target) -> Result<Kernel, KernelError> {
+fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, repeat: [usize; 2], target: &Target) -> Result<Kernel, KernelError> {
     let id = p.anchor.expect("an anchor partition");
     let d = mm_dims(g, id, ta, tb);
     let dtypes = p.reads.iter().map(|r| g.node(r.storage).dtype).chain(p.outputs.iter().map(|&o| g.node(o).dtype)).map(memory_dtype);
@@ -117,7 +117,7 @@ fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, target: &Tar
     // A row op in the epilogue needs whole rows: bn = n (the planner admits it for n <= 512).
     let (mut bm, mut bn, mut bk) = (pick(d.m, 256, align_m), if p.has_row_op { d.n } else { pick(d.n, 512, lane) }, pick(d.k, 512, lane));
     loop {
-        let k = verified(matmul_kernel(g, p, name, &d, ta, tb, bm, bn, bk)?, target);
+        let k = verified(matmul_kernel(g, p, name, &d, ta, tb, repeat, bm, bn, bk)?, target);
         match k {
             Ok(k) => return Ok(k),
             Err(e) if e.rule.contains("vmem") => {
@@ -149,25 +149,29 @@ fn when(gen: &mut Gen<'_>, cond: Value, f: impl FnOnce(&mut Gen<'_>)) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: bool, bm: usize, bn: usize, bk: usize) -> Result<Kernel, KernelError> {
+fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: bool, repeat: [usize; 2], bm: usize, bn: usize, bk: usize) -> Result<Kernel, KernelError> {
     let id = p.anchor.expect("an anchor partition");
     let node = g.node(id).clone();
     let mut b = KernelBuilder::new(name);
     let nk = d.k / bk;
     let mb = d.m / bm;
     b.grid(&[(d.batch, Semantics::Parallel), (mb, Semantics::Parallel), (d.n / bn, Semantics::Parallel), (nk, Semantics::Arbitrary)]);
-    let bidx = |shared: usize| if shared == 1 { IndexExpr::Const(0) } else { IndexExpr::Grid(0) };
+    let bidx = |shared: usize, rep: usize| match (shared, rep) {
+        (1, _) => IndexExpr::Const(0),
+        (_, 1) => IndexExpr::Grid(0),
+        _ => IndexExpr::Bin(IndexOp::Div, Box::new(IndexExpr::Grid(0)), Box::new(IndexExpr::Const(rep as i64))),
+    };
     let (gi, gj, gk) = (IndexExpr::Grid(1), IndexExpr::Grid(2), IndexExpr::Grid(3));
     let dt_a = memory_dtype(g.node(p.reads[0].storage).dtype);
     let a_spec = if ta {
-        (vec![d.batch_a, d.k, d.m], BlockSpec { block_shape: vec![None, Some(bk), Some(bm)], index_map: vec![bidx(d.batch_a), gk.clone(), gi.clone()] })
+        (vec![d.batch_a, d.k, d.m], BlockSpec { block_shape: vec![None, Some(bk), Some(bm)], index_map: vec![bidx(d.batch_a, repeat[0]), gk.clone(), gi.clone()] })
     } else {
-        (vec![d.batch_a, d.m, d.k], BlockSpec { block_shape: vec![None, Some(bm), Some(bk)], index_map: vec![bidx(d.batch_a), gi.clone(), gk.clone()] })
+        (vec![d.batch_a, d.m, d.k], BlockSpec { block_shape: vec![None, Some(bm), Some(bk)], index_map: vec![bidx(d.batch_a, repeat[0]), gi.clone(), gk.clone()] })
     };
     let b_spec = if tb {
-        (vec![d.batch_b, d.n, d.k], BlockSpec { block_shape: vec![None, Some(bn), Some(bk)], index_map: vec![bidx(d.batch_b), gj.clone(), gk.clone()] })
+        (vec![d.batch_b, d.n, d.k], BlockSpec { block_shape: vec![None, Some(bn), Some(bk)], index_map: vec![bidx(d.batch_b, repeat[1]), gj.clone(), gk.clone()] })
     } else {
-        (vec![d.batch_b, d.k, d.n], BlockSpec { block_shape: vec![None, Some(bk), Some(bn)], index_map: vec![bidx(d.batch_b), gk.clone(), gj.clone()] })
+        (vec![d.batch_b, d.k, d.n], BlockSpec { block_shape: vec![None, Some(bk), Some(bn)], index_map: vec![bidx(d.batch_b, repeat[1]), gk.clone(), gj.clone()] })
     };
     let a_ref = b.input(&format!("a_n{}", p.reads[0].storage), dt_a, &a_spec.0, a_spec.1);
     let b_ref = b.input(&format!("b_n{}", p.reads[1].storage), memory_dtype(g.node(p.reads[1].storage).dtype), &b_spec.0, b_spec.1);

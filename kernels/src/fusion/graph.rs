@@ -117,7 +117,9 @@ pub enum NodeOp {
     /// as torch's `addmm`). A transposed operand is read in place: `a` stored `[.., k, m]`
     /// with `transpose_a`, `b` stored `[.., n, k]` with `transpose_b`. An operand without
     /// batch dims is shared by every batch. f32 accumulation; bf16 operands stay bf16.
-    Matmul { transpose_a: bool, transpose_b: bool },
+    /// `repeat[i] > 1`: operand `i` is read for batch `g` at its batch `g / repeat[i]` (a
+    /// GQA `repeat_kv` expand read in place instead of copied).
+    Matmul { transpose_a: bool, transpose_b: bool, repeat: [usize; 2] },
     /// The last two dims swapped, as a value (`x.transpose(-1, -2)` / `t()`; a matmul reads
     /// it in place instead).
     Transpose,
@@ -603,6 +605,18 @@ impl Graph {
         if k > MAX_ROW {
             return Err(err("matmul", "operand `self`", "fusion-row-width", format!("k = {k}"), format!("contractions of at most {MAX_ROW} fuse; longer ones run eagerly")));
         }
+        // An operand that repeats each batch of its source over an inner batch dim is read
+        // from the source (its batch index divided by the repeat).
+        let mut repeat = [1usize, 1];
+        for (i, x) in [&mut a, &mut b].into_iter().enumerate() {
+            if let Some((src, rep)) = self.batch_repeat(*x) {
+                let s = &self.nodes[*x].shape;
+                let (r, c) = (s[s.len() - 2], s[s.len() - 1]);
+                let batch: usize = s[..s.len() - 2].iter().product();
+                *x = self.view(src, &[batch / rep, r, c])?;
+                repeat[i] = rep;
+            }
+        }
         let mut args = vec![Operand::Node(a), Operand::Node(b)];
         if let Some(c) = bias {
             let nc = &self.nodes[self.node_arg("addmm", "bias", Operand::Node(c))?];
@@ -611,7 +625,35 @@ impl Graph {
             }
             args.push(Operand::Node(c));
         }
-        Ok(self.push(NodeOp::Matmul { transpose_a: ta, transpose_b: tb }, args, dtype, shape))
+        Ok(self.push(NodeOp::Matmul { transpose_a: ta, transpose_b: tb, repeat }, args, dtype, shape))
+    }
+
+    /// Whether matmul operand `x` (through reshapes of its batch dims) is a [`Gather`] that
+    /// repeats its source over the innermost batch dim (`k[:, :, None].expand(.., rep, s, d)`):
+    /// the source and the repeat.
+    fn batch_repeat(&self, x: NodeId) -> Option<(NodeId, usize)> {
+        let mut y = x;
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+            let (ys, ss) = (&self.nodes[y].shape, &self.nodes[src].shape);
+            if ys.len() < 2 || ss.len() < 2 || ys[ys.len() - 2..] != ss[ss.len() - 2..] {
+                break;
+            }
+            y = src;
+        }
+        let n = &self.nodes[y];
+        let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
+        let r = n.shape.len();
+        let ss = &self.nodes[src].shape;
+        if r < 4 || ss.len() != r - 1 || gt.col_start != 0 || gt.start.iter().any(|&v| v != 0) || ss[ss.len() - 1] != n.shape[r - 1] {
+            return None;
+        }
+        let j = r - 3;
+        let pattern = (0..r - 1).all(|i| match i.cmp(&j) {
+            std::cmp::Ordering::Less => gt.walks[i] == Some(i) || (n.shape[i] == 1 && gt.walks[i].is_none()),
+            std::cmp::Ordering::Equal => gt.walks[i].is_none(),
+            std::cmp::Ordering::Greater => gt.walks[i] == Some(i - 1),
+        });
+        (pattern && n.shape[j] > 1 && ss[..j] == n.shape[..j] && ss[j..] == n.shape[j + 1..]).then_some((src, n.shape[j]))
     }
 
     /// `x.transpose(-1, -2)` as a value.

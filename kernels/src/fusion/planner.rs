@@ -101,6 +101,13 @@ fn reads_windows(op: &NodeOp) -> bool {
     !is_anchor(op) || matches!(op, NodeOp::CatCols)
 }
 
+/// Whether a node's space fits a matmul's epilogue: the output space, or (once a row op
+/// has made the column block the whole row) one column of it, as RMSNorm's `mean + eps`.
+fn epilogue_space(node: &super::graph::Node, space: (usize, usize), part: &Partition) -> bool {
+    let full = (part.rows, part.cols);
+    space == full || (part.has_row_op && !matches!(node.op, NodeOp::Row(_)) && fits(space, full) && fits(node.layout(), full))
+}
+
 /// Whether `op` may join a matmul's epilogue: pointwise in the matmul's output space.
 fn is_epilogue(op: &NodeOp) -> bool {
     matches!(op, NodeOp::Unary(_) | NodeOp::Binary(_) | NodeOp::Compare(_) | NodeOp::Where | NodeOp::Clamp(..) | NodeOp::Cast(_))
@@ -219,7 +226,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 Some(format!("node %{id} reads the result of a copy kernel"))
             } else if anchor.is_some() && matches!(node.op, NodeOp::Row(_)) && part.cols > MAX_EPILOGUE_ROW {
                 Some(format!("node %{id} is a row op over the matmul's {} columns, more than one column block ({MAX_EPILOGUE_ROW}) holds", part.cols))
-            } else if anchor.is_some() && (!(is_epilogue(&node.op) || matches!(node.op, NodeOp::Row(_))) || space != (part.rows, part.cols) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
+            } else if anchor.is_some() && (!(is_epilogue(&node.op) || matches!(node.op, NodeOp::Row(_))) || !epilogue_space(node, space, part) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
                 Some(format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
             } else if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
