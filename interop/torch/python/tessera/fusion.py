@@ -5,8 +5,11 @@
         print(y)                                                          # flush: one kernel
 
 Under the mode a `TorchDispatchMode` sees every aten op. An op the engine takes (pointwise,
-casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; see
-`tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
+casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; `mm`,
+`bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
+fused epilogues; `cat` over the last dim and `slice_backward` of a last-dim slice; the views
+`t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies;
+see `tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
 real tensor of the result's shape and dtype whose memory is not written yet. A flush plans
 the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
 CPU backend (`TESSERA_BACKEND`), and writes only the placeholders somebody still references
@@ -19,7 +22,11 @@ pending tensor that has views, `backward()` / `torch.autograd.grad` (before and 
 than `TESSERA_FUSION_MAX_OPS` (512) recorded ops, leaving the mode, and `flush()`. Flush
 points depend only on the op sequence.
 
-Aliasing is eager's: views of pending tensors are real views of the placeholder's memory;
+Aliasing is eager's: views of pending tensors are real views of the placeholder's memory
+(a view that moves elements between rows is recorded as a copy of its source's value, exact
+because in-place ops on a group with views are never deferred); a strided real tensor whose
+base is contiguous (a weight's `t()`) is recorded as its base and the view, so a matmul reads
+it in place;
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
 then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
 mode, so backward ops are recorded and fused too.
