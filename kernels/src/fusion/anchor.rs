@@ -416,13 +416,21 @@ fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel
     }
     let o = b.output(&format!("out_n{id}"), dt, &[rows, cols], spec(cols));
     let mut off = 0;
-    for (i, r, c) in ins {
+    for ((i, r, c), a) in ins.into_iter().zip(&n.args) {
         let window = match r.window {
             Some((start, len)) => ds(start as i64, len),
             None => Index::Full,
         };
         let v = b.load(i, &[Index::Full, window]);
         let v = if b.ty(v).shape != [bm, c] { b.broadcast(v, &[bm, c]) } else { v };
+        // A negated piece: exact in any float dtype, so negated in f32 and stored back.
+        let v = if matches!(g.node(node_id(a)).op, NodeOp::Unary(super::graph::Unary::Neg)) {
+            let f = if dt == DType::F32 { v } else { b.cast(v, DType::F32) };
+            let f = b.unary(tessera_dsl::UnaryOp::Neg, f);
+            if dt == DType::F32 { f } else { b.cast(f, dt) }
+        } else {
+            v
+        };
         b.store(o, &[Index::Full, ds(off as i64, c)], v);
         off += c;
     }

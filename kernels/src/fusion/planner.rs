@@ -84,9 +84,13 @@ fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
 }
 
 /// How `cat` reads piece `o`: as [`read_of`], but a broadcast of one element (the zeros
-/// of `slice_backward`) is that element, broadcast in the kernel.
+/// of `slice_backward`) is that element, broadcast in the kernel, and a negation
+/// (rotate_half's `-x[..., d/2:]`) is its operand, negated in the kernel.
 pub fn cat_read_of(g: &Graph, o: NodeId) -> Read {
     let n = g.node(o);
+    if let (NodeOp::Unary(super::graph::Unary::Neg), Some(&Operand::Node(x))) = (&n.op, n.args.first()) {
+        return read_of(g, x);
+    }
     if let (NodeOp::Expand, Some(&Operand::Node(src))) = (&n.op, n.args.first()) {
         if g.node(src).shape.iter().product::<usize>() == 1 {
             return Read { storage: g.storage(src), rows: 1, cols: 1, window: None };
