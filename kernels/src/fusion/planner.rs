@@ -314,6 +314,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });
         assigned[id] = Some(parts.len() - 1);
     }
+    sink_into_consumers(g, live, &mut parts, &mut assigned);
     // What is stored: every compute node read from memory, and the live results.
     let mut stored: BTreeSet<NodeId> = parts.iter().flat_map(|p| p.reads.iter().map(|r| r.storage)).filter(|&s| assigned[s].is_some()).collect();
     for &l in live {
@@ -332,4 +333,53 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         }
     }
     Ok(Partitioning { parts, assigned })
+}
+
+/// Sinks a pointwise row kernel into the one later row kernel that reads its results (the
+/// greedy pass closes `q * cos` before RoPE's `cat`, whose consumer `.. + q * cos` runs over
+/// the same rows): the values are then computed where they are used, never stored. Only
+/// when no result is live or read by another kernel, both kernels have one row space, and
+/// every read of the sunk kernel's results is its plain layout.
+fn sink_into_consumers(g: &Graph, live: &[NodeId], parts: &mut Vec<Partition>, assigned: &mut [Option<usize>]) {
+    let mut p = 0;
+    while p < parts.len() {
+        let src = &parts[p];
+        let plain = src.anchor.is_none() && !src.has_row_op && !src.has_col_sum && src.nodes.iter().all(|&n| !live.iter().any(|&l| g.storage(l) == n));
+        // The kernels that read any node of `p` from memory.
+        let readers: BTreeSet<usize> = (p + 1..parts.len()).filter(|&q| parts[q].reads.iter().any(|r| assigned[r.storage] == Some(p))).collect();
+        let target = match (plain, readers.len()) {
+            (true, 1) => *readers.iter().next().expect("one reader"),
+            _ => {
+                p += 1;
+                continue;
+            }
+        };
+        let dst = &parts[target];
+        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout());
+        let mut reads: Vec<Read> = parts[target].reads.iter().copied().filter(|r| assigned[r.storage] != Some(p)).collect();
+        for r in &parts[p].reads {
+            if !reads.contains(r) {
+                reads.push(*r);
+            }
+        }
+        let ok = dst.anchor.is_none() && !dst.has_col_sum && (dst.rows, dst.cols) == (src.rows, src.cols) && reads_plain && reads.len() <= MAX_READS && dst.nodes.len() + src.nodes.len() <= MAX_NODES;
+        if !ok {
+            p += 1;
+            continue;
+        }
+        let src = parts.remove(p);
+        let target = target - 1;
+        let dst = &mut parts[target];
+        let mut nodes = src.nodes.clone();
+        nodes.extend(dst.nodes.iter().copied());
+        dst.nodes = nodes;
+        dst.reads = reads;
+        for a in assigned.iter_mut() {
+            *a = match *a {
+                Some(x) if x == p => Some(target),
+                Some(x) if x > p => Some(x - 1),
+                other => other,
+            };
+        }
+    }
 }
