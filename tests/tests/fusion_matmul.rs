@@ -492,3 +492,40 @@ fn a_repeat_kv_operand_is_read_in_place() {
         }
     }
 }
+
+/// A kernel closed by a row-changing view of its value is not sunk into the reader of
+/// that view (the reader must load it from memory): the regression of the sinking pass.
+#[test]
+fn a_value_read_back_through_a_row_changing_view_is_stored() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut c = Case::new("row-changing view");
+    let x = c.input(DType::F32, &[192, 1], &mut rng);
+    let y = c.input(DType::F32, &[192, 6], &mut rng);
+    let a = c.graph.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(2.0)).unwrap();
+    let v1 = c.graph.view(a, &[192]).unwrap();
+    let v2 = c.graph.view(v1, &[192, 1]).unwrap();
+    let e = c.graph.expand(v2, &[192, 6]).unwrap();
+    let out = c.graph.binary(Binary::Add, Operand::Node(e), Operand::Node(y)).unwrap();
+    c.live = vec![out];
+    c.check();
+}
+
+/// RoPE's `q * cos` is closed before the `cat` and sunk into its one reader.
+#[test]
+fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut c = Case::new("sink");
+    let (rows, d) = (64, 32);
+    let q = c.input(DType::F32, &[rows, d], &mut rng);
+    let cos = c.input(DType::F32, &[rows, d], &mut rng);
+    let qc = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Node(cos)).unwrap();
+    let qs = [d, 1];
+    let x1 = c.graph.strided(q, &[rows, d / 2], &qs, 0).unwrap();
+    let x2 = c.graph.strided(q, &[rows, d / 2], &qs, d / 2).unwrap();
+    let n2 = c.graph.unary(Unary::Neg, x2).unwrap();
+    let rot = c.graph.cat_cols(&[n2, x1]).unwrap();
+    let out = c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rot)).unwrap();
+    c.live = vec![out];
+    let p = c.check();
+    assert_eq!(p.launches.len(), 2, "cat, then q * cos + rot\n{}", p.describe());
+}

@@ -355,7 +355,13 @@ fn sink_into_consumers(g: &Graph, live: &[NodeId], parts: &mut Vec<Partition>, a
             }
         };
         let dst = &parts[target];
-        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout());
+        // Every read of a sunk result must become its value: the read is its plain layout
+        // and the reading node reaches it through rows-keeping views only.
+        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout())
+            && dst.nodes.iter().flat_map(|&n| g.node(n).args.iter()).all(|a| match *a {
+                Operand::Node(o) => assigned[read_of(g, o).storage] != Some(p) || read_of(g, o).window.is_some() || assigned[g.same_rows_source(o)] == Some(p),
+                Operand::Scalar(_) => true,
+            });
         let mut reads: Vec<Read> = parts[target].reads.iter().copied().filter(|r| assigned[r.storage] != Some(p)).collect();
         for r in &parts[p].reads {
             if !reads.contains(r) {
