@@ -67,10 +67,10 @@
 //!    its column offset (a broadcast element, `slice_backward`'s zeros, is read as one
 //!    element). A copy of a copy (`clone` / `contiguous` of a gathered view) is one copy.
 //! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
-//!    row kernel of pointwise nodes (no row op or column sum, no live result) whose results
-//!    only one later row kernel over the same rows reads, in their own layout and through
-//!    rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
-//!    `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
+//!     row kernel of pointwise nodes (no row op or column sum, no live result) whose results
+//!     only one later row kernel over the same rows reads, in their own layout and through
+//!     rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
+//!     `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
 //! a matmul or copy after anything (each starts a kernel); anything after a copy kernel (it
