@@ -57,7 +57,7 @@ impl FusionGraph {
     }
 
     /// Records an op: `kind` (`unary`, `binary`, `compare`, `where`, `clamp`, `cast`, `row`,
-    /// `view`, `expand`, `colsum`), its `name` and `args`; returns (node id, shape, dtype name).
+    /// `view`, `expand`, `colsum`, `matmul`, `strided`, `cat`), its `name` and `args`; returns (node id, shape, dtype name).
     fn op(&mut self, kind: &str, name: &str, args: &Bound<'_, PyList>) -> PyResult<(usize, Vec<usize>, &'static str)> {
         let g = &mut self.graph;
         let arg = |i: usize| -> PyResult<Bound<'_, PyAny>> { args.get_item(i) };
@@ -133,6 +133,11 @@ impl FusionGraph {
             "view" => g.view(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
             "expand" => g.expand(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
             "colsum" => g.col_sum(node(0)?, arg(1)?.extract()?),
+            // `[a, b, bias or None]`: a transposed operand node is read in place.
+            "matmul" => g.matmul(node(0)?, node(1)?, arg(2)?.extract::<Option<usize>>()?),
+            // `[x, shape, strides, offset]`: a view of `x`'s (contiguous) memory.
+            "strided" => g.strided(node(0)?, &arg(1)?.extract::<Vec<usize>>()?, &arg(2)?.extract::<Vec<usize>>()?, arg(3)?.extract()?),
+            "cat" => g.cat_cols(&arg(0)?.extract::<Vec<usize>>()?),
             _ => return Err(unknown("kind of", kind)),
         }
         .map_err(py_err)?;

@@ -20,6 +20,12 @@ pub type NodeId = usize;
 /// VMEM with its temporaries: 16 sublanes x 32768 f32 lanes is 2 MiB).
 pub const MAX_ROW: usize = 32768;
 
+/// A transpose as a value holds one whole matrix in VMEM: at most this many elements.
+pub const MAX_TRANSPOSE: usize = 1 << 20;
+
+/// At most this many pieces in one `cat`.
+pub const MAX_CAT: usize = 8;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Unary {
     Neg,
@@ -106,6 +112,37 @@ pub enum NodeOp {
     /// which reads the same as long as the source is not written, and the front-end
     /// never defers a write to a tensor that has views).
     Expand,
+    /// `a @ b` over the last two dims, batched over the leading ones (`mm`, `bmm`, `addmm`):
+    /// args `[a, b]` or `[a, b, bias]` (a `[n]` bias added in f32 before the one rounding,
+    /// as torch's `addmm`). A transposed operand is read in place: `a` stored `[.., k, m]`
+    /// with `transpose_a`, `b` stored `[.., n, k]` with `transpose_b`. An operand without
+    /// batch dims is shared by every batch. f32 accumulation; bf16 operands stay bf16.
+    /// `repeat[i] > 1`: operand `i` is read for batch `g` at its batch `g / repeat[i]` (a
+    /// GQA `repeat_kv` expand read in place instead of copied).
+    Matmul { transpose_a: bool, transpose_b: bool, repeat: [usize; 2] },
+    /// The last two dims swapped, as a value (`x.transpose(-1, -2)` / `t()`; a matmul reads
+    /// it in place instead).
+    Transpose,
+    /// A strided view of the source's memory as a value: see [`Gather`].
+    Gather(Gather),
+    /// `torch.cat` over the last dim: args are the pieces.
+    CatCols,
+}
+
+/// A view that picks rows (and a window of columns) of a contiguous source: result element
+/// `(i_0, .., i_{r-2}, j)` is source element `(start_q + i_w(q))_q, col_start + j)` where
+/// `i_w(q)` is the index of the result dim walking source dim `q` (0 if none). Covers
+/// `permute`/`transpose` of leading dims, `slice`/`select`/`narrow` (step 1), `unsqueeze`,
+/// an `expand` over inner dims (stride 0), and a column window of the last dim.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Gather {
+    /// For each leading dim of the result: the source dim it walks (`None`: a broadcast or
+    /// size-1 dim).
+    pub walks: Vec<Option<usize>>,
+    /// For each leading dim of the source: the index of the result's first row.
+    pub start: Vec<usize>,
+    /// The first column of the source's last dim the result takes.
+    pub col_start: usize,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -419,6 +456,20 @@ impl Graph {
             return Err(err("to", "dtype", "fusion-dtype", format!("a cast to {to}"), "casts to float32, bfloat16 and bool fuse; others run eagerly"));
         }
         let shape = n.shape.clone();
+        // A copy of a copy between rows (`.contiguous()` / `clone()` of a transposed or
+        // expanded view) is that copy again, so one kernel makes it, not two.
+        let mut c = x;
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[c].op, self.nodes[c].args.first()) {
+            if self.nodes[src].shape != shape {
+                break;
+            }
+            c = src;
+        }
+        let n = &self.nodes[c];
+        if to == n.dtype && matches!(n.op, NodeOp::Transpose | NodeOp::Gather(_)) {
+            let (op, args, dtype) = (n.op.clone(), n.args.clone(), n.dtype);
+            return Ok(self.push(op, args, dtype, shape));
+        }
         Ok(self.push(NodeOp::Cast(to), vec![Operand::Node(x)], to, shape))
     }
 
@@ -455,6 +506,10 @@ impl Graph {
             return Err(err("expand", "operand `self`", "fusion-broadcast-rows", format!("shape {} expands into {} over some leading dims but not all", shape_str(&n.shape), shape_str(shape)), "an operand's leading dims must be all the result's or all 1"));
         }
         Self::check_row("expand", shape)?;
+        if n.shape == shape {
+            // matmul expands its operands to the shapes they have: the same value.
+            return self.view(x, shape);
+        }
         let dtype = n.dtype;
         Ok(self.push(NodeOp::Expand, vec![Operand::Node(x)], dtype, shape.to_vec()))
     }
@@ -483,6 +538,259 @@ impl Graph {
         }
         let dtype = n.dtype;
         Ok(self.push(NodeOp::View, vec![Operand::Node(x)], dtype, shape.to_vec()))
+    }
+
+    /// `a @ b` (see [`NodeOp::Matmul`]); a [`NodeOp::Transpose`] operand is read in place
+    /// (its flag flips), so `x @ w.t()` and `q @ k.transpose(-1, -2)` copy nothing.
+    pub fn matmul(&mut self, a: NodeId, b: NodeId, bias: Option<NodeId>) -> Result<NodeId, KernelError> {
+        let (mut a, mut b) = (self.node_arg("matmul", "self", Operand::Node(a))?, self.node_arg("matmul", "mat2", Operand::Node(b))?);
+        let (mut ta, mut tb) = (false, false);
+        for (x, t) in [(&mut a, &mut ta), (&mut b, &mut tb)] {
+            // Through reshapes of the batch dims (matmul's `[b, h, ..] -> [b * h, ..]`).
+            let mut y = *x;
+            while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+                let (ys, ss) = (&self.nodes[y].shape, &self.nodes[src].shape);
+                if ys.len() < 2 || ss.len() < 2 || ys[ys.len() - 2..] != ss[ss.len() - 2..] {
+                    break;
+                }
+                y = src;
+            }
+            if let (NodeOp::Transpose, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+                let mut shape = self.nodes[*x].shape.clone();
+                let r = shape.len();
+                shape.swap(r - 1, r - 2);
+                *x = if self.nodes[src].shape == shape { src } else { self.view(src, &shape)? };
+                *t = true;
+            }
+        }
+        let (na, nb) = (&self.nodes[a], &self.nodes[b]);
+        for (n, name) in [(na, "self"), (nb, "mat2")] {
+            if !matches!(n.dtype, DType::F32 | DType::BF16) {
+                return Err(err("matmul", format!("operand `{name}`"), "fusion-dtype", format!("a {} operand", n.dtype), "float32 and bfloat16 matmuls fuse; others run eagerly"));
+            }
+            if n.shape.len() < 2 {
+                return Err(err("matmul", format!("operand `{name}`"), "fusion-shape", format!("a rank-{} operand", n.shape.len()), "matmuls of rank-2 or batched operands fuse (torch's 1-d matmul runs eagerly)"));
+            }
+        }
+        if na.dtype != nb.dtype {
+            return Err(err("matmul", "operand `mat2`", "fusion-dtype", format!("self is {} and mat2 {}", na.dtype, nb.dtype), "torch raises for mixed dtypes too"));
+        }
+        let dims = |s: &[usize], t: bool| {
+            let (r, c) = (s[s.len() - 2], s[s.len() - 1]);
+            if t {
+                (c, r)
+            } else {
+                (r, c)
+            }
+        };
+        let ((m, k), (kb, n)) = (dims(&na.shape, ta), dims(&nb.shape, tb));
+        if k != kb {
+            return Err(err("matmul", "operand `mat2`", "fusion-shape", format!("contracting dims differ: {} x {} (k = {k} and {kb})", shape_str(&na.shape), shape_str(&nb.shape)), "torch raises for these shapes too"));
+        }
+        let (ba, bb) = (&na.shape[..na.shape.len() - 2], &nb.shape[..nb.shape.len() - 2]);
+        let batch = if ba == bb || bb.is_empty() {
+            ba.to_vec()
+        } else if ba.is_empty() {
+            bb.to_vec()
+        } else {
+            return Err(err("matmul", "operand `mat2`", "fusion-broadcast", format!("batch dims {} and {}", shape_str(ba), shape_str(bb)), "batch dims must be equal or absent on one side; expand first"));
+        };
+        let dtype = na.dtype;
+        let mut shape = batch;
+        shape.extend([m, n]);
+        Self::check_row("matmul", &shape)?;
+        if k == 0 {
+            return Err(err("matmul", "operand `self`", "fusion-empty", "k = 0", "empty contractions run eagerly"));
+        }
+        if k > MAX_ROW {
+            return Err(err("matmul", "operand `self`", "fusion-row-width", format!("k = {k}"), format!("contractions of at most {MAX_ROW} fuse; longer ones run eagerly")));
+        }
+        // An operand that repeats each batch of its source over an inner batch dim is read
+        // from the source (its batch index divided by the repeat).
+        let mut repeat = [1usize, 1];
+        for (i, x) in [&mut a, &mut b].into_iter().enumerate() {
+            if let Some((src, rep)) = self.batch_repeat(*x) {
+                let s = &self.nodes[*x].shape;
+                let (r, c) = (s[s.len() - 2], s[s.len() - 1]);
+                let batch: usize = s[..s.len() - 2].iter().product();
+                *x = self.view(src, &[batch / rep, r, c])?;
+                repeat[i] = rep;
+            }
+        }
+        let mut args = vec![Operand::Node(a), Operand::Node(b)];
+        if let Some(c) = bias {
+            let nc = &self.nodes[self.node_arg("addmm", "bias", Operand::Node(c))?];
+            if nc.dtype != dtype || nc.shape != [n] {
+                return Err(err("addmm", "operand `bias`", "fusion-shape", format!("a {}{} bias for a {dtype} [.., {n}] result", nc.dtype, shape_str(&nc.shape)), "a bias of the result's dtype and shape [n] fuses; add others separately"));
+            }
+            args.push(Operand::Node(c));
+        }
+        Ok(self.push(NodeOp::Matmul { transpose_a: ta, transpose_b: tb, repeat }, args, dtype, shape))
+    }
+
+    /// Whether matmul operand `x` (through reshapes of its batch dims) is a [`Gather`] that
+    /// repeats its source over the innermost batch dim (`k[:, :, None].expand(.., rep, s, d)`):
+    /// the source and the repeat.
+    fn batch_repeat(&self, x: NodeId) -> Option<(NodeId, usize)> {
+        let mut y = x;
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+            let (ys, ss) = (&self.nodes[y].shape, &self.nodes[src].shape);
+            if ys.len() < 2 || ss.len() < 2 || ys[ys.len() - 2..] != ss[ss.len() - 2..] {
+                break;
+            }
+            y = src;
+        }
+        let n = &self.nodes[y];
+        let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
+        let r = n.shape.len();
+        let ss = &self.nodes[src].shape;
+        if r < 4 || ss.len() != r - 1 || gt.col_start != 0 || gt.start.iter().any(|&v| v != 0) || ss[ss.len() - 1] != n.shape[r - 1] {
+            return None;
+        }
+        let j = r - 3;
+        let pattern = (0..r - 1).all(|i| match i.cmp(&j) {
+            std::cmp::Ordering::Less => gt.walks[i] == Some(i) || (n.shape[i] == 1 && gt.walks[i].is_none()),
+            std::cmp::Ordering::Equal => gt.walks[i].is_none(),
+            std::cmp::Ordering::Greater => gt.walks[i] == Some(i - 1),
+        });
+        (pattern && n.shape[j] > 1 && ss[..j] == n.shape[..j] && ss[j..] == n.shape[j + 1..]).then_some((src, n.shape[j]))
+    }
+
+    /// `x.transpose(-1, -2)` as a value.
+    pub fn transpose(&mut self, x: NodeId) -> Result<NodeId, KernelError> {
+        let n = &self.nodes[self.node_arg("transpose", "self", Operand::Node(x))?];
+        if n.shape.len() < 2 {
+            return Err(err("transpose", "operand `self`", "fusion-shape", format!("a rank-{} tensor", n.shape.len()), "transposes of the last two dims take rank >= 2"));
+        }
+        let mut shape = n.shape.clone();
+        let r = shape.len();
+        shape.swap(r - 1, r - 2);
+        if shape[r - 1] * shape[r - 2] > MAX_TRANSPOSE {
+            return Err(err("transpose", "operand `self`", "fusion-transpose-size", format!("a {}x{} transpose", shape[r - 1], shape[r - 2]), format!("transposes of at most {MAX_TRANSPOSE} elements per matrix fuse as values (a matmul reads any transposed operand in place)")));
+        }
+        Self::check_row("transpose", &shape)?;
+        let dtype = n.dtype;
+        Ok(self.push(NodeOp::Transpose, vec![Operand::Node(x)], dtype, shape))
+    }
+
+    /// The view of `x`'s memory (contiguous, `x`'s shape) with torch's `shape`, `strides` and
+    /// `offset` (elements): a reshape, a transpose of the last two dims, a [`Gather`], or
+    /// refused (`fusion-strided-view`: the front-end runs it eagerly).
+    pub fn strided(&mut self, x: NodeId, shape: &[usize], strides: &[usize], offset: usize) -> Result<NodeId, KernelError> {
+        let src = self.nodes[self.node_arg("as_strided", "self", Operand::Node(x))?].shape.clone();
+        Self::check_row("as_strided", shape)?;
+        if shape.len() != strides.len() {
+            return Err(err("as_strided", "strides", "fusion-shape", format!("{} strides for shape {}", strides.len(), shape_str(shape)), "one stride per dim"));
+        }
+        let contiguous = |s: &[usize]| -> Vec<usize> {
+            let mut c = vec![1; s.len()];
+            for i in (0..s.len().saturating_sub(1)).rev() {
+                c[i] = c[i + 1] * s[i + 1];
+            }
+            c
+        };
+        let same = |a: &[usize], b: &[usize], dims: &[usize]| dims.iter().zip(a.iter().zip(b)).all(|(&d, (x, y))| d == 1 || x == y);
+        let total: usize = src.iter().product();
+        if offset == 0 && shape.iter().product::<usize>() == total && same(strides, &contiguous(shape), shape) {
+            return self.view(x, shape);
+        }
+        let refuse = |why: String| err("as_strided", "the view", "fusion-strided-view", why, "views that pick rows (permute/slice/select of leading dims, expand), a column window, or swap the last two dims fuse; this one runs eagerly");
+        // See the memory as the dims the view's strides name (`[b * s, h * d]` read as
+        // `[b, s, h, d]` by a head transpose): every stride of the view is then one of them.
+        let mut steps: Vec<usize> = shape.iter().zip(strides).filter(|&(&n, &st)| n > 1 && st > 0).map(|(_, &st)| st).collect();
+        steps.push(1);
+        steps.sort_unstable_by(|a, b| b.cmp(a));
+        steps.dedup();
+        let mut fact = Vec::new();
+        let mut prev = total;
+        for &st in &steps {
+            if st > prev || !prev.is_multiple_of(st) {
+                return Err(refuse(format!("stride {st} does not divide the source's {prev} elements")));
+            }
+            fact.push(prev / st);
+            prev = st;
+        }
+        let (x, src) = if fact != src { (self.view(x, &fact)?, fact) } else { (x, src) };
+        let r = shape.len();
+        if r >= 2 && r == src.len() && offset == 0 {
+            let mut t = src.clone();
+            t.swap(r - 1, r - 2);
+            let mut ts = contiguous(&src);
+            ts.swap(r - 1, r - 2);
+            if t == shape && same(strides, &ts, shape) {
+                return self.transpose(x);
+            }
+        }
+        let p = src.len();
+        if p == 0 || r == 0 {
+            return Err(refuse("a 0-dim source or result".into()));
+        }
+        let cs = contiguous(&src);
+        if shape[r - 1] != 1 && strides[r - 1] != 1 {
+            return Err(refuse(format!("the last dim has stride {}", strides[r - 1])));
+        }
+        let start: Vec<usize> = (0..p).map(|q| (offset / cs[q]) % src[q]).collect();
+        if start.iter().zip(&cs).map(|(s, c)| s * c).sum::<usize>() != offset {
+            return Err(refuse(format!("offset {offset} is not an element of the source")));
+        }
+        let mut walks = Vec::new();
+        let mut used = vec![false; p];
+        for i in 0..r - 1 {
+            if shape[i] == 1 || strides[i] == 0 {
+                walks.push(None);
+                continue;
+            }
+            let Some(q) = (0..p - 1).find(|&q| cs[q] == strides[i] && src[q] > 1 && !used[q]) else {
+                return Err(refuse(format!("dim {i} has stride {}, no leading dim of the source", strides[i])));
+            };
+            if start[q] + shape[i] > src[q] {
+                return Err(refuse(format!("dim {i} runs past the source's dim {q}")));
+            }
+            used[q] = true;
+            walks.push(Some(q));
+        }
+        let col_start = start[p - 1];
+        if col_start + shape[r - 1] > src[p - 1] {
+            return Err(refuse("the columns run past the source's last dim".into()));
+        }
+        let gather = Gather { walks, start: start[..p - 1].to_vec(), col_start };
+        let dtype = self.nodes[x].dtype;
+        Ok(self.push(NodeOp::Gather(gather), vec![Operand::Node(x)], dtype, shape.to_vec()))
+    }
+
+    /// A [`Gather`] that keeps every row of its source and takes a window of its columns
+    /// (`x[..., a:b]`): the source (through views) and the window's first column.
+    pub fn col_window(&self, id: NodeId) -> Option<(NodeId, usize)> {
+        let n = &self.nodes[id];
+        let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
+        let s = &self.nodes[src].shape;
+        let lead = &n.shape[..n.shape.len().saturating_sub(1)];
+        let keeps_rows = n.shape.len() == s.len() && lead == &s[..s.len() - 1] && gt.start.iter().all(|&x| x == 0) && gt.walks.iter().enumerate().all(|(i, w)| *w == Some(i) || (lead[i] == 1 && w.is_none()));
+        keeps_rows.then_some((src, gt.col_start))
+    }
+
+    /// `torch.cat(xs, -1)`: pieces of one dtype and leading shape.
+    pub fn cat_cols(&mut self, xs: &[NodeId]) -> Result<NodeId, KernelError> {
+        if xs.is_empty() || xs.len() > MAX_CAT {
+            return Err(err("cat", "tensors", "fusion-operand", format!("{} pieces", xs.len()), format!("cat of 1 to {MAX_CAT} pieces fuses")));
+        }
+        let first = self.nodes[self.node_arg("cat", "tensors[0]", Operand::Node(xs[0]))?].clone();
+        if first.shape.is_empty() {
+            return Err(err("cat", "tensors[0]", "fusion-shape", "a 0-dim tensor", "torch raises for this too"));
+        }
+        let lead = &first.shape[..first.shape.len() - 1];
+        let mut cols = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            let n = &self.nodes[self.node_arg("cat", &format!("tensors[{i}]"), Operand::Node(x))?];
+            if n.dtype != first.dtype || n.shape.len() != first.shape.len() || &n.shape[..n.shape.len() - 1] != lead {
+                return Err(err("cat", format!("tensors[{i}]"), "fusion-shape", format!("a {}{} piece after a {}{} one", n.dtype, shape_str(&n.shape), first.dtype, shape_str(&first.shape)), "pieces of one dtype and leading shape fuse; others run eagerly"));
+            }
+            cols += n.shape[n.shape.len() - 1];
+        }
+        let mut shape = lead.to_vec();
+        shape.push(cols);
+        Self::check_row("cat", &shape)?;
+        Ok(self.push(NodeOp::CatCols, xs.iter().map(|&x| Operand::Node(x)).collect(), first.dtype, shape))
     }
 
     /// Follows views whose rows are the source's rows: the node whose value this is, in

@@ -1,6 +1,7 @@
 //! DeferAndFuse's engine, independent of torch: a graph of tensor ops ([`graph`]), a
-//! planner that cuts it into row kernels ([`planner`]), a generator that builds each
-//! kernel with the dsl builder ([`generate`]), and a [`Program`] that picks blocks,
+//! planner that cuts it into row kernels and anchors ([`planner`]), generators that build
+//! each kernel with the dsl builder ([`generate`] for row kernels, [`anchor`] for matmuls
+//! with their epilogue and copies between rows), and a [`Program`] that picks blocks,
 //! verifies every kernel, runs them on a CPU backend, and is cached by structure.
 //! A program also runs launch by launch on a device: each [`Launch`] names its buffers
 //! ([`Buf`]), so the torch front-end's `tpu` path walks them with device memory and submits
@@ -46,7 +47,40 @@
 //!    the caller takes it (`live`); every other value lives only in the kernel's vregs.
 //!    Nodes no live result needs are not computed at all (so no kernel is without outputs).
 //!
+//! 8. **A matmul is an anchor** (`mm`, `bmm`, `addmm`, batched over leading dims; see
+//!    [`anchor`]): it starts its own kernel, reads its operands whole from memory (a
+//!    [`NodeOp::Transpose`] operand in place, through batch reshapes: `linear`'s `w.t()` and
+//!    attention's `k.transpose(-1, -2)` copy nothing; a GQA `repeat_kv` expand in place, at
+//!    batch `g / repeat`), accumulates in f32 (bf16 operands stay bf16 on the MXU; a `[n]`
+//!    bias is added in f32 before the one rounding, as `addmm`), and takes an **epilogue**:
+//!    the following pointwise nodes in its output space `[batch * m, n]` (bias, activation,
+//!    residual, scale, casts, a second matmul's `silu(a) * b` reading the first from memory),
+//!    whose reads are all of the space, one row, or one batch's `[m, n]` (a causal mask);
+//!    and a row op over `n` when `n` fits one column block ([`planner::MAX_EPILOGUE_ROW`],
+//!    512: the block then holds whole rows), with the row's column values after it
+//!    (scores + mask + softmax, o_proj + residual + RMSNorm are one kernel each).
+//! 9. **Views that move elements between rows** are values of the source's memory
+//!    ([`Graph::strided`] classifies torch's shape/strides/offset): a reshape (free), a
+//!    transpose of the last two dims, or a [`graph::Gather`] (permutes of leading dims,
+//!    slice/select of leading dims, inner-dim expands, a column window). A gather or
+//!    transpose is a copy kernel of its own (an anchor with no epilogue; the slab / row
+//!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`) is read by
+//!    row kernels and `cat` straight from the source's memory (a lane slice of the loaded
+//!    block), never copied. `cat` over the last dim is a copy kernel storing each piece at
+//!    its column offset (a broadcast element, `slice_backward`'s zeros, is read as one
+//!    element). A copy of a copy (`clone` / `contiguous` of a gathered view) is one copy.
+//! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
+//!     row kernel of pointwise nodes (no row op or column sum, no live result) whose results
+//!     only one later row kernel over the same rows reads, in their own layout and through
+//!     rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
+//!     `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
+//!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
+//! a matmul or copy after anything (each starts a kernel); anything after a copy kernel (it
+//! reads the copy from memory); into a matmul epilogue: a row op over a tiled `n` (more
+//! than 512 columns: a block would see part of its row), a column sum, an `expand`, a
+//! periodic read other than one batch's `[m, n]`, a column window (read from memory by the
+//! next row kernel instead), and a second matmul (the anchor's inputs are whole tensors);
 //! reading a column sum the open kernel computes;
 //! a row op over a different row length than the kernel's (`x.sum(-1)` then a row op over
 //! a `[m, 1]` column); a node whose values do not broadcast with the kernel's row space
@@ -57,8 +91,12 @@
 //! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
 //! multiple of 32, read periodically), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
-//! (`fusion-scalar`), reductions over other dims than the last, and everything else
-//! (matmul, indexing, strided views) which the front-end does not record.
+//! (`fusion-scalar`), reductions over other dims than the last, matmuls of mixed dtypes or
+//! 1-d operands, batch dims that differ on both sides (`fusion-broadcast`), contractions
+//! over more than [`graph::MAX_ROW`], views whose last dim is strided or whose strides are
+//! not dims of the source (`fusion-strided-view`: diagonals, steps), transposes of more
+//! than [`graph::MAX_TRANSPOSE`] elements per matrix as values (`fusion-transpose-size`),
+//! `cat` over other dims, and indexing, which the front-end does not record.
 //!
 //! # Numerics
 //!
@@ -80,6 +118,7 @@
 //! nodes; the target) in an LRU of [`cache_capacity`] entries (`TESSERA_FUSION_CACHE`,
 //! default 256); failures are cached too.
 
+pub mod anchor;
 pub mod generate;
 pub mod graph;
 pub mod planner;
@@ -89,7 +128,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
 use tessera_dsl::interp::{Array, Fill, HostData, HostMut, HostRef};
-use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_dsl::{DType, Executor, Kernel, KernelError, RefKind, Target, Type};
 
 pub use graph::{Binary, CmpOp, Graph, Node, NodeId, NodeOp, Operand, RowOp, Unary};
 pub use planner::{Partition, Partitioning, Read};
@@ -188,16 +227,11 @@ impl Program {
         }
         let mut launches = Vec::new();
         for (i, p) in partitioning.parts.iter().enumerate() {
-            let kernel = Self::kernel(graph, p, i, target)?;
-            let inputs = p.reads.iter().map(|r| (bufs[&r.storage], vec![r.rows, r.cols])).collect();
-            let outputs = p
-                .outputs
-                .iter()
-                .map(|&o| {
-                    let (r, c) = graph.node(o).layout();
-                    (bufs[&o], vec![r, c])
-                })
-                .collect();
+            let kernel = if p.anchor.is_some() { anchor::kernel(graph, p, i, target)? } else { Self::kernel(graph, p, i, target)? };
+            // Each buffer is passed in the shape its kernel declares (rows for row kernels,
+            // batched or N-d for anchors).
+            let inputs = p.reads.iter().zip(kernel.refs_of(RefKind::Input)).map(|(r, (_, d))| (bufs[&r.storage], d.shape.clone())).collect();
+            let outputs = p.outputs.iter().zip(kernel.refs_of(RefKind::Output)).map(|(&o, (_, d))| (bufs[&o], d.shape.clone())).collect();
             launches.push(Launch { kernel, inputs, outputs });
         }
         Ok(Program { graph: graph.clone(), live: live.to_vec(), target: *target, partitioning, launches, temps })

@@ -18,6 +18,28 @@ pub struct Read {
     pub storage: NodeId,
     pub rows: usize,
     pub cols: usize,
+    /// A column window `(start, len)` of each row (a row kernel reading `x[..., a:b]`
+    /// straight from `x`'s memory), or the whole row.
+    pub window: Option<(usize, usize)>,
+}
+
+impl Read {
+    /// The read as a value of the kernel: `rows x` the window's or the row's columns.
+    pub fn space(&self) -> (usize, usize) {
+        (self.rows, self.window.map_or(self.cols, |w| w.1))
+    }
+}
+
+/// How a row kernel reads node `o` from memory: its storage in `o`'s layout, or, for a
+/// column window of a value (a [`NodeOp::Gather`] that keeps the rows), the source's rows
+/// with the window.
+pub fn read_of(g: &Graph, o: NodeId) -> Read {
+    if let Some((src, start)) = g.col_window(o) {
+        let (rows, cols) = g.node(src).layout();
+        return Read { storage: g.storage(src), rows, cols, window: Some((start, g.node(o).layout().1)) };
+    }
+    let (rows, cols) = g.node(o).layout();
+    Read { storage: g.storage(o), rows, cols, window: None }
 }
 
 /// One kernel: compute nodes over the row space `rows x cols`.
@@ -37,6 +59,62 @@ pub struct Partition {
     pub has_col_sum: bool,
     /// Why the previous partition ended here (for dumps and stats).
     pub cut: String,
+    /// The matmul or copy node this kernel is built around (its first node), if any: then
+    /// `reads[..anchor_reads]` are its operands in order, each read whole.
+    pub anchor: Option<NodeId>,
+    pub anchor_reads: usize,
+}
+
+/// Whether `op` is an anchor: a matmul, or a copy that moves elements between rows
+/// (transpose, gather, cat). Each starts its own kernel.
+pub fn is_anchor(op: &NodeOp) -> bool {
+    matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_) | NodeOp::CatCols)
+}
+
+/// A row op joins a matmul's epilogue only when the matmul's columns are one block (the
+/// generator then takes `bn = n`): a row op over a tiled `n` would see part of its row.
+pub const MAX_EPILOGUE_ROW: usize = 512;
+
+/// Whether an epilogue read fits the matmul's output space: rows all of it, one, or one
+/// batch's `m` (a `[m, n]` mask or bias shared by every batch); columns all or one.
+fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
+    let out = &g.node(part.anchor.expect("a matmul partition")).shape;
+    let m = out[out.len() - 2];
+    r.window.is_none() && (r.rows == part.rows || r.rows == 1 || r.rows == m) && (r.cols == part.cols || r.cols == 1)
+}
+
+/// How `cat` reads piece `o`: as [`read_of`], but a broadcast of one element (the zeros
+/// of `slice_backward`) is that element, broadcast in the kernel, and a negation
+/// (rotate_half's `-x[..., d/2:]`) is its operand, negated in the kernel.
+pub fn cat_read_of(g: &Graph, o: NodeId) -> Read {
+    let n = g.node(o);
+    if let (NodeOp::Unary(super::graph::Unary::Neg), Some(&Operand::Node(x))) = (&n.op, n.args.first()) {
+        return read_of(g, x);
+    }
+    if let (NodeOp::Expand, Some(&Operand::Node(src))) = (&n.op, n.args.first()) {
+        if g.node(src).shape.iter().product::<usize>() == 1 {
+            return Read { storage: g.storage(src), rows: 1, cols: 1, window: None };
+        }
+    }
+    read_of(g, o)
+}
+
+/// Whether a node of `op` reads a column window straight from its source's memory (row
+/// kernels and `cat`; a matmul or gather reads the window's node).
+fn reads_windows(op: &NodeOp) -> bool {
+    !is_anchor(op) || matches!(op, NodeOp::CatCols)
+}
+
+/// Whether a node's space fits a matmul's epilogue: the output space, or (once a row op
+/// has made the column block the whole row) one column of it, as RMSNorm's `mean + eps`.
+fn epilogue_space(node: &super::graph::Node, space: (usize, usize), part: &Partition) -> bool {
+    let full = (part.rows, part.cols);
+    space == full || (part.has_row_op && !matches!(node.op, NodeOp::Row(_)) && fits(space, full) && fits(node.layout(), full))
+}
+
+/// Whether `op` may join a matmul's epilogue: pointwise in the matmul's output space.
+fn is_epilogue(op: &NodeOp) -> bool {
+    matches!(op, NodeOp::Unary(_) | NodeOp::Binary(_) | NodeOp::Compare(_) | NodeOp::Where | NodeOp::Clamp(..) | NodeOp::Cast(_))
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -82,8 +160,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     }
     for id in (0..g.len()).rev() {
         if needed[id] {
+            let row_kernel_node = reads_windows(&g.node(id).op);
             for a in &g.node(id).args {
                 if let Operand::Node(o) = *a {
+                    // A row kernel reads a column window from its source's memory.
+                    let o = match g.col_window(o) {
+                        Some((src, _)) if row_kernel_node => src,
+                        _ if matches!(g.node(id).op, NodeOp::CatCols) => cat_read_of(g, o).storage,
+                        _ => o,
+                    };
                     if let Some(n) = needed.get_mut(o) {
                         *n = true;
                     }
@@ -105,6 +190,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let mut reads_col_sum = None;
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
+            if !is_anchor(&node.op) && g.col_window(o).is_some() {
+                // From memory: a value in VMEM has no column slices.
+                let r = read_of(g, o);
+                if cur.is_some() && assigned[r.storage] == cur {
+                    needs_stored = Some(o);
+                }
+                reads.push(r);
+                continue;
+            }
             let s = g.same_rows_source(o);
             let in_cur = cur.is_some() && assigned[s] == cur;
             if in_cur {
@@ -118,7 +212,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 needs_stored = Some(o);
             }
             let (rows, cols) = g.node(o).layout();
-            reads.push(Read { storage, rows, cols });
+            reads.push(Read { storage, rows, cols, window: None });
         }
         let mut cut = None;
         if let Some(p) = cur {
@@ -129,9 +223,18 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             new_reads.extend(reads.iter().copied());
             let is_row = matches!(node.op, NodeOp::Row(_));
             let is_col = matches!(node.op, NodeOp::ColSum);
-            cut = if let Some(o) = needs_stored {
+            let anchor = part.anchor.map(|a| &g.node(a).op);
+            cut = if is_anchor(&node.op) {
+                Some(format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" }))
+            } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
+                Some(format!("node %{id} reads the result of a copy kernel"))
+            } else if anchor.is_some() && matches!(node.op, NodeOp::Row(_)) && part.cols > MAX_EPILOGUE_ROW {
+                Some(format!("node %{id} is a row op over the matmul's {} columns, more than one column block ({MAX_EPILOGUE_ROW}) holds", part.cols))
+            } else if anchor.is_some() && (!(is_epilogue(&node.op) || matches!(node.op, NodeOp::Row(_))) || !epilogue_space(node, space, part) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
+                Some(format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
+            } else if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads.iter().chain(&reads).all(|r| read_fits((r.rows, r.cols), (m, n))) {
+            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| read_fits(r.space(), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
             } else if let Some(c) = reads_col_sum {
                 Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
@@ -152,7 +255,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 part.cols = n;
                 part.nodes.push(id);
                 for r in reads {
-                    if !part.reads.contains(&r) {
+                    if !part.reads[part.anchor_reads..].contains(&r) {
                         part.reads.push(r);
                     }
                 }
@@ -170,15 +273,33 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 continue;
             }
         }
-        // A new partition. Reads of the previous one's values are now reads of memory.
+        // A new partition. Reads of the previous one's values are now reads of memory (an
+        // anchor's operands each once, in order, even when two are one buffer).
         let mut reads = Vec::new();
+        let anchored = is_anchor(&node.op);
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
-            let (rows, cols) = g.node(o).layout();
-            let r = Read { storage: g.storage(o), rows, cols };
-            if !reads.contains(&r) {
+            let r = if matches!(node.op, NodeOp::CatCols) {
+                cat_read_of(g, o)
+            } else if anchored && !reads_windows(&node.op) {
+                let (rows, cols) = g.node(o).layout();
+                Read { storage: g.storage(o), rows, cols, window: None }
+            } else {
+                read_of(g, o)
+            };
+            if anchored || !reads.contains(&r) {
                 reads.push(r);
             }
+        }
+        if anchored {
+            let (rows, cols) = node.layout();
+            layouts = vec![(rows, cols)];
+            row_op_cols = None;
+            col_sum_rows = None;
+            let anchor_reads = reads.len();
+            parts.push(Partition { nodes: vec![id], rows, cols, reads, outputs: Vec::new(), has_row_op: false, has_col_sum: false, cut: cut.unwrap_or_else(|| "start".into()), anchor: Some(id), anchor_reads });
+            assigned[id] = Some(parts.len() - 1);
+            continue;
         }
         let is_row = matches!(node.op, NodeOp::Row(_));
         let is_col = matches!(node.op, NodeOp::ColSum);
@@ -186,13 +307,14 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         row_op_cols = is_row.then_some(space.1);
         col_sum_rows = is_col.then_some(space.0);
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
-        let (m, n) = layouts.iter().chain(reads.iter().map(|r| (r.rows, r.cols)).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
-        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits((r.rows, r.cols), (m, n))) {
+        let (m, n) = layouts.iter().chain(reads.iter().map(Read::space).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
+        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits(r.space(), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
-        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()) });
+        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });
         assigned[id] = Some(parts.len() - 1);
     }
+    sink_into_consumers(g, live, &mut parts, &mut assigned);
     // What is stored: every compute node read from memory, and the live results.
     let mut stored: BTreeSet<NodeId> = parts.iter().flat_map(|p| p.reads.iter().map(|r| r.storage)).filter(|&s| assigned[s].is_some()).collect();
     for &l in live {
@@ -211,4 +333,59 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         }
     }
     Ok(Partitioning { parts, assigned })
+}
+
+/// Sinks a pointwise row kernel into the one later row kernel that reads its results (the
+/// greedy pass closes `q * cos` before RoPE's `cat`, whose consumer `.. + q * cos` runs over
+/// the same rows): the values are then computed where they are used, never stored. Only
+/// when no result is live or read by another kernel, both kernels have one row space, and
+/// every read of the sunk kernel's results is its plain layout.
+fn sink_into_consumers(g: &Graph, live: &[NodeId], parts: &mut Vec<Partition>, assigned: &mut [Option<usize>]) {
+    let mut p = 0;
+    while p < parts.len() {
+        let src = &parts[p];
+        let plain = src.anchor.is_none() && !src.has_row_op && !src.has_col_sum && src.nodes.iter().all(|&n| !live.iter().any(|&l| g.storage(l) == n));
+        // The kernels that read any node of `p` from memory.
+        let readers: BTreeSet<usize> = (p + 1..parts.len()).filter(|&q| parts[q].reads.iter().any(|r| assigned[r.storage] == Some(p))).collect();
+        let target = match (plain, readers.len()) {
+            (true, 1) => *readers.iter().next().expect("one reader"),
+            _ => {
+                p += 1;
+                continue;
+            }
+        };
+        let dst = &parts[target];
+        // Every read of a sunk result must become its value: the read is its plain layout
+        // and the reading node reaches it through rows-keeping views only.
+        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout())
+            && dst.nodes.iter().flat_map(|&n| g.node(n).args.iter()).all(|a| match *a {
+                Operand::Node(o) => assigned[read_of(g, o).storage] != Some(p) || read_of(g, o).window.is_some() || assigned[g.same_rows_source(o)] == Some(p),
+                Operand::Scalar(_) => true,
+            });
+        let mut reads: Vec<Read> = parts[target].reads.iter().copied().filter(|r| assigned[r.storage] != Some(p)).collect();
+        for r in &parts[p].reads {
+            if !reads.contains(r) {
+                reads.push(*r);
+            }
+        }
+        let ok = dst.anchor.is_none() && !dst.has_col_sum && (dst.rows, dst.cols) == (src.rows, src.cols) && reads_plain && reads.len() <= MAX_READS && dst.nodes.len() + src.nodes.len() <= MAX_NODES;
+        if !ok {
+            p += 1;
+            continue;
+        }
+        let src = parts.remove(p);
+        let target = target - 1;
+        let dst = &mut parts[target];
+        let mut nodes = src.nodes.clone();
+        nodes.extend(dst.nodes.iter().copied());
+        dst.nodes = nodes;
+        dst.reads = reads;
+        for a in assigned.iter_mut() {
+            *a = match *a {
+                Some(x) if x == p => Some(target),
+                Some(x) if x > p => Some(x - 1),
+                other => other,
+            };
+        }
+    }
 }

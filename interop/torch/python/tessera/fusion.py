@@ -5,8 +5,11 @@
         print(y)                                                          # flush: one kernel
 
 Under the mode a `TorchDispatchMode` sees every aten op. An op the engine takes (pointwise,
-casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; see
-`tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
+casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; `mm`,
+`bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
+fused epilogues; `cat` over the last dim and `slice_backward` of a last-dim slice; the views
+`t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies;
+see `tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
 real tensor of the result's shape and dtype whose memory is not written yet. A flush plans
 the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
 CPU backend (`TESSERA_BACKEND`), and writes only the placeholders somebody still references
@@ -33,7 +36,11 @@ when some op occurs once per iteration (the candidate is the distance to the op'
 occurrence); a mismatch drops it. A loop whose iterations already flush on their own
 (an eager op each step) is unaffected: the cap is never near.
 
-Aliasing is eager's: views of pending tensors are real views of the placeholder's memory;
+Aliasing is eager's: views of pending tensors are real views of the placeholder's memory
+(a view that moves elements between rows is recorded as a copy of its source's value, exact
+because in-place ops on a group with views are never deferred); a strided real tensor whose
+base is contiguous (a weight's `t()`) is recorded as its base and the view, so a matmul reads
+it in place;
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
 then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
 mode, so backward ops are recorded and fused too.
@@ -185,6 +192,7 @@ class _State:
         self.inputs = []  # real tensors, in graph-input order
         self.input_nodes = {}  # id(real tensor) -> node
         self.input_storages = set()  # data_ptr of the inputs' storages
+        self.strided_inputs = {}  # id(real strided view) -> (weakref, node)
         self.groups = []
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
@@ -223,6 +231,10 @@ def _node_of(t, st):
     _same_device(t, st)
     if t.dtype not in _DTYPES:
         raise _Unsupported("fusion-dtype")
+    if not t.is_contiguous():
+        node = _real_strided_node(t, st)
+        if node is not None:
+            return node
     n = st.input_nodes.get(id(t))
     if n is not None and st.inputs[n[1]] is t:
         return n[0]
@@ -255,6 +267,39 @@ def _operand(a, st):
     return float(a)
 
 
+def _strided_node(st, node, x, func, args, kwargs):
+    """The value of the view `func(x, *args[1:])` of pending `x` (node `node`), whatever
+    x's own strides: the same view of a contiguous meta tensor of x's shape gives its
+    shape, strides and offset relative to x's value, recorded as the graph's `strided` op
+    (a reshape, a transpose of the last two dims, or a gather of rows and a column window).
+    The result stays a real view of the placeholder's memory; in-place ops on a group with
+    views are never deferred, so the copy and the memory agree."""
+    probe = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    try:
+        return st.graph.op("strided", "as_strided", [node, list(probe.shape), list(probe.stride()), probe.storage_offset()])[0]
+    except ValueError as err:
+        raise _Unsupported(_rule_of(err)) from None
+
+
+def _real_strided_node(t, st):
+    """A non-contiguous real tensor that is a view of a contiguous real base: the base as a
+    graph input and the view as a `strided` node (a transposed weight is then read in place
+    by a matmul); None when it is not such a view."""
+    b = t._base
+    if b is None or not _is_plain_cpu(b) or not b.is_contiguous() or b.dtype != t.dtype or st.entry(b) is not None:
+        return None
+    hit = st.strided_inputs.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    base_node = _node_of(b, st)
+    try:
+        node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
+    except ValueError:
+        return None
+    st.strided_inputs[id(t)] = (weakref.ref(t), node)
+    return node
+
+
 def _has_bool_tensor(args, st):
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
 
@@ -267,6 +312,10 @@ _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "m
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
 _ROW = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "_softmax": "softmax", "_log_softmax": "log_softmax"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "detach", "alias", "expand"}
+# Views that move elements between rows: recorded as copies of the group's memory (see
+# `_strided_node`), so they do not flush.
+_STRIDED_VIEWS = {"t", "transpose", "permute", "slice", "select", "_reshape_alias", "as_strided"}
+_VIEWS |= _STRIDED_VIEWS
 # Ops that read only their arguments' metadata: they run eagerly on placeholders.
 _META_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full", "randn_like", "rand_like"}
 
@@ -415,6 +464,42 @@ def _record(func, name, args, kwargs, st):
         if not _last_dim(dims, rank):
             raise _Unsupported(f"{name}-dim")
         return op("row", _ROW[name], [_node_of(x, st), keepdim])
+    if name in ("mm", "bmm"):
+        if kw or len(args) != 2:
+            raise _Unsupported(f"{name}-args")
+        return op("matmul", name, [_node_of(args[0], st), _node_of(args[1], st), None])
+    if name == "addmm":
+        beta, alpha = kw.pop("beta", 1), kw.pop("alpha", 1)
+        if kw or len(args) != 3 or beta != 1 or alpha != 1 or not isinstance(args[0], torch.Tensor):
+            raise _Unsupported("addmm-scale")
+        bias, a, b = args
+        if bias.dim() == 1 and bias.dtype == a.dtype:
+            # linear's bias: added in f32 before the one rounding, as torch's addmm.
+            return op("matmul", "addmm", [_node_of(a, st), _node_of(b, st), _node_of(bias, st)])
+        mm = op("matmul", "addmm", [_node_of(a, st), _node_of(b, st), None])[0]
+        return op("binary", "add", [_node_of(bias, st), mm])
+    if name == "cat":
+        xs = args[0]
+        dim = args[1] if len(args) > 1 else kw.pop("dim", 0)
+        if kw or not xs or not all(isinstance(t, torch.Tensor) for t in xs) or not _last_dim(dim, xs[0].dim()):
+            raise _Unsupported("cat-dim")
+        return op("cat", "cat", [[_node_of(t, st) for t in xs]])
+    if name == "slice_backward":
+        # The gradient of `x[..., a:b]`: zeros, the gradient, zeros, as a cat over the last dim.
+        grad, sizes, dim, start, end, step = args
+        rank = len(sizes)
+        if kw or step != 1 or rank == 0 or dim % rank != rank - 1 or grad.dtype not in (torch.float32, torch.bfloat16):
+            raise _Unsupported("slice_backward-dim")
+        cols = sizes[-1]
+        start = min(max(start + cols if start < 0 else start, 0), cols)
+        end = min(max(end + cols if end < 0 else end, start), cols)
+        zero = _node_of(torch.zeros((), dtype=grad.dtype), st)
+        lead = list(sizes[:-1])
+        pieces = [op("expand", "expand", [zero, lead + [start]])[0]] if start > 0 else []
+        pieces.append(_node_of(grad, st))
+        if end < cols:
+            pieces.append(op("expand", "expand", [zero, lead + [cols - end]])[0])
+        return op("cat", "cat", [pieces])
     if name in _BACKWARD:
         return _record_backward(name, args, kw, st, op)
     raise _Unsupported(name)
@@ -551,19 +636,20 @@ class _DeferMode(TorchDispatchMode):
         x = args[0]
         e = st.entry(x)
         out = func(*args, **kwargs)  # the real view of the placeholder (the mode is off here)
+        grp = e[2]
         if base == "expand":
             try:
                 node = st.graph.op("expand", "expand", [e[1], list(out.shape)])[0]
-            except ValueError as err:
-                raise _Unsupported(_rule_of(err)) from None
-        else:
-            if not out.is_contiguous() or out.numel() != x.numel():
-                raise _Unsupported("strided-view")
+            except ValueError:
+                # An expand over inner dims (repeat_kv's): a copy of the stride-0 view.
+                node = _strided_node(st, e[1], x, func, args, kwargs)
+        elif x.is_contiguous() and out.is_contiguous() and out.numel() == x.numel():
             try:
                 node = st.graph.op("view", "view", [e[1], list(out.shape)])[0]
             except ValueError as err:
                 raise _Unsupported(_rule_of(err)) from None
-        grp = e[2]
+        else:
+            node = _strided_node(st, e[1], x, func, args, kwargs)
         grp.members.append(weakref.ref(out))
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
@@ -616,7 +702,7 @@ class _DeferMode(TorchDispatchMode):
 
 def _recordable(base):
     return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
-        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone") or base in _BACKWARD
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward") or base in _BACKWARD
 
 
 def _count_op(st, func):
