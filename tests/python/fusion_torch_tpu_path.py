@@ -28,6 +28,7 @@ from torch_tpu._internal.pallas import tpu_torch_pallas  # noqa: E402  (TorchTPU
 
 import tessera  # noqa: E402
 from tessera import _fusion_device, _tpu, fusion  # noqa: E402
+from fusion_workloads import chain, rmsnorm  # noqa: E402
 
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 
@@ -71,20 +72,6 @@ class StandInRunner(_tpu.TorchTpuRunner):
     def __call__(self, plan, i, inputs, outputs):
         self.api.launch = (plan, i)
         return super().__call__(plan, i, inputs, outputs)
-
-
-def chain(x):
-    y = x * 1.5 + 0.25
-    y = torch.tanh(y)
-    y = y * y
-    y = torch.exp(-y)
-    y = torch.maximum(y, x)
-    y = torch.sigmoid(y) - 0.5
-    return y.clamp(min=-0.2, max=0.4)
-
-
-def rmsnorm(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
 
 def colsum_then_scale(x):

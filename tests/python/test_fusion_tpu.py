@@ -18,6 +18,7 @@ import torch
 
 import tessera
 from tessera import _fusion_device, emulated_tpu, fusion
+from fusion_workloads import chain, rmsnorm
 
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,20 +36,6 @@ def _fresh_stats():
     fusion.reset_stats()
     yield
     assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
-
-
-def chain(x):  # scripts/bench_fusion.py's 8-op chain
-    y = x * 1.5 + 0.25
-    y = torch.tanh(y)
-    y = y * y
-    y = torch.exp(-y)
-    y = torch.maximum(y, x)
-    y = torch.sigmoid(y) - 0.5
-    return y.clamp(min=-0.2, max=0.4)
-
-
-def rmsnorm(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def is_allocated(t):
