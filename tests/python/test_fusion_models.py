@@ -54,7 +54,8 @@ def report(what, aten_ops):
     launches = s["kernels_launched"] + s["ops_eager"]
     print(f"\n{what}: strict {aten_ops} aten ops; deferred {s['ops_deferred']} ops into {s['kernels_launched']} kernels "
           f"+ {s['ops_eager']} eager ops = {launches} launches ({aten_ops / max(1, launches):.2f}x fewer), "
-          f"{s['flushes']} flushes, cache hits {s['cache_hits']} misses {s['cache_misses']}")
+          f"{s['flushes']} flushes, cache hits {s['cache_hits']} misses {s['cache_misses']}; "
+          f"flush causes {dict(sorted(s['flush_causes'].items()))}; eager {dict(sorted(s['eager_reasons'].items()))}")
     return s
 
 

@@ -67,7 +67,7 @@ ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 
 
 KINDS = ["unary", "binary", "scalar", "rsub", "clamp", "where", "cast", "row", "row_nokeep", "full_sum",
-         "view_merge", "unsqueeze", "flatten", "expand", "eager_dim0", "colsum", "eager_flip", "read", "clone"]
+         "view_merge", "unsqueeze", "flatten", "expand", "dim0", "colsum", "eager_flip", "read", "clone"]
 INPLACE_KINDS = ["inplace_scalar", "inplace_binary", "inplace_unary", "inplace_view"]
 
 
@@ -172,8 +172,8 @@ def run(program, tensors, requires_grad=False, copy=True):
             elif k == "expand" and floats and x.dim() <= 3:
                 target = torch.broadcast_shapes(x.shape, (inputs[0][0]))
                 push(x.expand(target), ex)
-            elif k == "eager_dim0" and floats and x.dim() >= 2:
-                # Over dim 0 only: a column sum when x is 2-d, eager otherwise.
+            elif k == "dim0" and floats and x.dim() >= 2:
+                # Over dim 0 only: a column sum when x is 2-d, a matmul by ones otherwise.
                 push(x.sum(0), False)
             elif k == "colsum" and floats and x.dim() >= 2:
                 push(x.sum(tuple(range(x.dim() - 1)), keepdim=flag), False)
@@ -311,7 +311,7 @@ def test_the_random_programs_exercise_the_engine():
     fusion.reset_stats()
     prog = ([((3, 5, 131), torch.float32), ((131,), torch.bfloat16)],
             [("binary", 0, 1, "tanh", "mul", "sum", True, 1.0), ("row", 2, 0, "tanh", "add", "softmax", True, 0.0),
-             ("eager_dim0", 0, 0, "tanh", "add", "sum", True, 0.0), ("inplace_view", 3, 0, "tanh", "add", "sum", True, 0.0),
+             ("eager_flip", 0, 0, "tanh", "add", "sum", True, 0.0), ("inplace_view", 3, 0, "tanh", "add", "sum", True, 0.0),
              ("inplace_scalar", 2, 0, "tanh", "add", "sum", True, 1.5)])
     compare(prog)
     s = fusion.stats()

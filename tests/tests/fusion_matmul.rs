@@ -529,3 +529,85 @@ fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
     let p = c.check();
     assert_eq!(p.launches.len(), 2, "cat, then q * cos + rot\n{}", p.describe());
 }
+
+/// GQA repeat_kv's backward, `[b, hkv, rep, s, d].sum(2)`, as the front-end records a sum
+/// over inner dims: `x` viewed `[b * hkv, rep, s * d]`, summed by a `[1, rep]` row of ones
+/// (a matmul shared by every batch); checked against the sum over `rep` computed here in
+/// f64. (The scaling reads the sum through a row-changing view: its own kernel.)
+#[test]
+fn a_sum_over_an_inner_dim_is_a_matmul_by_ones() {
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(13);
+        let mut c = Case::new(format!("inner-dim sum {dtype}"));
+        let (b, kvh, rep, s, d) = (2, 2, 3, 40, 16);
+        let x = c.input(dtype, &[b, kvh, rep, s, d], &mut rng);
+        c.inputs.push(Array::from_f32_in(dtype, &[1, rep], vec![1.0; rep]));
+        let ones = c.graph.input(dtype, &[1, rep]).unwrap();
+        let xv = c.graph.view(x, &[b * kvh, rep, s * d]).unwrap();
+        let sum = c.graph.matmul(ones, xv, None).unwrap();
+        let sum = c.graph.view(sum, &[b, kvh, s, d]).unwrap();
+        let y = c.graph.binary(Binary::Mul, Operand::Node(sum), Operand::Scalar(0.5)).unwrap();
+        c.live = vec![y];
+        let p = c.check();
+        assert_eq!(p.launches.len(), 2, "{}", p.describe());
+        let xs = c.inputs[0].to_f64_vec();
+        let refs: Vec<&Array> = c.inputs.iter().collect();
+        let got = p.run(backends()[0].executor(), &refs).unwrap()[0].to_f64_vec();
+        let tol = if dtype == DType::BF16 { 1.0 / 64.0 } else { 1e-5 };
+        for g in 0..b * kvh {
+            for e in 0..s * d {
+                let want: f64 = 0.5 * (0..rep).map(|r| xs[(g * rep + r) * s * d + e]).sum::<f64>();
+                let have = got[g * s * d + e];
+                assert!((have - want).abs() <= tol * want.abs().max(1.0), "{}: [{g}, {e}] = {have}, want {want}", c.name);
+            }
+        }
+    }
+}
+
+/// GQA's `dV = P^T @ dO` per query head, viewed `[b, hkv, rep, s, d]` and summed over `rep`
+/// (repeat_kv's backward): one matmul whose contraction runs over the repeats, with no
+/// kernel for the per-head products and its epilogue in the same kernel; checked against that sum computed here in f64.
+#[test]
+fn a_sum_over_matmul_batches_folds_into_the_contraction() {
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(14);
+        let mut c = Case::new(format!("folded sum {dtype}"));
+        let (b, kvh, rep, s, d) = (2, 2, 3, 24, 16);
+        let p = c.input(dtype, &[b * kvh * rep, s, s], &mut rng);
+        let go = c.input(dtype, &[b * kvh * rep, s, d], &mut rng);
+        let pt = c.graph.transpose(p).unwrap();
+        let dv = c.graph.matmul(pt, go, None).unwrap();
+        let dv = c.graph.view(dv, &[b, kvh, rep, s, d]).unwrap();
+        let sum = c.graph.sum_matmul_batches(dv, 2, 2, false).unwrap();
+        assert_eq!(c.graph.node(sum).shape, [b, kvh, s, d]);
+        let y = c.graph.binary(Binary::Mul, Operand::Node(sum), Operand::Scalar(0.5)).unwrap();
+        // dK's form: (dO^T @ P)^T, kept dim, is the same sum.
+        let got = c.graph.transpose(go).unwrap();
+        let gp = c.graph.matmul(got, p, None).unwrap();
+        let gp = c.graph.view(gp, &[b, kvh, rep, d, s]).unwrap();
+        let pg = c.graph.transpose(gp).unwrap();
+        let sum2 = c.graph.sum_matmul_batches(pg, 2, 2, true).unwrap();
+        assert_eq!(c.graph.node(sum2).shape, [b, kvh, 1, s, d]);
+        let y2 = c.graph.binary(Binary::Mul, Operand::Node(sum2), Operand::Scalar(0.5)).unwrap();
+        c.live = vec![y, y2];
+        let prog = c.check();
+        assert_eq!(prog.launches.len(), 2, "each folded matmul with its epilogue\n{}", prog.describe());
+        let (pv, gv) = (c.inputs[0].to_f64_vec(), c.inputs[1].to_f64_vec());
+        let refs: Vec<&Array> = c.inputs.iter().collect();
+        let outs = prog.run(backends()[0].executor(), &refs).unwrap();
+        let tol = if dtype == DType::BF16 { 1.0 / 32.0 } else { 1e-4 };
+        for (got, g) in outs.iter().map(|o| o.to_f64_vec()).flat_map(|o| (0..b * kvh).map(move |g| (o.clone(), g))) {
+            for (i, j) in (0..s).flat_map(|i| (0..d).map(move |j| (i, j))) {
+                // sum over the repeats r and query rows q of P[g, r][q, i] * dO[g, r][q, j]
+                let want: f64 = 0.5 * (0..rep).flat_map(|r| (0..s).map(move |q| (r, q))).map(|(r, q)| pv[((g * rep + r) * s + q) * s + i] * gv[((g * rep + r) * s + q) * d + j]).sum::<f64>();
+                let have = got[(g * s + i) * d + j];
+                assert!((have - want).abs() <= tol * want.abs().max(1.0), "{}: [{g}, {i}, {j}] = {have}, want {want}", c.name);
+            }
+        }
+    }
+    // Dims that are not the matmul's batches are refused with the rule.
+    let mut g = Graph::new();
+    let x = g.input(DType::F32, &[4, 3, 8]).unwrap();
+    let e = g.sum_matmul_batches(x, 1, 1, false).unwrap_err();
+    assert!(e.to_string().contains("sum-dim"), "{e}");
+}

@@ -133,6 +133,8 @@ impl FusionGraph {
             "view" => g.view(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
             "expand" => g.expand(node(0)?, &arg(1)?.extract::<Vec<usize>>()?),
             "colsum" => g.col_sum(node(0)?, arg(1)?.extract()?),
+            // `[x, lo, hi, keepdim]`: a sum over the batches of a matmul, folded into it.
+            "summatmul" => g.sum_matmul_batches(node(0)?, arg(1)?.extract()?, arg(2)?.extract()?, arg(3)?.extract()?),
             // `[a, b, bias or None]`: a transposed operand node is read in place.
             "matmul" => g.matmul(node(0)?, node(1)?, arg(2)?.extract::<Option<usize>>()?),
             // `[x, shape, strides, offset]`: a view of `x`'s (contiguous) memory.

@@ -528,6 +528,62 @@ impl Graph {
         Ok(self.push(NodeOp::ColSum, vec![Operand::Node(x)], dtype, shape))
     }
 
+    /// `x.sum(lo..=hi, keepdim)` over adjacent dims before the last, when `x` is (through
+    /// reshapes, and maybe transposed) a batched matmul whose batches those dims index (GQA's
+    /// `dV = P^T @ dO` viewed `[b, hkv, rep, s, d]` and summed over `rep`; `dK`, the
+    /// transpose of `Q^T @ dS`): one matmul whose contraction runs
+    /// over the summed batches too, `k' = r * k` (operand `a` read transposed as
+    /// `[lead, r * k, m]`, `b` as `[lead, r * k, n]`: both plain views). f32 accumulation and
+    /// one rounding (torch rounds each batch's product before summing: the bf16 results may
+    /// differ by that rounding). Any other sum is refused (`sum-dim`): the front-end then
+    /// sums with a matmul by a row of ones.
+    pub fn sum_matmul_batches(&mut self, x: NodeId, lo: usize, hi: usize, keepdim: bool) -> Result<NodeId, KernelError> {
+        let xs = self.nodes[self.node_arg("sum", "self", Operand::Node(x))?].shape.clone();
+        let refuse = |why: &str| err("sum", "operand `self`", "sum-dim", why.to_string(), "sums over the last dim, all dims but the last, or the batches of a matmul fuse");
+        if lo > hi || hi + 1 >= xs.len() {
+            return Err(refuse("not a run of dims before the last"));
+        }
+        let mut y = x;
+        while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+            y = src;
+        }
+        // The matmul's result transposed (autograd's dK = (Q^T @ dS)^T): the sum of the
+        // transposed products is the product of the operands swapped, `dS^T @ Q`.
+        let flip = matches!(self.nodes[y].op, NodeOp::Transpose);
+        if let (true, Some(&Operand::Node(src))) = (flip, self.nodes[y].args.first()) {
+            y = src;
+            while let (NodeOp::View, Some(&Operand::Node(src))) = (&self.nodes[y].op, self.nodes[y].args.first()) {
+                let (ys, ss) = (&self.nodes[y].shape, &self.nodes[src].shape);
+                if ys.len() < 2 || ss.len() < 2 || ys[ys.len() - 2..] != ss[ss.len() - 2..] {
+                    break;
+                }
+                y = src;
+            }
+        }
+        let (NodeOp::Matmul { transpose_a: true, transpose_b: false, repeat: [1, 1] }, [Operand::Node(a), Operand::Node(b)]) = (&self.nodes[y].op, &self.nodes[y].args[..]) else {
+            return Err(refuse("its operand is not a batched matmul (a read transposed, b not, no bias)"));
+        };
+        // The product's operands, each stored `[.., k, cols]`: the first read transposed.
+        let (lhs, rhs) = if flip { (*b, *a) } else { (*a, *b) };
+        let (lead, r, rest) = (xs[..lo].iter().product::<usize>(), xs[lo..=hi].iter().product::<usize>(), xs[hi + 1..].iter().product::<usize>());
+        let batches = |s: &[usize]| s[..s.len() - 2].iter().product::<usize>();
+        let (sl, sr) = (self.nodes[lhs].shape.clone(), self.nodes[rhs].shape.clone());
+        let (k, m, n) = (sl[sl.len() - 2], sl[sl.len() - 1], sr[sr.len() - 1]);
+        if rest != m * n || sl.len() < 3 || sr.len() < 3 || batches(&sl) != lead * r || batches(&sr) != lead * r {
+            return Err(refuse("the summed dims are not batch dims of the matmul"));
+        }
+        let lv = self.view(lhs, &[lead, r * k, m])?;
+        let lt = self.transpose(lv)?;
+        let rv = self.view(rhs, &[lead, r * k, n])?;
+        let s = self.matmul(lt, rv, None)?;
+        let mut out = xs[..lo].to_vec();
+        if keepdim {
+            out.extend(std::iter::repeat_n(1, hi + 1 - lo));
+        }
+        out.extend_from_slice(&xs[hi + 1..]);
+        self.view(s, &out)
+    }
+
     /// `x.view(shape)` / `reshape` of a contiguous tensor.
     pub fn view(&mut self, x: NodeId, shape: &[usize]) -> Result<NodeId, KernelError> {
         let n = &self.nodes[self.node_arg("view", "self", Operand::Node(x))?];

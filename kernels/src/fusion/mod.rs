@@ -74,6 +74,15 @@
 //!     only one later row kernel over the same rows reads, in their own layout and through
 //!     rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
 //!     `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
+//! 11. **A sum over a run of dims before the last is a matmul** (GQA `repeat_kv`'s
+//!     backward, `[b, hkv, rep, s, d].sum(2)`): when the summed dims are the batches of a
+//!     matmul (through reshapes, maybe transposed: autograd's dV and dK),
+//!     [`Graph::sum_matmul_batches`] folds them into its contraction (`k' = rep * k`, both
+//!     operands plain views; one f32 accumulation and one rounding where torch rounds each
+//!     batch's product first), so the per-head products never exist; otherwise the
+//!     front-end records `ones[1, r] @ x.view(lead, r, rest)` (a matmul whose shared
+//!     operand is a row of ones). The front-end also joins `slice_backward(g1, .., 0, c) +
+//!     slice_backward(g2, .., c, n)` (RoPE's two halves) into one `cat(g1, g2)`.
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
 //! a matmul or copy after anything (each starts a kernel); anything after a copy kernel (it
@@ -91,7 +100,8 @@
 //! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
 //! multiple of 32, read periodically), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
-//! (`fusion-scalar`), reductions over other dims than the last, matmuls of mixed dtypes or
+//! (`fusion-scalar`), reductions over other dims than the last (but the sums of rules 6 and
+//! 11; a sum over dims that are not one run, `x.sum((0, 2))`, is `sum-dim`), matmuls of mixed dtypes or
 //! 1-d operands, batch dims that differ on both sides (`fusion-broadcast`), contractions
 //! over more than [`graph::MAX_ROW`], views whose last dim is strided or whose strides are
 //! not dims of the source (`fusion-strided-view`: diagonals, steps), transposes of more

@@ -5,7 +5,9 @@
         print(y)                                                          # flush: one kernel
 
 Under the mode a `TorchDispatchMode` sees every aten op. An op the engine takes (pointwise,
-casts, comparisons, `where`, clamps, last-dim row ops, reshapes, `expand`, `detach`; `mm`,
+casts, comparisons, `where`, clamps, last-dim row ops, column sums and sums over a run of
+inner dims (folded into the matmul whose batches they are, else a matmul by ones), reshapes,
+`expand`, `detach`; `mm`,
 `bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
 fused epilogues; `cat` over the last dim and `slice_backward` of a last-dim slice; the views
 `t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies;
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 import re
 import weakref
@@ -193,6 +196,7 @@ class _State:
         self.input_nodes = {}  # id(real tensor) -> node
         self.input_storages = set()  # data_ptr of the inputs' storages
         self.strided_inputs = {}  # id(real strided view) -> (weakref, node)
+        self.slice_grads = {}  # node of a slice_backward -> (start, end, gradient node)
         self.groups = []
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
@@ -355,6 +359,49 @@ def _last_dim(dims, rank):
     return len(dims) == 1 and rank >= 1 and dims[0] % rank == rank - 1
 
 
+def _sum_inner_dims(x, dims, keepdim, st, op):
+    """`x.sum(dims)` over a run of adjacent dims before the last (GQA repeat_kv's backward,
+    `[b, hkv, rep, s, d].sum(2)`): folded into the matmul that computes `x` when the dims
+    are its batches (`Graph::sum_matmul_batches`); else `x` viewed `[lead, r, rest]` and summed by a matmul with
+    a `[1, r]` row of ones shared by every batch (`[lead, 1, rest]`, f32 accumulation and one
+    rounding, as torch's sum): a matmul kernel, not a flush. Other dim sets are refused
+    (`sum-dim`)."""
+    rank = x.dim()
+    ds = sorted({d % rank for d in ([dims] if isinstance(dims, int) else dims)})
+    lo, hi = ds[0], ds[-1]
+    if ds != list(range(lo, hi + 1)) or hi >= rank - 1:
+        raise _Unsupported("sum-dim")
+    try:
+        # The batches of a pending matmul (GQA's dV, dK): folded into its contraction.
+        return op("summatmul", "sum", [_node_of(x, st), lo, hi, keepdim])
+    except _Unsupported:
+        pass
+    shape = list(x.shape)
+    lead, r, rest = math.prod(shape[:lo]), math.prod(shape[lo:hi + 1]), math.prod(shape[hi + 1:])
+    ones = _node_of(torch.ones((1, r), dtype=x.dtype), st)
+    n = op("view", "view", [_node_of(x, st), [lead, r, rest]])[0]
+    s = op("matmul", "mm", [ones, n, None])[0]
+    out = shape[:lo] + ([1] * (hi + 1 - lo) if keepdim else []) + shape[hi + 1:]
+    return op("view", "view", [s, out])
+
+
+def _joined_slice_grads(args, st, op):
+    """`slice_backward(g1, .., 0, c) + slice_backward(g2, .., c, n)` (the gradients of
+    the two halves of a last dim, as RoPE's rotate_half's backward): `cat(g1, g2)`, one copy
+    kernel instead of two and an add (adding the zeros is exact: only a -0.0 keeps its sign).
+    None when the operands are not such a pair."""
+    x, y = args
+    if not all(isinstance(t, torch.Tensor) and st.entry(t) is not None for t in args) or x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    a, b = st.slice_grads.get(st.entry(x)[1]), st.slice_grads.get(st.entry(y)[1])
+    if a is None or b is None:
+        return None
+    a, b = sorted((a, b))
+    if not a[0] == 0 < a[1] == b[0] < b[1] == x.shape[-1]:
+        return None
+    return op("cat", "cat", [[a[2], b[2]]])
+
+
 def _record(func, name, args, kwargs, st):
     """Records one out-of-place op; returns its node. Raises _Unsupported."""
     g = st.graph
@@ -380,6 +427,10 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported(f"{name}-alpha")
         if _has_bool_tensor(args, st):
             raise _Unsupported("fusion-dtype")
+        if name == "add":
+            joined = _joined_slice_grads(args, st, op)
+            if joined is not None:
+                return joined
         a, b = _bf16_scalars(args, _operand(args[0], st), _operand(args[1], st))
         if name == "rsub":
             return op("binary", "sub", [b, a])
@@ -461,6 +512,8 @@ def _record(func, name, args, kwargs, st):
         if name == "sum" and rank >= 2 and sorted(d % rank for d in ([dims] if isinstance(dims, int) else dims)) == list(range(rank - 1)):
             # Over every dim but the last: a column sum (bias and norm-weight gradients).
             return op("colsum", "sum", [_node_of(x, st), keepdim])
+        if name == "sum" and not _last_dim(dims, rank):
+            return _sum_inner_dims(x, dims, keepdim, st, op)
         if not _last_dim(dims, rank):
             raise _Unsupported(f"{name}-dim")
         return op("row", _ROW[name], [_node_of(x, st), keepdim])
@@ -499,7 +552,9 @@ def _record(func, name, args, kwargs, st):
         pieces.append(_node_of(grad, st))
         if end < cols:
             pieces.append(op("expand", "expand", [zero, lead + [cols - end]])[0])
-        return op("cat", "cat", [pieces])
+        out = op("cat", "cat", [pieces])
+        st.slice_grads[out[0]] = (start, end, pieces[1 if start > 0 else 0])
+        return out
     if name in _BACKWARD:
         return _record_backward(name, args, kw, st, op)
     raise _Unsupported(name)
