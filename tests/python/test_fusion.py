@@ -102,13 +102,33 @@ def test_unsupported_op_flushes_its_inputs_and_runs_eagerly():
     assert s["ops_eager"] >= 1
 
 
+def test_a_broadcast_over_inner_leading_dims_is_expanded_by_a_gather():
+    """HF RoPE's `q * cos` with cos `[b, 1, s, d]` and q `[b, h, s, d]` (and `x + y` of
+    `[4, 3, 8]` and `[1, 3, 8]`): the operand is expanded by a copy kernel, nothing eager."""
+    g = torch.Generator().manual_seed(5)
+    q, cos = torch.randn(2, 4, 24, 16, generator=g), torch.randn(2, 1, 24, 16, generator=g)
+    x, y = torch.randn(4, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        a = (q * 2) * cos
+        b = cos - (q + 1)
+        c = (x * 1) + y
+        fusion.flush()
+    torch.testing.assert_close(a, q * 2 * cos)
+    torch.testing.assert_close(b, cos - (q + 1))
+    torch.testing.assert_close(c, x + y)
+    s = fusion.stats()
+    assert s["ops_eager"] == 0 and not s["fallbacks"], s
+    assert s["kernels_launched"] >= 3, s
+
+
 def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
     xi = torch.arange(12).reshape(3, 4)
     x = torch.randn(4, 3, 8)
-    y = torch.randn(1, 3, 8)
+    y = torch.randn(1, 3, 1)
     with tessera.set_eager_mode(DEFER):
         a = xi * 2  # int64
-        b = x + y  # a broadcast over some leading dims only
+        b = x + y  # a broadcast over some leading dims only, and the last
         c = x.sum((0, 2))  # not one run of dims: neither a row, a column nor an inner-dim sum
     torch.testing.assert_close(a, xi * 2)
     torch.testing.assert_close(b, x + y)

@@ -98,7 +98,9 @@
 //! is the error's rule): dtypes other than f32/bf16/bool (`fusion-dtype`), broadcasts
 //! over inner leading dims (`[4, 1, 8]` into `[4, 3, 8]`:
 //! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
-//! multiple of 32, read periodically), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
+//! multiple of 32, read periodically; for a pointwise op the front-end then expands the
+//! operand by a gather copy, a stride-0 [`Graph::strided`] view, unless it broadcasts over
+//! the last dim too: HF RoPE's cos `[b, 1, s, d]` times q `[b, h, s, d]`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
 //! (`fusion-scalar`), reductions over other dims than the last (but the sums of rules 6 and
 //! 11; a sum over dims that are not one run, `x.sum((0, 2))`, is `sum-dim`), matmuls of mixed dtypes or

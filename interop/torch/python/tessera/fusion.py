@@ -10,7 +10,8 @@ inner dims (folded into the matmul whose batches they are, else a matmul by ones
 `expand`, `detach`; `mm`,
 `bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
 fused epilogues; `cat` over the last dim and `slice_backward` of a last-dim slice; the views
-`t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies;
+`t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies
+(also an add/sub/mul/div operand broadcast over inner leading dims, as HF RoPE's cos);
 see `tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
 real tensor of the result's shape and dtype whose memory is not written yet. A flush plans
 the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
@@ -402,6 +403,37 @@ def _joined_slice_grads(args, st, op):
     return op("cat", "cat", [[a[2], b[2]]])
 
 
+def _broadcasting_op(kind, nm, xs, args, st, op):
+    """`op(kind, nm, xs)`; when the graph refuses a broadcast over inner leading dims
+    (`fusion-broadcast-rows`: HF RoPE's cos `[b, 1, s, d]` times q `[b, h, s, d]`), the
+    operand that broadcasts so is first expanded by a gather copy (a stride-0 view of its
+    memory) to the result's shape, so the op fuses instead of flushing; a broadcast over the
+    last dim too stays refused."""
+    try:
+        return op(kind, nm, xs)
+    except _Unsupported as err:
+        if str(err) != "fusion-broadcast-rows":
+            raise
+    out = list(torch.broadcast_shapes(*(t.shape for t in args if isinstance(t, torch.Tensor))))
+    ys = []
+    for x, t in zip(xs, args):
+        if isinstance(t, torch.Tensor) and list(t.shape) != out:
+            padded = [1] * (len(out) - t.dim()) + list(t.shape)
+            if padded[-1] != out[-1]:
+                raise _Unsupported("fusion-broadcast-rows")
+            strides, step = [], 1
+            for d in reversed(padded):
+                strides.append(step)
+                step *= d
+            strides = [0 if p == 1 and o != 1 else st_ for p, o, st_ in zip(padded, out, reversed(strides))]
+            try:
+                x = op("strided", "as_strided", [x, out, strides, 0])[0]
+            except _Unsupported:
+                raise _Unsupported("fusion-broadcast-rows") from None
+        ys.append(x)
+    return op(kind, nm, ys)
+
+
 def _record(func, name, args, kwargs, st):
     """Records one out-of-place op; returns its node. Raises _Unsupported."""
     g = st.graph
@@ -433,8 +465,8 @@ def _record(func, name, args, kwargs, st):
                 return joined
         a, b = _bf16_scalars(args, _operand(args[0], st), _operand(args[1], st))
         if name == "rsub":
-            return op("binary", "sub", [b, a])
-        return op("binary", name, [a, b])
+            return _broadcasting_op("binary", "sub", [b, a], [args[1], args[0]], st, op)
+        return _broadcasting_op("binary", name, [a, b], args, st, op)
     if name in _BINARY:
         if kw or len(args) != 2:
             raise _Unsupported(f"{name}-args")
@@ -445,7 +477,7 @@ def _record(func, name, args, kwargs, st):
         a, b = _operand(args[0], st), _operand(args[1], st)
         if name == "pow":
             a, b = _bf16_scalars(args, a, b)
-        return op("binary", _BINARY[name], [a, b])
+        return _broadcasting_op("binary", _BINARY[name], [a, b], args, st, op)
     if name in _COMPARE:
         if kw or len(args) != 2:
             raise _Unsupported(f"{name}-args")
