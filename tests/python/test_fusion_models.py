@@ -49,11 +49,18 @@ def strict_ops(f):
     return c.n
 
 
+# Eager ops that compute nothing: views of real tensors (weights' `t`, `unsqueeze`, ...).
+_VIEW_REASONS = {f"op:{v}" for v in ("t", "transpose", "permute", "slice", "select", "view", "_unsafe_view", "unsqueeze",
+                                      "squeeze", "expand", "detach", "alias", "_reshape_alias", "as_strided", "lift_fresh")}
+
+
 def report(what, aten_ops):
     s = fusion.stats()
     launches = s["kernels_launched"] + s["ops_eager"]
+    computing = s["kernels_launched"] + sum(n for r, n in s["eager_reasons"].items() if r not in _VIEW_REASONS)
     print(f"\n{what}: strict {aten_ops} aten ops; deferred {s['ops_deferred']} ops into {s['kernels_launched']} kernels "
-          f"+ {s['ops_eager']} eager ops = {launches} launches ({aten_ops / max(1, launches):.2f}x fewer), "
+          f"+ {s['ops_eager']} eager ops = {launches} launches ({aten_ops / max(1, launches):.2f}x fewer; "
+          f"{computing} = {aten_ops / max(1, computing):.2f}x counting only eager ops that compute), "
           f"{s['flushes']} flushes, cache hits {s['cache_hits']} misses {s['cache_misses']}; "
           f"flush causes {dict(sorted(s['flush_causes'].items()))}; eager {dict(sorted(s['eager_reasons'].items()))}")
     return s
