@@ -122,6 +122,21 @@ def test_a_broadcast_over_inner_leading_dims_is_expanded_by_a_gather():
     assert s["kernels_launched"] >= 3, s
 
 
+def test_a_cat_onto_an_empty_tensor_is_a_copy():
+    """HF's DynamicCache appends the first keys to an empty cache (`cat` over dim -2)."""
+    x, empty = torch.randn(2, 2, 5, 16), torch.zeros(2, 2, 0, 16)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2
+        c = torch.cat([empty, y], dim=-2)
+        y.add_(1)  # the cat is a copy, not a view of y
+        fusion.flush()
+    torch.testing.assert_close(c, x * 2)
+    torch.testing.assert_close(y, x * 2 + 1)
+    s = fusion.stats()
+    assert s["ops_eager"] == 0 and not s["fallbacks"], s
+
+
 def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
     xi = torch.arange(12).reshape(3, 4)
     x = torch.randn(4, 3, 8)

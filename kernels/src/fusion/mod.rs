@@ -108,7 +108,8 @@
 //! over more than [`graph::MAX_ROW`], views whose last dim is strided or whose strides are
 //! not dims of the source (`fusion-strided-view`: diagonals, steps), transposes of more
 //! than [`graph::MAX_TRANSPOSE`] elements per matrix as values (`fusion-transpose-size`),
-//! `cat` over other dims, and indexing, which the front-end does not record.
+//! `cat` over other dims (the front-end records a `cat` of one piece and empty ones as a
+//! copy), and indexing, which the front-end does not record.
 //!
 //! # Numerics
 //!

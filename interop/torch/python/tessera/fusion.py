@@ -9,7 +9,8 @@ casts, comparisons, `where`, clamps, last-dim row ops, column sums and sums over
 inner dims (folded into the matmul whose batches they are, else a matmul by ones), reshapes,
 `expand`, `detach`; `mm`,
 `bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
-fused epilogues; `cat` over the last dim and `slice_backward` of a last-dim slice; the views
+fused epilogues; `cat` over the last dim (or, over any dim, of one piece and empty ones: a
+copy) and `slice_backward` of a last-dim slice; the views
 `t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies
 (also an add/sub/mul/div operand broadcast over inner leading dims, as HF RoPE's cos);
 see `tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
@@ -566,6 +567,11 @@ def _record(func, name, args, kwargs, st):
     if name == "cat":
         xs = args[0]
         dim = args[1] if len(args) > 1 else kw.pop("dim", 0)
+        full = [t for t in xs if isinstance(t, torch.Tensor) and t.numel() > 0]
+        if not kw and len(full) == 1 and all(isinstance(t, torch.Tensor) and t.dtype == full[0].dtype for t in xs) and full[0].dtype in _DTYPES:
+            # Empty pieces beside one (HF's DynamicCache appending to an empty cache, over
+            # any dim): a copy of that piece.
+            return op("cast", "to", [_node_of(full[0], st), _DTYPES[full[0].dtype]])
         if kw or not xs or not all(isinstance(t, torch.Tensor) for t in xs) or not _last_dim(dim, xs[0].dim()):
             raise _Unsupported("cat-dim")
         return op("cat", "cat", [[_node_of(t, st) for t in xs]])
