@@ -1,6 +1,8 @@
-"""The DeferAndFuse acceptance workloads in plain torch ops, shared by the fusion tests
-(scripts/bench_fusion.py keeps its own copy so it runs without the test tree)."""
+"""The DeferAndFuse acceptance workloads in plain torch ops, and the strict aten-op counter
+their launch ratios are measured against, shared by the fusion tests
+(scripts/bench_fusion.py keeps its own copy of the workloads so it runs without the test tree)."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def rmsnorm(x, w, eps=1e-6):
@@ -16,3 +18,15 @@ def chain(x):
     y = torch.maximum(y, x)
     y = torch.sigmoid(y) - 0.5
     return y.clamp(min=-0.2, max=0.4)
+
+
+class CountAten(TorchDispatchMode):
+    """Counts the aten ops strict eager dispatches (`n`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))

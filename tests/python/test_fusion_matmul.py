@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tessera
 from tessera import fusion
+from fusion_workloads import CountAten
 
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 
@@ -174,16 +174,6 @@ def _llama_block(x, p, cos, sin, mask, nh, nkv, hd):
     return x + F.linear(F.silu(F.linear(h, p["wg"])) * F.linear(h, p["wu"]), p["wd"])
 
 
-class _CountAten(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _llama_inputs(dtype, b=2, s=32, dm=256, nh=4, nkv=2, ff=512):
     hd = dm // nh
     g = torch.Generator().manual_seed(0)
@@ -212,7 +202,7 @@ def test_llama_block_forward_backward_matches_strict_with_fewer_launches(dtype):
         (y.float() * dy.float()).sum().backward()
         return y.detach()
 
-    counter = _CountAten()
+    counter = CountAten()
     with counter:
         want = step()
     grads = {k: t.grad.clone() for k, t in p.items()}
@@ -243,7 +233,7 @@ def test_llama_block_forward_backward_matches_strict_with_fewer_launches(dtype):
 def test_llama_block_forward_launch_ratio(dtype):
     x, p, cos, sin, mask, heads = _llama_inputs(dtype)
     with torch.no_grad():
-        counter = _CountAten()
+        counter = CountAten()
         with counter:
             want = _llama_block(x, p, cos, sin, mask, *heads)
         fusion.reset_stats()

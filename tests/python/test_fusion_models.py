@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tessera
 from tessera import fusion
+from fusion_workloads import CountAten
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,20 +31,8 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops strict eager dispatches."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def strict_ops(f):
-    with CountOps() as c:
+    with CountAten() as c:
         f()
     return c.n
 
