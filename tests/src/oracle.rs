@@ -167,8 +167,6 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
     out.into_iter().map(|v| v.expect("every job has a verdict")).collect()
 }
 
-/// Compiles `modules` for `target`, prints each verdict, and fails listing every module
-/// libtpu rejected.
 /// [`assert_accepted`] for `(name, target, module)` jobs of several targets: compiled all
 /// targets at once and cached by module text ([`compile_cached`]).
 pub fn assert_all_accepted(jobs: &[(String, String, String)]) {
@@ -180,6 +178,8 @@ pub fn assert_all_accepted(jobs: &[(String, String, String)]) {
     assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
 }
 
+/// Compiles `modules` for `target`, prints each verdict, and fails listing every module
+/// libtpu rejected.
 pub fn assert_accepted(modules: &[(String, String)], target: &str) {
     let verdicts = compile(modules, target);
     for v in &verdicts {
