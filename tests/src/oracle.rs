@@ -104,6 +104,18 @@ pub fn libtpu_version() -> String {
     .clone()
 }
 
+/// Whether the item `name` is in the stable sample of the expensive libtpu sweeps: one in
+/// `TESSERA_LIBTPU_SAMPLE` (default `default_every`; `1` is every item), chosen by a hash of
+/// the name, so a rerun judges the same items and a new item is in or out for good.
+pub fn sampled(name: &str, default_every: u64) -> bool {
+    fnv1a(name.as_bytes(), 0xcbf2_9ce4_8422_2325) % sample_every(default_every) == 0
+}
+
+/// The sampling period of [`sampled`]: `TESSERA_LIBTPU_SAMPLE`, else `default_every`.
+pub fn sample_every(default_every: u64) -> u64 {
+    std::env::var("TESSERA_LIBTPU_SAMPLE").ok().and_then(|s| s.parse().ok()).filter(|&n| n >= 1).unwrap_or(default_every)
+}
+
 /// FNV-1a over `bytes` from a given offset basis; two bases give a 128-bit key.
 fn fnv1a(bytes: &[u8], basis: u64) -> u64 {
     bytes.iter().fold(basis, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))

@@ -322,7 +322,10 @@ fn rejected_override_names_the_operand() {
 }
 
 /// Large blocks (1024 x 1024, vmem_limit raised by the builder where the default scoped
-/// VMEM is too small) compile for all three targets, forward and backward, f32 and bf16.
+/// VMEM is too small) build for all three targets, forward and backward, f32 and bf16, and
+/// the bf16 kernels (the tuned defaults' dtype) compile with libtpu on each. (These are
+/// libtpu's slowest compiles, ~8 s each on this machine: f32 on every target too doubled
+/// the test's time for no new edge. `TESSERA_LIBTPU_SAMPLE=1` compiles the f32 ones as well.)
 #[test]
 fn libtpu_compiles_large_blocks() {
     if !oracle::enabled() {
@@ -330,8 +333,8 @@ fn libtpu_compiles_large_blocks() {
         return;
     }
     let blocks = AttentionBlocks { block_q: 1024, block_kv: 1024 };
+    let mut jobs = Vec::new();
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
-        let mut modules = Vec::new();
         for dtype in [DType::F32, DType::BF16] {
             let q = Type::vector(dtype, &[1, 8, 4096, 128]);
             let kv = Type::vector(dtype, &[1, 2, 4096, 128]);
@@ -343,12 +346,14 @@ fn libtpu_compiles_large_blocks() {
                 if target == Target::V5E && !kernel.name.contains("di") {
                     assert!(kernel.vmem_limit_bytes.is_some(), "{} needs a raised limit on v5e", kernel.name);
                 }
-                let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
-                modules.push((format!("{}-{dtype}-1024", kernel.name), lowered.stablehlo));
+                if dtype == DType::BF16 || oracle::sample_every(2) == 1 {
+                    let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+                    jobs.push((format!("{}-{dtype}-1024", kernel.name), target.name.to_string(), lowered.stablehlo));
+                }
             }
         }
-        oracle::assert_accepted(&modules, target.name);
     }
+    oracle::assert_all_accepted(&jobs);
 }
 
 /// NaN and inf as torch's math attention over the *visible* keys (masking selects): a NaN
