@@ -140,10 +140,10 @@ def test_a_cat_onto_an_empty_tensor_is_a_copy():
 def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
     xi = torch.arange(12).reshape(3, 4)
     x = torch.randn(4, 3, 8)
-    y = torch.randn(1, 3, 1)
+    y = torch.randn(4, 1, 1)
     with tessera.set_eager_mode(DEFER):
         a = xi * 2  # int64
-        b = x + y  # a broadcast over some leading dims only, and the last
+        b = x + y  # a broadcast over an inner leading dim, and the last
         c = x.sum((0, 2))  # not one run of dims: neither a row, a column nor an inner-dim sum
     torch.testing.assert_close(a, xi * 2)
     torch.testing.assert_close(b, x + y)

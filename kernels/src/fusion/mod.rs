@@ -259,19 +259,29 @@ impl Program {
         let limit = target.default_scoped_vmem_bytes / (4 * streams);
         let tiles = RowTiles::new(p.rows, p.cols, sub, ROW_BLOCK_BYTES.min(limit), limit);
         let mut bm = dividing_block(p.rows, tiles.bm, sub);
-        // Periodic reads (rows dividing the kernel's, a multiple of 32): blocks divide them.
+        // Periodic reads (rows dividing the kernel's): blocks divide them. A block of a
+        // multiple of the sublanes when one divides the period, else the largest divisor
+        // of the period that fits, every operand then stacked `[rows / bm, bm, cols]`
+        // (a block `[bm, cols]` of whole dims, which any `bm` tiles).
         let period = p.reads.iter().filter(|r| r.rows != p.rows && r.rows != 1).fold(0, |g, r| gcd(g, r.rows));
+        let mut stacked = false;
         if period > 0 {
-            bm = (1..=bm.min(period)).rev().find(|&d| period.is_multiple_of(d) && d.is_multiple_of(sub)).ok_or_else(|| {
-                KernelError::new(&format!("fused{index}"), "periodic operand", "fusion-block", format!("no block of a multiple of {sub} rows divides the operand's {period} rows"), "report this as a Tessera bug: periodic operands come in multiples of 32 rows")
-            })?;
+            let cap = bm.max(sub).min(period);
+            match (1..=cap).rev().find(|&d| period.is_multiple_of(d) && d.is_multiple_of(sub)) {
+                Some(d) => bm = d,
+                None => {
+                    bm = (1..=cap).rev().find(|&d| period.is_multiple_of(d)).unwrap_or(1);
+                    stacked = true;
+                }
+            }
         }
         loop {
-            let k = generate::kernel(g, p, index, bm)?;
+            let k = generate::kernel(g, p, index, bm, stacked)?;
             let k = fit_vmem_limit(k, target);
+            let step = if stacked { 1 } else { sub };
             match tessera_dsl::verify::verify(&k, target) {
                 Ok(()) => return Ok(k),
-                Err(e) if e.rule.contains("vmem") && bm > sub && (bm / 2).is_multiple_of(sub) && (period == 0 || period.is_multiple_of(bm / 2)) => bm /= 2,
+                Err(e) if e.rule.contains("vmem") && bm > step && (bm / 2).is_multiple_of(step) && bm.is_multiple_of(2) && (period == 0 || period.is_multiple_of(bm / 2)) => bm /= 2,
                 Err(e) => return Err(e),
             }
         }
