@@ -67,7 +67,7 @@ ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 
 
 KINDS = ["unary", "binary", "scalar", "rsub", "clamp", "where", "cast", "row", "row_nokeep", "full_sum",
-         "view_merge", "unsqueeze", "flatten", "expand", "dim0", "colsum", "eager_flip", "read", "clone"]
+         "view_merge", "unsqueeze", "flatten", "expand", "dim0", "colsum", "eager_flip", "read", "clone", "rotate_half"]
 INPLACE_KINDS = ["inplace_scalar", "inplace_binary", "inplace_unary", "inplace_view"]
 
 
@@ -183,6 +183,10 @@ def run(program, tensors, requires_grad=False, copy=True):
                 float(x.detach().float().sum())
             elif k == "clone":
                 push(x.clone(), ex)
+            elif k == "rotate_half" and floats and x.dim() >= 1 and x.shape[-1] >= 2:
+                # A cat over the last dim of a negated and a plain column window.
+                h = x.shape[-1] // 2
+                push(torch.cat((-x[..., h:], x[..., :h]), dim=-1), ex)
             elif k == "inplace_scalar" and floats and not requires_grad:
                 t = x.clone()
                 t.mul_(c).add_(0.25)

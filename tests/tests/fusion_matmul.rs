@@ -396,7 +396,44 @@ fn view_cases() -> Vec<Case> {
         c.live = vec![back, sel, sl, rep, tr, padded];
         out.push(c);
     }
+    // HF RoPE: cos and sin `[1, 1, s, d]` over q `[b, h, s, d]` read periodically (s = 24: in
+    // bf16 no multiple of the 16 sublanes divides it, so the operands are stacked), the cat of
+    // rotate_half in the same kernel, and the cat's piece computed by the open kernel (`q * 2`:
+    // stored first, the cat starts the next kernel).
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(24);
+        let (b, h, s, d) = (2, 4, 24, 16);
+        let mut c = Case::new(format!("hf rope {dtype}"));
+        let q = c.input(dtype, &[b, h, s, d], &mut rng);
+        let cos = c.input(dtype, &[1, 1, s, d], &mut rng);
+        let sin = c.input(dtype, &[1, 1, s, d], &mut rng);
+        let rope = |c: &mut Case, q: NodeId| {
+            let qs = [h * s * d, s * d, d, 1];
+            let x1 = c.graph.strided(q, &[b, h, s, d / 2], &qs, 0).unwrap();
+            let x2 = c.graph.strided(q, &[b, h, s, d / 2], &qs, d / 2).unwrap();
+            let n2 = c.graph.unary(Unary::Neg, x2).unwrap();
+            let qc = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Node(cos)).unwrap();
+            let rot = c.graph.cat_cols(&[n2, x1]).unwrap();
+            let rs = c.graph.binary(Binary::Mul, Operand::Node(rot), Operand::Node(sin)).unwrap();
+            c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rs)).unwrap()
+        };
+        let y = rope(&mut c, q);
+        let q2 = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Scalar(2.0)).unwrap();
+        let y2 = rope(&mut c, q2);
+        c.live = vec![y, y2];
+        out.push(c);
+    }
     out
+}
+
+#[test]
+fn hf_rope_reads_cos_periodically_and_fuses_its_cat() {
+    for c in view_cases().into_iter().filter(|c| c.name.starts_with("hf rope")) {
+        let p = c.check();
+        assert_eq!(p.launches.len(), 2, "{}: rope of q, q * 2 and q * 2 * cos; the cat of q * 2's halves (read from memory) and the rest\n{}", c.name, p.describe());
+        let stacked = p.launches.iter().any(|l| l.kernel.refs.iter().any(|r| r.shape.len() == 3 && r.block.as_ref().is_some_and(|b| b.block_shape[0].is_none())));
+        assert_eq!(stacked, c.name.contains("bf16"), "{}: stacked operands only where no sublane multiple divides 24\n{}", c.name, p.describe());
+    }
 }
 
 #[test]
@@ -510,11 +547,28 @@ fn a_value_read_back_through_a_row_changing_view_is_stored() {
     c.check();
 }
 
-/// RoPE's `q * cos` is closed before the `cat` and sunk into its one reader.
+/// A pointwise kernel closed by a copy and sunk into its one reader: `x * 2`, then a
+/// transpose (a copy kernel), then `x * 2 + t` (reads both): two kernels.
 #[test]
 fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
-    let mut rng = StdRng::seed_from_u64(12);
+    let mut rng = StdRng::seed_from_u64(11);
     let mut c = Case::new("sink");
+    let x = c.input(DType::F32, &[64, 32], &mut rng);
+    let y = c.input(DType::F32, &[32, 64], &mut rng);
+    let x2 = c.graph.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(2.0)).unwrap();
+    let t = c.graph.transpose(y).unwrap();
+    let out = c.graph.binary(Binary::Add, Operand::Node(x2), Operand::Node(t)).unwrap();
+    c.live = vec![out];
+    let p = c.check();
+    assert_eq!(p.launches.len(), 2, "the transpose, then x * 2 + t\n{}", p.describe());
+}
+
+/// RoPE's `q * cos + rotate_half(q)`: the `cat` joins the kernel of `q * cos` (its pieces,
+/// windows of `q`, are read from memory), and the sum too: one kernel.
+#[test]
+fn rope_with_its_cat_is_one_kernel() {
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut c = Case::new("rope");
     let (rows, d) = (64, 32);
     let q = c.input(DType::F32, &[rows, d], &mut rng);
     let cos = c.input(DType::F32, &[rows, d], &mut rng);
@@ -527,7 +581,7 @@ fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
     let out = c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rot)).unwrap();
     c.live = vec![out];
     let p = c.check();
-    assert_eq!(p.launches.len(), 2, "cat, then q * cos + rot\n{}", p.describe());
+    assert_eq!(p.launches.len(), 1, "q * cos, cat, + rot\n{}", p.describe());
 }
 
 /// GQA repeat_kv's backward, `[b, hkv, rep, s, d].sum(2)`, as the front-end records a sum

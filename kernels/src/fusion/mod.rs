@@ -22,7 +22,8 @@
 //! 1. **Pointwise chains fuse**: a pointwise node joins the open kernel when its values
 //!    broadcast with the kernel's row space (every value is `rows or 1` by `cols or 1`; a
 //!    buffer it reads may also have rows dividing the kernel's, read periodically: a
-//!    `[b, n]` bias or mask of an `[a, b, n]` result, `b` a multiple of 32).
+//!    `[b, n]` bias or mask of an `[a, b, n]` result, HF RoPE's cos `[1, 1, s, d]` of a
+//!    `[b, h, s, d]` one; the kernel's blocks then divide `b`, see *Blocks* below).
 //!    The space may grow from 1 (a `[m, 1]` chain meeting `[m, n]` values becomes `[m, n]`).
 //! 2. **A row op fuses with its producers and its same-row-space consumers**: a kernel
 //!    walks blocks of whole rows, so a row op over the kernel's `cols` sees every element
@@ -66,9 +67,14 @@
 //!    transpose is a copy kernel of its own (an anchor with no epilogue; the slab / row
 //!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`) is read by
 //!    row kernels and `cat` straight from the source's memory (a lane slice of the loaded
-//!    block), never copied. `cat` over the last dim is a copy kernel storing each piece at
-//!    its column offset (a broadcast element, `slice_backward`'s zeros, is read as one
-//!    element). A copy of a copy (`clone` / `contiguous` of a gathered view) is one copy.
+//!    block), never copied. A copy of a copy (`clone` / `contiguous` of a gathered view) is
+//!    one copy.
+//! 12. **`cat` over the last dim is a row-kernel node**: its pieces are always read from
+//!     memory (a window of a source, a negated one: rotate_half's `-x[..., d/2:]`, or one
+//!     broadcast element: `slice_backward`'s zeros), each stored at its column offset of an
+//!     f32 VMEM scratch `[bm, cols]` that is then the node's value; only the result must be
+//!     in the kernel's row space. A piece the open kernel computes ends the kernel (it must
+//!     be stored first). So RoPE's `q * cos + rotate_half(q) * sin` is one kernel.
 //! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
 //!     row kernel of pointwise nodes (no row op or column sum, no live result) whose results
 //!     only one later row kernel over the same rows reads, in their own layout and through
@@ -85,7 +91,8 @@
 //!     slice_backward(g2, .., c, n)` (RoPE's two halves) into one `cat(g1, g2)`.
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
-//! a matmul or copy after anything (each starts a kernel); anything after a copy kernel (it
+//! a matmul or copy after anything (each starts a kernel); a `cat` of a piece the open
+//! kernel computes; anything after a copy kernel (it
 //! reads the copy from memory); into a matmul epilogue: a row op over a tiled `n` (more
 //! than 512 columns: a block would see part of its row), a column sum, an `expand`, a
 //! periodic read other than one batch's `[m, n]`, a column window (read from memory by the
@@ -97,10 +104,10 @@
 //! kernel computes. Refused when recorded (the front-end runs the op eagerly, the reason
 //! is the error's rule): dtypes other than f32/bf16/bool (`fusion-dtype`), broadcasts
 //! over inner leading dims (`[4, 1, 8]` into `[4, 3, 8]`:
-//! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
-//! multiple of 32, read periodically; for a pointwise op the front-end then expands the
-//! operand by a gather copy, a stride-0 [`Graph::strided`] view, unless it broadcasts over
-//! the last dim too: HF RoPE's cos `[b, 1, s, d]` times q `[b, h, s, d]`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
+//! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses, read periodically; for a
+//! pointwise op the front-end then expands the operand by a gather copy, a stride-0
+//! [`Graph::strided`] view, unless it broadcasts over the last dim too: a causal mask
+//! `[b, 1, s, s]` plus scores `[b, h, s, s]`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
 //! (`fusion-scalar`), reductions over other dims than the last (but the sums of rules 6 and
 //! 11; a sum over dims that are not one run, `x.sum((0, 2))`, is `sum-dim`), matmuls of mixed dtypes or
@@ -123,7 +130,11 @@
 //! A kernel's block is `bm` whole rows: [`RowTiles`] (about 1 MiB f32 blocks, sublanes
 //! of the widest-tiled dtype it touches) for `reads + stored + 2` streams, lowered to a
 //! multiple of the sublanes dividing the rows when one is at least half of it (no partial
-//! last block); the scoped VMEM
+//! last block). With periodic reads the block divides their rows: a multiple of the
+//! sublanes when one does, else the largest divisor of the period that fits, and then every
+//! many-row operand is declared *stacked*, `[rows / bm, bm, cols]` in blocks
+//! `[1 (squeezed), bm, cols]` (the same memory; a block whole in its last two dims tiles for
+//! any `bm`, so `s = 24` bf16 rows need no copy). The scoped VMEM
 //! limit is raised to what the verifier counts (`fit_vmem_limit`); a kernel the verifier
 //! still refuses for VMEM is retried with half the rows, any other refusal is the
 //! program's error (the front-end falls back to eager and reports it). Programs are
