@@ -145,6 +145,22 @@ def test_periodic_rope_and_its_cat_are_one_kernel():
         assert s["kernels_launched"] == 1 and set(s["eager_reasons"]) <= {"op:slice"} and not s["fallbacks"], s
 
 
+def test_an_expanded_real_tensor_is_read_in_place():
+    """A real tensor's expand (HF's causal mask `[s, s]` expanded to `[b, 1, s, s]`) read by
+    a deferred op is a broadcast of the tensor, not a copy kernel: one kernel."""
+    g = torch.Generator().manual_seed(8)
+    m = torch.rand(24, 24, generator=g) > 0.5
+    x = torch.randn(2, 1, 24, 24, generator=g)
+    me = m.expand(2, 1, 24, 24)
+    want = torch.where(me, x * 2, -1.0)
+    with tessera.set_eager_mode(DEFER):
+        got = torch.where(me, x * 2, -1.0)
+        fusion.flush()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    s = fusion.stats()
+    assert s["kernels_launched"] == 1 and s["ops_eager"] == 0 and not s["fallbacks"], s
+
+
 def test_select_backward_and_a_float_times_a_bool_tensor_fuse():
     """MoE's `w[e]` (its gradient: select_backward, zeros but at e) and `weight * mask`
     (a bool tensor promoted to the float dtype): recorded, eager's values bit for bit;

@@ -563,27 +563,6 @@ fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
     assert_eq!(p.launches.len(), 2, "the transpose, then x * 2 + t\n{}", p.describe());
 }
 
-/// RoPE's `q * cos + rotate_half(q)`: the `cat` joins the kernel of `q * cos` (its pieces,
-/// windows of `q`, are read from memory), and the sum too: one kernel.
-#[test]
-fn rope_with_its_cat_is_one_kernel() {
-    let mut rng = StdRng::seed_from_u64(12);
-    let mut c = Case::new("rope");
-    let (rows, d) = (64, 32);
-    let q = c.input(DType::F32, &[rows, d], &mut rng);
-    let cos = c.input(DType::F32, &[rows, d], &mut rng);
-    let qc = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Node(cos)).unwrap();
-    let qs = [d, 1];
-    let x1 = c.graph.strided(q, &[rows, d / 2], &qs, 0).unwrap();
-    let x2 = c.graph.strided(q, &[rows, d / 2], &qs, d / 2).unwrap();
-    let n2 = c.graph.unary(Unary::Neg, x2).unwrap();
-    let rot = c.graph.cat_cols(&[n2, x1]).unwrap();
-    let out = c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rot)).unwrap();
-    c.live = vec![out];
-    let p = c.check();
-    assert_eq!(p.launches.len(), 1, "q * cos, cat, + rot\n{}", p.describe());
-}
-
 /// GQA repeat_kv's backward, `[b, hkv, rep, s, d].sum(2)`, as the front-end records a sum
 /// over inner dims: `x` viewed `[b * hkv, rep, s * d]`, summed by a `[1, rep]` row of ones
 /// (a matmul shared by every batch); checked against the sum over `rep` computed here in

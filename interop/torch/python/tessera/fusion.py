@@ -47,7 +47,7 @@ Aliasing is eager's: views of pending tensors are real views of the placeholder'
 (a view that moves elements between rows is recorded as a copy of its source's value, exact
 because in-place ops on a group with views are never deferred); a strided real tensor whose
 base is contiguous (a weight's `t()`) is recorded as its base and the view, so a matmul reads
-it in place;
+it in place (an expand of such a base, a broadcast read in place);
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
 then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
 mode, so backward ops are recorded and fused too.
@@ -301,10 +301,20 @@ def _real_strided_node(t, st):
     if hit is not None and hit[0]() is t:
         return hit[1]
     base_node = _node_of(b, st)
-    try:
-        node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
-    except ValueError:
-        return None
+    node = None
+    if t.storage_offset() == b.storage_offset() and t.dim() >= b.dim():
+        # An expand of the base (HF's causal mask `[s, s]` expanded to `[b, 1, s, s]`): a
+        # broadcast the kernels read in place when the graph takes it, not a copy.
+        try:
+            if b.expand(t.shape).stride() == t.stride():
+                node = st.graph.op("expand", "expand", [base_node, list(t.shape)])[0]
+        except (RuntimeError, ValueError):
+            node = None
+    if node is None:
+        try:
+            node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
+        except ValueError:
+            return None
     st.strided_inputs[id(t)] = (weakref.ref(t), node)
     return node
 
