@@ -69,17 +69,11 @@
 //!    row kernels and `cat` straight from the source's memory (a lane slice of the loaded
 //!    block), never copied. A copy of a copy (`clone` / `contiguous` of a gathered view) is
 //!    one copy.
-//! 12. **`cat` over the last dim is a row-kernel node**: its pieces are always read from
-//!     memory (a window of a source, a negated one: rotate_half's `-x[..., d/2:]`, or one
-//!     broadcast element: `slice_backward`'s zeros), each stored at its column offset of an
-//!     f32 VMEM scratch `[bm, cols]` that is then the node's value; only the result must be
-//!     in the kernel's row space. A piece the open kernel computes ends the kernel (it must
-//!     be stored first). So RoPE's `q * cos + rotate_half(q) * sin` is one kernel.
 //! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
 //!     row kernel of pointwise nodes (no row op or column sum, no live result) whose results
 //!     only one later row kernel over the same rows reads, in their own layout and through
-//!     rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
-//!     `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
+//!     rows-keeping views, its nodes move into that kernel and nothing is stored (`x * 2`,
+//!     closed by a transpose's copy kernel, joins `x * 2 + t` of the transposed `t`).
 //! 11. **A sum over a run of dims before the last is a matmul** (GQA `repeat_kv`'s
 //!     backward, `[b, hkv, rep, s, d].sum(2)`): when the summed dims are the batches of a
 //!     matmul (through reshapes, maybe transposed: autograd's dV and dK),
@@ -89,6 +83,12 @@
 //!     front-end records `ones[1, r] @ x.view(lead, r, rest)` (a matmul whose shared
 //!     operand is a row of ones). The front-end also joins `slice_backward(g1, .., 0, c) +
 //!     slice_backward(g2, .., c, n)` (RoPE's two halves) into one `cat(g1, g2)`.
+//! 12. **`cat` over the last dim is a row-kernel node**: its pieces are always read from
+//!     memory (a window of a source, a negated one: rotate_half's `-x[..., d/2:]`, or one
+//!     broadcast element: `slice_backward`'s zeros), each stored at its column offset of an
+//!     f32 VMEM scratch `[bm, cols]` that is then the node's value; only the result must be
+//!     in the kernel's row space. A piece the open kernel computes ends the kernel (it must
+//!     be stored first). So RoPE's `q * cos + rotate_half(q) * sin` is one kernel.
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
 //! a matmul or copy after anything (each starts a kernel); a `cat` of a piece the open
@@ -116,7 +116,12 @@
 //! not dims of the source (`fusion-strided-view`: diagonals, steps), transposes of more
 //! than [`graph::MAX_TRANSPOSE`] elements per matrix as values (`fusion-transpose-size`),
 //! `cat` over other dims (the front-end records a `cat` of one piece and empty ones as a
-//! copy), and indexing, which the front-end does not record.
+//! copy), and indexing, which the front-end does not record: `embedding`, `index`,
+//! `index_select`, `index_add`, `index_put`, `scatter`, `topk`, `nll_loss` and their
+//! backwards, integer (int64) index arithmetic, and `nonzero`, whose result's shape depends
+//! on the values (it always flushes). (The front-end does record `select_backward` of a
+//! leading dim, as a `where` of a row mask, and a float tensor times a bool one, the bool
+//! cast to the float dtype.)
 //!
 //! # Numerics
 //!
@@ -134,7 +139,7 @@
 //! sublanes when one does, else the largest divisor of the period that fits, and then every
 //! many-row operand is declared *stacked*, `[rows / bm, bm, cols]` in blocks
 //! `[1 (squeezed), bm, cols]` (the same memory; a block whole in its last two dims tiles for
-//! any `bm`, so `s = 24` bf16 rows need no copy). The scoped VMEM
+//! any `bm`, so a cos of `s = 20` rows needs no copy). The scoped VMEM
 //! limit is raised to what the verifier counts (`fit_vmem_limit`); a kernel the verifier
 //! still refuses for VMEM is retried with half the rows, any other refusal is the
 //! program's error (the front-end falls back to eager and reports it). Programs are
