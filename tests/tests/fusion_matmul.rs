@@ -563,6 +563,24 @@ fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
     assert_eq!(p.launches.len(), 2, "the transpose, then x * 2 + t\n{}", p.describe());
 }
 
+/// A rows-keeping view of a column window (`y[10].view(1, n)`, seen as a window of `y`
+/// flattened): a row kernel reads it from `y`'s memory, a matmul from the window's copy
+/// (found by the random graphs' backward tier: the window was read but never computed).
+#[test]
+fn a_view_of_a_column_window_is_read_by_row_kernels_and_matmuls() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let mut c = Case::new("view of a window");
+    let x = c.input(DType::F32, &[64, 128], &mut rng);
+    let w = c.input(DType::F32, &[128, 8], &mut rng);
+    let y = c.graph.binary(Binary::Sub, Operand::Scalar(1.0), Operand::Node(x)).unwrap();
+    let row = c.graph.strided(y, &[128], &[1], 10 * 128).unwrap();
+    let v = c.graph.view(row, &[1, 128]).unwrap();
+    let scaled = c.graph.binary(Binary::Mul, Operand::Node(v), Operand::Scalar(12.0)).unwrap();
+    let m = c.graph.matmul(v, w, None).unwrap();
+    c.live = vec![y, scaled, m];
+    c.check();
+}
+
 /// GQA repeat_kv's backward, `[b, hkv, rep, s, d].sum(2)`, as the front-end records a sum
 /// over inner dims: `x` viewed `[b * hkv, rep, s * d]`, summed by a `[1, rep]` row of ones
 /// (a matmul shared by every batch); checked against the sum over `rep` computed here in

@@ -811,9 +811,10 @@ impl Graph {
     }
 
     /// A [`Gather`] that keeps every row of its source and takes a window of its columns
-    /// (`x[..., a:b]`): the source (through views) and the window's first column.
+    /// (`x[..., a:b]`), or a rows-keeping view of one (`x[i].view(1, n)`): the source
+    /// (through views) and the window's first column.
     pub fn col_window(&self, id: NodeId) -> Option<(NodeId, usize)> {
-        let n = &self.nodes[id];
+        let n = &self.nodes[self.same_rows_source(id)];
         let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
         let s = &self.nodes[src].shape;
         let lead = &n.shape[..n.shape.len().saturating_sub(1)];

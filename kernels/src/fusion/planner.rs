@@ -160,7 +160,9 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     }
     for id in (0..g.len()).rev() {
         if needed[id] {
-            let row_kernel_node = reads_windows(&g.node(id).op);
+            // (A view passes its source on whole: a row kernel reading the view of a window
+            // reads the window's source itself, see `Graph::col_window`.)
+            let row_kernel_node = reads_windows(&g.node(id).op) && !matches!(g.node(id).op, NodeOp::View);
             for a in &g.node(id).args {
                 if let Operand::Node(o) = *a {
                     // A row kernel reads a column window from its source's memory.
