@@ -65,8 +65,8 @@
 //!    transpose of the last two dims, or a [`graph::Gather`] (permutes of leading dims,
 //!    slice/select of leading dims, inner-dim expands, a column window). A gather or
 //!    transpose is a copy kernel of its own (an anchor with no epilogue; the slab / row
-//!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`) is read by
-//!    row kernels and `cat` straight from the source's memory (a lane slice of the loaded
+//!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`, or a
+//!    rows-keeping view of one) is read by row kernels and `cat` straight from the source's memory (a lane slice of the loaded
 //!    block), never copied. A copy of a copy (`clone` / `contiguous` of a gathered view) is
 //!    one copy.
 //! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
