@@ -103,8 +103,9 @@ def test_unsupported_op_flushes_its_inputs_and_runs_eagerly():
 
 
 def test_a_broadcast_over_inner_leading_dims_is_expanded_by_a_gather():
-    """HF RoPE's `q * cos` with cos `[b, 1, s, d]` and q `[b, h, s, d]` (and `x + y` of
-    `[4, 3, 8]` and `[1, 3, 8]`): the operand is expanded by a copy kernel, nothing eager."""
+    """`q * cos` with cos `[b, 1, s, d]` and q `[b, h, s, d]`: the operand is expanded by a
+    copy kernel, nothing eager (`x + y` of `[4, 3, 8]` and `[1, 3, 8]` reads y periodically,
+    3 rows: stacked operands)."""
     g = torch.Generator().manual_seed(5)
     q, cos = torch.randn(2, 4, 24, 16, generator=g), torch.randn(2, 1, 24, 16, generator=g)
     x, y = torch.randn(4, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
@@ -120,6 +121,75 @@ def test_a_broadcast_over_inner_leading_dims_is_expanded_by_a_gather():
     s = fusion.stats()
     assert s["ops_eager"] == 0 and not s["fallbacks"], s
     assert s["kernels_launched"] >= 3, s
+
+
+def test_periodic_rope_and_its_cat_are_one_kernel():
+    """HF RoPE with cos/sin `[1, 1, s, d]` over q `[b, h, s, d]` (s = 24; s = 20, which no
+    multiple of the sublanes divides: stacked operands): cos and sin are read periodically
+    and rotate_half's cat joins the kernel: one kernel, eager's values."""
+    g = torch.Generator().manual_seed(6)
+    for dtype, s in ((torch.float32, 24), (torch.bfloat16, 20)):
+        q = torch.randn(2, 4, s, 16, generator=g).to(dtype)
+        cos, sin = torch.randn(1, 1, s, 16, generator=g).to(dtype), torch.randn(1, 1, s, 16, generator=g).to(dtype)
+
+        def rope(q):
+            return q * cos + torch.cat((-q[..., 8:], q[..., :8]), dim=-1) * sin
+
+        want = rope(q)
+        fusion.reset_stats()
+        with tessera.set_eager_mode(DEFER):
+            got = rope(q)
+        st = fusion.stats()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # (The slices of the real q are views run eagerly: they compute nothing.)
+        assert st["kernels_launched"] == 1 and set(st["eager_reasons"]) <= {"op:slice"} and not st["fallbacks"], st
+
+
+def test_an_expanded_real_tensor_is_read_in_place():
+    """A real tensor's expand (HF's causal mask `[s, s]` expanded to `[b, 1, s, s]`) read by
+    a deferred op is a broadcast of the tensor, not a copy kernel: one kernel."""
+    g = torch.Generator().manual_seed(8)
+    m = torch.rand(24, 24, generator=g) > 0.5
+    x = torch.randn(2, 1, 24, 24, generator=g)
+    me = m.expand(2, 1, 24, 24)
+    want = torch.where(me, x * 2, -1.0)
+    with tessera.set_eager_mode(DEFER):
+        got = torch.where(me, x * 2, -1.0)
+        fusion.flush()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    s = fusion.stats()
+    assert s["kernels_launched"] == 1 and s["ops_eager"] == 0 and not s["fallbacks"], s
+
+
+def test_select_backward_and_a_float_times_a_bool_tensor_fuse():
+    """MoE's `w[e]` (its gradient: select_backward, zeros but at e) and `weight * mask`
+    (a bool tensor promoted to the float dtype): recorded, eager's values bit for bit;
+    subtracting a bool tensor stays eager (torch raises for it)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(4, 8, 16, generator=g, requires_grad=True)
+    x = torch.randn(3, 8, generator=g)
+    weight, mask = torch.rand(6, 2, generator=g), torch.rand(6, 2, generator=g) > 0.5
+
+    def step():
+        w.grad = None
+        y = sum((x @ w[e]).square().sum() * (e + 1) for e in (0, 2, -1))
+        y.backward()
+        return w.grad.clone(), (weight * mask).sum(-1), mask / (weight + 1), (mask + weight.bfloat16()) * 2
+
+    want = step()
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        got = step()
+    # (The gradient through the matmuls: their sums' order differs.)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    s = fusion.stats()
+    assert not any("select_backward" in r or r == "fusion-dtype" for r in s["eager_reasons"]), s
+    assert not s["fallbacks"], s
+    with tessera.set_eager_mode(DEFER):
+        with pytest.raises(RuntimeError, match="Subtraction"):
+            weight - mask
 
 
 def test_a_cat_onto_an_empty_tensor_is_a_copy():
@@ -140,10 +210,10 @@ def test_a_cat_onto_an_empty_tensor_is_a_copy():
 def test_unsupported_dtype_and_shape_fall_back_with_the_reason():
     xi = torch.arange(12).reshape(3, 4)
     x = torch.randn(4, 3, 8)
-    y = torch.randn(1, 3, 1)
+    y = torch.randn(4, 1, 1)
     with tessera.set_eager_mode(DEFER):
         a = xi * 2  # int64
-        b = x + y  # a broadcast over some leading dims only, and the last
+        b = x + y  # a broadcast over an inner leading dim, and the last
         c = x.sum((0, 2))  # not one run of dims: neither a row, a column nor an inner-dim sum
     torch.testing.assert_close(a, xi * 2)
     torch.testing.assert_close(b, x + y)

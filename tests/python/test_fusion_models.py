@@ -2,7 +2,8 @@
 `LlamaForCausalLM` (attn_implementation="eager") and an MoE block. Logits, outputs and
 gradients equal strict eager's; `generate()` gives strict's tokens and is not much slower.
 Each test prints the aten ops strict eager dispatches beside the kernels launched and the ops
-run eagerly under the mode (the launch ratio is informative: matmuls and indexing stay aten).
+that compute run eagerly under the mode (the HF Llama's ratio is asserted >= 5x; the MoE's
+is informative: its indexing ops run eagerly).
 
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest -q -s tests/python/test_fusion_models.py
 """
@@ -43,15 +44,19 @@ _VIEW_REASONS = {f"op:{v}" for v in ("t", "transpose", "permute", "slice", "sele
 
 
 def report(what, aten_ops):
+    """Prints the launch ratio, strict aten ops over kernels launched + eager ops that compute
+    (the one asserted), and beside it the ratio counting every eager op (views of real
+    tensors too); returns the stats and the first ratio."""
     s = fusion.stats()
-    launches = s["kernels_launched"] + s["ops_eager"]
-    computing = s["kernels_launched"] + sum(n for r, n in s["eager_reasons"].items() if r not in _VIEW_REASONS)
+    computing = sum(n for r, n in s["eager_reasons"].items() if r not in _VIEW_REASONS)
+    launches = s["kernels_launched"] + computing
+    every = s["kernels_launched"] + s["ops_eager"]
     print(f"\n{what}: strict {aten_ops} aten ops; deferred {s['ops_deferred']} ops into {s['kernels_launched']} kernels "
-          f"+ {s['ops_eager']} eager ops = {launches} launches ({aten_ops / max(1, launches):.2f}x fewer; "
-          f"{computing} = {aten_ops / max(1, computing):.2f}x counting only eager ops that compute), "
+          f"+ {computing} eager ops that compute = {launches} launches ({aten_ops / max(1, launches):.2f}x fewer; "
+          f"counting the {s['ops_eager'] - computing} eager views of real tensors too: {every} = {aten_ops / max(1, every):.2f}x), "
           f"{s['flushes']} flushes, cache hits {s['cache_hits']} misses {s['cache_misses']}; "
           f"flush causes {dict(sorted(s['flush_causes'].items()))}; eager {dict(sorted(s['eager_reasons'].items()))}")
-    return s
+    return s, aten_ops / max(1, launches)
 
 
 def tiny_llama(**overrides):
@@ -83,10 +88,11 @@ def test_tiny_llama_logits_and_gradients_equal_strict():
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for k, g in want_grads.items():
         torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=k)
-    s = report("tiny LlamaForCausalLM fwd+bwd", aten)
+    s, ratio = report("tiny LlamaForCausalLM fwd+bwd", aten)
     assert not s["fallbacks"] and s["kernels_launched"] > 0, s
-    # Informative, loosely: the fused kernels replace more aten ops than they launch.
-    assert s["kernels_launched"] + s["ops_eager"] < aten, s
+    # Reached: 646 aten ops -> 117 kernels + 11 eager ops that compute (embedding, nll_loss
+    # and their backwards, HF's int64 position / mask / label ops) = 128, 5.05x.
+    assert ratio >= 5.0, (ratio, s)
 
 
 class MoE(torch.nn.Module):
@@ -141,8 +147,11 @@ def test_moe_block_output_and_gradients_equal_strict():
     torch.testing.assert_close(gx, want_gx, rtol=1e-4, atol=1e-6)
     for k, g in want_grads.items():
         torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=k)
-    s = report("MoE block fwd+bwd", aten)
+    s, ratio = report("MoE block fwd+bwd", aten)
     assert not s["fallbacks"] and s["kernels_launched"] > 0, s
+    # Informative (not the 5x target: the indexing ops run eagerly and flush, see the
+    # fusion module doc): 295 aten ops -> 86 kernels + 58 eager ops that compute, 2.05x.
+    assert ratio > 1.5, (ratio, s)
 
 
 def test_generate_gives_strict_tokens_and_is_not_slower():

@@ -70,7 +70,8 @@ ROW = ["sum", "mean", "amax", "amin", "softmax", "log_softmax"]
 
 
 KINDS = ["unary", "binary", "scalar", "rsub", "clamp", "where", "cast", "row", "row_nokeep", "full_sum",
-         "view_merge", "unsqueeze", "flatten", "expand", "dim0", "colsum", "eager_flip", "read", "clone"]
+         "view_merge", "unsqueeze", "flatten", "expand", "dim0", "colsum", "eager_flip", "read", "clone", "rotate_half",
+         "select0", "mask_mul"]
 INPLACE_KINDS = ["inplace_scalar", "inplace_binary", "inplace_unary", "inplace_view"]
 
 
@@ -186,6 +187,16 @@ def run(program, tensors, requires_grad=False, copy=True):
                 float(x.detach().float().sum())
             elif k == "clone":
                 push(x.clone(), ex)
+            elif k == "rotate_half" and floats and x.dim() >= 1 and x.shape[-1] >= 2:
+                # A cat over the last dim of a negated and a plain column window.
+                h = x.shape[-1] // 2
+                push(torch.cat((-x[..., h:], x[..., :h]), dim=-1), ex)
+            elif k == "select0" and x.dim() >= 2:
+                # A row of a leading dim (its gradient: select_backward).
+                push(x[j % x.shape[0]], ex)
+            elif k == "mask_mul" and floats and y.dtype != torch.bool:
+                # A float tensor times a bool one (promoted to the float dtype).
+                push(x * (y > c), ex and ey, True)
             elif k == "inplace_scalar" and floats:
                 t = x.clone()
                 t.mul_(c).add_(0.25)

@@ -396,7 +396,44 @@ fn view_cases() -> Vec<Case> {
         c.live = vec![back, sel, sl, rep, tr, padded];
         out.push(c);
     }
+    // HF RoPE: cos and sin `[1, 1, s, d]` over q `[b, h, s, d]` read periodically (s = 20: no
+    // multiple of the sublanes divides it, so the operands are stacked), the cat of
+    // rotate_half in the same kernel, and the cat's piece computed by the open kernel (`q * 2`:
+    // stored first, the cat starts the next kernel).
+    for (dtype, s) in [(DType::F32, 24), (DType::BF16, 24), (DType::F32, 20), (DType::BF16, 20)] {
+        let mut rng = StdRng::seed_from_u64(s as u64);
+        let (b, h, d) = (2, 4, 16);
+        let mut c = Case::new(format!("hf rope {dtype} s {s}"));
+        let q = c.input(dtype, &[b, h, s, d], &mut rng);
+        let cos = c.input(dtype, &[1, 1, s, d], &mut rng);
+        let sin = c.input(dtype, &[1, 1, s, d], &mut rng);
+        let rope = |c: &mut Case, q: NodeId| {
+            let qs = [h * s * d, s * d, d, 1];
+            let x1 = c.graph.strided(q, &[b, h, s, d / 2], &qs, 0).unwrap();
+            let x2 = c.graph.strided(q, &[b, h, s, d / 2], &qs, d / 2).unwrap();
+            let n2 = c.graph.unary(Unary::Neg, x2).unwrap();
+            let qc = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Node(cos)).unwrap();
+            let rot = c.graph.cat_cols(&[n2, x1]).unwrap();
+            let rs = c.graph.binary(Binary::Mul, Operand::Node(rot), Operand::Node(sin)).unwrap();
+            c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rs)).unwrap()
+        };
+        let y = rope(&mut c, q);
+        let q2 = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Scalar(2.0)).unwrap();
+        let y2 = rope(&mut c, q2);
+        c.live = vec![y, y2];
+        out.push(c);
+    }
     out
+}
+
+#[test]
+fn hf_rope_reads_cos_periodically_and_fuses_its_cat() {
+    for c in view_cases().into_iter().filter(|c| c.name.starts_with("hf rope")) {
+        let p = c.check();
+        assert_eq!(p.launches.len(), 2, "{}: rope of q, q * 2 and q * 2 * cos; the cat of q * 2's halves (read from memory) and the rest\n{}", c.name, p.describe());
+        let stacked = p.launches.iter().any(|l| l.kernel.refs.iter().any(|r| r.shape.len() == 3 && r.block.as_ref().is_some_and(|b| b.block_shape[0].is_none())));
+        assert_eq!(stacked, c.name.ends_with("s 20"), "{}: stacked operands only where no sublane multiple divides s\n{}", c.name, p.describe());
+    }
 }
 
 #[test]
@@ -510,24 +547,38 @@ fn a_value_read_back_through_a_row_changing_view_is_stored() {
     c.check();
 }
 
-/// RoPE's `q * cos` is closed before the `cat` and sunk into its one reader.
+/// A pointwise kernel closed by a copy and sunk into its one reader: `x * 2`, then a
+/// transpose (a copy kernel), then `x * 2 + t` (reads both): two kernels.
 #[test]
 fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
-    let mut rng = StdRng::seed_from_u64(12);
+    let mut rng = StdRng::seed_from_u64(11);
     let mut c = Case::new("sink");
-    let (rows, d) = (64, 32);
-    let q = c.input(DType::F32, &[rows, d], &mut rng);
-    let cos = c.input(DType::F32, &[rows, d], &mut rng);
-    let qc = c.graph.binary(Binary::Mul, Operand::Node(q), Operand::Node(cos)).unwrap();
-    let qs = [d, 1];
-    let x1 = c.graph.strided(q, &[rows, d / 2], &qs, 0).unwrap();
-    let x2 = c.graph.strided(q, &[rows, d / 2], &qs, d / 2).unwrap();
-    let n2 = c.graph.unary(Unary::Neg, x2).unwrap();
-    let rot = c.graph.cat_cols(&[n2, x1]).unwrap();
-    let out = c.graph.binary(Binary::Add, Operand::Node(qc), Operand::Node(rot)).unwrap();
+    let x = c.input(DType::F32, &[64, 32], &mut rng);
+    let y = c.input(DType::F32, &[32, 64], &mut rng);
+    let x2 = c.graph.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(2.0)).unwrap();
+    let t = c.graph.transpose(y).unwrap();
+    let out = c.graph.binary(Binary::Add, Operand::Node(x2), Operand::Node(t)).unwrap();
     c.live = vec![out];
     let p = c.check();
-    assert_eq!(p.launches.len(), 2, "cat, then q * cos + rot\n{}", p.describe());
+    assert_eq!(p.launches.len(), 2, "the transpose, then x * 2 + t\n{}", p.describe());
+}
+
+/// A rows-keeping view of a column window (`y[10].view(1, n)`, seen as a window of `y`
+/// flattened): a row kernel reads it from `y`'s memory, a matmul from the window's copy
+/// (found by the random graphs' backward tier: the window was read but never computed).
+#[test]
+fn a_view_of_a_column_window_is_read_by_row_kernels_and_matmuls() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let mut c = Case::new("view of a window");
+    let x = c.input(DType::F32, &[64, 128], &mut rng);
+    let w = c.input(DType::F32, &[128, 8], &mut rng);
+    let y = c.graph.binary(Binary::Sub, Operand::Scalar(1.0), Operand::Node(x)).unwrap();
+    let row = c.graph.strided(y, &[128], &[1], 10 * 128).unwrap();
+    let v = c.graph.view(row, &[1, 128]).unwrap();
+    let scaled = c.graph.binary(Binary::Mul, Operand::Node(v), Operand::Scalar(12.0)).unwrap();
+    let m = c.graph.matmul(v, w, None).unwrap();
+    c.live = vec![y, scaled, m];
+    c.check();
 }
 
 /// GQA repeat_kv's backward, `[b, hkv, rep, s, d].sum(2)`, as the front-end records a sum

@@ -1,5 +1,6 @@
 //! Anchor kernels: a matmul with its fused epilogue, and the copies that move elements
-//! between rows (transpose of the last two dims, [`Gather`] views, `cat` over the last dim).
+//! between rows (transpose of the last two dims, [`Gather`] views; `cat` over the last dim
+//! is a row-kernel node, see [`super::generate`]).
 //! Each is built with [`KernelBuilder`]; blocks are chosen here and verified (VMEM
 //! included) before the kernel is returned.
 //!
@@ -19,8 +20,7 @@
 //! start, sublane-aligned or whole `L`, the source's last dim lane-aligned or the source's
 //! trailing dims all of it), a broadcast row when that dim is a broadcast, else one row
 //! per step; the column window is a static slice of the loaded block. A transpose loads
-//! one whole `[r, c]` matrix per batch step. `cat` walks row blocks and stores each piece
-//! at its column offset.
+//! one whole `[r, c]` matrix per batch step.
 
 use std::collections::HashMap;
 
@@ -81,7 +81,6 @@ pub fn kernel(g: &Graph, p: &Partition, index: usize, target: &Target) -> Result
         NodeOp::Matmul { transpose_a, transpose_b, repeat } => matmul(g, p, &name, *transpose_a, *transpose_b, *repeat, target),
         NodeOp::Transpose => verified(transpose(g, id, &name)?, target),
         NodeOp::Gather(gather) => verified(gather_kernel(g, id, gather, &name, target)?, target),
-        NodeOp::CatCols => verified(cat_cols(g, id, &name, target)?, target),
         op => unreachable!("{op:?} is not an anchor"),
     }
 }
@@ -210,7 +209,7 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
     let av = b.load(a_ref, &[Index::Full, Index::Full]);
     let bv = b.load(b_ref, &[Index::Full, Index::Full]);
     let dot = b.dot(av, bv, ta, tb);
-    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm, bn, acc: HashMap::new() };
+    let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm, bn, acc: HashMap::new(), cat: HashMap::new() };
     let epilogue = move |gen: &mut Gen<'_>, v: Value| {
         let mut v = v;
         if let Some(bias) = bias_ref {
@@ -385,54 +384,5 @@ fn gather_kernel(g: &Graph, id: NodeId, gt: &Gather, name: &str, target: &Target
     let v = b.load(i, &[Index::Full, cols]);
     let v = if b.ty(v).shape[0] != rows { b.broadcast(v, &[rows, d]) } else { v };
     b.store(o, &[Index::Full, Index::Full], v);
-    b.finish()
-}
-
-/// The reads of a `cat` node, as the planner makes them.
-fn p_reads(g: &Graph, id: NodeId) -> Vec<super::planner::Read> {
-    g.node(id).args.iter().map(|a| super::planner::cat_read_of(g, node_id(a))).collect()
-}
-
-fn cat_cols(g: &Graph, id: NodeId, name: &str, target: &Target) -> Result<Kernel, KernelError> {
-    let n = g.node(id);
-    let dt = memory_dtype(n.dtype);
-    let (rows, cols) = n.layout();
-    let sub = target.tiling(dt).0;
-    let bm = if rows <= 512 { rows } else { 512 / sub * sub };
-    let mut b = KernelBuilder::new(name);
-    b.grid(&[(rows.div_ceil(bm), Semantics::Parallel)]);
-    let spec = |c: usize| BlockSpec { block_shape: vec![Some(bm), Some(c)], index_map: vec![IndexExpr::Grid(0), IndexExpr::Const(0)] };
-    // A piece that is a column window is read from its source's memory (see `read_of`).
-    let mut ins = Vec::new();
-    for (k, (r, a)) in p_reads(g, id).into_iter().zip(&n.args).enumerate() {
-        let width = g.node(node_id(a)).layout().1;
-        let i = if r.rows == 1 && rows > 1 {
-            // One element, broadcast to the piece.
-            b.input(&format!("in{k}_n{}", r.storage), dt, &[1, 1], BlockSpec { block_shape: vec![Some(1), Some(1)], index_map: vec![IndexExpr::Const(0), IndexExpr::Const(0)] })
-        } else {
-            b.input(&format!("in{k}_n{}", r.storage), dt, &[rows, r.cols], spec(r.cols))
-        };
-        ins.push((i, r, width));
-    }
-    let o = b.output(&format!("out_n{id}"), dt, &[rows, cols], spec(cols));
-    let mut off = 0;
-    for ((i, r, c), a) in ins.into_iter().zip(&n.args) {
-        let window = match r.window {
-            Some((start, len)) => ds(start as i64, len),
-            None => Index::Full,
-        };
-        let v = b.load(i, &[Index::Full, window]);
-        let v = if b.ty(v).shape != [bm, c] { b.broadcast(v, &[bm, c]) } else { v };
-        // A negated piece: exact in any float dtype, so negated in f32 and stored back.
-        let v = if matches!(g.node(node_id(a)).op, NodeOp::Unary(super::graph::Unary::Neg)) {
-            let f = if dt == DType::F32 { v } else { b.cast(v, DType::F32) };
-            let f = b.unary(tessera_dsl::UnaryOp::Neg, f);
-            if dt == DType::F32 { f } else { b.cast(f, dt) }
-        } else {
-            v
-        };
-        b.store(o, &[Index::Full, ds(off as i64, c)], v);
-        off += c;
-    }
     b.finish()
 }

@@ -206,15 +206,11 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
         .collect()
 }
 
-/// Rows a periodic operand must come in multiples of (see [`row_broadcast_ok`]): every
-/// dtype's sublane tiling divides it, so a block of rows can always divide the operand.
-pub const PERIOD_ROWS: usize = 32;
-
 /// How an operand of `shape` reaches a result of `out` (already a valid broadcast), as
 /// rows: its leading dims are all the result's (every row), all 1 (one row repeated), or
-/// 1s then the result's (a bias or mask `[b, n]` broadcast over `[a, b, n]`: result row
-/// `r` reads operand row `r % rows`, which needs the operand's rows to be a multiple of
-/// [`PERIOD_ROWS`]).
+/// 1s then the result's (a bias or mask `[b, n]` broadcast over `[a, b, n]`, HF RoPE's cos
+/// `[1, 1, s, d]` over `[b, h, s, d]`: result row `r` reads operand row `r % rows`, any
+/// number of rows; a row kernel's blocks then divide them, see [`crate::fusion`]).
 fn row_broadcast_ok(shape: &[usize], out: &[usize]) -> bool {
     if out.is_empty() {
         return true;
@@ -225,7 +221,7 @@ fn row_broadcast_ok(shape: &[usize], out: &[usize]) -> bool {
     if lead == olead || lead.iter().all(|&d| d == 1) {
         return true;
     }
-    (1..lead.len()).any(|k| lead[..k].iter().all(|&d| d == 1) && lead[k..] == olead[k..] && lead[k..].iter().product::<usize>().is_multiple_of(PERIOD_ROWS))
+    (1..lead.len()).any(|k| lead[..k].iter().all(|&d| d == 1) && lead[k..] == olead[k..])
 }
 
 /// Promotion class: dimensioned tensors beat 0-dim tensors beat Python numbers, within a
@@ -344,7 +340,7 @@ impl Graph {
                         format!("operand `{name}`"),
                         "fusion-broadcast-rows",
                         format!("shape {} broadcasts into {} over some leading dims but not all", shape_str(&n.shape), shape_str(&out)),
-                        "an operand's leading dims must be all the result's, all 1, or 1s then the result's with a multiple of 32 rows; expand it first or let it run eagerly",
+                        "an operand's leading dims must be all the result's, all 1, or 1s then the result's; expand it first or let it run eagerly",
                     ));
                 }
             }
@@ -815,9 +811,10 @@ impl Graph {
     }
 
     /// A [`Gather`] that keeps every row of its source and takes a window of its columns
-    /// (`x[..., a:b]`): the source (through views) and the window's first column.
+    /// (`x[..., a:b]`), or a rows-keeping view of one (`x[i].view(1, n)`): the source
+    /// (through views) and the window's first column.
     pub fn col_window(&self, id: NodeId) -> Option<(NodeId, usize)> {
-        let n = &self.nodes[id];
+        let n = &self.nodes[self.same_rows_source(id)];
         let (NodeOp::Gather(gt), Some(&Operand::Node(src))) = (&n.op, n.args.first()) else { return None };
         let s = &self.nodes[src].shape;
         let lead = &n.shape[..n.shape.len().saturating_sub(1)];

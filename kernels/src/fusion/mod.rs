@@ -22,7 +22,8 @@
 //! 1. **Pointwise chains fuse**: a pointwise node joins the open kernel when its values
 //!    broadcast with the kernel's row space (every value is `rows or 1` by `cols or 1`; a
 //!    buffer it reads may also have rows dividing the kernel's, read periodically: a
-//!    `[b, n]` bias or mask of an `[a, b, n]` result, `b` a multiple of 32).
+//!    `[b, n]` bias or mask of an `[a, b, n]` result, HF RoPE's cos `[1, 1, s, d]` of a
+//!    `[b, h, s, d]` one; the kernel's blocks then divide `b`, see *Blocks* below).
 //!    The space may grow from 1 (a `[m, 1]` chain meeting `[m, n]` values becomes `[m, n]`).
 //! 2. **A row op fuses with its producers and its same-row-space consumers**: a kernel
 //!    walks blocks of whole rows, so a row op over the kernel's `cols` sees every element
@@ -64,16 +65,15 @@
 //!    transpose of the last two dims, or a [`graph::Gather`] (permutes of leading dims,
 //!    slice/select of leading dims, inner-dim expands, a column window). A gather or
 //!    transpose is a copy kernel of its own (an anchor with no epilogue; the slab / row
-//!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`) is read by
-//!    row kernels and `cat` straight from the source's memory (a lane slice of the loaded
-//!    block), never copied. `cat` over the last dim is a copy kernel storing each piece at
-//!    its column offset (a broadcast element, `slice_backward`'s zeros, is read as one
-//!    element). A copy of a copy (`clone` / `contiguous` of a gathered view) is one copy.
+//!    copies of [`anchor`]); a column window that keeps the rows (`x[..., a:b]`, or a
+//!    rows-keeping view of one) is read by row kernels and `cat` straight from the source's memory (a lane slice of the loaded
+//!    block), never copied. A copy of a copy (`clone` / `contiguous` of a gathered view) is
+//!    one copy.
 //! 10. **A pointwise kernel is sunk into its one reader**: when the greedy pass closed a
 //!     row kernel of pointwise nodes (no row op or column sum, no live result) whose results
 //!     only one later row kernel over the same rows reads, in their own layout and through
-//!     rows-keeping views, its nodes move into that kernel and nothing is stored (RoPE's
-//!     `q * cos`, closed by the `cat` of `rotate_half`, joins `q * cos + rot * sin`).
+//!     rows-keeping views, its nodes move into that kernel and nothing is stored (`x * 2`,
+//!     closed by a transpose's copy kernel, joins `x * 2 + t` of the transposed `t`).
 //! 11. **A sum over a run of dims before the last is a matmul** (GQA `repeat_kv`'s
 //!     backward, `[b, hkv, rep, s, d].sum(2)`): when the summed dims are the batches of a
 //!     matmul (through reshapes, maybe transposed: autograd's dV and dK),
@@ -83,9 +83,16 @@
 //!     front-end records `ones[1, r] @ x.view(lead, r, rest)` (a matmul whose shared
 //!     operand is a row of ones). The front-end also joins `slice_backward(g1, .., 0, c) +
 //!     slice_backward(g2, .., c, n)` (RoPE's two halves) into one `cat(g1, g2)`.
+//! 12. **`cat` over the last dim is a row-kernel node**: its pieces are always read from
+//!     memory (a window of a source, a negated one: rotate_half's `-x[..., d/2:]`, or one
+//!     broadcast element: `slice_backward`'s zeros), each stored at its column offset of an
+//!     f32 VMEM scratch `[bm, cols]` that is then the node's value; only the result must be
+//!     in the kernel's row space. A piece the open kernel computes ends the kernel (it must
+//!     be stored first). So RoPE's `q * cos + rotate_half(q) * sin` is one kernel.
 //!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
-//! a matmul or copy after anything (each starts a kernel); anything after a copy kernel (it
+//! a matmul or copy after anything (each starts a kernel); a `cat` of a piece the open
+//! kernel computes; anything after a copy kernel (it
 //! reads the copy from memory); into a matmul epilogue: a row op over a tiled `n` (more
 //! than 512 columns: a block would see part of its row), a column sum, an `expand`, a
 //! periodic read other than one batch's `[m, n]`, a column window (read from memory by the
@@ -97,10 +104,10 @@
 //! kernel computes. Refused when recorded (the front-end runs the op eagerly, the reason
 //! is the error's rule): dtypes other than f32/bf16/bool (`fusion-dtype`), broadcasts
 //! over inner leading dims (`[4, 1, 8]` into `[4, 3, 8]`:
-//! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses when the operand's rows are a
-//! multiple of 32, read periodically; for a pointwise op the front-end then expands the
-//! operand by a gather copy, a stride-0 [`Graph::strided`] view, unless it broadcasts over
-//! the last dim too: HF RoPE's cos `[b, 1, s, d]` times q `[b, h, s, d]`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
+//! `fusion-broadcast-rows`; `[3, 8]` into `[4, 3, 8]` fuses, read periodically; for a
+//! pointwise op the front-end then expands the operand by a gather copy, a stride-0
+//! [`Graph::strided`] view, unless it broadcasts over the last dim too: a causal mask
+//! `[b, 1, s, s]` plus scores `[b, h, s, s]`), rows wider than [`graph::MAX_ROW`] (`fusion-row-width`),
 //! empty tensors (`fusion-empty`), bool arithmetic, Python numbers f32 cannot hold
 //! (`fusion-scalar`), reductions over other dims than the last (but the sums of rules 6 and
 //! 11; a sum over dims that are not one run, `x.sum((0, 2))`, is `sum-dim`), matmuls of mixed dtypes or
@@ -109,7 +116,12 @@
 //! not dims of the source (`fusion-strided-view`: diagonals, steps), transposes of more
 //! than [`graph::MAX_TRANSPOSE`] elements per matrix as values (`fusion-transpose-size`),
 //! `cat` over other dims (the front-end records a `cat` of one piece and empty ones as a
-//! copy), and indexing, which the front-end does not record.
+//! copy), and indexing, which the front-end does not record: `embedding`, `index`,
+//! `index_select`, `index_add`, `index_put`, `scatter`, `topk`, `nll_loss` and their
+//! backwards, integer (int64) index arithmetic, and `nonzero`, whose result's shape depends
+//! on the values (it always flushes). (The front-end does record `select_backward` of a
+//! leading dim, as a `where` of a row mask, and a float tensor times a bool one, the bool
+//! cast to the float dtype.)
 //!
 //! # Numerics
 //!
@@ -123,7 +135,11 @@
 //! A kernel's block is `bm` whole rows: [`RowTiles`] (about 1 MiB f32 blocks, sublanes
 //! of the widest-tiled dtype it touches) for `reads + stored + 2` streams, lowered to a
 //! multiple of the sublanes dividing the rows when one is at least half of it (no partial
-//! last block); the scoped VMEM
+//! last block). With periodic reads the block divides their rows: a multiple of the
+//! sublanes when one does, else the largest divisor of the period that fits, and then every
+//! many-row operand is declared *stacked*, `[rows / bm, bm, cols]` in blocks
+//! `[1 (squeezed), bm, cols]` (the same memory; a block whole in its last two dims tiles for
+//! any `bm`, so a cos of `s = 20` rows needs no copy). The scoped VMEM
 //! limit is raised to what the verifier counts (`fit_vmem_limit`); a kernel the verifier
 //! still refuses for VMEM is retried with half the rows, any other refusal is the
 //! program's error (the front-end falls back to eager and reports it). Programs are
@@ -259,19 +275,29 @@ impl Program {
         let limit = target.default_scoped_vmem_bytes / (4 * streams);
         let tiles = RowTiles::new(p.rows, p.cols, sub, ROW_BLOCK_BYTES.min(limit), limit);
         let mut bm = dividing_block(p.rows, tiles.bm, sub);
-        // Periodic reads (rows dividing the kernel's, a multiple of 32): blocks divide them.
+        // Periodic reads (rows dividing the kernel's): blocks divide them. A block of a
+        // multiple of the sublanes when one divides the period, else the largest divisor
+        // of the period that fits, every operand then stacked `[rows / bm, bm, cols]`
+        // (a block `[bm, cols]` of whole dims, which any `bm` tiles).
         let period = p.reads.iter().filter(|r| r.rows != p.rows && r.rows != 1).fold(0, |g, r| gcd(g, r.rows));
+        let mut stacked = false;
         if period > 0 {
-            bm = (1..=bm.min(period)).rev().find(|&d| period.is_multiple_of(d) && d.is_multiple_of(sub)).ok_or_else(|| {
-                KernelError::new(&format!("fused{index}"), "periodic operand", "fusion-block", format!("no block of a multiple of {sub} rows divides the operand's {period} rows"), "report this as a Tessera bug: periodic operands come in multiples of 32 rows")
-            })?;
+            let cap = bm.max(sub).min(period);
+            match (1..=cap).rev().find(|&d| period.is_multiple_of(d) && d.is_multiple_of(sub)) {
+                Some(d) => bm = d,
+                None => {
+                    bm = (1..=cap).rev().find(|&d| period.is_multiple_of(d)).unwrap_or(1);
+                    stacked = true;
+                }
+            }
         }
         loop {
-            let k = generate::kernel(g, p, index, bm)?;
+            let k = generate::kernel(g, p, index, bm, stacked)?;
             let k = fit_vmem_limit(k, target);
+            let step = if stacked { 1 } else { sub };
             match tessera_dsl::verify::verify(&k, target) {
                 Ok(()) => return Ok(k),
-                Err(e) if e.rule.contains("vmem") && bm > sub && (bm / 2).is_multiple_of(sub) && (period == 0 || period.is_multiple_of(bm / 2)) => bm /= 2,
+                Err(e) if e.rule.contains("vmem") && bm > step && (bm / 2).is_multiple_of(step) && bm.is_multiple_of(2) && (period == 0 || period.is_multiple_of(bm / 2)) => bm /= 2,
                 Err(e) => return Err(e),
             }
         }

@@ -21,6 +21,9 @@ pub struct Read {
     /// A column window `(start, len)` of each row (a row kernel reading `x[..., a:b]`
     /// straight from `x`'s memory), or the whole row.
     pub window: Option<(usize, usize)>,
+    /// A piece of a `cat` ([`cat_read_of`]): its columns are not the kernel's (the `cat`
+    /// places them), so it is exempt from the row-space checks.
+    pub piece: bool,
 }
 
 impl Read {
@@ -36,10 +39,10 @@ impl Read {
 pub fn read_of(g: &Graph, o: NodeId) -> Read {
     if let Some((src, start)) = g.col_window(o) {
         let (rows, cols) = g.node(src).layout();
-        return Read { storage: g.storage(src), rows, cols, window: Some((start, g.node(o).layout().1)) };
+        return Read { storage: g.storage(src), rows, cols, window: Some((start, g.node(o).layout().1)), piece: false };
     }
     let (rows, cols) = g.node(o).layout();
-    Read { storage: g.storage(o), rows, cols, window: None }
+    Read { storage: g.storage(o), rows, cols, window: None, piece: false }
 }
 
 /// One kernel: compute nodes over the row space `rows x cols`.
@@ -66,9 +69,9 @@ pub struct Partition {
 }
 
 /// Whether `op` is an anchor: a matmul, or a copy that moves elements between rows
-/// (transpose, gather, cat). Each starts its own kernel.
+/// (transpose, gather). Each starts its own kernel.
 pub fn is_anchor(op: &NodeOp) -> bool {
-    matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_) | NodeOp::CatCols)
+    matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_))
 }
 
 /// A row op joins a matmul's epilogue only when the matmul's columns are one block (the
@@ -83,26 +86,23 @@ fn fits_epilogue(g: &Graph, part: &Partition, r: &Read) -> bool {
     r.window.is_none() && (r.rows == part.rows || r.rows == 1 || r.rows == m) && (r.cols == part.cols || r.cols == 1)
 }
 
-/// How `cat` reads piece `o`: as [`read_of`], but a broadcast of one element (the zeros
-/// of `slice_backward`) is that element, broadcast in the kernel, and a negation
-/// (rotate_half's `-x[..., d/2:]`) is its operand, negated in the kernel.
+/// How `cat` reads piece `o` (always from memory): as [`read_of`], but a broadcast of one
+/// element (the zeros of `slice_backward`) is that element, broadcast in the kernel, and a
+/// negation (rotate_half's `-x[..., d/2:]`) is its operand, negated in the kernel.
 pub fn cat_read_of(g: &Graph, o: NodeId) -> Read {
     let n = g.node(o);
-    if let (NodeOp::Unary(super::graph::Unary::Neg), Some(&Operand::Node(x))) = (&n.op, n.args.first()) {
-        return read_of(g, x);
-    }
-    if let (NodeOp::Expand, Some(&Operand::Node(src))) = (&n.op, n.args.first()) {
-        if g.node(src).shape.iter().product::<usize>() == 1 {
-            return Read { storage: g.storage(src), rows: 1, cols: 1, window: None };
-        }
-    }
-    read_of(g, o)
+    let r = match (&n.op, n.args.first()) {
+        (NodeOp::Unary(super::graph::Unary::Neg), Some(&Operand::Node(x))) => read_of(g, x),
+        (NodeOp::Expand, Some(&Operand::Node(src))) if g.node(src).shape.iter().product::<usize>() == 1 => Read { storage: g.storage(src), rows: 1, cols: 1, window: None, piece: false },
+        _ => read_of(g, o),
+    };
+    Read { piece: true, ..r }
 }
 
 /// Whether a node of `op` reads a column window straight from its source's memory (row
-/// kernels and `cat`; a matmul or gather reads the window's node).
+/// kernels, `cat` among them; a matmul or gather reads the window's node).
 fn reads_windows(op: &NodeOp) -> bool {
-    !is_anchor(op) || matches!(op, NodeOp::CatCols)
+    !is_anchor(op)
 }
 
 /// Whether a node's space fits a matmul's epilogue: the output space, or (once a row op
@@ -160,7 +160,9 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
     }
     for id in (0..g.len()).rev() {
         if needed[id] {
-            let row_kernel_node = reads_windows(&g.node(id).op);
+            // (A view passes its source on whole: a row kernel reading the view of a window
+            // reads the window's source itself, see `Graph::col_window`.)
+            let row_kernel_node = reads_windows(&g.node(id).op) && !matches!(g.node(id).op, NodeOp::View);
             for a in &g.node(id).args {
                 if let Operand::Node(o) = *a {
                     // A row kernel reads a column window from its source's memory.
@@ -190,6 +192,15 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let mut reads_col_sum = None;
         for a in &node.args {
             let Operand::Node(o) = *a else { continue };
+            if matches!(node.op, NodeOp::CatCols) {
+                // A piece is read from memory: stored first when the open kernel computes it.
+                let r = cat_read_of(g, o);
+                if cur.is_some() && assigned[r.storage] == cur {
+                    needs_stored = Some(o);
+                }
+                reads.push(r);
+                continue;
+            }
             if !is_anchor(&node.op) && g.col_window(o).is_some() {
                 // From memory: a value in VMEM has no column slices.
                 let r = read_of(g, o);
@@ -212,7 +223,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 needs_stored = Some(o);
             }
             let (rows, cols) = g.node(o).layout();
-            reads.push(Read { storage, rows, cols, window: None });
+            reads.push(Read { storage, rows, cols, window: None, piece: false });
         }
         let mut cut = None;
         if let Some(p) = cur {
@@ -234,7 +245,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 Some(format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
             } else if let Some(o) = needs_stored {
                 Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| read_fits(r.space(), (m, n))) {
+            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| r.piece || read_fits(r.space(), (m, n))) {
                 Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
             } else if let Some(c) = reads_col_sum {
                 Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
@@ -283,7 +294,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 cat_read_of(g, o)
             } else if anchored && !reads_windows(&node.op) {
                 let (rows, cols) = g.node(o).layout();
-                Read { storage: g.storage(o), rows, cols, window: None }
+                Read { storage: g.storage(o), rows, cols, window: None, piece: false }
             } else {
                 read_of(g, o)
             };
@@ -307,8 +318,8 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         row_op_cols = is_row.then_some(space.1);
         col_sum_rows = is_col.then_some(space.0);
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
-        let (m, n) = layouts.iter().chain(reads.iter().map(Read::space).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
-        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| read_fits(r.space(), (m, n))) {
+        let (m, n) = layouts.iter().chain(reads.iter().filter(|r| !r.piece).map(Read::space).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
+        if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| r.piece || read_fits(r.space(), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
         parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });
@@ -357,7 +368,7 @@ fn sink_into_consumers(g: &Graph, live: &[NodeId], parts: &mut Vec<Partition>, a
         let dst = &parts[target];
         // Every read of a sunk result must become its value: the read is its plain layout
         // and the reading node reaches it through rows-keeping views only.
-        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout())
+        let reads_plain = dst.reads.iter().filter(|r| assigned[r.storage] == Some(p)).all(|r| !r.piece && r.window.is_none() && (r.rows, r.cols) == g.node(r.storage).layout())
             && dst.nodes.iter().flat_map(|&n| g.node(n).args.iter()).all(|a| match *a {
                 Operand::Node(o) => assigned[read_of(g, o).storage] != Some(p) || read_of(g, o).window.is_some() || assigned[g.same_rows_source(o)] == Some(p),
                 Operand::Scalar(_) => true,

@@ -10,9 +10,12 @@ inner dims (folded into the matmul whose batches they are, else a matmul by ones
 `expand`, `detach`; `mm`,
 `bmm`, `addmm` (so `linear` and `matmul`, which decompose into them) as matmul anchors with
 fused epilogues; `cat` over the last dim (or, over any dim, of one piece and empty ones: a
-copy) and `slice_backward` of a last-dim slice; the views
+copy) and `slice_backward` of a last-dim slice; `select_backward` of a leading dim (a `where`
+of a host-made row mask); add/mul/div of a float tensor and a bool one (the bool cast to the
+float dtype, as torch promotes it); the views
 `t`/`transpose`/`permute`/`slice`/`select`/`as_strided` and inner-dim expands as copies
-(also an add/sub/mul/div operand broadcast over inner leading dims, as HF RoPE's cos);
+(also an add/sub/mul/div operand broadcast over inner leading dims, as a causal mask
+`[b, 1, s, s]` over scores `[b, h, s, s]`);
 see `tessera_kernels::fusion`) is recorded into a native graph and returns a *placeholder*: a
 real tensor of the result's shape and dtype whose memory is not written yet. A flush plans
 the graph into kernels, generates them with the dsl builder, verifies them, runs them on the
@@ -44,7 +47,7 @@ Aliasing is eager's: views of pending tensors are real views of the placeholder'
 (a view that moves elements between rows is recorded as a copy of its source's value, exact
 because in-place ops on a group with views are never deferred); a strided real tensor whose
 base is contiguous (a weight's `t()`) is recorded as its base and the view, so a matmul reads
-it in place;
+it in place (an expand of such a base, a broadcast read in place);
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
 then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
 mode, so backward ops are recorded and fused too.
@@ -298,16 +301,40 @@ def _real_strided_node(t, st):
     if hit is not None and hit[0]() is t:
         return hit[1]
     base_node = _node_of(b, st)
-    try:
-        node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
-    except ValueError:
-        return None
+    node = None
+    if t.storage_offset() == b.storage_offset() and t.dim() >= b.dim():
+        # An expand of the base (HF's causal mask `[s, s]` expanded to `[b, 1, s, s]`): a
+        # broadcast the kernels read in place when the graph takes it, not a copy.
+        try:
+            if b.expand(t.shape).stride() == t.stride():
+                node = st.graph.op("expand", "expand", [base_node, list(t.shape)])[0]
+        except (RuntimeError, ValueError):
+            node = None
+    if node is None:
+        try:
+            node = st.graph.op("strided", "as_strided", [base_node, list(t.shape), list(t.stride()), t.storage_offset() - b.storage_offset()])[0]
+        except ValueError:
+            return None
     st.strided_inputs[id(t)] = (weakref.ref(t), node)
     return node
 
 
 def _has_bool_tensor(args, st):
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
+
+
+def _bool_as_float(args, st, op):
+    """The operands of add/mul/div of a float tensor and a bool tensor (MoE's
+    `weight * mask`): the bool one cast to the float one's dtype (0 or 1, exact), which is
+    how torch promotes it, so the result is eager's bit for bit. Anything else with a bool
+    tensor (two bools, a Python number) is refused (`fusion-dtype`)."""
+    if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
+        raise _Unsupported("fusion-dtype")
+    floats = [a.dtype for a in args if a.dtype in (torch.float32, torch.bfloat16)]
+    if len(floats) != 1 or not any(a.dtype == torch.bool for a in args):
+        raise _Unsupported("fusion-dtype")
+    xs = [_node_of(a, st) for a in args]
+    return [op("cast", "to", [x, _DTYPES[floats[0]]])[0] if a.dtype == torch.bool else x for x, a in zip(xs, args)]
 
 
 # ---- op table: aten overload -> how to record it ------------------------------------------------
@@ -389,8 +416,8 @@ def _sum_inner_dims(x, dims, keepdim, st, op):
 
 def _joined_slice_grads(args, st, op):
     """`slice_backward(g1, .., 0, c) + slice_backward(g2, .., c, n)` (the gradients of
-    the two halves of a last dim, as RoPE's rotate_half's backward): `cat(g1, g2)`, one copy
-    kernel instead of two and an add (adding the zeros is exact: only a -0.0 keeps its sign).
+    the two halves of a last dim, as RoPE's rotate_half's backward): `cat(g1, g2)`, one row-kernel
+    node instead of two and an add (adding the zeros is exact: only a -0.0 keeps its sign).
     None when the operands are not such a pair."""
     x, y = args
     if not all(isinstance(t, torch.Tensor) and st.entry(t) is not None for t in args) or x.shape != y.shape or x.dtype != y.dtype:
@@ -406,7 +433,7 @@ def _joined_slice_grads(args, st, op):
 
 def _broadcasting_op(kind, nm, xs, args, st, op):
     """`op(kind, nm, xs)`; when the graph refuses a broadcast over inner leading dims
-    (`fusion-broadcast-rows`: HF RoPE's cos `[b, 1, s, d]` times q `[b, h, s, d]`), the
+    (`fusion-broadcast-rows`: a mask `[b, 1, s, s]` plus scores `[b, h, s, s]`), the
     operand that broadcasts so is first expanded by a gather copy (a stride-0 view of its
     memory) to the result's shape, so the op fuses instead of flushing; a broadcast over the
     last dim too stays refused."""
@@ -459,7 +486,9 @@ def _record(func, name, args, kwargs, st):
         if kw or len(args) != 2 or alpha != 1:
             raise _Unsupported(f"{name}-alpha")
         if _has_bool_tensor(args, st):
-            raise _Unsupported("fusion-dtype")
+            if name != "add":  # (torch refuses to subtract a bool tensor)
+                raise _Unsupported("fusion-dtype")
+            return _broadcasting_op("binary", name, _bool_as_float(args, st, op), args, st, op)
         if name == "add":
             joined = _joined_slice_grads(args, st, op)
             if joined is not None:
@@ -472,7 +501,9 @@ def _record(func, name, args, kwargs, st):
         if kw or len(args) != 2:
             raise _Unsupported(f"{name}-args")
         if _has_bool_tensor(args, st):
-            raise _Unsupported("fusion-dtype")
+            if name not in ("mul", "div"):
+                raise _Unsupported("fusion-dtype")
+            return _broadcasting_op("binary", _BINARY[name], _bool_as_float(args, st, op), args, st, op)
         if name in ("mul", "div"):
             args = _leading_scalar_tensor(args, st)
         a, b = _operand(args[0], st), _operand(args[1], st)
@@ -593,9 +624,31 @@ def _record(func, name, args, kwargs, st):
         out = op("cat", "cat", [pieces])
         st.slice_grads[out[0]] = (start, end, pieces[1 if start > 0 else 0])
         return out
+    if name == "select_backward":
+        return _select_backward(args, kw, st, op)
     if name in _BACKWARD:
         return _record_backward(name, args, kw, st, op)
     raise _Unsupported(name)
+
+
+def _select_backward(args, kw, st, op):
+    """The gradient of `x.select(dim, i)` (MoE's `w1[e]`) for a leading `dim`: zeros but at
+    `i`, as `where(m, grad, 0)` with `m` a host-made bool column `[.., 1]` true on `i`'s
+    rows and `grad` unsqueezed at `dim` (read periodically for `dim` 0; a `dim` between
+    leading dims is an inner broadcast, refused). Exact: each element is the gradient's
+    or +0.0, as torch's zeros."""
+    grad, sizes, dim, index = args
+    rank = len(sizes)
+    if kw or rank < 2 or grad.dtype not in (torch.float32, torch.bfloat16):
+        raise _Unsupported("select_backward-args")
+    dim %= rank
+    if dim == rank - 1:
+        raise _Unsupported("select_backward-dim")
+    index %= sizes[dim]
+    mask = torch.zeros(list(sizes[:-1]) + [1], dtype=torch.bool)
+    mask.select(dim, index).fill_(True)
+    g = op("view", "view", [_node_of(grad, st), list(sizes[:dim]) + [1] + list(sizes[dim + 1:])])[0]
+    return op("where", "where", [_node_of(mask, st), g, 0.0])
 
 
 _BACKWARD = {"tanh_backward", "sigmoid_backward", "threshold_backward", "silu_backward", "gelu_backward",
@@ -795,7 +848,8 @@ class _DeferMode(TorchDispatchMode):
 
 def _recordable(base):
     return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
-        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward") or base in _BACKWARD
+        "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward",
+        "select_backward") or base in _BACKWARD
 
 
 def _count_op(st, func):
