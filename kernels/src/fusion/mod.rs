@@ -145,7 +145,8 @@
 //! program's error (the front-end falls back to eager and reports it). Programs are
 //! cached by their structural key (every node's op, operands, dtype and shape; the live
 //! nodes; the target) in an LRU of [`cache_capacity`] entries (`TESSERA_FUSION_CACHE`,
-//! default 256); failures are cached too.
+//! default 256); failures are cached too, a panic while planning among them (an engine bug,
+//! reported as `fusion-internal` so the front-end runs the ops eagerly instead of crashing).
 
 pub mod anchor;
 pub mod generate;
@@ -492,6 +493,23 @@ pub fn key(graph: &Graph, live: &[NodeId], target: &Target) -> String {
 
 /// The cached program for (`graph`, `live`, `target`), built on a miss; and whether it
 /// was a hit.
+/// `f`'s result, with a panic inside it (a bug in the engine, never the user's input) turned
+/// into a `fusion-internal` error, so that a caller such as the torch front-end runs the ops
+/// eagerly and reports why instead of crashing. `f` must leave nothing half-updated when it
+/// unwinds ([`Program::build`] reads its graph and returns a value).
+fn unpanicked<T>(f: impl FnOnce() -> Result<T, KernelError>) -> Result<T, KernelError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let what = payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned()).unwrap_or_default();
+        Err(KernelError::new(
+            "fusion",
+            "the planner",
+            "fusion-internal",
+            format!("internal error while planning this graph: {what}"),
+            "this is a bug in Tessera's fusion engine: the ops run eagerly; please report it with the graph (TESSERA_DUMP_FUSION=DIR writes it)",
+        ))
+    })
+}
+
 pub fn program(graph: &Graph, live: &[NodeId], target: &Target) -> (Result<Arc<Program>, KernelError>, bool) {
     let k = key(graph, live, target);
     let found = with_cache(|c| {
@@ -512,7 +530,7 @@ pub fn program(graph: &Graph, live: &[NodeId], target: &Target) -> (Result<Arc<P
     if let Some(r) = found {
         return (r, true);
     }
-    let built = Program::build(graph, live, target).map(Arc::new);
+    let built = unpanicked(|| Program::build(graph, live, target)).map(Arc::new);
     with_cache(|c| {
         while c.map.len() >= c.capacity {
             let Some(oldest) = c.map.iter().min_by_key(|(_, e)| e.1).map(|(k, _)| k.clone()) else { break };
@@ -522,4 +540,19 @@ pub fn program(graph: &Graph, live: &[NodeId], target: &Target) -> (Result<Arc<P
         c.map.insert(k, (built.clone(), c.tick));
     });
     (built, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_while_planning_is_a_fusion_internal_error() {
+        let r: Result<(), _> = unpanicked(|| panic!("no entry found for key"));
+        let e = r.unwrap_err();
+        assert_eq!(e.rule, "fusion-internal", "{e}");
+        assert!(e.to_string().contains("no entry found for key") && e.to_string().contains("eagerly"), "{e}");
+        let fine: Result<u32, KernelError> = unpanicked(|| Ok(7));
+        assert_eq!(fine.unwrap(), 7);
+    }
 }
