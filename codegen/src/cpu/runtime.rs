@@ -328,15 +328,26 @@ pub fn run(k: &Kernel, p: &Program, sched: &Schedule, arrays: &Arrays, outputs: 
     let t = threads.min(units);
     let mut stats = RunStats::default();
     if t > 1 && all_blocked && sched.error.is_none() && work >= (1 << 16) {
-        let chunks: Vec<(usize, usize)> = (0..t).map(|i| (i * units / t * sched.unit_len, (i + 1) * units / t * sched.unit_len)).collect();
+        // Up to CHUNKS_PER_THREAD chunks of whole units a thread, taken in order by whichever
+        // thread is free: on a machine shared with other jobs one thread that is
+        // descheduled for a while no longer holds up the call with half of the grid.
+        const CHUNKS_PER_THREAD: usize = 4;
+        let n = units.min(t * CHUNKS_PER_THREAD);
+        let chunks: Vec<(usize, usize)> = (0..n).map(|i| (i * units / n * sched.unit_len, (i + 1) * units / n * sched.unit_len)).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
         let results: Vec<Result<RunStats>> = {
-            let mut slots: Vec<Option<Result<RunStats>>> = (0..t).map(|_| None).collect();
+            let slots: Vec<std::sync::Mutex<Option<Result<RunStats>>>> = (0..n).map(|_| std::sync::Mutex::new(None)).collect();
             rayon::scope(|s| {
-                for (slot, &(a, b)) in slots.iter_mut().zip(&chunks) {
-                    s.spawn(move |_| *slot = Some(run_range(k, p, sched, arrays, a, b, 1)));
+                for _ in 0..t {
+                    s.spawn(|_| loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(a, b)) = chunks.get(i) else { break };
+                        let r = run_range(k, p, sched, arrays, a, b, 1);
+                        *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                    });
                 }
             });
-            slots.into_iter().map(|r| r.expect("every chunk ran")).collect()
+            slots.into_iter().map(|r| r.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every chunk ran")).collect()
         };
         if results.iter().all(|r| r.is_ok()) {
             for r in results.into_iter().flatten() {
