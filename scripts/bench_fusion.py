@@ -4,17 +4,21 @@
 the JIT by default) vs torch.compile(backend="tessera") vs torch.compile (inductor, unless
 --no-inductor).
 
-    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python scripts/bench_fusion.py [--iters 7] [--size 4096]
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python scripts/bench_fusion.py [--iters 7] [--size 4096] [--threads N]
 
 Each figure is the median of --iters timed calls after one warm-up call (which compiles:
 the deferred path's kernels are cached by structure, inductor's by its own cache). The
 deferred call includes recording the ops and the flush (planning is a cache hit). Prints one
 line per workload with the medians in ms, each way's speed-up over strict eager, the
-deferred and tessera-compiled times over inductor's, and the kernels launched per call; then (unless --no-memory) the peak
+deferred and tessera-compiled times over inductor's, and the kernels launched per call, and
+under it the median CPU time a call of each way (process CPU time, all threads: on a machine
+other jobs load, the figure they disturb least; with --threads 1 the fair one, as OpenMP
+threads that spin-wait count too); then (unless --no-memory) the peak
 resident memory of one call of each way in a fresh process, above the inputs (VmHWM after
 resetting it through /proc/self/clear_refs; Linux).
 """
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -40,13 +44,21 @@ def rmsnorm(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+CPU = {}
+
+
 def median_ms(fn, iters):
+    """Median wall time of `iters` calls after a warm-up, in ms; their median CPU time of the
+    process (all threads) goes to CPU["last"]."""
     fn()
-    ts = []
+    ts, cs = [], []
     for _ in range(iters):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
+        cs.append(time.process_time() - c0)
+    CPU["last"] = statistics.median(cs) * 1e3
     return statistics.median(ts) * 1e3
 
 
@@ -56,10 +68,15 @@ def main():
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--threads", type=int, help="threads for torch (eager, inductor) and for the Tessera kernels (TESSERA_THREADS)")
     ap.add_argument("--peak", nargs=2, metavar=("WORKLOAD", "WAY"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.peak:
         return peak(a.peak[0], a.peak[1], a.size)
+    if a.threads:
+        # Read by the native module at its first kernel run, which comes after this.
+        os.environ["TESSERA_THREADS"] = str(a.threads)
+        torch.set_num_threads(a.threads)
     n = a.size
     x = torch.randn(n, n)
     w = torch.rand(n) + 0.5
@@ -67,6 +84,7 @@ def main():
     for name, f, args, nops in (("chain8", chain, (x,), 8), ("rmsnorm", rmsnorm, (x, w), 6)):
         want = f(*args)
         strict = median_ms(lambda: f(*args), a.iters)
+        cpu = {"strict": CPU["last"]}
 
         def deferred():
             with tessera.set_eager_mode(tessera.EagerMode.DEFER_AND_FUSE):
@@ -76,19 +94,24 @@ def main():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         fusion.reset_stats()
         defer = median_ms(deferred, a.iters)
+        cpu["deferred"] = CPU["last"]
         s = fusion.stats()
         kernels = s["kernels_launched"] / (a.iters + 1)
         line = f"{name:8s} ({nops} aten ops): strict {strict:8.1f} ms   deferred {defer:8.1f} ms ({kernels:.0f} kernel/call, hits {s['cache_hits']}) {strict / defer:5.2f}x faster"
         t = torch.compile(f, backend="tessera")
         torch.testing.assert_close(t(*args), want, rtol=1e-5, atol=1e-5)
         comp = median_ms(lambda: t(*args), a.iters)
+        cpu["compile(tessera)"] = CPU["last"]
         line += f"   compile(tessera) {comp:8.1f} ms {strict / comp:5.2f}x faster"
         if not a.no_inductor:
             c = torch.compile(f)
             torch.testing.assert_close(c(*args), want, rtol=1e-5, atol=1e-5)
             ind = median_ms(lambda: c(*args), a.iters)
+            cpu["inductor"] = CPU["last"]
             line += f"   inductor {ind:8.1f} ms {strict / ind:5.2f}x faster   deferred/inductor {defer / ind:5.2f}x   compile(tessera)/inductor {comp / ind:5.2f}x"
         print(line, flush=True)
+        ratios = f"   deferred/inductor {cpu['deferred'] / cpu['inductor']:5.2f}x" if "inductor" in cpu else ""
+        print(f"{'':8s} CPU time a call (median, all threads): " + ", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items()) + f"   strict/deferred {cpu['strict'] / cpu['deferred']:5.2f}x" + ratios, flush=True)
     if not a.no_memory:
         for name in ("chain8", "rmsnorm"):
             figures = []

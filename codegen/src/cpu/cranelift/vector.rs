@@ -7,7 +7,7 @@
 //!
 //! | op | bound | method |
 //! |---|---|---|
-//! | exp | 2 ulp | Cephes: `n = floor(x log2 e + 1/2)`, two-constant `ln 2`, degree-5 polynomial, scaled by `2^n` in two steps (so denormal results round once) |
+//! | exp | 2 ulp | Cephes: `n` = `x log2 e` rounded to nearest (a magic add), two-constant `ln 2`, degree-5 polynomial, scaled by `2^n` in two steps (so denormal results round once) |
 //! | log | 2 ulp | Cephes: mantissa in `[sqrt(1/2), sqrt(2))`, degree-8 polynomial, denormals scaled by `2^23` first |
 //! | tanh | 3 ulp | Cephes polynomial below 0.625, `1 - 2 / (exp(2|x|) + 1)` above |
 //! | erf | 3 ulp | Cephes polynomial `x P(x^2)` below 1; `1 - exp(-x^2) Q(1/x) / x` above (degree-8 `Q` fitted to `x erfc(x) e^{x^2}` on `[1, 4]`), 1 from 4 |
@@ -153,17 +153,6 @@ pub fn min_under_const(b: &mut FunctionBuilder, c: Value, x: Value) -> Value {
     vselect(b, lt, c, x)
 }
 
-/// The i32 lanes of f32 lanes holding integers of magnitude below 2^22: their bits after
-/// adding 1.5 * 2^23 (which puts the integer in the low mantissa bits, exactly), minus
-/// that constant's bits. Two instructions where a saturating conversion takes seven.
-fn small_int_bits(b: &mut FunctionBuilder, x: Value) -> Value {
-    let magic = fsplat(b, 12_582_912.0);
-    let s = b.ins().fadd(x, magic);
-    let s = as_i(b, s);
-    let m = isplat(b, 0x4b40_0000);
-    b.ins().isub(s, m)
-}
-
 /// Whether the host fuses multiply-adds in hardware (x86-64 with FMA3; every aarch64).
 /// Where it does not, Cranelift would call `fmaf` per lane, so the polynomials multiply
 /// and add instead (both within the bounds above).
@@ -214,16 +203,18 @@ fn copysign(b: &mut FunctionBuilder, mag: Value, sign_of: Value) -> Value {
 }
 
 pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
-    // A NaN passes both clamps and is selected at the end.
+    // A NaN passes both clamps (and makes the polynomial NaN).
     let lo = fsplat(b, -104.0);
     let hi = fsplat(b, 89.0);
     let xc = max_over_const(b, lo, x);
     let xc = min_under_const(b, hi, xc);
+    // n = x log2 e rounded to nearest by the magic add: `t = x log2 e + 1.5 * 2^23` holds
+    // the integer in its low mantissa bits (|x log2 e| < 2^22), so `t - 1.5 * 2^23` is
+    // `n` as a float, exactly, and the difference of the bits is `n` as an integer.
     let log2e = fsplat(b, std::f32::consts::LOG2_E);
-    let half = fsplat(b, 0.5);
-    let t = b.ins().fmul(xc, log2e);
-    let t = b.ins().fadd(t, half);
-    let fx = b.ins().floor(t);
+    let magic = fsplat(b, 12_582_912.0);
+    let t = mul_add(b, xc, log2e, magic);
+    let fx = b.ins().fsub(t, magic);
     // r = x - fx ln 2 in two steps (`fx * c1` is exact: c1 has 10 significant bits).
     let c1 = fsplat(b, -0.693_359_4);
     let c2 = fsplat(b, 2.121_944_4e-4);
@@ -234,22 +225,23 @@ pub fn exp(b: &mut FunctionBuilder, x: Value) -> Value {
     let p = mul_add(b, p, z, r);
     let one = fsplat(b, 1.0);
     let p = b.ins().fadd(p, one);
-    // `fx` is an integer in [-150, 129] (or NaN, selected away below).
-    let n = small_int_bits(b, fx);
-    let n1 = b.ins().sshr_imm_s(n, 1);
-    let n2 = b.ins().isub(n, n1);
-    let bias = isplat(b, 127);
-    let e1 = b.ins().iadd(n1, bias);
-    let e1 = b.ins().ishl_imm_s(e1, 23);
-    let e2 = b.ins().iadd(n2, bias);
-    let e2 = b.ins().ishl_imm_s(e2, 23);
+    // `n` is an integer in [-150, 128] (garbage for a NaN `x`, whose NaN `p` wins below).
+    // 2^n as 2^n1 * 2^n2 with n1 = floor(n / 2), n2 = n - n1 (each factor normal, so a
+    // denormal result is rounded once, by the last product). With m = n + 2 * 127 (the
+    // bits of `t` minus the magic's, bias folded in), m >> 1 = n1 + 127 and
+    // m - (m >> 1) = n2 + 127: the factors' biased exponents.
+    let magic_bits = isplat(b, 0x4b40_0000 - 2 * 127);
+    let t = as_i(b, t);
+    let m = b.ins().isub(t, magic_bits);
+    let m1 = b.ins().sshr_imm_s(m, 1);
+    let m2 = b.ins().isub(m, m1);
+    let e1 = b.ins().ishl_imm_s(m1, 23);
+    let e2 = b.ins().ishl_imm_s(m2, 23);
     let s1 = as_f(b, e1);
     let s2 = as_f(b, e2);
+    // NaN in, NaN out: the clamps keep a NaN, so `p` is NaN and so is the product.
     let y = b.ins().fmul(p, s1);
-    let y = b.ins().fmul(y, s2);
-    // NaN in, NaN out (the clamps already propagate it; keep it explicit).
-    let nan = b.ins().fcmp(FloatCC::Unordered, x, x);
-    vselect(b, nan, x, y)
+    b.ins().fmul(y, s2)
 }
 
 pub fn log(b: &mut FunctionBuilder, x: Value) -> Value {
@@ -324,14 +316,12 @@ pub fn tanh(b: &mut FunctionBuilder, x: Value) -> Value {
     let s1 = b.ins().fadd(s, one);
     let q = b.ins().fdiv(two, s1);
     let large = b.ins().fsub(one, q);
-    let large = copysign(b, large, x);
     let lim = fsplat(b, 0.625);
     let is_small = b.ins().fcmp(FloatCC::LessThan, a, lim);
     let r = vselect(b, is_small, small, large);
-    // Keep the sign of zero.
-    let zero = fsplat(b, 0.0);
-    let is_zero = b.ins().fcmp(FloatCC::Equal, x, zero);
-    vselect(b, is_zero, x, r)
+    // x's sign: `large` is |tanh x|, `small` already has it (|x p z| < |x|) except that
+    // -0 gives +0; a NaN (which takes `large`) stays NaN.
+    copysign(b, r, x)
 }
 
 pub fn erf(b: &mut FunctionBuilder, x: Value) -> Value {
