@@ -24,6 +24,7 @@ runs on one thread (its pool's hand-offs dominated).
     TESSERA_FUSION_EXAMPLES=10000 TESSERA_FUSION_BACKWARD_EXAMPLES=2000 \
     TESSERA_FUSION_COMPILE_EXAMPLES=2000 ... pytest tests/python/test_fusion_random.py
 """
+import contextlib
 import os
 import random
 
@@ -44,13 +45,23 @@ CFG = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(
 @pytest.fixture(autouse=True, scope="module")
 def _no_churn_limit():
     """Examples share structures at many shapes: keep every one on the fused path."""
-    old = os.environ.get("TESSERA_FUSION_SHAPES")
-    os.environ["TESSERA_FUSION_SHAPES"] = str(1 << 30)
-    yield
-    if old is None:
-        os.environ.pop("TESSERA_FUSION_SHAPES")
-    else:
-        os.environ["TESSERA_FUSION_SHAPES"] = old
+    with _env("TESSERA_FUSION_SHAPES", str(1 << 30)):
+        yield
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    """The environment variable `name` set to `value` inside the block (read by the engine
+    at every flush), restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -308,13 +319,8 @@ def interpreter_backend():
     new structure, and compiling each on the JIT (1-30 ms) took ~2/3 of the tier's time; the
     JIT is held to the interpreter by the conformance suite, and runs the forward and
     torch.compile tiers here."""
-    old = os.environ.get("TESSERA_BACKEND")
-    os.environ["TESSERA_BACKEND"] = "interp"
-    yield
-    if old is None:
-        os.environ.pop("TESSERA_BACKEND")
-    else:
-        os.environ["TESSERA_BACKEND"] = old
+    with _env("TESSERA_BACKEND", "interp"):
+        yield
 
 
 @settings(max_examples=BACKWARD_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
