@@ -1,0 +1,1 @@
+//! Intentionally empty: see this crate's Cargo.toml for why it exists.
