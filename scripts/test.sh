@@ -38,7 +38,7 @@ cargo test --workspace --release --exclude tessera-torch --exclude tessera-examp
     --features tessera-tests/llvm,tessera-cli/llvm 2>&1
 
 step "the torch example's Rust tests (its kernel and op without the Python module: no libpython to link)"
-cargo test --release -p tessera-example --no-default-features --features tessera/llvm 2>&1
+cargo test --release -p tessera-example --no-default-features --features tessera/llvm,cli 2>&1
 
 step "tessera run --all on the JIT (f32 and bf16; LLVM's library runs are in the conformance suite)"
 for d in f32 bf16; do

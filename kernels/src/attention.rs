@@ -998,20 +998,20 @@ const BWD_CASES: &[Case] = &[
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "flash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_flash_attention_fwd, reference: Some(ref_forward),
+        name: "flash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_flash_attention_fwd, reference: Some(ref_forward), knobs: crate::tune::ATTENTION,
         inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: FWD_OUTPUTS,
         backward: Some(Backward { op: "flash_attention_bwd", args: "q, k, v, o, lse, d_o, causal, sm_scale, soft_cap, q_segment_ids, kv_segment_ids, window_left, window_right", grads: &["q", "k", "v"] }),
         cases: FWD_CASES, random: Some(forward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward),
+        name: "flash_attention_bwd", doc: "(dq, dk, dv) of flash attention: di = rowsum(do * o), a dkv kernel summing a kv head's query heads in VMEM, a dq kernel", schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> (Tensor, Tensor, Tensor)", plan: plan_flash_attention_bwd, reference: Some(ref_backward), knobs: crate::tune::ATTENTION,
         inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq, 1?]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, Q_SEG, KV_SEG], outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
         cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {
         name: "flash_attention", doc: "flash attention's output o (differentiable; torch_xla's signature), flash_attention_fwd's first result", schema: "(Tensor q, Tensor k, Tensor v, bool causal=False, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None, int? window_left=None, int? window_right=None, int? block_q=None, int? block_kv=None) -> Tensor",
         inputs: &[Q, K, V, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
-        alias_of: Some(("flash_attention_fwd", 0)), ..Op::EMPTY
+        alias_of: Some(("flash_attention_fwd", 0)), knobs: crate::tune::ATTENTION, ..Op::EMPTY
     },
 ];
 

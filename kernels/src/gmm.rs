@@ -582,13 +582,13 @@ const GMM_CASES: &[Case] = &[
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm),
+        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm), knobs: crate::tune::GMM,
         inputs: &[LHS, RHS, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
         backward: Some(Backward { op: "gmm_bwd", args: "lhs, rhs, group_sizes, d_out, transpose_rhs", grads: &["lhs", "rhs"] }),
         cases: GMM_CASES, random: Some(random_inputs), ..Op::EMPTY
     },
     Op {
-        name: "tgmm", doc: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows of g]^T @ grad[rows of g], zeros for empty groups; m-tiles are the reduction axis", schema: "(Tensor lhs, Tensor grad, Tensor group_sizes, int[]? tiling=None) -> Tensor", plan: plan_tgmm, reference: Some(ref_tgmm),
+        name: "tgmm", doc: "transposed grouped matmul (MoE weight gradient): out[g] = lhs[rows of g]^T @ grad[rows of g], zeros for empty groups; m-tiles are the reduction axis", schema: "(Tensor lhs, Tensor grad, Tensor group_sizes, int[]? tiling=None) -> Tensor", plan: plan_tgmm, reference: Some(ref_tgmm), knobs: crate::tune::GMM,
         inputs: &[LHS, Input { name: "grad", dims: "[m, n]", kind: Kind::Float }, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[group_sizes.0, lhs.1, grad.1]", dtype: "lhs" }],
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 512], &[1024, 512], &[8]] }, Case { name: "alt", statics: "", shapes: &[&[1000, 768], &[1000, 384], &[6]] }], random: Some(random_inputs), ..Op::EMPTY
     },

@@ -143,6 +143,9 @@ pub struct Op {
     /// An op that is result `.1` of op `.0` under the same schema (its plan is that op's):
     /// `flash_attention` is `flash_attention_fwd`'s `o`.
     pub alias_of: Option<(&'static str, usize)>,
+    /// The block statics `tessera tune` varies, with the values to try (empty: nothing to
+    /// tune, the blocks follow from the shapes). Each names an `int` static of the schema.
+    pub knobs: &'static [crate::tune::Knob],
 }
 
 impl Op {
@@ -160,6 +163,7 @@ impl Op {
         random: None,
         reference: None,
         alias_of: None,
+        knobs: &[],
     };
 
     /// The parsed schema (parsed once per op name and cached).
@@ -196,10 +200,10 @@ impl Op {
     /// The plan of one call: the op's plan builder on these input types and statics, after
     /// the inputs are checked against the op's contract ([`crate::contract::check_inputs`]),
     /// its results bounded by the target's HBM.
-    /// Block statics left unset take the shipped tuning table's blocks when it holds this
-    /// exact call ([`crate::tune::tuned_statics`]).
+    /// Block statics left unset take a tuning table's blocks when one holds this exact call
+    /// ([`crate::tune::tuned_statics`]).
     pub fn plan_for(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
-        let tuned = crate::tune::tuned_statics(self, inputs, statics, target.name).map(|best| self.statics(&format!("{statics}, {best}"))).transpose()?;
+        let tuned = crate::tune::tuned_statics(self, inputs, statics, target.name)?.map(|best| self.statics(&format!("{statics}, {best}"))).transpose()?;
         let mut plan = self.unchecked_plan(inputs, tuned.as_ref().unwrap_or(statics), target)?;
         self.check_results(&plan, target)?;
         plan.inputs = inputs.to_vec();

@@ -1,27 +1,34 @@
-//! What `tessera tune` varies: per op, the block statics and the values a TPU engineer would
-//! try (the MXU edge and its multiples for attention blocks, power-of-two page counts for
-//! paged attention, gmm's `(tm, tk, tn)` tilings). The tuner enumerates the product of an
-//! op's knobs, lets the plan builder and the verifier prune what cannot run (tiling rules,
+//! What `tessera tune` varies and where its results live. An op's knobs ([`Op::knobs`]) are
+//! its block statics and the values a TPU engineer would try (the MXU edge and its multiples
+//! for attention blocks, power-of-two page counts for paged attention, gmm's `(tm, tk, tn)`
+//! tilings); a user's op declares its own the same way. The tuner enumerates the product of
+//! an op's knobs, lets the plan builder and the verifier prune what cannot run (tiling rules,
 //! VMEM with the calibrated margin), and ranks the survivors by libtpu's static cost.
 //!
-//! A knob names a static of the op's schema (a test holds every knob to that); an op with
-//! no knobs has nothing to tune (its blocks follow from the shapes).
+//! A knob names an int static of the op's schema (a test holds every library knob to that);
+//! an op with no knobs has nothing to tune (its blocks follow from the shapes).
 //!
-//! # The shipped table
+//! # Tables
 //!
-//! `kernels/tuned.json` is a table `tessera tune --save` wrote (format 1: each entry the op,
-//! case, target, dtype, input shapes, the other statics, the libtpu version and every
-//! candidate's figures, so a run can be repeated and compared). A call whose knobs are all
-//! left unset and whose op, target, float dtype, input shapes and other statics are exactly
-//! an entry's takes that entry's best blocks ([`Op::plan_for`]); any other call keeps the
-//! op's own defaults. Exact keys, as serving stacks' tuned block tables are: a shape the
-//! table does not hold is never guessed from a neighbour.
+//! `tessera tune --save FILE` writes a format-1 table: each entry the op, case, target,
+//! dtype, input shapes, the other statics, the libtpu version and every candidate's figures,
+//! so a run can be repeated and compared. A call whose op, target, float dtype, input shapes and
+//! statics (the tuned knobs left unset, any knob the run fixed given) are exactly an entry's
+//! takes that entry's best blocks ([`Op::plan_for`]); any other call keeps the op's own defaults. Exact
+//! keys, as serving stacks' tuned block tables are: a shape the table does not hold is never
+//! guessed from a neighbour.
+//!
+//! Where entries come from, first match wins:
+//! 1. tables added at run time, the latest first: [`add_table`] (a user crate embedding its
+//!    own `tuned.json`), [`load_table_file`] (`tessera.load_tuning_table(path)` in Python);
+//! 2. the files listed in `TESSERA_TUNING_TABLES` (`:`-separated), read at the first lookup;
+//! 3. the library's shipped table, `kernels/tuned.json`.
 
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock};
 
-use tessera_dsl::Type;
+use tessera_dsl::{KernelError, Type};
 
-use crate::op::{Op, Static, Statics};
+use crate::op::{Op, Statics};
 
 /// One static the tuner varies, and its candidate values (schema literals).
 #[derive(Clone, Copy, Debug)]
@@ -30,34 +37,31 @@ pub struct Knob {
     pub values: &'static [&'static str],
 }
 
-const ATTENTION: &[Knob] = &[
+/// Flash attention's `block_q` x `block_kv`.
+pub const ATTENTION: &[Knob] = &[
     Knob { name: "block_q", values: &["128", "256", "512", "1024"] },
     Knob { name: "block_kv", values: &["128", "256", "512", "1024"] },
 ];
 
-const GMM: &[Knob] = &[Knob {
+/// gmm's and tgmm's `(tm, tk, tn)` tiling.
+pub const GMM: &[Knob] = &[Knob {
     name: "tiling",
     values: &["[128, 128, 128]", "[256, 256, 256]", "[512, 256, 256]", "[256, 512, 512]", "[512, 512, 512]", "[512, 1024, 1024]", "[1024, 512, 512]"],
 }];
 
-/// The knobs of op `name` (empty: nothing to tune).
-pub fn knobs(name: &str) -> &'static [Knob] {
-    match name {
-        "flash_attention_fwd" | "flash_attention_bwd" | "flash_attention" => ATTENTION,
-        "gmm" | "tgmm" => GMM,
-        "paged_attention" => &[Knob { name: "pages_per_compute_block", values: &["1", "2", "4", "8", "16", "32", "64"] }],
-        "ragged_paged_attention" => &[
-            Knob { name: "num_queries_per_block", values: &["16", "32", "64", "128"] },
-            Knob { name: "num_kv_pages_per_block", values: &["4", "8", "16", "32"] },
-        ],
-        _ => &[],
-    }
-}
+/// Paged attention's pages per compute block.
+pub const PAGED_ATTENTION: &[Knob] = &[Knob { name: "pages_per_compute_block", values: &["1", "2", "4", "8", "16", "32", "64"] }];
+
+/// Ragged paged attention's query and kv-page blocks.
+pub const RAGGED_PAGED_ATTENTION: &[Knob] = &[
+    Knob { name: "num_queries_per_block", values: &["16", "32", "64", "128"] },
+    Knob { name: "num_kv_pages_per_block", values: &["4", "8", "16", "32"] },
+];
 
 /// Every combination of `op`'s knob values as `name=value, ...` statics (in knob order,
 /// the last knob varying fastest); a knob `fixed` already sets (`--statics`) is left out.
 pub fn candidates(op: &Op, fixed: &[&str]) -> Vec<String> {
-    let knobs: Vec<&Knob> = knobs(op.name).iter().filter(|k| !fixed.contains(&k.name)).collect();
+    let knobs: Vec<&Knob> = op.knobs.iter().filter(|k| !fixed.contains(&k.name)).collect();
     if knobs.is_empty() {
         return Vec::new();
     }
@@ -68,8 +72,8 @@ pub fn candidates(op: &Op, fixed: &[&str]) -> Vec<String> {
     out
 }
 
-/// One entry of the shipped table: its key and its best statics.
-#[derive(Debug)]
+/// One entry of a tuning table: its key and its best statics.
+#[derive(Clone, Debug)]
 pub struct Tuned {
     pub op: String,
     pub target: String,
@@ -88,14 +92,65 @@ pub fn table() -> &'static [Tuned] {
     TABLE.get_or_init(|| parse(include_str!("../tuned.json")).expect("kernels/tuned.json is a format-1 tuning table"))
 }
 
+/// Tables added at run time, in the order they were added.
+static ADDED: RwLock<Vec<Tuned>> = RwLock::new(Vec::new());
+
+/// Bumped by every [`add_table`]: plan caches keyed on it drop plans made before.
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many tables were added at run time: a plan cache that remembers it can tell its
+/// plans may predate a table's blocks.
+pub fn generation() -> u64 {
+    GENERATION.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Adds the entries of a format-1 table (the text `tessera tune --save` wrote; `source`
+/// names it in errors) ahead of every table added before and of the shipped one. Returns
+/// how many entries have a best candidate (entries whose every candidate failed are kept
+/// out: they set nothing).
+pub fn add_table(text: &str, source: &str) -> Result<usize, KernelError> {
+    let entries = parse(text).map_err(|m| KernelError::new("tessera tune", source, "tuning-table", format!("not a tuning table: {m}"), "pass a file `tessera tune --save FILE` wrote (format 1)"))?;
+    let n = entries.len();
+    let mut added = ADDED.write().unwrap_or_else(|e| e.into_inner());
+    // Latest first: prepend.
+    let mut all = entries;
+    all.append(&mut added);
+    *added = all;
+    GENERATION.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    Ok(n)
+}
+
+/// [`add_table`] of a file.
+pub fn load_table_file(path: &std::path::Path) -> Result<usize, KernelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| KernelError::new("tessera tune", path.display().to_string(), "tuning-table", format!("cannot read the tuning table: {e}"), "pass the path of a file `tessera tune --save FILE` wrote"))?;
+    add_table(&text, &path.display().to_string())
+}
+
+/// The tables of `TESSERA_TUNING_TABLES`, read once.
+fn env_tables() -> Result<&'static [Tuned], KernelError> {
+    static ENV: OnceLock<Result<Vec<Tuned>, KernelError>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let Some(paths) = std::env::var_os("TESSERA_TUNING_TABLES") else { return Ok(Vec::new()) };
+        let mut out = Vec::new();
+        for path in std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()) {
+            let bad = |m: String| KernelError::new("tessera tune", format!("TESSERA_TUNING_TABLES: {}", path.display()), "tuning-table", m, "list files `tessera tune --save FILE` wrote, separated by `:`, or unset TESSERA_TUNING_TABLES");
+            let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot read the tuning table: {e}")))?;
+            out.extend(parse(&text).map_err(|m| bad(format!("not a tuning table: {m}")))?);
+        }
+        Ok(out)
+    })
+    .as_deref()
+    .map_err(Clone::clone)
+}
+
 /// The entries of a format-1 table with a best candidate.
 fn parse(text: &str) -> Result<Vec<Tuned>, String> {
     let doc: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
     if doc["format"] != 1 {
-        return Err(format!("format {}", doc["format"]));
+        return Err(format!("format {} (this tessera reads format 1)", doc["format"]));
     }
     let str_of = |v: &serde_json::Value| v.as_str().map(str::to_string);
-    let entries = doc["entries"].as_array().ok_or("no entries")?;
+    let entries = doc["entries"].as_array().ok_or("no `entries` list")?;
     Ok(entries
         .iter()
         .filter_map(|e| {
@@ -105,28 +160,31 @@ fn parse(text: &str) -> Result<Vec<Tuned>, String> {
         .collect())
 }
 
-/// The shipped table's best knobs (`name=value, ...`) for a call of `op` with these input
-/// types and statics on `target`, when every knob is unset and the table holds exactly this
-/// call; `None` otherwise.
-pub fn tuned_statics(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Option<&'static str> {
-    let knobs = knobs(op.name);
-    if knobs.is_empty() || knobs.iter().any(|k| !matches!(statics.get(k.name), Static::None)) {
-        return None;
+/// The best knobs (`name=value, ...`) the tables hold for a call of `op` with these input
+/// types and statics on `target`, when a table holds exactly this call; `None` otherwise.
+/// The statics compare whole: an entry tuned with a knob fixed (`--statics block_cols=256`)
+/// serves calls that give that value and leave the tuned knobs unset. An error only when
+/// `TESSERA_TUNING_TABLES` names a bad file.
+pub fn tuned_statics(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Result<Option<String>, KernelError> {
+    if op.knobs.is_empty() {
+        return Ok(None);
     }
     // The run's float dtype (the CLI's `--dtype`): its first float input's.
-    let dtype = op.inputs.iter().zip(inputs).find(|(i, _)| i.kind == crate::op::Kind::Float).and_then(|(_, t)| t.as_ref()).map(|t| t.dtype.name())?;
+    let Some(dtype) = op.inputs.iter().zip(inputs).find(|(i, _)| i.kind == crate::op::Kind::Float || i.kind == crate::op::Kind::AnyFloat).and_then(|(_, t)| t.as_ref()).map(|t| t.dtype.name()) else { return Ok(None) };
     let statics = statics.to_string();
     // An alias (`flash_attention`) plans as its source op: it takes the source's entries.
     let name = op.alias_of.map_or(op.name, |(of, _)| of);
-    table()
-        .iter()
-        .find(|e| {
-            e.op == name
-                && e.target == target
-                && e.dtype == dtype
-                && e.statics == statics
-                && e.shapes.len() == op.inputs.iter().zip(inputs).filter(|(_, t)| t.is_some()).count()
-                && e.shapes.iter().all(|(name, shape)| op.inputs.iter().position(|i| i.name == name).and_then(|i| inputs.get(i)?.as_ref()).is_some_and(|t| &t.shape == shape))
-        })
-        .map(|e| e.best.as_str())
+    let matches = |e: &&Tuned| {
+        e.op == name
+            && e.target == target
+            && e.dtype == dtype
+            && e.statics == statics
+            && e.shapes.len() == op.inputs.iter().zip(inputs).filter(|(_, t)| t.is_some()).count()
+            && e.shapes.iter().all(|(name, shape)| op.inputs.iter().position(|i| i.name == name).and_then(|i| inputs.get(i)?.as_ref()).is_some_and(|t| &t.shape == shape))
+    };
+    let added = ADDED.read().unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = added.iter().find(matches) {
+        return Ok(Some(e.best.clone()));
+    }
+    Ok(env_tables()?.iter().chain(table()).find(matches).map(|e| e.best.clone()))
 }

@@ -32,12 +32,12 @@ if not hasattr(tessera, "register_ops"):
     pytest.skip("this tessera build has no register_ops", allow_module_level=True)
 
 
-def scaled_silu_fake(x, scale, beta=1.0):
+def scaled_silu_fake(x, scale, beta=1.0, block_rows=None, block_cols=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def scaled_silu_setup(ctx, inputs, output):
-    x, scale, beta = inputs
+    x, scale, beta = inputs[:3]  # then the block statics
     ctx.save_for_backward(x, scale)
     ctx.beta = beta
 
@@ -49,7 +49,7 @@ def scaled_silu_backward(ctx, dy):
     sig = torch.sigmoid(ctx.beta * xf)
     dx = g * sf * sig * (1 + ctx.beta * xf * (1 - sig))
     dscale = (g * xf * sig).reshape(-1, xf.shape[-1]).sum(0)
-    return dx.to(x.dtype), dscale.reshape(scale.shape).to(scale.dtype), None
+    return dx.to(x.dtype), dscale.reshape(scale.shape).to(scale.dtype), None, None, None
 
 
 OP = None  # torch.ops.tpu.scaled_silu, once registered
@@ -90,7 +90,7 @@ def inputs(shape, dtype, seed=0):
 def test_registered_in_tpu_namespace():
     assert isinstance(OP, torch._ops.OpOverloadPacket)
     assert OP.default.name() == "tpu::scaled_silu"
-    assert OP.default._schema == torch._C.parse_schema("tpu::scaled_silu(Tensor x, Tensor scale, float beta=1.0) -> Tensor")
+    assert OP.default._schema == torch._C.parse_schema("tpu::scaled_silu(Tensor x, Tensor scale, float beta=1.0, int? block_rows=None, int? block_cols=None) -> Tensor")
     assert [o["name"] for o in tessera_example.op_table()] == ["scaled_silu"]
     with pytest.raises(ValueError, match="already registered"):
         tessera.register_ops(tessera_example, fakes={"scaled_silu": scaled_silu_fake})
@@ -235,3 +235,55 @@ print("ok")
     env = dict(__import__("os").environ, TESSERA_PLAN_CACHE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def _x_blocks(plan):
+    """`[rows,cols]` of x's block in launch 0 (`@0 x: input bf16[..] vmem block [256,1024] at ..`)."""
+    line = next(l for l in plan.kernel_ir(0).splitlines() if "@0 x:" in l)
+    return line.split("block ")[1].split(" ")[0]
+
+
+def test_shipped_tuning_table_sets_the_blocks():
+    """The crate's tuned.json (written by `tessera-example tune --save`, added by its module
+    at import) gives the op its best blocks at the shapes it holds; given blocks still win,
+    and a shape it does not hold keeps the row rule."""
+    import json
+
+    table = json.loads(open(os.path.join(os.path.dirname(__file__), "../../interop/torch/example/tuned.json")).read())
+    changed = 0
+    for e in table["entries"]:
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[e["dtype"]]
+        x, scale = torch.empty(e["shapes"]["x"], dtype=dtype), torch.empty(e["shapes"]["scale"], dtype=dtype)
+        rows, cols = (int(kv.split("=")[1]) for kv in e["best"].split(", "))
+        statics = dict(kv.split("=") for kv in e["statics"].split(", "))
+        assert statics["block_rows"] == statics["block_cols"] == "None"
+        beta = float(statics["beta"])  # the key is exact: the tuned call's beta
+        plan = _tpu.plan_for(tessera_example, "scaled_silu", (beta,), [x, scale], e["target"])
+        assert _x_blocks(plan) == f"[{rows},{cols}]", (e["target"], e["best"])
+        assert _x_blocks(_tpu.plan_for(tessera_example, "scaled_silu", (beta, 8, 128), [x, scale], e["target"])) == "[8,128]"
+        rule = _x_blocks(_tpu.plan_for(tessera_example, "scaled_silu", (beta,), [torch.empty(x.shape[0] + 8, x.shape[1], dtype=dtype), scale], e["target"]))
+        changed += rule != f"[{rows},{cols}]"
+    assert changed, "some entry must choose other blocks than the row rule, or this test proves nothing"
+
+
+def test_load_tuning_table_changes_the_blocks_and_keeps_the_numbers(tmp_path):
+    """`tessera.load_tuning_table` (a table `tessera-example tune --save` wrote; here one
+    entry in that format) reaches the user module's op: cached plans are dropped, the next
+    call plans with the table's blocks, and its result still matches PyTorch."""
+    import json
+
+    x, scale = inputs((96, 384), torch.float32, seed=3)
+    before = _x_blocks(_tpu.plan_for(tessera_example, "scaled_silu", (0.5,), [x, scale], tessera.get_target()))
+    OP(x, scale, beta=0.5)  # cache the plan under the old blocks
+    entry = {"op": "scaled_silu", "case": "default", "target": tessera.get_target(), "dtype": "f32", "shapes": {"x": [96, 384], "scale": [384]},
+             "statics": "beta=0.5, block_rows=None, block_cols=None", "best": "block_rows=32, block_cols=128", "candidates": []}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"format": 1, "libtpu": "test", "entries": [entry]}))
+    assert tessera.load_tuning_table(path) == 1
+    after = _x_blocks(_tpu.plan_for(tessera_example, "scaled_silu", (0.5,), [x, scale], tessera.get_target()))
+    assert (before, after) == ("[96,384]", "[32,128]")
+    torch.testing.assert_close(OP(x, scale, beta=0.5), reference(x, scale, 0.5))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(Exception, match=r"bad\.json.*not a tuning table"):
+        tessera.load_tuning_table(bad)

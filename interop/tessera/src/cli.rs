@@ -499,7 +499,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
     }
     let mut entries = Vec::new();
     for sel in selection(t, s)? {
-        let knobs = tessera_kernels::tune::knobs(sel.op.name);
+        let knobs = sel.op.knobs;
         let fixed: Vec<&str> = knobs.iter().filter(|k| !matches!(sel.statics.get(k.name), tessera_kernels::Static::None)).map(|k| k.name).collect();
         let all = tessera_kernels::tune::candidates(sel.op, &fixed);
         if all.is_empty() {

@@ -43,6 +43,7 @@ pub use tessera_dsl::interp::Array;
 pub use tessera_dsl::{DType, Kernel, KernelError, Target, Type, Warning};
 pub use tessera_kernels as kernels;
 pub use tessera_kernels::plan::{result, single, Launch, Operand};
+pub use tessera_kernels::tune::{self, Knob};
 pub use tessera_kernels::{library, Call, Case, Input, Kind, Op, Output, Plan, Static, Statics};
 pub use tessera_macros::{tpu_fn, tpu_kernel};
 

@@ -112,8 +112,9 @@ fn plan_for(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target:
 fn plan_for_call(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], target: &Target) -> Result<Arc<Plan>, KernelError> {
     // The common case, the same call again: this thread's last plan of the op, found by a
     // comparison instead of formatting and hashing the LRU key.
+    let tables = tessera_kernels::tune::generation();
     let memo_hit = LAST_PLANS.with(|m| {
-        m.borrow().iter().find(|e| std::ptr::eq(e.op, op) && e.target == target.name && e.inputs == inputs && same_statics(&e.statics, statics)).map(|e| e.plan.clone())
+        m.borrow().iter().find(|e| std::ptr::eq(e.op, op) && e.tables == tables && e.target == target.name && e.inputs == inputs && same_statics(&e.statics, statics)).map(|e| e.plan.clone())
     });
     if let Some(plan) = memo_hit {
         MEMO_HITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -123,7 +124,7 @@ fn plan_for_call(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], ta
     LAST_PLANS.with(|m| {
         let mut m = m.borrow_mut();
         m.retain(|e| !std::ptr::eq(e.op, op));
-        m.push(LastPlan { op, target: target.name, inputs: inputs.to_vec(), statics: statics.clone(), plan: plan.clone() });
+        m.push(LastPlan { op, tables, target: target.name, inputs: inputs.to_vec(), statics: statics.clone(), plan: plan.clone() });
     });
     Ok(plan)
 }
@@ -131,6 +132,9 @@ fn plan_for_call(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], ta
 /// One op's last plan on a thread ([`plan_for_call`]'s memo: at most one per op).
 struct LastPlan {
     op: &'static Op,
+    /// The tuning tables' generation the plan was made under (a table added since may
+    /// change its blocks).
+    tables: u64,
     target: &'static str,
     inputs: Vec<Option<Type>>,
     statics: Statics,
@@ -179,6 +183,16 @@ fn plan_from_cache(op: &'static Op, statics: &Statics, inputs: &[Option<Type>], 
     })
     .map_err(cache_err)?;
     Ok(plan)
+}
+
+/// Adds the tuning table at `path` (what `tessera tune --save` wrote) ahead of the ones
+/// this module already reads, and drops the cached plans, so the next call of an op the
+/// table holds takes its blocks. Returns the number of tuned entries in the file.
+#[pyfunction]
+fn load_tuning_table(path: std::path::PathBuf) -> PyResult<usize> {
+    let n = tessera_kernels::tune::load_table_file(&path).map_err(py_err)?;
+    with_plans(|c| c.plans.clear()).map_err(PyValueError::new_err)?;
+    Ok(n)
 }
 
 /// `{"plans": {...}, "cpu_code": {...}}`: each cache's entries, capacity, hits and misses
@@ -535,6 +549,11 @@ impl PyPlan {
         self.0.launches.len()
     }
 
+    /// Launch `i`'s kernel as IR text: its grid, operands with their blocks, and body.
+    fn kernel_ir(&self, i: usize) -> PyResult<String> {
+        Ok(self.launch(i)?.kernel.to_string())
+    }
+
     /// Launch `i`'s kernel name (unique within the op).
     fn kernel_name(&self, i: usize) -> PyResult<String> {
         Ok(format!(
@@ -669,6 +688,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(load_tuning_table, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(set_target, m)?)?;
     m.add_function(wrap_pyfunction!(register_cpu_kernels, m)?)?;

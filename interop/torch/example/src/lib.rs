@@ -12,7 +12,7 @@
 //! as `torch.ops.tpu.<name>`, the way the library registers its own.
 
 use tessera::kernels::blocks::{row_tiles, RowTiles};
-use tessera::{single, tpu_kernel, Array, Call, Input, Kind, KernelError, Op, Output, Plan, Statics, Target, Type};
+use tessera::{single, tpu_kernel, Array, Call, Input, Kind, KernelError, Knob, Op, Output, Plan, Statics, Target, Type};
 
 // ---- 1. the kernel ------------------------------------------------------------------------------
 
@@ -46,7 +46,13 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
     let x = c.rows("x")?;
     let scale = c.row_vector("scale", x.shape[1])?;
     let beta = c.statics.f64("beta").unwrap_or(1.0) as f32; // statics by name, defaults filled in
+    // Blocks: given (or set by a tuning table, see `KNOBS`), else the library's row rule.
     let RowTiles { bm, bn } = blocks(&x, c.target);
+    let block = |name: &str, default: usize| match c.usize_opt(name)? {
+        Some(0) => Err(c.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
+        given => Ok(given.unwrap_or(default)),
+    };
+    let (bm, bn) = (block("block_rows", bm)?, block("block_cols", bn)?);
     let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), bm, bn, beta)?;
     let out_shape = c.tensor("x")?.shape.clone(); // the [m, n] output seen with x's shape
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("scale", scale)?], &[Some(out_shape)]))
@@ -62,9 +68,22 @@ fn reference_entry(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
     vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), s.f64("beta").unwrap_or(1.0))]
 }
 
+/// What `tessera tune` tries for the blocks (`cargo run --release -p tessera-example
+/// --no-default-features --features cli -- tune scaled_silu --target v6e --save tuned.json`):
+/// sublane multiples of rows by lane multiples of columns; the plan builder and the
+/// verifier prune what a shape, dtype or target cannot take.
+pub const KNOBS: &[Knob] = &[
+    Knob { name: "block_rows", values: &["8", "16", "32", "64", "128", "256", "512"] },
+    Knob { name: "block_cols", values: &["128", "256", "512", "1024", "2048"] },
+];
+
+/// The tuning table this crate ships (what `tessera tune --save tuned.json` wrote); the
+/// Python module adds it at import, so `torch.ops.tpu.scaled_silu` takes its blocks.
+pub const TUNED: &str = include_str!("../tuned.json");
+
 /// This crate's ops.
 pub const OPS: &[Op] = &[Op {
-                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] (or [1, n]) broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0) -> Tensor", plan: plan_scaled_silu,
+                             name: "scaled_silu", doc: "x * sigmoid(beta * x) * scale (Swish-beta; silu(x) * scale at beta=1), scale [n] (or [1, n]) broadcast over rows; the result has x's dtype", schema: "(Tensor x, Tensor scale, float beta=1.0, int? block_rows=None, int? block_cols=None) -> Tensor", plan: plan_scaled_silu, knobs: KNOBS,
                              inputs: &[Input { name: "x", dims: "[..., n]", kind: Kind::AnyFloat }, Input { name: "scale", dims: "[1?, n]", kind: Kind::AnyFloat }], outputs: &[Output { name: "out", shape: "x", dtype: "x" }],
                              cases: &[tessera::Case { name: "default", statics: "beta=1.702", shapes: &[&[512, 1024], &[1024]] }], reference: Some(reference_entry),
                              ..Op::EMPTY
@@ -75,5 +94,6 @@ pub const OPS: &[Op] = &[Op {
 #[cfg(feature = "python")]
 #[pyo3::pymodule]
 fn tessera_example(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+    tessera::tune::add_table(TUNED, "tessera_example/tuned.json").map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     tessera_torch::init_module(m, OPS)
 }

@@ -43,3 +43,44 @@ fn op_numerics() {
     });
     testing::assert_op_numerics(&OPS[0], "beta=0.5", &Target::V5E, cases);
 }
+
+/// The blocks of the op's plan (rows, cols) for `x [m, n]` and `scale [n]`.
+fn planned_blocks(x: &[usize], dtype: DType, statics: &str, target: &Target) -> Result<String, KernelError> {
+    let op = &OPS[0];
+    let plan = op.plan_for(&op.types(&[x.to_vec(), vec![x[x.len() - 1]]], dtype), &op.statics(statics)?, target)?;
+    let ir = plan.launches[0].kernel.to_string();
+    // `@0 x: input bf16[512,1024] vmem block [256,1024] at (g0, g1)`
+    Ok(ir.lines().find(|l| l.contains("@0 x:")).and_then(|l| l.split("block ").nth(1)).and_then(|b| b.split(' ').next()).unwrap_or_default().to_string())
+}
+
+/// The crate's shipped table (`tuned.json`, written by `tessera-example tune --save`) sets
+/// the blocks of exactly the calls it holds once added; explicit blocks and other shapes
+/// are left alone; block statics are validated.
+#[test]
+fn tuning_table_sets_the_blocks_of_the_calls_it_holds() {
+    let doc: serde_json::Value = serde_json::from_str(tessera_example::TUNED).unwrap();
+    let entries = doc["entries"].as_array().unwrap();
+    assert!(entries.len() >= 2, "tuned.json holds v5e and v6e entries");
+    let n = tessera::tune::add_table(tessera_example::TUNED, "tuned.json").unwrap();
+    assert_eq!(n, entries.len());
+    for e in entries {
+        let target = Target::by_name(e["target"].as_str().unwrap()).unwrap();
+        let dtype = DType::parse(e["dtype"].as_str().unwrap()).unwrap();
+        let x: Vec<usize> = e["shapes"]["x"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+        let best = e["best"].as_str().unwrap();
+        let by_table = planned_blocks(&x, dtype, e["statics"].as_str().unwrap(), &target).unwrap();
+        let by_hand = planned_blocks(&x, dtype, &format!("{}, {best}", e["statics"].as_str().unwrap()), &target).unwrap();
+        assert_eq!(by_table, by_hand, "{target}: the table's best ({best}) is not what the plan uses");
+        // Given blocks win over the table; another shape keeps the row rule.
+        assert_eq!(planned_blocks(&x, dtype, &format!("{}, block_rows=8, block_cols=128", e["statics"].as_str().unwrap()), &target).unwrap(), "[8,128]");
+        let mut other = x.clone();
+        other[0] += 8;
+        let rule = blocks(&Type::vector(dtype, &other), &target);
+        assert_eq!(planned_blocks(&other, dtype, e["statics"].as_str().unwrap(), &target).unwrap(), format!("[{},{}]", rule.bm, rule.bn));
+    }
+    let err = planned_blocks(&[64, 256], DType::F32, "block_rows=0", &Target::V6E).unwrap_err();
+    assert_eq!((err.rule, err.subject.as_str()), ("option-value", "argument `block_rows`"), "{err}");
+    // A file that is not a table is a clear error naming it.
+    let err = tessera::tune::add_table("{\"format\": 2}", "old.json").unwrap_err();
+    assert!(err.to_string().contains("old.json") && err.to_string().contains("format 2"), "{err}");
+}

@@ -36,6 +36,8 @@ _target = os.environ.get("TESSERA_TARGET", "v6e")
 # Extension modules whose CPU kernels are registered natively: they read the target
 # from their own Rust state, set with the Python one.
 _NATIVE_CPU = []
+# Every module `register_ops` registered (the library's first).
+_NATIVE_MODULES = []
 
 
 def set_target(name: str) -> None:
@@ -46,6 +48,18 @@ def set_target(name: str) -> None:
     _target = name
     for native in _NATIVE_CPU:
         native.set_target(name)
+
+
+def load_tuning_table(path) -> int:
+    """Reads a tuning table `tessera tune --save FILE` wrote and makes the ops use it: a call
+    whose block statics are left unset and whose op, target, dtype, shapes and other statics
+    are exactly an entry's takes the entry's best blocks (tables loaded later win; then
+    `TESSERA_TUNING_TABLES`, then the library's shipped table). Every registered module
+    reads it (the library's and each user crate's, `register_ops`) and drops its cached
+    plans. Returns the number of tuned entries in the file."""
+    path = os.fspath(path)
+    # Each extension module is its own copy of the Rust library, with its own tables.
+    return [native.load_tuning_table(path) for native in _NATIVE_MODULES][0]
 
 
 def _libtorch_cpu():
@@ -181,6 +195,7 @@ def register_ops(native, fakes=None):
     for spec in specs:
         if spec.name in SPECS:
             raise ValueError(f"tessera: torch.ops.tpu.{spec.name} is already registered; pick another name")
+    _NATIVE_MODULES.append(native)
     for spec in specs:
         SPECS[spec.name] = spec
         _LIB.define(f"{spec.name}{spec.schema}")
