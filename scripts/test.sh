@@ -4,7 +4,8 @@
 #   1. the Rust test suite (unit, snapshot, trybuild, proptest numerics, verifier,
 #      comparisons with PyTorch, the CPU-backend conformance suite on interp, the
 #      Cranelift JIT and LLVM), then every library op on the JIT vs its reference,
-#   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x,
+#   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x
+#      (bf16 all, f32 a stable third; TESSERA_LIBTPU_SAMPLE=1 compiles every f32 kernel too),
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair half and a
 #      stable third of the probes judged by libtpu again, about 1 min cold, the rest against
 #      the recorded verdicts; TESSERA_LIBTPU_SAMPLE=1 judges all of them, about 2 min; verdicts
@@ -45,7 +46,7 @@ for d in f32 bf16; do
     cargo run --release -q -p tessera-cli --features llvm -- run --all --backend jit --dtype "$d"
 done
 
-step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled every library kernel, f32 and bf16, for v5e/v6e/tpu7x)"
+step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled every library kernel for v5e/v6e/tpu7x: bf16 all, f32 a third)"
 cargo run --release -q -p tessera-cli --features llvm -- check rmsnorm --dtype bf16
 cargo run --release -q -p tessera-cli --features llvm -- check flash_attention_fwd --dtype f32
 

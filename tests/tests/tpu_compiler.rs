@@ -1,7 +1,8 @@
 //! The real TPU compiler tier (enabled by `TESSERA_TPU_ORACLE=1`, which `scripts/test.sh`
-//! sets): every library op's kernels, f32 and bf16, at the shapes of each of its cases,
-//! compiles with libtpu for v5e, v6e and tpu7x; and the broken kernels that libtpu can
-//! judge are rejected by it too when forced past our verifier.
+//! sets): every library op's kernels at the shapes of each of its cases compile with libtpu
+//! for v5e, v6e and tpu7x, in bf16 (every kernel) and f32 (a stable third of them, chosen by
+//! name: `oracle::sampled`; `TESSERA_LIBTPU_SAMPLE=1` compiles all); and the broken kernels
+//! that libtpu can judge are rejected by it too when forced past our verifier.
 
 use tessera_dsl::{DType, Target};
 use tessera_kernels::library;
@@ -31,6 +32,11 @@ fn every_library_kernel_compiles_for_v5e_v6e_tpu7x() {
                 let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
                 let statics = op.case_statics(case).unwrap();
                 for dtype in [DType::F32, DType::BF16] {
+                    // bf16 is the harder half (packed sublanes, bf16 VPU rules on v5e): all of
+                    // it; f32 sampled, the same third on every run and target.
+                    if dtype == DType::F32 && !oracle::sampled(&format!("{}-{}", op.name, case.name), 3) {
+                        continue;
+                    }
                     let plan = op.plan_for(&op.types(&shapes, dtype), &statics, &target).unwrap_or_else(|e| panic!("{} {}: {e}", op.name, case.name));
                     for launch in plan.launches {
                         let lowered = tessera_codegen::lower(&launch.kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", op.name));
