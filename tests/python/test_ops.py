@@ -1227,6 +1227,36 @@ def test_compile_inductor_fullgraph_forward_and_backward(fresh_dynamo):
     assert_same_run(run_with_grads(compiled, params, others, cotangents), eager, "inductor")
 
 
+def every_sample_once():
+    """(op, sample, dtype) for every small sample of every op, in the sample's first dtype."""
+    return [
+        pytest.param(op, name, dts[0], id=f"{op}-{name}-{str(dts[0]).removeprefix('torch.')}")
+        for op in OPS
+        for name, dts, _ in SAMPLES.get(op, ())
+        if not is_large(name)
+    ]
+
+
+@pytest.mark.parametrize("op,name,dtype", every_sample_once())
+def test_compile_fullgraph_every_op(op, name, dtype, fresh_dynamo):
+    """Every op, the fp8, quantized-cache and windowed ones included, traces into one graph
+    under torch.compile(fullgraph=True): dynamo through the call (lists, optionals, floats
+    as the schema has them), AOTAutograd on the op's fake, no graph break; and the compiled
+    call gives eager's results bit for bit (the same kernels run)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    args, kwargs = build(op, name, dtype)
+    fn = getattr(tpu, op)
+    eager = fn(*args, **kwargs)
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(lambda *a, **k: fn(*a, **k), backend=counter, fullgraph=True)(*args, **kwargs)
+    assert counter.frame_count == 1, f"{op}: {counter.frame_count} graphs"
+    flat = lambda r: list(r) if isinstance(r, (tuple, list)) else [r]  # noqa: E731
+    for i, (a, b) in enumerate(zip(flat(got), flat(eager), strict=True)):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{op} result {i}"
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype in (E4M3, E5M2) else torch.equal(a, b), f"{op} result {i} differs from eager"
+
+
 def moe_layer(x, norm, router_w, w_gate, w_up, w_down, labels):
     """rmsnorm -> router_topk -> permute -> gmm (gate, up) -> swiglu -> gmm (down, transposed) -> combine -> CE."""
     experts = w_up.shape[0]
