@@ -331,10 +331,6 @@ const HUGE_OUTPUT_BYTES: usize = 8 << 20;
 fn advise_huge_pages(outputs: &[HostMut<'_>]) {
     #[cfg(target_os = "linux")]
     {
-        extern "C" {
-            fn madvise(addr: *mut c_void, len: usize, advice: i32) -> i32;
-        }
-        const MADV_HUGEPAGE: i32 = 14;
         const HUGE: usize = 2 << 20;
         for o in outputs {
             let (ptr, bytes) = match &o.data {
@@ -355,7 +351,7 @@ fn advise_huge_pages(outputs: &[HostMut<'_>]) {
                 // SAFETY: [a, b) lies inside the borrowed output; MADV_HUGEPAGE only changes
                 // how the kernel backs those pages, never their contents. A failure (no THP
                 // in this kernel) is harmless and ignored.
-                unsafe { madvise(a as *mut c_void, b - a, MADV_HUGEPAGE) };
+                unsafe { libc::madvise(a as *mut libc::c_void, b - a, libc::MADV_HUGEPAGE) };
             }
         }
     }
