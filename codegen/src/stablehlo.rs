@@ -60,7 +60,7 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
         1 => ("%0".to_string(), "%0".to_string()),
         n => (format!("%0:{n}"), (0..n).map(|i| format!("%0#{i}")).collect::<Vec<_>>().join(", ")),
     };
-    let config = backend_config(body, cost, vmem_limit_bytes);
+    let config = backend_config(body, cost, vmem_limit_bytes, collective_fields(k).as_deref());
     let attrs = [
         "api_version = 1 : i32".to_string(),
         format!("backend_config = {}", mlir_string(&config)),
@@ -89,17 +89,30 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
 /// `serialization_format: 1`; `needs_layout_passes: false` is rejected for such bodies;
 /// `cost_estimate` matches the four fields JAX writes; `scoped_memory_configs` (top level,
 /// memory space 1 = VMEM) sets the scoped VMEM limit.
-pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: usize) -> String {
+pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: usize, collective: Option<&str>) -> String {
     let b64 = base64::engine::general_purpose::STANDARD.encode(body.as_bytes());
     format!(
         concat!(
             "{{\"custom_call_config\": {{\"body\": \"{}\", ",
             "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": 0}}, ",
-            "\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
+            "{}\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
             "\"scoped_memory_configs\": [{{\"memory_space\": 1, \"offset\": 0, \"size\": {}}}]}}"
         ),
-        b64, cost.flops, cost.transcendentals, cost.bytes_accessed, vmem_limit_bytes
+        b64,
+        cost.flops,
+        cost.transcendentals,
+        cost.bytes_accessed,
+        collective.unwrap_or(""),
+        vmem_limit_bytes
     )
+}
+
+/// The backend_config fields of a kernel that talks to other devices, as Pallas writes
+/// them for its ring (tests/fixtures/collective/ring_mesh.backend_config.json):
+/// `has_communication` and the `collective_id` that picks its barrier semaphore.
+fn collective_fields(k: &Kernel) -> Option<String> {
+    let c = k.collective.as_ref()?;
+    k.communicates().then(|| format!("\"has_communication\": true, \"collective_id\": {}, ", c.collective_id))
 }
 
 /// Row-major layout (minor-to-major `[r-1, ..., 0]`) as a dense index attribute.
