@@ -163,7 +163,7 @@ rules! {
 
     // ---- collectives (verify/collective.rs; the interpreter's devices) ----
     "collective-undeclared", Semantic, [B, V], SAME, "a kernel with remote copies, signals to a peer or the barrier semaphore declares its mesh and collective_id",
-        "semantic: Mosaic takes has_communication and collective_id from the custom call's backend_config (the Pallas reference sets both for its ring, tests/fixtures/collective/); without a mesh no device id can be checked and the interpreter cannot know how many devices to run";
+        "semantic: the emitter writes has_communication and collective_id into the backend_config from the mesh (libtpu 0.0.52 rejects a remote op without them: `Remote op used, but has_communication not specified`); without a mesh no device id can be checked and the interpreter cannot know how many devices to run";
     "mesh-shape", Semantic, [V], SAME, "the mesh has at least one axis, each named once and of size at least 1, and at most 2^16 devices",
         "semantic: the mesh is ours (Mosaic sees only logical device ids); guards hand-built IR";
     "mesh-axis", Semantic, [B], SAME, "axis_index / axis_size / mesh_device name axes of the declared mesh (one coordinate per axis)", "semantic: an IR type error";
