@@ -61,6 +61,7 @@ const BUILTINS: &[&str] = &[
     "semaphore_signal",
     "semaphore_wait",
     "barrier_semaphore",
+    "mesh_device",
 ];
 const UNARY_METHODS: &[(&str, &str)] = &[
     ("exp", "Exp"),
@@ -84,7 +85,7 @@ max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis)
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]), \
 prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); in a kernel with a `mesh`: device_id(), axis_index(\"x\"), \
-axis_size(\"x\"), remote_copy_start(src[..], dst[..], send[i], recv[i], device) (and remote_copy_wait_send / remote_copy_wait_recv with the same \
+axis_size(\"x\"), mesh_device(c0, ..), remote_copy_start(src[..], dst[..], send[i], recv[i], device) (and remote_copy_wait_send / remote_copy_wait_recv with the same \
 arguments), semaphore_signal(sem[i] or barrier_semaphore(), amount[, device]), semaphore_wait(sem[i] or barrier_semaphore(), amount); ds(start, len), ds(start, len, stride) and (a..b).step_by(s) inside ref indices; \
 in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
 any other function called with IR values is a `#[tpu_fn]` fragment";
@@ -484,6 +485,10 @@ impl<'a> Lowerer<'a> {
             if args.is_empty() {
                 return err(c, "`prng_seed` takes one or more i32 seeds, e.g. `prng_seed(seed, program_id(0))`");
             }
+        } else if name == "mesh_device" {
+            if args.is_empty() {
+                return err(c, "`mesh_device` takes one coordinate per mesh axis, major to minor: `mesh_device(row, col)`");
+            }
         } else if name == "semaphore_signal" {
             if !(2..=3).contains(&args.len()) {
                 return err(c, "`semaphore_signal` takes a semaphore, an amount and optionally a device: `semaphore_signal(ready[0], 1, peer)`");
@@ -563,6 +568,17 @@ impl<'a> Lowerer<'a> {
                 }))
             }
             "device_id" => Ok(quote!(__b.device_id())),
+            "mesh_device" => {
+                let mut lets = TokenStream::new();
+                let mut passed = Vec::new();
+                for (k, a) in args.iter().enumerate() {
+                    let t = format_ident!("__c{k}");
+                    let v = self.arg(a)?;
+                    lets.extend(quote!(let #t: ::tessera_dsl::Arg = ::std::convert::Into::into(#v);));
+                    passed.push(t);
+                }
+                Ok(quote!({ #lets __b.mesh_device(&[#(#passed),*]) }))
+            }
             "axis_index" | "axis_size" => {
                 let axis = self.require_static(args[0], "a mesh axis name")?;
                 let f = format_ident!("{}", name);
