@@ -32,7 +32,7 @@
 //!     one core in order, which cross-step prefetching relies on).
 //! - A kernel on a mesh of devices runs on every one of them ([`run_devices`]): each its own
 //!   memories, stepped round-robin; remote copies land in the peer's memory, waits block
-//!   until a peer signals or sends (see [`devices`] for the model and its errors).
+//!   until a peer signals or sends (`interp/devices.rs` has the model and its errors).
 //! - Grid steps that differ in a `parallel` dim may run concurrently (on a chip's cores;
 //!   in the compiled CPU backends, on threads), so they must not write the same output
 //!   block: an output whose index map gives one block to two steps that differ in a
