@@ -274,3 +274,105 @@ fn printed_ir_shows_the_mesh_and_the_remote_copies() {
     }
 }
 
+
+/// A 2x2 mesh: a ring of 2 along axis `y` inside each row `x`, the peer named by its mesh
+/// coordinates. Each device ends with its row's two shards; logical ids are row-major.
+#[test]
+fn a_ring_along_the_minor_axis_of_a_2d_mesh() {
+    let mut b = KernelBuilder::new("row_all_gather");
+    b.mesh(&[("x", 2), ("y", 2)], 1);
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let x = b.unblocked(RefKind::Input, "x", DType::F32, &[ROWS, D], MemorySpace::Any);
+    let out = b.unblocked(RefKind::Output, "out", DType::F32, &[2, ROWS, D], MemorySpace::Any);
+    let send = b.semaphores("send", 1);
+    let recv = b.semaphores("recv", 1);
+    let local = b.semaphores("local", 1);
+    let row = b.axis_index("x");
+    let col = b.axis_index("y");
+    let other = b.sub(1, col);
+    let peer = b.mesh_device(&[Arg::Val(row), Arg::Val(other)]);
+    b.dma_start(x, &[], out, &[ds(col, 1)], local, 0);
+    b.dma_wait(x, &[], out, &[ds(col, 1)], local, 0);
+    b.semaphore_signal(Sem::Barrier, 1, Some(Arg::Val(peer)));
+    b.semaphore_wait(Sem::Barrier, 1);
+    let c = RemoteCopy { src: out, src_index: &[ds(col, 1)], dst: out, dst_index: &[ds(col, 1)], send_sem: (send, 0.into()), recv_sem: (recv, 0.into()), device: Arg::Val(peer) };
+    b.remote_copy_start(&c);
+    b.remote_copy_wait_send(&c);
+    b.remote_copy_wait_recv(&c);
+    let k = b.finish().unwrap();
+    verify(&k, &Target::V6E).unwrap();
+    let shards: Vec<Array> = (0..4).map(|j| shard(DType::F32, j)).collect();
+    let outs = interp::run_devices(&k, &shards.iter().map(|s| vec![s]).collect::<Vec<_>>()).unwrap();
+    for (dev, o) in outs.iter().enumerate() {
+        let r = dev / 2;
+        let want: Vec<f32> = [2 * r, 2 * r + 1].iter().flat_map(|&j| shard(DType::F32, j).to_f32_vec()).collect();
+        assert_eq!(o[0].to_f32_vec(), want, "device {dev} (row {r})");
+    }
+}
+
+/// Bad input to the collective API is a named error, never a panic or a hang.
+#[test]
+fn misuse_is_a_named_error() {
+    // Operands for the wrong number of devices.
+    let k = all_gather(4, DType::F32, Ring::Correct);
+    let s = shard(DType::F32, 0);
+    let e = interp::run_devices(&k, &[vec![&s], vec![&s]]).unwrap_err();
+    assert_eq!(e.rule, "mesh-run", "{e}");
+    // A mesh with an empty axis, and one with a repeated name.
+    for axes in [&[("x", 0)][..], &[("x", 2), ("x", 2)][..], &[][..]] {
+        let mut k = all_gather(2, DType::F32, Ring::Correct);
+        k.collective.as_mut().unwrap().mesh = axes.iter().map(|&(name, size)| MeshAxis { name: name.into(), size }).collect();
+        let e = verify(&k, &Target::V5E).unwrap_err();
+        assert_eq!(e.rule, "mesh-shape", "{axes:?}: {e}");
+    }
+    // A float device id, a negative amount (static, then computed at run time).
+    let mut b = KernelBuilder::new("bad_args");
+    b.mesh(&[("x", 2)], 0);
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let ready = b.regular_semaphores("ready", 1);
+    b.semaphore_signal(Sem::at(ready, 0), 1, Some(Arg::Float(1.0)));
+    assert_eq!(b.finish().unwrap_err().rule, "index-type");
+    let mut b = KernelBuilder::new("negative");
+    b.mesh(&[("x", 2)], 0);
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+    let ready = b.regular_semaphores("ready", 1);
+    b.store(o, &[], 0.0);
+    b.semaphore_signal(Sem::at(ready, 0), -1, None);
+    let k = b.finish().unwrap();
+    assert_eq!(verify(&k, &Target::V5E).unwrap_err().rule, "semaphore-amount");
+    let mut b = KernelBuilder::new("negative_at_run_time");
+    b.mesh(&[("x", 2)], 0);
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![0.into(), 0.into()] });
+    let ready = b.regular_semaphores("ready", 1);
+    b.store(o, &[], 0.0);
+    let me = b.device_id();
+    let amount = b.sub(me, 1);
+    b.semaphore_signal(Sem::at(ready, 0), amount, None);
+    let k = b.finish().unwrap();
+    let e = interp::run_devices(&k, &[Vec::<&Array>::new(), Vec::new()]).unwrap_err();
+    assert_eq!(e.rule, "semaphore-amount", "{e}");
+    assert!(e.subject.starts_with("device 0:"), "{e}");
+    // A remote copy with a counting semaphore where a DMA semaphore belongs.
+    let mut b = KernelBuilder::new("wrong_sem");
+    b.mesh(&[("x", 2)], 0);
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let x = b.unblocked(RefKind::Input, "x", DType::F32, &[ROWS, D], MemorySpace::Any);
+    let out = b.unblocked(RefKind::Output, "out", DType::F32, &[ROWS, D], MemorySpace::Any);
+    let send = b.regular_semaphores("send", 1);
+    let recv = b.semaphores("recv", 1);
+    b.remote_copy_start(&RemoteCopy { src: x, src_index: &[], dst: out, dst_index: &[], send_sem: (send, 0.into()), recv_sem: (recv, 0.into()), device: 1.into() });
+    assert_eq!(b.finish().unwrap_err().rule, "dma-semaphore");
+    // Semaphores cannot be loaded.
+    let mut b = KernelBuilder::new("load_sem");
+    b.grid(&[(1, Semantics::Arbitrary)]);
+    let s = b.regular_semaphores("s", 1);
+    b.load(s, &[]);
+    assert_eq!(b.finish().unwrap_err().rule, "semaphore-access");
+    // The single-device entry points refuse a mesh kernel; the JIT-free Executor path too.
+    let k = all_gather(2, DType::F32, Ring::Correct);
+    let x0 = shard(DType::F32, 0);
+    let e = tessera_dsl::exec::run(&Interpreter, &k, &[&x0]).unwrap_err();
+    assert_eq!(e.rule, "mesh-run", "{e}");
+}
