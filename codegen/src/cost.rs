@@ -9,7 +9,10 @@
 //!   1 flop per element; exp/log/tanh/erf/sqrt/rsqrt 1 transcendental per element;
 //! - `bytes_accessed`: each blocked operand moves its window once per grid step at which its
 //!   block index changes (the pipeline skips the copy when it does not; index maps that read
-//!   scalar prefetch are assumed to change every step); unblocked operands move once.
+//!   scalar prefetch are assumed to change every step); unblocked operands move once;
+//! - `remote_bytes_transferred`: the boxes of remote copies this device starts (counted like
+//!   flops: per grid step, loops by their static trip count), what it sends over the
+//!   interconnect.
 
 use tessera_dsl::ir::*;
 use tessera_dsl::verify::eval_static;
@@ -19,21 +22,28 @@ pub struct CostEstimate {
     pub flops: u64,
     pub transcendentals: u64,
     pub bytes_accessed: u64,
+    pub remote_bytes_transferred: u64,
 }
 
 impl CostEstimate {
     fn scaled(self, n: u64) -> CostEstimate {
-        CostEstimate { flops: self.flops * n, transcendentals: self.transcendentals * n, bytes_accessed: self.bytes_accessed * n }
+        CostEstimate { flops: self.flops * n, transcendentals: self.transcendentals * n, bytes_accessed: self.bytes_accessed * n, remote_bytes_transferred: self.remote_bytes_transferred * n }
     }
 
     fn add(&mut self, o: CostEstimate) {
         self.flops += o.flops;
         self.transcendentals += o.transcendentals;
         self.bytes_accessed += o.bytes_accessed;
+        self.remote_bytes_transferred += o.remote_bytes_transferred;
     }
 
     fn max(self, o: CostEstimate) -> CostEstimate {
-        CostEstimate { flops: self.flops.max(o.flops), transcendentals: self.transcendentals.max(o.transcendentals), bytes_accessed: self.bytes_accessed.max(o.bytes_accessed) }
+        CostEstimate {
+            flops: self.flops.max(o.flops),
+            transcendentals: self.transcendentals.max(o.transcendentals),
+            bytes_accessed: self.bytes_accessed.max(o.bytes_accessed),
+            remote_bytes_transferred: self.remote_bytes_transferred.max(o.remote_bytes_transferred),
+        }
     }
 }
 
@@ -63,6 +73,7 @@ fn block_cost(k: &Kernel, b: BlockId) -> CostEstimate {
                 let kdim = if *transpose_lhs { s[0] } else { s[1] };
                 c.flops += 2 * elems * kdim as u64;
             }
+            Inst::DmaStart { dst, remote: Some(_), .. } => c.remote_bytes_transferred += (k.ref_decl(dst.r).dtype.bytes() * dst.shape().iter().product::<usize>()) as u64,
             Inst::If { then_block, else_block, .. } => c.add(block_cost(k, *then_block).max(block_cost(k, *else_block))),
             Inst::For { lo, hi, step, body, .. } => c.add(block_cost(k, *body).scaled(trip_count(k, *lo, *hi, *step))),
             _ => {}

@@ -149,7 +149,7 @@ pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: 
     format!(
         concat!(
             "{{\"custom_call_config\": {{\"body\": \"{}\", ",
-            "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": 0}}, ",
+            "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": {}}}, ",
             "{}\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
             "\"scoped_memory_configs\": [{{\"memory_space\": 1, \"offset\": 0, \"size\": {}}}]}}"
         ),
@@ -157,6 +157,7 @@ pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: 
         cost.flops,
         cost.transcendentals,
         cost.bytes_accessed,
+        cost.remote_bytes_transferred,
         collective.unwrap_or(""),
         vmem_limit_bytes
     )

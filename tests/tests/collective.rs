@@ -160,6 +160,9 @@ fn the_mosaic_has_the_form_pallas_writes_for_its_ring() {
         assert!(s.contains("\\22has_communication\\22: true, \\22collective_id\\22: 0"), "{s}");
         assert!(s.contains("mhlo.num_partitions = 4 : i32") && s.contains("sdy.mesh @mesh = <[\"x\"=4]>") && s.contains("manual_axes={\"x\"}"), "{s}");
     }
+    // The cost estimate counts what each device sends: n - 1 slots of [M, K] f32.
+    assert_eq!(lowered.cost.remote_bytes_transferred, 3 * (M * K * 4) as u64);
+    assert!(lowered.stablehlo.contains(&format!("\\22remote_bytes_transferred\\22: {}", 3 * M * K * 4)), "{}", lowered.stablehlo);
     // A kernel that talks to no peer says nothing of communication.
     let plain = lower(&tessera_kernels::matmul::matmul(&tessera_dsl::Type::vector(DType::F32, &[128, 128]), &tessera_dsl::Type::vector(DType::F32, &[128, 128]), &Target::V5E).unwrap(), &Target::V5E).unwrap();
     assert!(!plain.stablehlo.contains("has_communication") && !plain.stablehlo.contains("num_partitions"));
