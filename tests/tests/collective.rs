@@ -187,3 +187,28 @@ fn libtpu_compiles_the_collectives_on_multi_chip_topologies() {
 }
 
 
+
+/// The IR, Mosaic and StableHLO of both collectives, as reviewed snapshots.
+#[test]
+fn snapshots_of_the_collectives() {
+    let kernels = [("ring_all_gather_f32_4", ring_all_gather(4, M, K, DType::F32, Broken::No).unwrap()), ("ring_reduce_scatter_bf16_4", ring_reduce_scatter(4, M, K, DType::BF16, Broken::No).unwrap())];
+    for (name, k) in kernels {
+        let lowered = lower(&k, &Target::V5E).unwrap();
+        insta::assert_snapshot!(format!("{name}_ir"), k.to_string());
+        insta::assert_snapshot!(format!("{name}_mosaic"), lowered.mosaic);
+        assert_eq!(tessera_codegen::stablehlo::decode_body(&lowered.stablehlo).as_deref(), Some(lowered.mosaic.as_str()));
+        insta::assert_snapshot!(format!("{name}_stablehlo"), tessera_codegen::stablehlo::redact_body(&lowered.stablehlo).unwrap());
+    }
+}
+
+/// A one-device "ring" needs no peer: every CPU backend runs it (the compiled ones hand
+/// communication to the interpreter) and returns the shard.
+#[test]
+fn a_one_device_mesh_runs_on_every_cpu_backend() {
+    let k = ring_all_gather(1, M, K, DType::F32, Broken::No).unwrap();
+    let x = Array::from_f32(&[M, K], values(0, M * K));
+    for b in [tessera_codegen::cpu::Backend::Interp, tessera_codegen::cpu::Backend::Jit] {
+        let out = tessera_dsl::exec::run(b.executor(), &k, &[&x]).unwrap_or_else(|e| panic!("{b:?}: {e}"));
+        assert_eq!(out[0].to_f32_vec(), values(0, M * K), "{b:?}");
+    }
+}
