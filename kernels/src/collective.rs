@@ -12,7 +12,11 @@
 //!   two slots and a receiver hands a slot back (a `free` signal to its left neighbour)
 //!   once it has read it, so a fast sender never overwrites a partial not yet added.
 //!
-//! Both start with the barrier handshake Pallas' ring uses (signal both neighbours, wait
+//! - [`all_gather_matmul`]: `all_gather(x) @ w` (collective matmul): the all-gather's ring
+//!   runs under the matmuls, each step starting the copy of the shard it holds before its
+//!   dot, with two shard slots handed back like the reduce-scatter's.
+//!
+//! All start with the barrier handshake Pallas' ring uses (signal both neighbours, wait
 //! for both): no device writes into a peer that has not entered the kernel.
 //!
 //! `Broken` variants exist for the tests: each is a classic collective bug that the
@@ -129,4 +133,70 @@ pub fn ring_reduce_scatter_kernel(
 /// takes its `[n, m, k]` contribution and returns `sum over devices of x[me]`, `[m, k]`.
 pub fn ring_reduce_scatter(n: usize, m: usize, k: usize, dtype: DType, broken: Broken) -> Result<Kernel, KernelError> {
     ring_reduce_scatter_kernel(Type::vector(dtype, &[n, m, k]), Type::vector(dtype, &[m, k]), "x", broken)
+}
+
+#[tpu_kernel(
+    grid = [1],
+    semantics = [arbitrary],
+    mesh = [(axis, nd)],
+    x = block([m, k], |_g| [0, 0]),
+    w = block([k, n], |_g| [0, 0]),
+    out = block([nd, m, n], |_g| [0, 0, 0]),
+    buf = scratch([2, m, k], x.dtype),
+    (send, recv) = semaphores(2),
+    free = regular_semaphores(1),
+)]
+#[rustfmt::skip]
+pub fn all_gather_matmul_kernel(
+    x: In<m, k>, w: In<k, n>, out: Out<nd, m, n>,
+    buf: Scratch, send: Scratch, recv: Scratch, free: Scratch,
+    axis: &'static str, broken: Broken,
+) {
+    let me = axis_index(axis);
+    let left = (me + (nd - 1)) % nd;
+    let right = (me + 1) % nd;
+    buf[(0, .., ..)] = x[..].reshape([1, m, k]);
+    semaphore_signal(barrier_semaphore(), 1, left);
+    semaphore_signal(barrier_semaphore(), 1, right);
+    semaphore_wait(barrier_semaphore(), 2);
+    for i in 0..nd {
+        let cur = i % 2;
+        let nxt = 1 - cur;
+        // The shard in `buf[cur]` came from device `me - i`.
+        let slot = (me + nd - i) % nd;
+        let more = i < nd - 1;
+        if more {
+            // The right neighbour's `buf[nxt]` is free once its previous dot and send are
+            // done (it says so); then pass the current shard on before computing with it,
+            // so the copy runs while the MXU works.
+            if broken != Broken::ReusedBuffer {
+                if i >= 1 {
+                    semaphore_wait(free[0], 1);
+                }
+            }
+            remote_copy_start(buf[cur], buf[nxt], send[cur], recv[nxt], right);
+        }
+        let part = dot(buf[(cur, .., ..)].reshape([m, k]), w[..]);
+        out[(slot, .., ..)] = part.cast(out.dtype).reshape([1, m, n]);
+        if more {
+            remote_copy_wait_send(buf[cur], buf[nxt], send[cur], recv[nxt], right);
+            remote_copy_wait_recv(buf[cur], buf[nxt], send[cur], recv[nxt], right);
+            // `buf[cur]` is read (dot done, send done): the left neighbour may refill it.
+            if broken != Broken::ReusedBuffer {
+                if i + 2 < nd {
+                    semaphore_signal(free[0], 1, left);
+                }
+            }
+        }
+    }
+}
+
+/// All-gather matmul (collective matmul) along mesh axis `"x"` of `nd` devices: each device
+/// holds `x`, a `[m, k]` row shard, and the whole `w: [k, n]`; every device returns
+/// `all_gather(x) @ w` as `[nd, m, n]` (block `j` = device `j`'s shard times `w`). The ring
+/// of the all-gather runs under the matmuls: each step starts the copy of the shard it holds
+/// to its right neighbour, then multiplies that shard (f32 accumulation), then waits.
+/// (`Broken::ReusedBuffer` drops the hand-back of the two shard slots.)
+pub fn all_gather_matmul(nd: usize, m: usize, k: usize, n: usize, dtype: DType, broken: Broken) -> Result<Kernel, KernelError> {
+    all_gather_matmul_kernel(Type::vector(dtype, &[m, k]), Type::vector(dtype, &[k, n]), Type::vector(dtype, &[nd, m, n]), "x", broken)
 }
