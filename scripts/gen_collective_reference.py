@@ -82,13 +82,9 @@ def build(topology, logical):
 
 
 def decode(stablehlo):
-    start = stablehlo.index("backend_config = \"") + len("backend_config = \"")
-    end = stablehlo.index("\"}", start) if False else None
-    raw = stablehlo[start:]
-    raw = raw[: raw.index("\"") if False else len(raw)]
-    # The config is a JSON string with \22 escapes, ending at the first unescaped quote.
-    j = ""
-    i = 0
+    """The custom call's backend_config: a JSON string written with `\\22` escapes."""
+    raw = stablehlo[stablehlo.index('backend_config = "') + len('backend_config = "'):]
+    j, i = "", 0
     while raw[i] != '"':
         if raw[i] == "\\":
             j += chr(int(raw[i + 1:i + 3], 16))
