@@ -211,3 +211,23 @@ pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::
     let (time_us, bound) = if hbm_us > compute_us { (hbm_us, "hbm") } else { (compute_us, "compute") };
     Roofline { estimate_us, mxu_us, hbm_us, time_us, bound, blind }
 }
+
+/// One step of a ring collective whose copy runs under its compute (the all-gather matmul):
+/// `bytes` to the next device over one ICI link in one direction, `flops` at one TensorCore's
+/// bf16 MXU peak. A step takes the longer of the two. Figures, not measurements: the link
+/// rate is the spec sheet's (`Target::ici_link_gbps`), and the MXU rate a ceiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingStep {
+    pub copy_us: f64,
+    pub compute_us: f64,
+    pub step_us: f64,
+    /// `"ici"` when the copy is the longer, else `"compute"`.
+    pub bound: &'static str,
+}
+
+pub fn ring_step(bytes: u64, flops: u64, target: &tessera_dsl::Target) -> RingStep {
+    let copy_us = bytes as f64 / (target.ici_link_gbps() * 1e3);
+    let compute_us = flops as f64 / (target.core_peak_tflops() * 1e6);
+    let (step_us, bound) = if copy_us > compute_us { (copy_us, "ici") } else { (compute_us, "compute") };
+    RingStep { copy_us, compute_us, step_us, bound }
+}

@@ -267,3 +267,27 @@ fn all_gather_matmul_starts_the_next_copy_before_the_current_dot() {
         oracle::assert_all_accepted(&jobs);
     }
 }
+
+/// The all-gather matmul's step time per generation, from the spec sheets: each step copies
+/// one shard over one ICI link while the MXU multiplies the one it holds. At a shard of
+/// 1024 x 8192 and `w` of 8192 x 8192 (bf16), v5e is compute-bound and the faster chips
+/// wait for the link. The printed table is the README's.
+#[test]
+fn all_gather_matmul_step_time_per_generation() {
+    let (nd, m, k, n) = (4, 1024, 8192, 8192);
+    let kernel = tessera_kernels::collective::all_gather_matmul(nd, m, k, n, DType::BF16, Broken::No).unwrap();
+    let cost = tessera_codegen::estimate(&kernel);
+    // Per step: one [m, k] shard sent (the estimate counts the copy on every step), one dot.
+    let (bytes, flops) = (cost.remote_bytes_transferred / nd as u64, 2 * (m * k * n) as u64);
+    assert_eq!(bytes, (m * k * 2) as u64);
+    assert!(cost.flops / nd as u64 >= flops);
+    eprintln!("| target | ICI link GB/s (one way) | copy us | dot us | step us | bound |");
+    let mut bounds = Vec::new();
+    for t in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let s = tessera_codegen::ring_step(bytes, flops, &t);
+        eprintln!("| {} | {:.0} | {:.0} | {:.0} | {:.0} | {} |", t.name, t.ici_link_gbps(), s.copy_us, s.compute_us, s.step_us, s.bound);
+        assert_eq!(s.step_us, s.copy_us.max(s.compute_us));
+        bounds.push(s.bound);
+    }
+    assert_eq!(bounds, ["compute", "ici", "ici"]);
+}
