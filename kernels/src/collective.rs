@@ -15,6 +15,9 @@
 //! - [`all_gather_matmul`]: `all_gather(x) @ w` (collective matmul): the all-gather's ring
 //!   runs under the matmuls, each step starting the copy of the shard it holds before its
 //!   dot, with two shard slots handed back like the reduce-scatter's.
+//! - [`ragged_all_to_all`]: MoE token dispatch / return (`lax.ragged_all_to_all`'s
+//!   contract): variable rows per peer, the offsets and sizes as scalar prefetch, one
+//!   remote copy per row (f32 / i32: packed rows cannot move singly).
 //!
 //! All start with the barrier handshake Pallas' ring uses (signal both neighbours, wait
 //! for both): no device writes into a peer that has not entered the kernel.
@@ -199,4 +202,60 @@ pub fn all_gather_matmul_kernel(
 /// (`Broken::ReusedBuffer` drops the hand-back of the two shard slots.)
 pub fn all_gather_matmul(nd: usize, m: usize, k: usize, n: usize, dtype: DType, broken: Broken) -> Result<Kernel, KernelError> {
     all_gather_matmul_kernel(Type::vector(dtype, &[m, k]), Type::vector(dtype, &[k, n]), Type::vector(dtype, &[nd, m, n]), "x", broken)
+}
+
+#[tpu_kernel(
+    grid = [1],
+    semantics = [arbitrary],
+    mesh = [(axis, nd)],
+    (send, recv) = semaphores(1),
+)]
+#[rustfmt::skip]
+pub fn ragged_all_to_all_kernel(
+    input_offsets: Prefetch<nd>, send_sizes: Prefetch<nd>, output_offsets: Prefetch<nd>, recv_sizes: Prefetch<nd>,
+    x: Any<t, h>, out: AnyOut<tout, h>,
+    send: Scratch, recv: Scratch,
+    axis: &'static str,
+) {
+    let me = axis_index(axis);
+    // Every device writes into every other: all of them must be in the kernel first.
+    for p in 0..nd {
+        if p != me {
+            semaphore_signal(barrier_semaphore(), 1, p);
+        }
+    }
+    semaphore_wait(barrier_semaphore(), nd - 1);
+    // One copy per row: `send_sizes[p]` rows from `input_offsets[p]` land at
+    // `output_offsets[p]` of device `p` (its own copy too, through the same path).
+    for p in 0..nd {
+        let src = input_offsets[p];
+        let dst = output_offsets[p];
+        for r in 0..send_sizes[p] {
+            remote_copy_start(x[ds(src + r, 1)], out[ds(dst + r, 1)], send[0], recv[0], p);
+        }
+    }
+    for p in 0..nd {
+        for _r in 0..send_sizes[p] {
+            remote_copy_wait_send(x[ds(0, 1)], out[ds(0, 1)], send[0], recv[0], p);
+        }
+    }
+    // Every copy signals our receive semaphore once per row, whoever sent it.
+    for p in 0..nd {
+        for _r in 0..recv_sizes[p] {
+            remote_copy_wait_recv(x[ds(0, 1)], out[ds(0, 1)], send[0], recv[0], p);
+        }
+    }
+}
+
+/// Ragged all-to-all along mesh axis `"x"` of `nd` devices (MoE token dispatch and return,
+/// `jax.lax.ragged_all_to_all`'s contract): device `d` sends rows
+/// `input_offsets[p] .. + send_sizes[p]` of its `x: [t, h]` to device `p`, where they land at
+/// `output_offsets[p]` of `p`'s `out: [tout, h]`; `recv_sizes[p]` is how many rows device `p`
+/// sends to `d`. The four int32 `[nd]` arrays are scalar prefetch (host metadata). Rows
+/// move one by one, so any row offset is aligned for 32-bit dtypes; packed dtypes (bf16)
+/// would need row pairs, which the verifier refuses (`dma-slice-size`). Rows of `out` no one
+/// writes stay as they were (uninitialised on a TPU, poison here).
+pub fn ragged_all_to_all(nd: usize, t: usize, tout: usize, h: usize, dtype: DType) -> Result<Kernel, KernelError> {
+    let meta = Type::vector(DType::I32, &[nd]);
+    ragged_all_to_all_kernel(meta.clone(), meta.clone(), meta.clone(), meta, Type::vector(dtype, &[t, h]), Type::vector(dtype, &[tout, h]), "x")
 }
