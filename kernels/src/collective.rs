@@ -1,5 +1,5 @@
 //! Collectives along one mesh axis, written with `#[tpu_kernel]` and remote DMA: every
-//! device of the ring runs the same kernel on its own shard and talks to its neighbours.
+//! device runs the same kernel on its own shard and talks to its peers.
 //!
 //! - [`ring_all_gather`]: `out[j]` = device `j`'s shard, on every device. Each device copies
 //!   its shard into `out[me]` (HBM to HBM), then forwards slot `me - i` to its right
@@ -11,7 +11,6 @@
 //!   travel in f32 (bf16 inputs are added in f32 and rounded once); the receive buffer has
 //!   two slots and a receiver hands a slot back (a `free` signal to its left neighbour)
 //!   once it has read it, so a fast sender never overwrites a partial not yet added.
-//!
 //! - [`all_gather_matmul`]: `all_gather(x) @ w` (collective matmul): the all-gather's ring
 //!   runs under the matmuls, each step starting the copy of the shard it holds before its
 //!   dot, with two shard slots handed back like the reduce-scatter's.
@@ -19,8 +18,9 @@
 //!   contract): variable rows per peer, the offsets and sizes as scalar prefetch, one
 //!   remote copy per row (f32 / i32: packed rows cannot move singly).
 //!
-//! All start with the barrier handshake Pallas' ring uses (signal both neighbours, wait
-//! for both): no device writes into a peer that has not entered the kernel.
+//! All start with the barrier handshake Pallas' ring uses (signal the neighbours, wait for
+//! them; the all-to-all signals every peer): no device writes into a peer that has not
+//! entered the kernel.
 //!
 //! `Broken` variants exist for the tests: each is a classic collective bug that the
 //! interpreter's device simulation must name (see `tests/tests/collective.rs`).
