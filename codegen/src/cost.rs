@@ -9,7 +9,10 @@
 //!   1 flop per element; exp/log/tanh/erf/sqrt/rsqrt 1 transcendental per element;
 //! - `bytes_accessed`: each blocked operand moves its window once per grid step at which its
 //!   block index changes (the pipeline skips the copy when it does not; index maps that read
-//!   scalar prefetch are assumed to change every step); unblocked operands move once.
+//!   scalar prefetch are assumed to change every step); unblocked operands move once;
+//! - `remote_bytes_transferred`: the boxes of remote copies this device starts (counted like
+//!   flops: per grid step, loops by their static trip count), what it sends over the
+//!   interconnect.
 
 use tessera_dsl::ir::*;
 use tessera_dsl::verify::eval_static;
@@ -19,21 +22,28 @@ pub struct CostEstimate {
     pub flops: u64,
     pub transcendentals: u64,
     pub bytes_accessed: u64,
+    pub remote_bytes_transferred: u64,
 }
 
 impl CostEstimate {
     fn scaled(self, n: u64) -> CostEstimate {
-        CostEstimate { flops: self.flops * n, transcendentals: self.transcendentals * n, bytes_accessed: self.bytes_accessed * n }
+        CostEstimate { flops: self.flops * n, transcendentals: self.transcendentals * n, bytes_accessed: self.bytes_accessed * n, remote_bytes_transferred: self.remote_bytes_transferred * n }
     }
 
     fn add(&mut self, o: CostEstimate) {
         self.flops += o.flops;
         self.transcendentals += o.transcendentals;
         self.bytes_accessed += o.bytes_accessed;
+        self.remote_bytes_transferred += o.remote_bytes_transferred;
     }
 
     fn max(self, o: CostEstimate) -> CostEstimate {
-        CostEstimate { flops: self.flops.max(o.flops), transcendentals: self.transcendentals.max(o.transcendentals), bytes_accessed: self.bytes_accessed.max(o.bytes_accessed) }
+        CostEstimate {
+            flops: self.flops.max(o.flops),
+            transcendentals: self.transcendentals.max(o.transcendentals),
+            bytes_accessed: self.bytes_accessed.max(o.bytes_accessed),
+            remote_bytes_transferred: self.remote_bytes_transferred.max(o.remote_bytes_transferred),
+        }
     }
 }
 
@@ -63,6 +73,7 @@ fn block_cost(k: &Kernel, b: BlockId) -> CostEstimate {
                 let kdim = if *transpose_lhs { s[0] } else { s[1] };
                 c.flops += 2 * elems * kdim as u64;
             }
+            Inst::DmaStart { dst, remote: Some(_), .. } => c.remote_bytes_transferred += (k.ref_decl(dst.r).dtype.bytes() * dst.shape().iter().product::<usize>()) as u64,
             Inst::If { then_block, else_block, .. } => c.add(block_cost(k, *then_block).max(block_cost(k, *else_block))),
             Inst::For { lo, hi, step, body, .. } => c.add(block_cost(k, *body).scaled(trip_count(k, *lo, *hi, *step))),
             _ => {}
@@ -199,4 +210,24 @@ pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::
     let compute_us = if blind { mxu_us } else { estimate_us };
     let (time_us, bound) = if hbm_us > compute_us { (hbm_us, "hbm") } else { (compute_us, "compute") };
     Roofline { estimate_us, mxu_us, hbm_us, time_us, bound, blind }
+}
+
+/// One step of a ring collective whose copy runs under its compute (the all-gather matmul):
+/// `bytes` to the next device over one ICI link in one direction, `flops` at one TensorCore's
+/// bf16 MXU peak. A step takes the longer of the two. Figures, not measurements: the link
+/// rate is the spec sheet's (`Target::ici_link_gbps`), and the MXU rate a ceiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingStep {
+    pub copy_us: f64,
+    pub compute_us: f64,
+    pub step_us: f64,
+    /// `"ici"` when the copy is the longer, else `"compute"`.
+    pub bound: &'static str,
+}
+
+pub fn ring_step(bytes: u64, flops: u64, target: &tessera_dsl::Target) -> RingStep {
+    let copy_us = bytes as f64 / (target.ici_link_gbps() * 1e3);
+    let compute_us = flops as f64 / (target.core_peak_tflops() * 1e6);
+    let (step_us, bound) = if copy_us > compute_us { (copy_us, "ici") } else { (compute_us, "compute") };
+    RingStep { copy_us, compute_us, step_us, bound }
 }

@@ -20,7 +20,7 @@ pub mod mosaic;
 pub mod stablehlo;
 mod text;
 
-pub use cost::{estimate, roofline, CostEstimate, Roofline, StaticProfile};
+pub use cost::{estimate, ring_step, roofline, CostEstimate, RingStep, Roofline, StaticProfile};
 use tessera_dsl::verify::{verify, vmem_bytes, vmem_limit, vmem_need};
 use tessera_dsl::{Kernel, KernelError, Target};
 

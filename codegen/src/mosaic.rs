@@ -291,15 +291,56 @@ impl Lower<'_> {
                 self.for_loop(&d.results, *lo, *hi, *step, init, *body)?;
                 None
             }
-            Inst::DmaStart { src, dst, sem, sem_index } => {
+            Inst::DmaStart { src, dst, sem, sem_index, remote: None } => {
                 let (s, d, m) = self.dma_operands(src, dst, *sem, *sem_index);
                 let attrs = "operandSegmentSizes = array<i32: 1, 0, 1, 1, 0, 0>, priority = 0 : i32, strict_ordering = false";
                 self.t.op0("tpu.enqueue_dma", &[&s, &d, &m], attrs);
                 None
             }
-            Inst::DmaWait { src, dst, sem, sem_index } => {
+            // As Pallas writes `make_async_remote_copy(...).start()` (tests/fixtures/collective/):
+            // source, source (send) semaphore, target, target (receive) semaphore, device id.
+            Inst::DmaStart { src, dst, sem, sem_index, remote: Some(r) } => {
+                let (s, d, recv) = self.dma_operands(src, dst, *sem, *sem_index);
+                let send = self.semaphore_at(r.send_sem, r.send_index);
+                let device = self.v(r.device);
+                let attrs = "operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 0>, priority = 0 : i32, strict_ordering = false";
+                self.t.op0("tpu.enqueue_dma", &[&s, &send, &d, &recv, &device], attrs);
+                None
+            }
+            Inst::DmaWait { src, dst, sem, sem_index, remote } => {
                 let (s, d, m) = self.dma_operands(src, dst, *sem, *sem_index);
-                self.t.op0("tpu.wait_dma2", &[&m, &s, &d], "operandSegmentSizes = array<i32: 1, 1, 1, 0, 0>, strict_ordering = false");
+                match remote {
+                    None => self.t.op0("tpu.wait_dma2", &[&m, &s, &d], "operandSegmentSizes = array<i32: 1, 1, 1, 0, 0>, strict_ordering = false"),
+                    // `.wait_recv()`: the descriptor's device id.
+                    Some(RemoteWait { device, side: DmaSide::Recv }) => {
+                        let device = self.v(*device);
+                        self.t.op0("tpu.wait_dma2", &[&m, &s, &d, &device], "operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>, strict_ordering = false")
+                    }
+                    // `.wait_send()`: JAX 0.10.2 passes device 0 and core 0 with the local send semaphore.
+                    Some(RemoteWait { side: DmaSide::Send, .. }) => {
+                        let zero = self.const_i32(0);
+                        self.t.op0("tpu.wait_dma2", &[&m, &s, &d, &zero, &zero], "operandSegmentSizes = array<i32: 1, 1, 1, 1, 1>, strict_ordering = false")
+                    }
+                }
+                None
+            }
+            Inst::DeviceId => Some(self.t.op1("tpu.device_id", &[], "", "i32".into())),
+            Inst::SemSignal { sem, amount, device } => {
+                let m = self.counting_semaphore(sem);
+                let amount = self.v(*amount);
+                match device {
+                    None => self.t.op0("tpu.sem_signal", &[&m, &amount], "operandSegmentSizes = array<i32: 1, 1, 0, 0>"),
+                    Some(dev) => {
+                        let dev = self.v(*dev);
+                        self.t.op0("tpu.sem_signal", &[&m, &amount, &dev], "operandSegmentSizes = array<i32: 1, 1, 1, 0>")
+                    }
+                }
+                None
+            }
+            Inst::SemWait { sem, amount } => {
+                let m = self.counting_semaphore(sem);
+                let amount = self.v(*amount);
+                self.t.op0("tpu.sem_wait", &[&m, &amount], "");
                 None
             }
             Inst::Yield(vals) => {
@@ -417,12 +458,26 @@ impl Lower<'_> {
         let rank = ss.len().min(ds.len());
         let s = self.dma_side(src, &ss[ss.len() - rank..]);
         let d = self.dma_side(dst, &ds[ds.len() - rank..]);
+        let m = self.semaphore_at(sem, sem_index);
+        (s, d, m)
+    }
+
+    /// One semaphore of an array, `sem[index]`, as a rank-0 memref (slice, then squeeze).
+    fn semaphore_at(&mut self, sem: RefId, index: Value) -> Ssa {
         let r = self.k.ref_decl(sem).clone();
         let mem = self.refs[sem.index()].clone();
-        let i = self.v(sem_index);
+        let i = self.v(index);
         let one = self.t.op1("tpu.memref_slice", &[&mem, &i], "operandSegmentSizes = array<i32: 1, 1, 0>", memref_ty(r.dtype, &[1], r.memory));
-        let m = self.t.op1("tpu.memref_squeeze", &[&one], "", memref_ty(r.dtype, &[], r.memory));
-        (s, d, m)
+        self.t.op1("tpu.memref_squeeze", &[&one], "", memref_ty(r.dtype, &[], r.memory))
+    }
+
+    /// A counting semaphore: one of an array, or the barrier (`tpu.sem_barrier`, as Pallas'
+    /// `get_barrier_semaphore()` lowers at each use).
+    fn counting_semaphore(&mut self, sem: &SemaphoreRef) -> Ssa {
+        match sem {
+            SemaphoreRef::Array { sem, index } => self.semaphore_at(*sem, *index),
+            SemaphoreRef::Barrier => self.t.op1("tpu.sem_barrier", &[], "", memref_ty(DType::I32, &[], MemorySpace::RegularSemaphore)),
+        }
     }
 
     /// The shape of a DMA side over the whole memref (squeezed block dims as 1).

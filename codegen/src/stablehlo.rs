@@ -60,7 +60,7 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
         1 => ("%0".to_string(), "%0".to_string()),
         n => (format!("%0:{n}"), (0..n).map(|i| format!("%0#{i}")).collect::<Vec<_>>().join(", ")),
     };
-    let config = backend_config(body, cost, vmem_limit_bytes);
+    let config = backend_config(body, cost, vmem_limit_bytes, collective_fields(k).as_deref());
     let attrs = [
         "api_version = 1 : i32".to_string(),
         format!("backend_config = {}", mlir_string(&config)),
@@ -68,18 +68,73 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
         format!("operand_layouts = [{}]", operand_layouts.join(", ")),
         format!("result_layouts = [{}]", layouts(&results)),
     ];
+    let call = format!("{lhs} = stablehlo.custom_call @tpu_custom_call({}) {{{}}} : ({}) -> {}\n", arg_names.join(", "), attrs.join(", "), call_tys.join(", "), result_list(&out_tys));
+    if let Some(c) = k.collective.as_ref().filter(|c| c.devices() > 1) {
+        return wrap_mesh(k, c, &operands, &results, &reshapes, &call, &ret);
+    }
     let mut s = String::new();
     s.push_str(&format!("module {} {{\n", symbol(&k.name)));
     s.push_str(&format!("  func.func public @main({}) -> ({}) {{\n", args.join(", "), out_tys.join(", ")));
     reshapes.iter().for_each(|r| s.push_str(r));
-    s.push_str(&format!(
-        "    {lhs} = stablehlo.custom_call @tpu_custom_call({}) {{{}}} : ({}) -> {}\n",
-        arg_names.join(", "),
-        attrs.join(", "),
-        call_tys.join(", "),
-        result_list(&out_tys)
-    ));
+    s.push_str(&format!("    {call}"));
     s.push_str(&format!("    return {ret} : {}\n", out_tys.join(", ")));
+    s.push_str("  }\n}\n");
+    s
+}
+
+/// The module of a kernel that runs on every device of a mesh, in the form JAX writes for
+/// a `pallas_call` under `shard_map` (tests/fixtures/collective/ring_mesh.stablehlo.mlir):
+/// `mhlo.num_partitions` devices, a Shardy mesh, and the custom call inside an
+/// `sdy.manual_computation` over every mesh axis, so each device calls the kernel on its
+/// own shard. The global arrays are the devices' operands stacked along dim 0 (device `d`
+/// holds rows `d * n0 .. (d + 1) * n0`); a rank-0 operand is replicated.
+fn wrap_mesh(k: &Kernel, c: &Collective, operands: &[&RefDecl], results: &[&RefDecl], reshapes: &[String], call: &str, ret: &str) -> String {
+    let n = c.devices();
+    let axes: Vec<String> = c.mesh.iter().map(|a| format!("\"{}\"", a.name)).collect();
+    let local = |r: &RefDecl| format!("tensor<{}>", shaped(r.dtype, &r.shape));
+    let global = |r: &RefDecl| {
+        let mut shape = r.shape.clone();
+        if let Some(d0) = shape.first_mut() {
+            *d0 *= n;
+        }
+        format!("tensor<{}>", shaped(r.dtype, &shape))
+    };
+    let sharding = |r: &RefDecl| {
+        let dims: Vec<String> = (0..r.shape.len()).map(|d| if d == 0 { format!("{{{}}}", axes.join(", ")) } else { "{}".to_string() }).collect();
+        format!("<@mesh, [{}]>", dims.join(", "))
+    };
+    let list = |rs: &[&RefDecl], f: &dyn Fn(&RefDecl) -> String| rs.iter().map(|r| f(r)).collect::<Vec<_>>().join(", ");
+    let main_args: Vec<String> = operands.iter().enumerate().map(|(i, r)| format!("%g{i}: {} {{sdy.sharding = #sdy.sharding{}}}", global(r), sharding(r))).collect();
+    let outs: Vec<String> = results.iter().map(|r| format!("{} {{sdy.sharding = #sdy.sharding{}}}", global(r), sharding(r))).collect();
+    let inner_args: Vec<String> = operands.iter().enumerate().map(|(i, r)| format!("%arg{i}: {}", local(r))).collect();
+    let outer_names: Vec<String> = (0..operands.len()).map(|i| format!("%g{i}")).collect();
+    let lhs = match results.len() {
+        1 => "%r".to_string(),
+        m => format!("%r:{m}"),
+    };
+    let rets = match results.len() {
+        1 => "%r".to_string(),
+        m => (0..m).map(|i| format!("%r#{i}")).collect::<Vec<_>>().join(", "),
+    };
+    let dims = c.mesh.iter().map(|a| format!("\"{}\"={}", a.name, a.size)).collect::<Vec<_>>().join(", ");
+    let mut s = String::new();
+    s.push_str(&format!("module {} attributes {{mhlo.num_partitions = {n} : i32, mhlo.num_replicas = 1 : i32}} {{\n", symbol(&k.name)));
+    s.push_str(&format!("  sdy.mesh @mesh = <[{dims}]>\n"));
+    // `main` takes the global arrays; the manual computation gives the kernel its shard.
+    s.push_str(&format!("  func.func public @main({}) -> ({}) {{\n", main_args.join(", "), outs.join(", ")));
+    s.push_str(&format!(
+        "    {lhs} = sdy.manual_computation({}) in_shardings=[{}] out_shardings=[{}] manual_axes={{{}}} ({}) {{\n",
+        outer_names.join(", "),
+        list(operands, &sharding),
+        list(results, &sharding),
+        axes.join(", "),
+        inner_args.join(", ")
+    ));
+    reshapes.iter().for_each(|r| s.push_str(&format!("  {r}")));
+    s.push_str(&format!("      {call}"));
+    s.push_str(&format!("      sdy.return {ret} : {}\n", list(results, &local)));
+    s.push_str(&format!("    }} : ({}) -> {}\n", list(operands, &global), result_list(&results.iter().map(|r| global(r)).collect::<Vec<_>>())));
+    s.push_str(&format!("    return {rets} : {}\n", list(results, &global)));
     s.push_str("  }\n}\n");
     s
 }
@@ -89,17 +144,31 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
 /// `serialization_format: 1`; `needs_layout_passes: false` is rejected for such bodies;
 /// `cost_estimate` matches the four fields JAX writes; `scoped_memory_configs` (top level,
 /// memory space 1 = VMEM) sets the scoped VMEM limit.
-pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: usize) -> String {
+pub(crate) fn backend_config(body: &str, cost: &CostEstimate, vmem_limit_bytes: usize, collective: Option<&str>) -> String {
     let b64 = base64::engine::general_purpose::STANDARD.encode(body.as_bytes());
     format!(
         concat!(
             "{{\"custom_call_config\": {{\"body\": \"{}\", ",
-            "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": 0}}, ",
-            "\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
+            "\"cost_estimate\": {{\"flops\": {}, \"transcendentals\": {}, \"bytes_accessed\": {}, \"remote_bytes_transferred\": {}}}, ",
+            "{}\"serialization_format\": 1, \"needs_layout_passes\": true}}, ",
             "\"scoped_memory_configs\": [{{\"memory_space\": 1, \"offset\": 0, \"size\": {}}}]}}"
         ),
-        b64, cost.flops, cost.transcendentals, cost.bytes_accessed, vmem_limit_bytes
+        b64,
+        cost.flops,
+        cost.transcendentals,
+        cost.bytes_accessed,
+        cost.remote_bytes_transferred,
+        collective.unwrap_or(""),
+        vmem_limit_bytes
     )
+}
+
+/// The backend_config fields of a kernel that talks to other devices, as Pallas writes
+/// them for its ring (tests/fixtures/collective/ring_mesh.backend_config.json):
+/// `has_communication` and the `collective_id` that picks its barrier semaphore.
+fn collective_fields(k: &Kernel) -> Option<String> {
+    let c = k.collective.as_ref()?;
+    k.communicates().then(|| format!("\"has_communication\": true, \"collective_id\": {}, ", c.collective_id))
 }
 
 /// Row-major layout (minor-to-major `[r-1, ..., 0]`) as a dense index attribute.

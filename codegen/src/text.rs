@@ -112,12 +112,14 @@ pub(crate) fn vector_ty(dtype: DType, shape: &[usize]) -> String {
 
 /// A memref type; in semaphore memory the element is `!tpu.dma_semaphore` whatever `dtype`.
 pub(crate) fn memref_ty(dtype: DType, shape: &[usize], memory: MemorySpace) -> String {
-    let elems = if memory == MemorySpace::Semaphore {
-        shape.iter().map(|d| format!("{d}x")).collect::<String>() + "!tpu.dma_semaphore"
-    } else {
-        shaped(dtype, shape)
+    let dims = || shape.iter().map(|d| format!("{d}x")).collect::<String>();
+    let (elems, space) = match memory {
+        MemorySpace::Semaphore => (dims() + "!tpu.dma_semaphore", "semaphore_mem"),
+        // Both kinds live in Mosaic's `semaphore_mem`; the element type tells them apart.
+        MemorySpace::RegularSemaphore => (dims() + "!tpu.semaphore", "semaphore_mem"),
+        _ => (shaped(dtype, shape), memory.name()),
     };
-    format!("memref<{elems}, #tpu.memory_space<{}>>", memory.name())
+    format!("memref<{elems}, #tpu.memory_space<{space}>>")
 }
 
 /// `8x128xf32`; a rank-0 shape is just the element type.
@@ -218,6 +220,7 @@ mod tests {
         assert_eq!(memref_ty(DType::I32, &[4], MemorySpace::Smem), "memref<4xi32, #tpu.memory_space<smem>>");
         assert_eq!(memref_ty(DType::I32, &[2], MemorySpace::Semaphore), "memref<2x!tpu.dma_semaphore, #tpu.memory_space<semaphore_mem>>");
         assert_eq!(memref_ty(DType::I32, &[], MemorySpace::Semaphore), "memref<!tpu.dma_semaphore, #tpu.memory_space<semaphore_mem>>");
+        assert_eq!(memref_ty(DType::I32, &[1], MemorySpace::RegularSemaphore), "memref<1x!tpu.semaphore, #tpu.memory_space<semaphore_mem>>");
         assert_eq!(symbol("a.b"), "@a.b");
         assert_eq!(symbol("1x"), "@\"1x\"");
     }

@@ -91,6 +91,35 @@ pub fn ds_strided(start: impl Into<Arg>, len: usize, stride: usize) -> Index {
     Index::Strided(start.into(), len, stride)
 }
 
+/// A copy into another device's buffer, as Pallas `make_async_remote_copy` describes it:
+/// `src[src_index]` here to `dst[dst_index]` on `device`, with this device's send
+/// semaphore and the peer's receive semaphore (each `(array, index)` of `semaphores(n)`).
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteCopy<'a> {
+    pub src: RefId,
+    pub src_index: &'a [Index],
+    pub dst: RefId,
+    pub dst_index: &'a [Index],
+    pub send_sem: (RefId, Arg),
+    pub recv_sem: (RefId, Arg),
+    /// The peer's logical id (see [`KernelBuilder::mesh_device`], [`KernelBuilder::axis_index`]).
+    pub device: Arg,
+}
+
+/// A counting semaphore operand: one of a `regular_semaphores(n)` array, or the barrier.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sem {
+    At(RefId, Arg),
+    /// The kernel's barrier semaphore (Pallas `get_barrier_semaphore()`).
+    Barrier,
+}
+
+impl Sem {
+    pub fn at(sem: RefId, index: impl Into<Arg>) -> Sem {
+        Sem::At(sem, index.into())
+    }
+}
+
 pub struct KernelBuilder {
     k: Kernel,
     /// The block being appended to, innermost last.
@@ -110,6 +139,7 @@ impl KernelBuilder {
             blocks: vec![BlockData::default()],
             body: BlockId(0),
             vmem_limit_bytes: None,
+            collective: None,
         };
         KernelBuilder { k, cursor: vec![BlockId(0)], error: None, loc: None }
     }
@@ -209,6 +239,20 @@ impl KernelBuilder {
     /// `n` DMA semaphores (Pallas `SemaphoreType.DMA((n,))`), a scratch operand.
     pub fn semaphores(&mut self, name: &str, n: usize) -> RefId {
         self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype: DType::I32, shape: vec![n], memory: MemorySpace::Semaphore, block: None, loc: None })
+    }
+
+    /// `n` counting semaphores (Pallas `SemaphoreType.REGULAR((n,))`), a scratch operand
+    /// for [`Self::semaphore_signal`] / [`Self::semaphore_wait`].
+    pub fn regular_semaphores(&mut self, name: &str, n: usize) -> RefId {
+        self.add_ref(RefDecl { name: name.into(), kind: RefKind::Scratch, dtype: DType::I32, shape: vec![n], memory: MemorySpace::RegularSemaphore, block: None, loc: None })
+    }
+
+    /// Declares the device mesh the kernel runs on (axes major to minor, as a JAX `Mesh`)
+    /// and Mosaic's `collective_id`: required before any remote copy, signal to a peer or
+    /// barrier (`collective-undeclared`). Every device of the mesh runs the kernel.
+    pub fn mesh(&mut self, axes: &[(&str, usize)], collective_id: u32) {
+        let mesh = axes.iter().map(|&(name, size)| MeshAxis { name: name.to_string(), size }).collect();
+        self.k.collective = Some(Collective { mesh, collective_id });
     }
 
     pub fn ref_decl(&self, r: RefId) -> &RefDecl {
@@ -351,11 +395,11 @@ impl KernelBuilder {
 
     fn slices(&mut self, r: RefId, what: &str, index: &[Index]) -> Option<Vec<Slice>> {
         let decl = self.k.ref_decl(r).clone();
-        if decl.memory == MemorySpace::Semaphore {
+        if decl.memory.is_semaphore() {
             self.fail(
                 format!("{} of {} `{}`", what, decl.kind.name(), decl.name),
                 "semaphore-access",
-                "DMA semaphores cannot be loaded, stored or copied",
+                "semaphores cannot be loaded, stored or copied",
                 "name the semaphore as the last argument of dma_start / dma_wait",
             );
             return None;
@@ -475,7 +519,7 @@ impl KernelBuilder {
     /// descriptor.
     pub fn dma_start(&mut self, src: RefId, src_index: &[Index], dst: RefId, dst_index: &[Index], sem: RefId, sem_index: impl Into<Arg>) {
         if let Some((src, dst, sem_index)) = self.dma_descriptor("dma_start", src, src_index, dst, dst_index, sem, sem_index.into()) {
-            self.push(Inst::DmaStart { src, dst, sem, sem_index }, vec![]);
+            self.push(Inst::DmaStart { src, dst, sem, sem_index, remote: None }, vec![]);
         }
     }
 
@@ -483,7 +527,7 @@ impl KernelBuilder {
     /// has landed in `dst` (Pallas `.wait()`).
     pub fn dma_wait(&mut self, src: RefId, src_index: &[Index], dst: RefId, dst_index: &[Index], sem: RefId, sem_index: impl Into<Arg>) {
         if let Some((src, dst, sem_index)) = self.dma_descriptor("dma_wait", src, src_index, dst, dst_index, sem, sem_index.into()) {
-            self.push(Inst::DmaWait { src, dst, sem, sem_index }, vec![]);
+            self.push(Inst::DmaWait { src, dst, sem, sem_index, remote: None }, vec![]);
         }
     }
 
@@ -538,6 +582,163 @@ impl KernelBuilder {
             }
         }
         Some((src, dst, sem_index))
+    }
+
+    // ---- devices and communication ------------------------------------------------------------
+
+    /// This device's logical id in the mesh (Mosaic `tpu.device_id`).
+    pub fn device_id(&mut self) -> Value {
+        self.push1(Inst::DeviceId, Type::scalar(DType::I32))
+    }
+
+    /// The mesh axis named `axis`, or an error (`mesh-axis`) and `None`.
+    fn mesh_axis(&mut self, what: &str, axis: &str) -> Option<(usize, usize)> {
+        let Some(c) = self.k.collective.clone() else {
+            self.fail(what, "collective-undeclared", format!("`{axis}` names a mesh axis, and the kernel declares no mesh"), "declare the mesh first: `mesh(&[(\"x\", n)], collective_id)` (#[tpu_kernel(mesh = ...)])");
+            return None;
+        };
+        match c.axis(axis) {
+            Some(i) => Some((c.stride(i), c.mesh[i].size)),
+            None => {
+                let names: Vec<&str> = c.mesh.iter().map(|a| a.name.as_str()).collect();
+                self.fail(what, "mesh-axis", format!("the mesh has no axis `{axis}` (its axes: {})", names.join(", ")), "name one of the mesh's axes");
+                None
+            }
+        }
+    }
+
+    /// This device's coordinate along mesh axis `axis` (Pallas `lax.axis_index`), computed
+    /// from the logical id as Pallas lowers it: `(device_id / stride) % size`.
+    pub fn axis_index(&mut self, axis: &str) -> Value {
+        let Some((stride, size)) = self.mesh_axis("axis_index", axis) else { return self.poison(Type::scalar(DType::I32)) };
+        let id = self.device_id();
+        let major = self.div(id, stride as i64);
+        self.binary(BinaryOp::Rem, major, size as i64)
+    }
+
+    /// The number of devices along mesh axis `axis` (Pallas `lax.axis_size`), a constant.
+    pub fn axis_size(&mut self, axis: &str) -> Value {
+        let size = self.mesh_axis("axis_size", axis).map_or(1, |(_, n)| n);
+        self.constant(Scalar::Int(size as i64), Type::scalar(DType::I32))
+    }
+
+    /// The logical id of the device at mesh coordinates `coords` (one per axis, major to
+    /// minor; Pallas `device_id=(..)` with `DeviceIdType.MESH`): `sum(coord * stride)`.
+    pub fn mesh_device(&mut self, coords: &[Arg]) -> Value {
+        let Some(c) = self.k.collective.clone() else {
+            self.fail("mesh_device", "collective-undeclared", "device coordinates, and the kernel declares no mesh", "declare the mesh first: `mesh(&[(\"x\", n)], collective_id)`");
+            return self.poison(Type::scalar(DType::I32));
+        };
+        if coords.len() != c.mesh.len() {
+            self.fail("mesh_device", "mesh-axis", format!("{} coordinates for a mesh of {} axes", coords.len(), c.mesh.len()), "give one coordinate per mesh axis, major to minor");
+            return self.poison(Type::scalar(DType::I32));
+        }
+        let mut id = self.i32(0);
+        for (axis, &coord) in coords.iter().enumerate() {
+            let term = self.mul(coord, c.stride(axis) as i64);
+            id = self.add(id, term);
+        }
+        id
+    }
+
+    /// An i32 scalar operand of a communication op (`what`), or an `index-type` error.
+    fn i32_scalar(&mut self, subject: &str, what: &str, a: Arg) -> Value {
+        let v = self.lift(a, Some(DType::I32));
+        if self.ty(v) != &Type::scalar(DType::I32) {
+            let t = self.ty(v).clone();
+            self.fail(subject, "index-type", format!("the {what} has type {t}"), format!("the {what} is an i32 scalar"));
+        }
+        v
+    }
+
+    /// Starts the copy `src[src_index]` -> `dst[dst_index]` *on device `device`*
+    /// (Pallas `make_async_remote_copy(...).start()`): the peer's `recv_sem` signals when
+    /// the data has landed there, this device's `send_sem` once the source has been read.
+    pub fn remote_copy_start(&mut self, c: &RemoteCopy<'_>) {
+        let Some((src, dst, sem_index)) = self.dma_descriptor("remote_copy_start", c.src, c.src_index, c.dst, c.dst_index, c.recv_sem.0, c.recv_sem.1) else { return };
+        let subject = format!("remote_copy_start `{}` -> `{}`", self.k.ref_decl(c.src).name, self.k.ref_decl(c.dst).name);
+        let (send_sem, send_index) = match self.semaphore_arg(&subject, c.send_sem.0, c.send_sem.1) {
+            Some(s) => s,
+            None => return,
+        };
+        let device = self.i32_scalar(&subject, "device id", c.device);
+        self.push(Inst::DmaStart { src, dst, sem: c.recv_sem.0, sem_index, remote: Some(RemoteDma { device, send_sem, send_index }) }, vec![]);
+    }
+
+    /// Waits until this device's source of `c` has been read (Pallas `.wait_send()`).
+    pub fn remote_copy_wait_send(&mut self, c: &RemoteCopy<'_>) {
+        self.remote_wait(c, DmaSide::Send);
+    }
+
+    /// Waits until a copy described by `c` has landed in *this* device's `dst` (Pallas
+    /// `.wait_recv()`: the peer that sends to us uses the same descriptor).
+    pub fn remote_copy_wait_recv(&mut self, c: &RemoteCopy<'_>) {
+        self.remote_wait(c, DmaSide::Recv);
+    }
+
+    fn remote_wait(&mut self, c: &RemoteCopy<'_>, side: DmaSide) {
+        let (what, sem) = match side {
+            DmaSide::Send => ("remote_copy_wait_send", c.send_sem),
+            DmaSide::Recv => ("remote_copy_wait_recv", c.recv_sem),
+        };
+        let Some((src, dst, sem_index)) = self.dma_descriptor(what, c.src, c.src_index, c.dst, c.dst_index, sem.0, sem.1) else { return };
+        let subject = format!("{what} `{}` -> `{}`", self.k.ref_decl(c.src).name, self.k.ref_decl(c.dst).name);
+        let device = self.i32_scalar(&subject, "device id", c.device);
+        self.push(Inst::DmaWait { src, dst, sem: sem.0, sem_index, remote: Some(RemoteWait { device, side }) }, vec![]);
+    }
+
+    /// One DMA semaphore `sem[index]`, checked like the copy's own.
+    fn semaphore_arg(&mut self, subject: &str, sem: RefId, index: Arg) -> Option<(RefId, Value)> {
+        let decl = self.k.ref_decl(sem).clone();
+        if decl.memory != MemorySpace::Semaphore {
+            self.fail(subject, "dma-semaphore", format!("{} `{}` is not a DMA semaphore array", decl.kind.name(), decl.name), "declare semaphores with `semaphores(n)` and pass one of them, e.g. `sem[slot]`");
+            return None;
+        }
+        let index = self.i32_scalar(subject, "semaphore index", index);
+        self.check_semaphore_index(subject, &decl, index);
+        Some((sem, index))
+    }
+
+    fn check_semaphore_index(&mut self, subject: &str, decl: &RefDecl, index: Value) {
+        let count: usize = decl.shape.iter().product();
+        if let Some(Scalar::Int(i)) = self.k.as_const(index) {
+            if i < 0 || i as usize >= count {
+                self.fail(subject, "static-out-of-bounds", format!("semaphore {i} of `{}`, which has {count}", decl.name), "use a semaphore index below the array's length");
+            }
+        }
+    }
+
+    /// A counting semaphore: the checks every signal and wait makes.
+    fn counting_semaphore(&mut self, subject: &str, sem: Sem) -> Option<SemaphoreRef> {
+        match sem {
+            Sem::Barrier => Some(SemaphoreRef::Barrier),
+            Sem::At(r, index) => {
+                let decl = self.k.ref_decl(r).clone();
+                if decl.memory != MemorySpace::RegularSemaphore {
+                    self.fail(subject, "semaphore-kind", format!("{} `{}` is not a counting semaphore array", decl.kind.name(), decl.name), "signal and wait on `regular_semaphores(n)` or the barrier semaphore; DMA semaphores are signalled by copies");
+                    return None;
+                }
+                let index = self.i32_scalar(subject, "semaphore index", index);
+                self.check_semaphore_index(subject, &decl, index);
+                Some(SemaphoreRef::Array { sem: r, index })
+            }
+        }
+    }
+
+    /// Adds `amount` to a counting semaphore on this device, or on `device` (Pallas
+    /// `semaphore_signal(sem, amount, device_id=...)`).
+    pub fn semaphore_signal(&mut self, sem: Sem, amount: impl Into<Arg>, device: Option<Arg>) {
+        let Some(sem) = self.counting_semaphore("semaphore_signal", sem) else { return };
+        let amount = self.i32_scalar("semaphore_signal", "amount", amount.into());
+        let device = device.map(|d| self.i32_scalar("semaphore_signal", "device id", d));
+        self.push(Inst::SemSignal { sem, amount, device }, vec![]);
+    }
+
+    /// Blocks until the semaphore holds `amount`, then takes it (Pallas `semaphore_wait`).
+    pub fn semaphore_wait(&mut self, sem: Sem, amount: impl Into<Arg>) {
+        let Some(sem) = self.counting_semaphore("semaphore_wait", sem) else { return };
+        let amount = self.i32_scalar("semaphore_wait", "amount", amount.into());
+        self.push(Inst::SemWait { sem, amount }, vec![]);
     }
 
     // ---- elementwise -----------------------------------------------------------------------

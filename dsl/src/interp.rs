@@ -30,6 +30,9 @@
 //!     waited for is `dma-unwaited`: at the end of the kernel always, and at the end of a
 //!     grid step unless every grid dim is `arbitrary` (only then do consecutive steps run on
 //!     one core in order, which cross-step prefetching relies on).
+//! - A kernel on a mesh of devices runs on every one of them ([`run_devices`]): each its own
+//!   memories, stepped round-robin; remote copies land in the peer's memory, waits block
+//!   until a peer signals or sends (`interp/devices.rs` has the model and its errors).
 //! - Grid steps that differ in a `parallel` dim may run concurrently (on a chip's cores;
 //!   in the compiled CPU backends, on threads), so they must not write the same output
 //!   block: an output whose index map gives one block to two steps that differ in a
@@ -93,6 +96,10 @@ use crate::error::{KernelError, Result};
 use crate::ir::*;
 use crate::types::{DType, MemorySpace};
 use crate::verify::eval_index;
+
+mod devices;
+use devices::Fabric;
+pub use devices::{run_devices, run_devices_into};
 
 // ---- public arrays ------------------------------------------------------------------------
 
@@ -445,9 +452,13 @@ enum OutputState {
 /// [`run_into`], told whether the outputs still need poisoning.
 fn run_host(kernel: &Kernel, inputs: &[HostRef<'_>], outputs: &mut [HostMut<'_>], state: OutputState) -> Result<RunStats> {
     let start = Instant::now();
+    if let Some(n) = kernel.collective.as_ref().map(Collective::devices).filter(|&n| n != 1) {
+        return Err(KernelError::new(&kernel.name, "mesh", "mesh-run", format!("the kernel runs on a mesh of {n} devices and was run on one"), "run it on every device of its mesh: interp::run_devices, one set of operands per device"));
+    }
     let mut m = Machine::new(kernel, inputs, outputs, state)?;
-    let extents = run_extents(kernel, inputs)?;
-    m.run_grid(&extents)?;
+    m.start(run_extents(kernel, inputs)?);
+    let mut fab = Fabric::new(1, false);
+    devices::run_machines(kernel, std::slice::from_mut(&mut m), &mut fab)?;
     m.stats.elapsed = start.elapsed();
     Ok(m.stats)
 }
@@ -883,27 +894,46 @@ struct Machine<'k, 'h> {
     blocked: Vec<Blocked<'h>>,
     grid: Vec<usize>,
     stats: RunStats,
-    /// Async copies started and not yet waited for, in issue order.
-    dmas: Vec<PendingDma>,
     /// Per blocked operand (outputs only): the grid step that first entered each block,
     /// for the `parallel-revisit` check.
     first_visit: Vec<std::collections::HashMap<Vec<usize>, Vec<usize>>>,
     /// The random generator's state in this grid step (`None` until `prng_seed`).
     prng: Option<Prng>,
+    /// This machine's logical device id in the mesh (0 when run alone).
+    device: usize,
+    /// Where the current grid step is: the blocks being run, innermost last. A wait that
+    /// cannot complete yet leaves them as they are, so the step resumes there.
+    frames: Vec<Frame>,
+    /// The run-time grid extents, the number of steps, and the next step to start.
+    extents: Vec<usize>,
+    steps: usize,
+    step: usize,
+    /// Instructions executed so far: the scheduler's measure of progress.
+    executed: u64,
 }
 
-/// An async copy in flight (see the module docs).
-struct PendingDma {
-    /// The semaphore array and the semaphore in it.
-    sem: (RefId, usize),
-    /// The source box, read when the copy started.
-    data: Buf,
-    dst: RefId,
-    origin: Vec<usize>,
-    lens: Vec<usize>,
-    bytes: usize,
-    /// `dma_start` at ...: where it was issued, for errors.
-    issued: String,
+/// A block being run: its next instruction, and what its yield goes to.
+struct Frame {
+    block: BlockId,
+    pc: usize,
+    owner: Owner,
+}
+
+enum Owner {
+    /// The kernel body of a grid step.
+    Step,
+    /// A branch of this `If`.
+    If(InstId),
+    /// An iteration `i` of this `For`, up to `hi`.
+    For { inst: InstId, i: i64, hi: i64, step: i64 },
+}
+
+/// How far [`Machine::run`] got.
+enum Flow {
+    /// The kernel ended on this device.
+    Done,
+    /// A wait that cannot complete until another device acts.
+    Blocked(devices::Blocked),
 }
 
 fn row_major_strides(shape: &[usize]) -> Vec<usize> {
@@ -1331,7 +1361,22 @@ impl<'k, 'h> Machine<'k, 'h> {
     /// Checks the operands against the kernel, poisons the outputs and sets up the memory
     /// of every ref (borrowing the operands, allocating windows and scratch).
     fn new(k: &'k Kernel, inputs: &[HostRef<'h>], outputs: &'h mut [HostMut<'_>], state: OutputState) -> Result<Self> {
-        let mut m = Machine { k, vals: vec![None; k.values.len()], mems: Vec::with_capacity(k.refs.len()), blocked: Vec::new(), grid: vec![0; k.grid.len()], stats: RunStats::default(), dmas: Vec::new(), first_visit: Vec::new(), prng: None };
+        let mut m = Machine {
+            k,
+            vals: vec![None; k.values.len()],
+            mems: Vec::with_capacity(k.refs.len()),
+            blocked: Vec::new(),
+            grid: vec![0; k.grid.len()],
+            stats: RunStats::default(),
+            first_visit: Vec::new(),
+            prng: None,
+            device: 0,
+            frames: Vec::new(),
+            extents: Vec::new(),
+            steps: 0,
+            step: 0,
+            executed: 0,
+        };
         // Check everything before writing anything.
         let expected = inputs_of(k).count();
         if inputs.len() != expected {
@@ -1432,39 +1477,55 @@ impl<'k, 'h> Machine<'k, 'h> {
         Ok(())
     }
 
-    /// Walks the grid of these run-time `extents` ([`run_extents`]).
-    fn run_grid(&mut self, extents: &[usize]) -> Result<()> {
+    /// Sets the run-time grid `extents` ([`run_extents`]) the machine walks.
+    fn start(&mut self, extents: Vec<usize>) {
+        self.steps = extents.iter().product();
+        self.extents = extents;
+    }
+
+    /// Walks the grid (lexicographic order, last dim fastest) from where it stopped, until
+    /// the kernel ends or a wait blocks on something only another device can do.
+    fn run(&mut self, fab: &mut Fabric) -> Result<Flow> {
         let k = self.k;
-        // Lexicographic order, last dim fastest; stepped by hand so errors can propagate.
-        let steps: usize = extents.iter().product();
-        for step in 0..steps {
-            if step > 0 {
-                for d in (0..extents.len()).rev() {
-                    self.grid[d] += 1;
-                    if self.grid[d] < extents[d] {
-                        break;
+        loop {
+            if self.frames.is_empty() {
+                if self.step == self.steps {
+                    return Ok(Flow::Done);
+                }
+                if self.step > 0 {
+                    for d in (0..self.extents.len()).rev() {
+                        self.grid[d] += 1;
+                        if self.grid[d] < self.extents[d] {
+                            break;
+                        }
+                        self.grid[d] = 0;
                     }
-                    self.grid[d] = 0;
+                }
+                self.enter_blocks()?;
+                // Each grid step starts unseeded (steps may run on different cores/threads).
+                self.prng = None;
+                self.frames.push(Frame { block: k.body, pc: 0, owner: Owner::Step });
+            }
+            if let Flow::Blocked(b) = self.resume(fab)? {
+                return Ok(Flow::Blocked(b));
+            }
+            // The step's body has run.
+            self.step += 1;
+            self.stats.grid_steps += 1;
+            let last = self.step == self.steps;
+            let sequential = k.grid.iter().all(|g| g.semantics == crate::types::Semantics::Arbitrary);
+            if !sequential || last {
+                self.check_no_pending_dma(fab, last)?;
+            }
+            if last {
+                // The end of the grid flushes every output window still resident.
+                for i in 0..self.blocked.len() {
+                    if k.ref_decl(self.blocked[i].r).kind == RefKind::Output && self.blocked[i].current.is_some() {
+                        self.write_back(i);
+                    }
                 }
             }
-            self.enter_blocks()?;
-            // Each grid step starts unseeded (steps may run on different cores/threads).
-            self.prng = None;
-            let yielded = self.exec_block(k.body)?;
-            debug_assert!(yielded.is_empty());
-            self.stats.grid_steps += 1;
-            let sequential = k.grid.iter().all(|g| g.semantics == crate::types::Semantics::Arbitrary);
-            if !sequential || step + 1 == steps {
-                self.check_no_pending_dma(step + 1 == steps)?;
-            }
         }
-        // The end of the grid flushes every output window still resident.
-        for i in 0..self.blocked.len() {
-            if k.ref_decl(self.blocked[i].r).kind == RefKind::Output && self.blocked[i].current.is_some() {
-                self.write_back(i);
-            }
-        }
-        Ok(())
     }
 
     /// Evaluates every blocked operand's index map for the current grid step and moves the
@@ -1615,14 +1676,26 @@ impl<'k, 'h> Machine<'k, 'h> {
         }
     }
 
-    /// Runs `block`; returns what its `Yield` yields (nothing for the kernel body).
-    fn exec_block(&mut self, block: BlockId) -> Result<Vec<Rc<Val>>> {
+    /// Runs the current grid step's frames until the step's body ends (`Done`) or a wait
+    /// blocks; a blocked wait is retried from the same instruction on the next call.
+    fn resume(&mut self, fab: &mut Fabric) -> Result<Flow> {
         let k = self.k;
-        for &i in &k.block(block).insts {
+        while let Some(top) = self.frames.last() {
+            let Some(&i) = k.block(top.block).insts.get(top.pc) else {
+                // A block that ends without `Yield` (the kernel body) yields nothing.
+                self.end_frame(Vec::new())?;
+                continue;
+            };
             let d = k.inst(i);
+            let pc = top.pc;
+            self.frames.last_mut().expect("a frame is running").pc = pc + 1;
+            self.executed += 1;
             match &d.inst {
-                Inst::Yield(vs) => return vs.iter().map(|&v| self.get(v, d)).collect(),
-                Inst::Store { dst, slices, value } => self.store(d, *dst, slices, *value)?,
+                Inst::Yield(vs) => {
+                    let vals = vs.iter().map(|&v| self.get(v, d)).collect::<Result<Vec<_>>>()?;
+                    self.end_frame(vals)?;
+                }
+                Inst::Store { dst, slices, value } => self.store(d, fab, *dst, slices, *value)?,
                 Inst::PrngSeed(seeds) => {
                     let seeds: Vec<i32> = seeds.iter().map(|&v| self.scalar_i32(v, d)).collect::<Result<_>>()?;
                     self.prng = Some(Prng::seeded(&seeds));
@@ -1643,18 +1716,45 @@ impl<'k, 'h> Machine<'k, 'h> {
                     let bits = prng.draw(shape.iter().product());
                     self.bind(result, Rc::new(Val { shape, buf: Buf::I(bits) }), d)?;
                 }
-                Inst::DmaStart { src, dst, sem, sem_index } => self.dma_start(d, src, dst, *sem, *sem_index)?,
-                Inst::DmaWait { src, dst, sem, sem_index } => self.dma_wait(d, src, dst, *sem, *sem_index)?,
+                Inst::DmaStart { src, dst, sem, sem_index, remote } => self.dma_start(d, fab, src, dst, *sem, *sem_index, remote.as_ref())?,
+                Inst::DmaWait { src, dst, sem, sem_index, remote } => {
+                    if let Some(b) = self.dma_wait(d, fab, src, dst, *sem, *sem_index, remote.as_ref())? {
+                        return self.block_at(pc, b);
+                    }
+                }
+                Inst::SemSignal { sem, amount, device } => self.sem_signal(d, fab, sem, *amount, *device)?,
+                Inst::SemWait { sem, amount } => {
+                    if let Some(b) = self.sem_wait(d, fab, sem, *amount)? {
+                        return self.block_at(pc, b);
+                    }
+                }
                 Inst::If { cond, then_block, else_block } => {
                     let taken = if self.scalar_bool(*cond, d)? { *then_block } else { *else_block };
-                    let outs = self.exec_block(taken)?;
-                    self.bind_all(d, outs)?;
+                    self.frames.push(Frame { block: taken, pc: 0, owner: Owner::If(i) });
                 }
                 Inst::For { lo, hi, step, init, body } => {
-                    let outs = self.exec_for(d, *lo, *hi, *step, init, *body)?;
-                    self.bind_all(d, outs)?;
+                    if *step <= 0 {
+                        return Err(self.err("`for` loop", "loop-step", format!("step {step}"), "use a positive step").at(d.loc.clone()));
+                    }
+                    let (lo, hi) = (self.scalar_i32(*lo, d)? as i64, self.scalar_i32(*hi, d)? as i64);
+                    let carries: Vec<Rc<Val>> = init.iter().map(|&v| self.get(v, d)).collect::<Result<_>>()?;
+                    if k.block(*body).params.len() != carries.len() + 1 {
+                        return Err(self.malformed(d, format!("the body takes {} parameters for {} carries", k.block(*body).params.len(), carries.len())));
+                    }
+                    if lo < hi {
+                        self.enter_iteration(d, *body, lo, carries)?;
+                        self.frames.push(Frame { block: *body, pc: 0, owner: Owner::For { inst: i, i: lo, hi, step: *step } });
+                    } else {
+                        self.bind_all(d, carries)?;
+                    }
                 }
                 _ => {
+                    if let Inst::Load { src, slices } = &d.inst {
+                        if fab.has_remote() {
+                            let (origin, lens) = self.slice_box(d, "load", *src, slices)?;
+                            fab.check_access(self, d, "load", *src, &origin, &lens)?;
+                        }
+                    }
                     let &[result] = d.results.as_slice() else { return Err(self.malformed(d, "expected exactly one result")) };
                     let ty = k.ty(result);
                     let mut val = self.eval(d, ty)?;
@@ -1663,7 +1763,50 @@ impl<'k, 'h> Machine<'k, 'h> {
                 }
             }
         }
-        Ok(Vec::new())
+        Ok(Flow::Done)
+    }
+
+    /// Leaves the wait at `pc` to run again when the machine resumes.
+    fn block_at(&mut self, pc: usize, b: devices::Blocked) -> Result<Flow> {
+        self.frames.last_mut().expect("a frame is running").pc = pc;
+        self.executed -= 1;
+        Ok(Flow::Blocked(b))
+    }
+
+    /// Binds a loop body's induction variable and carries.
+    fn enter_iteration(&mut self, d: &InstData, body: BlockId, i: i64, carries: Vec<Rc<Val>>) -> Result<()> {
+        let params = self.k.block(body).params.clone();
+        self.bind(params[0], Rc::new(Val { shape: Vec::new(), buf: Buf::I(vec![i as i32]) }), d)?;
+        for (&p, c) in params[1..].iter().zip(carries) {
+            self.bind(p, c, d)?;
+        }
+        Ok(())
+    }
+
+    /// The innermost block yielded `vals`: they go to its owner (an `If`'s results, the next
+    /// iteration of a `For` or its results).
+    fn end_frame(&mut self, vals: Vec<Rc<Val>>) -> Result<()> {
+        let k = self.k;
+        let frame = self.frames.pop().expect("a frame is running");
+        match frame.owner {
+            Owner::Step => Ok(()),
+            Owner::If(inst) => self.bind_all(k.inst(inst), vals),
+            Owner::For { inst, i, hi, step } => {
+                let d = k.inst(inst);
+                let params = k.block(frame.block).params.len();
+                if vals.len() != params - 1 {
+                    return Err(self.malformed(d, format!("the body yields {} values for {} carries", vals.len(), params - 1)));
+                }
+                let next = i + step;
+                if next < hi {
+                    self.enter_iteration(d, frame.block, next, vals)?;
+                    self.frames.push(Frame { block: frame.block, pc: 0, owner: Owner::For { inst, i: next, hi, step } });
+                    Ok(())
+                } else {
+                    self.bind_all(d, vals)
+                }
+            }
+        }
     }
 
     fn bind_all(&mut self, d: &InstData, outs: Vec<Rc<Val>>) -> Result<()> {
@@ -1674,31 +1817,6 @@ impl<'k, 'h> Machine<'k, 'h> {
             self.bind(r, v, d)?;
         }
         Ok(())
-    }
-
-    fn exec_for(&mut self, d: &InstData, lo: Value, hi: Value, step: i64, init: &[Value], body: BlockId) -> Result<Vec<Rc<Val>>> {
-        if step <= 0 {
-            return Err(self.err("`for` loop", "loop-step", format!("step {step}"), "use a positive step").at(d.loc.clone()));
-        }
-        let (lo, hi) = (self.scalar_i32(lo, d)? as i64, self.scalar_i32(hi, d)? as i64);
-        let mut carries: Vec<Rc<Val>> = init.iter().map(|&v| self.get(v, d)).collect::<Result<_>>()?;
-        let params = self.k.block(body).params.clone();
-        if params.len() != carries.len() + 1 {
-            return Err(self.malformed(d, format!("the body takes {} parameters for {} carries", params.len(), carries.len())));
-        }
-        let mut i = lo;
-        while i < hi {
-            self.bind(params[0], Rc::new(Val { shape: Vec::new(), buf: Buf::I(vec![i as i32]) }), d)?;
-            for (&p, c) in params[1..].iter().zip(carries) {
-                self.bind(p, c, d)?;
-            }
-            carries = self.exec_block(body)?;
-            if carries.len() != params.len() - 1 {
-                return Err(self.malformed(d, format!("the body yields {} values for {} carries", carries.len(), params.len() - 1)));
-            }
-            i += step;
-        }
-        Ok(carries)
     }
 
     /// Evaluates the dynamic slice starts of an access to `r` and checks them against its
@@ -1782,13 +1900,27 @@ impl<'k, 'h> Machine<'k, 'h> {
         format!("`{}[{}]`", self.k.refs[sem.0.index()].name, sem.1)
     }
 
-    fn dma_start(&mut self, d: &InstData, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value) -> Result<()> {
-        let sem = self.semaphore(d, sem, sem_index)?;
+    /// Writes a copy's data into this machine's `r` at `origin` (a landing).
+    fn write_dma(&mut self, r: RefId, origin: &[usize], lens: &[usize], data: &Buf) {
+        if let Some((mem, shape)) = self.dma_mem(r) {
+            // `dma_start` checked the destination takes a buffer of its dtype.
+            let _ = mem.write_box(&shape, origin, data, lens, &vec![0; lens.len()], lens);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dma_start(&mut self, d: &InstData, fab: &mut Fabric, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value, remote: Option<&RemoteDma>) -> Result<()> {
+        let recv_sem = self.semaphore(d, sem, sem_index)?;
         let (src_origin, src_lens) = self.dma_side_box(d, "source", src)?;
+        // Every device runs the same kernel, so the peer's `dst` has this view too.
         let (origin, lens) = self.dma_side_box(d, "destination", dst)?;
         if dma_box(&src_lens) != dma_box(&lens) {
             return Err(self.malformed(d, format!("copying a {src_lens:?} box into a {lens:?} box")));
         }
+        let (to, send_sem) = match remote {
+            None => (self.device, None),
+            Some(r) => (fab.device_id(self, d, r.device)?, Some(self.semaphore(d, r.send_sem, r.send_index)?)),
+        };
         let dtype = self.k.refs[dst.r.index()].dtype;
         let count: usize = lens.iter().product();
         let mut data = Buf::poison(dtype, count);
@@ -1796,35 +1928,70 @@ impl<'k, 'h> Machine<'k, 'h> {
         if !mem.read_box(&shape, &src_origin, &mut data, &src_lens, &vec![0; src_lens.len()], &src_lens) {
             return Err(self.malformed(d, "source and destination dtypes differ"));
         }
-        // In flight: the destination holds garbage until the wait.
-        let poison = Buf::poison(dtype, count);
-        let (mem, shape) = self.dma_mem(dst.r).expect("checked by dma_side_box");
-        if let Err(e) = mem.write_box(&shape, &origin, &poison, &lens, &vec![0; lens.len()], &lens) {
-            return Err(self.write_error(d, e, dst.r, "dma-destination", poison.kind()));
+        let mut issued = d.loc.as_ref().map_or_else(|| "dma_start".to_string(), |l| format!("dma_start at {l}"));
+        if fab.multi {
+            issued += &format!(" on device {} at grid step {:?}", self.device, self.grid);
         }
-        let issued = d.loc.as_ref().map_or_else(|| "dma_start".to_string(), |l| format!("dma_start at {l}"));
-        let bytes = count * dtype.bytes();
-        self.dmas.push(PendingDma { sem, data, dst: dst.r, origin, lens, bytes, issued });
+        let t = devices::Transfer {
+            from: self.device,
+            to,
+            remote: remote.is_some(),
+            recv_sem,
+            send_sem,
+            src: devices::Region { r: src.r, origin: src_origin, lens: src_lens },
+            dst: devices::Region { r: dst.r, origin, lens },
+            data,
+            bytes: count * dtype.bytes(),
+            issued,
+            landed: false,
+            recv_done: false,
+            send_done: false,
+        };
+        if t.remote || fab.has_remote() {
+            fab.check_start(self, d, &t)?;
+        }
+        // In flight: the destination holds garbage until the copy lands.
+        let poison = Buf::poison(dtype, count);
+        if to == self.device {
+            let (mem, shape) = self.dma_mem(dst.r).expect("checked by dma_side_box");
+            if let Err(e) = mem.write_box(&shape, &t.dst.origin, &poison, &t.dst.lens, &vec![0; t.dst.lens.len()], &t.dst.lens) {
+                return Err(self.write_error(d, e, dst.r, "dma-destination", poison.kind()));
+            }
+        } else {
+            fab.write_to(to, &t.dst, poison);
+        }
+        fab.transfers.push(t);
         Ok(())
     }
 
-    fn dma_wait(&mut self, d: &InstData, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value) -> Result<()> {
+    /// A wait for one end of a copy: `Some` if it must wait for another device.
+    #[allow(clippy::too_many_arguments)]
+    fn dma_wait(&mut self, d: &InstData, fab: &mut Fabric, src: &DmaRef, dst: &DmaRef, sem: RefId, sem_index: Value, remote: Option<&RemoteWait>) -> Result<Option<devices::Blocked>> {
         let sem = self.semaphore(d, sem, sem_index)?;
         let (_, lens) = self.dma_side_box(d, "destination", dst)?;
         self.dma_side_box(d, "source", src)?;
+        if let Some(r) = remote {
+            fab.device_id(self, d, r.device)?;
+        }
+        let side = remote.map_or(DmaSide::Recv, |r| r.side);
         let bytes = lens.iter().product::<usize>() * self.k.refs[dst.r.index()].dtype.bytes();
-        let Some(pos) = self.dmas.iter().position(|p| p.sem == sem) else {
+        let Some(pos) = fab.oldest(self.device, side, sem) else {
+            // Only this device starts its own sends; a peer may still send to it.
+            if side == DmaSide::Recv && fab.multi {
+                return Ok(Some(devices::Blocked { what: format!("a copy to land on semaphore {}", self.sem_name(sem)), wait: d.inst.name(), loc: d.loc.clone(), grid: self.grid.clone() }));
+            }
+            let what = if side == DmaSide::Send { "remote_copy_wait_send finds no remote copy of this device in flight on this send semaphore" } else { "dma_wait finds no copy in flight on this semaphore" };
             return Err(self
                 .err(
                     format!("semaphore {}", self.sem_name(sem)),
                     "dma-wait-without-start",
-                    format!("at grid step {:?} a dma_wait finds no copy in flight on this semaphore", self.grid),
+                    format!("at grid step {:?} a {what}", self.grid),
                     "start the copy (dma_start with the same semaphore) before waiting for it; on a TPU this wait would hang",
                 )
                 .at(d.loc.clone()));
         };
-        if self.dmas[pos].bytes != bytes {
-            let p = &self.dmas[pos];
+        if fab.transfers[pos].bytes != bytes {
+            let p = &fab.transfers[pos];
             return Err(self
                 .err(
                     format!("semaphore {}", self.sem_name(sem)),
@@ -1834,28 +2001,98 @@ impl<'k, 'h> Machine<'k, 'h> {
                 )
                 .at(d.loc.clone()));
         }
-        let p = self.dmas.remove(pos);
-        let (mem, shape) = self.dma_mem(p.dst).expect("checked at start");
-        // `dma_start` wrote a buffer of the destination's dtype to the same place.
-        let _ = mem.write_box(&shape, &p.origin, &p.data, &p.lens, &vec![0; p.lens.len()], &p.lens);
-        Ok(())
+        fab.complete(self, pos, side);
+        Ok(None)
     }
 
-    /// `dma-unwaited` if a copy is still in flight at the end of a grid step or the kernel.
-    fn check_no_pending_dma(&self, end_of_kernel: bool) -> Result<()> {
-        let Some(p) = self.dmas.first() else { return Ok(()) };
+    /// `dma-unwaited` if a copy this device started is still in flight at the end of a grid
+    /// step or the kernel (a local copy not waited, or a remote copy whose send is not).
+    fn check_no_pending_dma(&self, fab: &Fabric, end_of_kernel: bool) -> Result<()> {
+        let me = self.device;
+        let pending: Vec<&devices::Transfer> = fab.transfers.iter().filter(|t| t.from == me && if t.remote { !t.send_done } else { !t.recv_done }).collect();
+        let Some(p) = pending.first() else { return Ok(()) };
         let when = if end_of_kernel { "the kernel ends" } else { "the grid step ends" };
         let why = if end_of_kernel { "" } else { " (copies may stay in flight across grid steps only when every grid dim is `arbitrary`)" };
+        let (sem, wait) = match p.send_sem {
+            Some(s) if p.remote => (s, "remote_copy_wait_send"),
+            _ => (p.recv_sem, "dma_wait"),
+        };
         Err(self.err(
-            format!("semaphore {}", self.sem_name(p.sem)),
+            format!("{}semaphore {}", fab.device_prefix(me), self.sem_name(sem)),
             "dma-unwaited",
-            format!("{when} at grid step {:?} with {} copy(ies) in flight; the first was issued by {} into `{}`{why}", self.grid, self.dmas.len(), p.issued, self.k.refs[p.dst.index()].name),
-            "wait for every copy you start (dma_wait with the same descriptor) before its destination is read and before the step ends",
+            format!("{when} at grid step {:?} with {} copy(ies) in flight; the first was issued by {} into `{}`{why}", self.grid, pending.len(), p.issued, self.k.refs[p.dst.r.index()].name),
+            format!("wait for every copy you start ({wait} with the same descriptor) before its destination is read and before the step ends"),
         ))
     }
 
-    fn store(&mut self, d: &InstData, dst: RefId, slices: &[Slice], value: Value) -> Result<()> {
+    /// The counting semaphore `sem`, checked.
+    fn counting_sem(&self, d: &InstData, sem: &SemaphoreRef) -> Result<devices::SemKey> {
+        match sem {
+            SemaphoreRef::Barrier => Ok(devices::SemKey::Barrier),
+            SemaphoreRef::Array { sem, index } => {
+                let decl = self.k.refs.get(sem.index()).ok_or_else(|| self.malformed(d, format!("{sem} does not exist")))?;
+                if decl.memory != MemorySpace::RegularSemaphore {
+                    return Err(self.malformed(d, format!("`{}` is not a counting semaphore array", decl.name)));
+                }
+                let i = self.scalar_i32(*index, d)?;
+                let n: usize = decl.shape.iter().product();
+                if i < 0 || i as usize >= n {
+                    return Err(self
+                        .err(format!("semaphore `{}`", decl.name), "slice-out-of-bounds", format!("at grid step {:?}: semaphore {i} of an array of {n}", self.grid), "keep semaphore indices inside the array")
+                        .at(d.loc.clone()));
+                }
+                Ok(devices::SemKey::Array(*sem, i as usize))
+            }
+        }
+    }
+
+    fn sem_amount(&self, d: &InstData, amount: Value) -> Result<i64> {
+        let a = self.scalar_i32(amount, d)?;
+        if a < 0 {
+            return Err(self.err(format!("instruction `{}`", d.inst.name()), "semaphore-amount", format!("at grid step {:?} the amount is {a}", self.grid), "signal and wait with amounts of at least 0").at(d.loc.clone()));
+        }
+        Ok(a as i64)
+    }
+
+    fn sem_signal(&mut self, d: &InstData, fab: &mut Fabric, sem: &SemaphoreRef, amount: Value, device: Option<Value>) -> Result<()> {
+        let key = self.counting_sem(d, sem)?;
+        let amount = self.sem_amount(d, amount)?;
+        let to = match device {
+            Some(v) => fab.device_id(self, d, v)?,
+            None => self.device,
+        };
+        *fab.counts.entry((to, key)).or_default() += amount;
+        Ok(())
+    }
+
+    fn sem_wait(&mut self, d: &InstData, fab: &mut Fabric, sem: &SemaphoreRef, amount: Value) -> Result<Option<devices::Blocked>> {
+        let key = self.counting_sem(d, sem)?;
+        let amount = self.sem_amount(d, amount)?;
+        let count = fab.counts.entry((self.device, key)).or_default();
+        if *count >= amount {
+            *count -= amount;
+            return Ok(None);
+        }
+        let name = key.name(self.k);
+        if fab.multi {
+            return Ok(Some(devices::Blocked { what: format!("semaphore {name} to reach {amount} (it holds {count})"), wait: d.inst.name(), loc: d.loc.clone(), grid: self.grid.clone() }));
+        }
+        Err(self
+            .err(
+                format!("semaphore {name}"),
+                "wait-never-satisfied",
+                format!("at grid step {:?} the wait needs {amount} and the semaphore holds {count}; no other device runs to signal it", self.grid),
+                "signal before waiting, or run the kernel on its mesh (interp::run_devices)",
+            )
+            .at(d.loc.clone()))
+    }
+
+    fn store(&mut self, d: &InstData, fab: &Fabric, dst: RefId, slices: &[Slice], value: Value) -> Result<()> {
         let (origin, lens) = self.slice_box(d, "store", dst, slices)?;
+        if fab.has_remote() {
+            let span: Vec<usize> = slices.iter().map(Slice::span).collect();
+            fab.check_access(self, d, "store", dst, &origin, &span)?;
+        }
         let v = self.get(value, d)?;
         if v.buf.len() != lens.iter().product::<usize>() {
             return Err(self.malformed(d, format!("storing {} elements into a slice of shape {lens:?}", v.buf.len())));
@@ -1981,7 +2218,8 @@ impl<'k, 'h> Machine<'k, 'h> {
             }
             // Row-major reshape keeps the element order; `bind` checks the count.
             Inst::Reshape(x) => self.get(*x, d)?.buf.clone(),
-            Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => {
+            Inst::DeviceId => Buf::I(vec![self.device as i32]),
+            Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::SemSignal { .. } | Inst::SemWait { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => {
                 return Err(self.malformed(d, "not a single-result op"))
             }
         };

@@ -427,6 +427,79 @@ pub fn dma_box(shape: &[usize]) -> &[usize] {
     &shape[lead..]
 }
 
+/// The peer side of a copy into another device's buffer (Pallas `make_async_remote_copy`):
+/// `dst` names the buffer of that name on device `device`, and the copy's semaphore
+/// (`DmaStart::sem`) is the receive semaphore there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteDma {
+    /// The destination device's logical id: an i32 scalar, usually computed from mesh
+    /// coordinates (`(axis_index + 1) % n`).
+    pub device: Value,
+    /// The sender's semaphore, signalled once the source has been read (`wait_send`).
+    pub send_sem: RefId,
+    pub send_index: Value,
+}
+
+/// Which end of a remote copy a wait is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DmaSide {
+    /// The sender waits until its source has been read (Pallas `.wait_send()`).
+    Send,
+    /// The receiver waits until a copy has landed in its buffer (Pallas `.wait_recv()`).
+    Recv,
+}
+
+/// A wait for one end of a remote copy: `DmaWait::sem` is the send semaphore (`Send`) or
+/// the receive semaphore (`Recv`) of the copy's descriptor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RemoteWait {
+    /// The descriptor's peer device (what the copy was started with).
+    pub device: Value,
+    pub side: DmaSide,
+}
+
+/// A counting semaphore: one of a `regular_semaphores(n)` array, or the kernel's barrier
+/// semaphore (Pallas `get_barrier_semaphore()`, shared by every kernel of one
+/// `collective_id`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum SemaphoreRef {
+    Array { sem: RefId, index: Value },
+    Barrier,
+}
+
+/// One axis of a device mesh.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeshAxis {
+    pub name: String,
+    pub size: usize,
+}
+
+/// What a kernel that talks to other devices declares: the mesh it runs on and Mosaic's
+/// `collective_id` (which barrier semaphore it gets). Every device runs the same kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    /// Major to minor: a device's logical id is its coordinates read row-major over the
+    /// axes (as JAX numbers the devices of a `Mesh`; Pallas' `axis_index` reads it so).
+    pub mesh: Vec<MeshAxis>,
+    pub collective_id: u32,
+}
+
+impl Collective {
+    /// The number of devices in the mesh (saturating; the verifier bounds it).
+    pub fn devices(&self) -> usize {
+        self.mesh.iter().fold(1usize, |n, a| n.saturating_mul(a.size))
+    }
+
+    /// The logical-id stride of `axis` (the product of the sizes after it).
+    pub fn stride(&self, axis: usize) -> usize {
+        self.mesh.iter().skip(axis + 1).fold(1usize, |n, a| n.saturating_mul(a.size))
+    }
+
+    pub fn axis(&self, name: &str) -> Option<usize> {
+        self.mesh.iter().position(|a| a.name == name)
+    }
+}
+
 /// The instructions of the block IR. Vectors are whole blocks: every op works on
 /// the entire value at once.
 #[derive(Clone, Debug, PartialEq)]
@@ -475,10 +548,19 @@ pub enum Inst {
     For { lo: Value, hi: Value, step: i64, init: Vec<Value>, body: BlockId },
     /// Starts an async copy `src -> dst` that signals `sem[sem_index]` when done (Pallas
     /// `make_async_copy(...).start()`). `dst` is not written until the matching wait.
-    DmaStart { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value },
+    /// With `remote`, `dst` and `sem` are another device's (`make_async_remote_copy`).
+    DmaStart { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value, remote: Option<RemoteDma> },
     /// Waits on `sem[sem_index]` for a copy of the described size (Pallas `.wait()`, which
-    /// takes the same descriptor as the start).
-    DmaWait { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value },
+    /// takes the same descriptor as the start); with `remote`, for one end of a remote copy.
+    DmaWait { src: DmaRef, dst: DmaRef, sem: RefId, sem_index: Value, remote: Option<RemoteWait> },
+    /// This device's logical id in the mesh (Mosaic `tpu.device_id`), an i32.
+    DeviceId,
+    /// Adds `amount` (i32) to a counting semaphore, on this device or on `device`
+    /// (Pallas `semaphore_signal(sem, amount, device_id=...)`).
+    SemSignal { sem: SemaphoreRef, amount: Value, device: Option<Value> },
+    /// Blocks until the semaphore holds at least `amount`, then subtracts it
+    /// (Pallas `semaphore_wait`).
+    SemWait { sem: SemaphoreRef, amount: Value },
     /// Ends an `If` branch or a `For` body.
     Yield(Vec<Value>),
 }
@@ -510,6 +592,9 @@ impl Inst {
             Inst::For { .. } => "for",
             Inst::DmaStart { .. } => "dma_start",
             Inst::DmaWait { .. } => "dma_wait",
+            Inst::DeviceId => "device_id",
+            Inst::SemSignal { .. } => "semaphore_signal",
+            Inst::SemWait { .. } => "semaphore_wait",
             Inst::Yield(_) => "yield",
         }
     }
@@ -517,7 +602,7 @@ impl Inst {
     /// Every value the instruction reads (not those read inside its nested blocks).
     pub fn operands(&self) -> Vec<Value> {
         match self {
-            Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } | Inst::PrngRandomBits => vec![],
+            Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } | Inst::PrngRandomBits | Inst::DeviceId => vec![],
             Inst::PrngSeed(seeds) => seeds.clone(),
             Inst::Load { slices, .. } => slices.iter().map(|s| s.start).collect(),
             Inst::Store { slices, value, .. } => {
@@ -536,11 +621,35 @@ impl Inst {
                 v.extend(init);
                 v
             }
-            Inst::DmaStart { src, dst, sem_index, .. } | Inst::DmaWait { src, dst, sem_index, .. } => {
-                src.slices.iter().chain(&dst.slices).map(|s| s.start).chain([*sem_index]).collect()
+            Inst::DmaStart { src, dst, sem_index, remote, .. } => {
+                let peer = remote.iter().flat_map(|r| [r.device, r.send_index]);
+                src.slices.iter().chain(&dst.slices).map(|s| s.start).chain([*sem_index]).chain(peer).collect()
             }
+            Inst::DmaWait { src, dst, sem_index, remote, .. } => {
+                src.slices.iter().chain(&dst.slices).map(|s| s.start).chain([*sem_index]).chain(remote.iter().map(|r| r.device)).collect()
+            }
+            Inst::SemSignal { sem, amount, device } => sem.index().into_iter().chain([*amount]).chain(*device).collect(),
+            Inst::SemWait { sem, amount } => sem.index().into_iter().chain([*amount]).collect(),
             Inst::Yield(vals) => vals.clone(),
         }
+    }
+}
+
+impl SemaphoreRef {
+    /// The index value of an array semaphore.
+    pub fn index(&self) -> Option<Value> {
+        match self {
+            SemaphoreRef::Array { index, .. } => Some(*index),
+            SemaphoreRef::Barrier => None,
+        }
+    }
+}
+
+impl Inst {
+    /// Whether the instruction talks to another device (what `has_communication` declares).
+    pub fn communicates(&self) -> bool {
+        matches!(self, Inst::DmaStart { remote: Some(_), .. } | Inst::SemSignal { device: Some(_), .. })
+            || matches!(self, Inst::SemSignal { sem: SemaphoreRef::Barrier, .. } | Inst::SemWait { sem: SemaphoreRef::Barrier, .. })
     }
 }
 
@@ -600,6 +709,8 @@ pub struct Kernel {
     pub body: BlockId,
     /// Scoped VMEM limit requested by the kernel (bytes); `None` = the target's default.
     pub vmem_limit_bytes: Option<usize>,
+    /// The mesh and `collective_id` of a kernel that talks to other devices.
+    pub collective: Option<Collective>,
 }
 
 impl Kernel {
@@ -640,6 +751,14 @@ impl Kernel {
     /// Saturates at `usize::MAX` (the verifier refuses grids of more than `2^31 - 2` steps).
     pub fn grid_steps(&self) -> usize {
         self.grid.iter().fold(1, |n: usize, g| n.saturating_mul(g.extent))
+    }
+
+    /// Whether any instruction talks to another device (remote copies, signals to a peer,
+    /// the barrier semaphore): Mosaic's `has_communication`.
+    pub fn communicates(&self) -> bool {
+        let mut any = false;
+        self.walk(self.body, &mut |_, d| any |= d.inst.communicates());
+        any
     }
 
     /// If `v` is defined by a `Const` instruction, its scalar.

@@ -20,7 +20,7 @@ pub mod target;
 pub mod types;
 pub mod verify;
 
-pub use builder::{ds, ds_strided, Arg, Index, KernelBuilder};
+pub use builder::{ds, ds_strided, Arg, Index, KernelBuilder, RemoteCopy, Sem};
 pub use error::{KernelError, Result, Warning};
 pub use exec::{Executor, Interpreter};
 pub use ir::*;

@@ -87,18 +87,49 @@ impl Kernel {
                     self.print_block(out, *body, depth + 1)?;
                     write!(out, "{pad}}}")?;
                 }
-                Inst::DmaStart { src, dst, sem, sem_index } => {
+                Inst::DmaStart { src, dst, sem, sem_index, remote: None } => {
                     write!(out, "dma_start {}[{}] -> {}[{}] sem {sem}[{sem_index}]", src.r, slices(&src.slices), dst.r, slices(&dst.slices))?
                 }
-                Inst::DmaWait { src, dst, sem, sem_index } => {
-                    write!(out, "dma_wait {}[{}] -> {}[{}] sem {sem}[{sem_index}]", src.r, slices(&src.slices), dst.r, slices(&dst.slices))?
+                Inst::DmaStart { src, dst, sem, sem_index, remote: Some(r) } => write!(
+                    out,
+                    "dma_start {}[{}] -> device {} {}[{}] send {}[{}] recv {sem}[{sem_index}]",
+                    src.r,
+                    slices(&src.slices),
+                    r.device,
+                    dst.r,
+                    slices(&dst.slices),
+                    r.send_sem,
+                    r.send_index
+                )?,
+                Inst::DmaWait { src, dst, sem, sem_index, remote } => {
+                    let side = match remote {
+                        None => String::new(),
+                        Some(RemoteWait { device, side: DmaSide::Send }) => format!("_send device {device}"),
+                        Some(RemoteWait { device, side: DmaSide::Recv }) => format!("_recv device {device}"),
+                    };
+                    write!(out, "dma_wait{side} {}[{}] -> {}[{}] sem {sem}[{sem_index}]", src.r, slices(&src.slices), dst.r, slices(&dst.slices))?
                 }
+                Inst::DeviceId => write!(out, "device_id")?,
+                Inst::SemSignal { sem, amount, device } => {
+                    write!(out, "semaphore_signal {} += {amount}", semaphore(sem))?;
+                    if let Some(d) = device {
+                        write!(out, " on device {d}")?;
+                    }
+                }
+                Inst::SemWait { sem, amount } => write!(out, "semaphore_wait {} -= {amount}", semaphore(sem))?,
                 Inst::Yield(vals) if vals.is_empty() => write!(out, "yield")?,
                 Inst::Yield(vals) => write!(out, "yield {}", join(vals, ", "))?,
             }
             writeln!(out)?;
         }
         Ok(())
+    }
+}
+
+fn semaphore(s: &SemaphoreRef) -> String {
+    match s {
+        SemaphoreRef::Array { sem, index } => format!("{sem}[{index}]"),
+        SemaphoreRef::Barrier => "barrier".to_string(),
     }
 }
 
@@ -120,6 +151,10 @@ impl fmt::Display for Kernel {
                 write!(f, " block [{}] at ({})", dims.join(","), join(&b.index_map, ", "))?;
             }
             writeln!(f)?;
+        }
+        if let Some(c) = &self.collective {
+            let axes: Vec<String> = c.mesh.iter().map(|a| format!("{}={}", a.name, a.size)).collect();
+            writeln!(f, "  mesh [{}] collective_id {}", axes.join(", "), c.collective_id)?;
         }
         if let Some(l) = self.vmem_limit_bytes {
             writeln!(f, "  vmem_limit {l}")?;

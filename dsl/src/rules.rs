@@ -142,7 +142,7 @@ rules! {
         "pair vector-offset-align: a bf16 load at row program_id * 8 accepted, at program_id * 3 rejected (E2003 `cannot statically prove that index in dimension 0 is a multiple of 8`); lanes at program_id * 128 accepted, * 64 rejected";
     "hbm-direct-access", Semantic, [B, V, I], SAME, "operands in HBM (memory space ANY) are moved by DMA only, never loaded or stored",
         "semantic: the IR has no HBM vector loads (Mosaic would need a DMA); guards hand-built IR";
-    "semaphore-access", Semantic, [B, V], SAME, "DMA semaphores are used only by dma_start and dma_wait",
+    "semaphore-access", Semantic, [B, V], SAME, "semaphores are used only by copies (DMA semaphores) and signals / waits (counting semaphores), never loaded or stored",
         "semantic: a semaphore holds no data";
 
     // ---- DMAs (verify/dma.rs) ----
@@ -160,6 +160,30 @@ rules! {
         "pair dma-align: an f32 row slice at program_id * 8 accepted, at program_id * 3 rejected (`Offsets along tiled dimensions must be aligned to tiles`); a bf16 slice at static row 1 rejected; lanes at 128 accepted, at 5 rejected (all four), at 64 accepted on v6e/v5p only";
     "dma-slice-size", Tpu, [V], "rows the same on all four; lanes a multiple of 128 on v5e, of 8 on v6e, v5p and tpu7x", "a copy slice spans whole tiles: rows at most 8 (a multiple of the packing) or a multiple of 8, lanes per generation, or the whole dim",
         "pair dma-slice-size: 16 rows accepted, 12 rows rejected (`Slice sizes along tiled dimensions must be aligned to tiles`); 64 of 256 lanes accepted on v6e/v5p/tpu7x, rejected on v5e (`contiguous inner slice ... divisible by 512 bytes`)";
+
+    // ---- collectives (verify/collective.rs; the interpreter's devices) ----
+    "collective-undeclared", Semantic, [B, V], SAME, "a kernel with remote copies, signals to a peer or the barrier semaphore declares its mesh and collective_id",
+        "semantic: the emitter writes has_communication and collective_id into the backend_config from the mesh (libtpu 0.0.52 rejects a remote op without them: `Remote op used, but has_communication not specified`); without a mesh no device id can be checked and the interpreter cannot know how many devices to run";
+    "mesh-shape", Semantic, [V], SAME, "the mesh has at least one axis, each named once and of size at least 1, and at most 2^16 devices",
+        "semantic: the mesh is ours (Mosaic sees only logical device ids); guards hand-built IR";
+    "mesh-axis", Semantic, [B], SAME, "axis_index / axis_size / mesh_device name axes of the declared mesh (one coordinate per axis)", "semantic: an IR type error";
+    "device-id-range", Semantic, [V, I], SAME, "a remote copy's or signal's device id is inside the mesh (checked when constant, and at run time)",
+        "semantic: libtpu compiles any i32 device id; on a device an id outside the mesh addresses no chip (or the wrong one)";
+    "semaphore-kind", Semantic, [B, V], SAME, "semaphore_signal / semaphore_wait name a counting semaphore (regular_semaphores or the barrier), not a DMA semaphore",
+        "semantic: Mosaic types the two (`!tpu.semaphore` vs `!tpu.dma_semaphore`); the builder keeps them apart, this guards hand-built IR";
+    "semaphore-index", Semantic, [V], SAME, "a constant semaphore index of a remote copy, signal or wait is inside its array",
+        "semantic: hand-built IR; the builder reports the same as static-out-of-bounds, the interpreter dynamic indices as slice-out-of-bounds";
+    "semaphore-amount", Semantic, [V, I], SAME, "a semaphore signal or wait amount is at least 0", "semantic: a negative count has no meaning on the device";
+    "mesh-run", Semantic, [I], SAME, "a kernel on a mesh of n devices runs on n devices (interp::run_devices, one set of operands per device)",
+        "semantic: host-side; a collective run on one device would wait forever for its peers";
+    "device-deadlock", Semantic, [I], SAME, "the devices never all block: some running device can always move (each wait has a signal or copy that comes)",
+        "semantic: on the devices the kernel hangs; the interpreter steps every device until none can move and names each one's wait";
+    "wait-never-satisfied", Semantic, [I], SAME, "a wait is satisfied before every other device has ended (or, run alone, by the device itself)",
+        "semantic: on the device the wait hangs after its peers have finished";
+    "remote-buffer-race", Semantic, [I], SAME, "no device touches elements that a remote copy is still writing (before its wait) or overwrites a remote copy's source before it is read, and no copy lands over one not yet waited for",
+        "semantic: on the devices the data is silently corrupt or stale; the interpreter lands copies as late as the hardware allows, so an unsafe order shows";
+    "semaphore-unbalanced", Semantic, [I], SAME, "every counting semaphore is back at 0 when the kernel ends on every device",
+        "semantic: a semaphore is hardware state that outlives the kernel: a leftover count (the barrier's is shared by every kernel of its collective_id) lets a later wait pass too early";
 
     // ---- performance warnings (verify/warn.rs) ----
     "block-native-tiling", Warning, [V], SAME, "a packed dtype's block rows are a multiple of its native tile (16 bf16, 32 int8) or the whole dim",
@@ -219,13 +243,13 @@ rules! {
     "prefetch-out-of-bounds", Semantic, [I], SAME, "index maps read scalar-prefetch arrays inside their shape", "semantic: data-dependent, known only at run time";
     "index-map-eval", Semantic, [I], SAME, "an index map evaluates at every grid step", "semantic: data-dependent, known only at run time";
     "slice-out-of-bounds", Semantic, [I], SAME, "dynamic slices and semaphore indices are inside their arrays at run time", "semantic: data-dependent, known only at run time";
-    "dma-wait-without-start", Semantic, [I], SAME, "a dma_wait completes a started copy", "semantic: on a device the wait hangs";
+    "dma-wait-without-start", Semantic, [I], SAME, "a dma_wait (or remote_copy_wait_send) completes a started copy", "semantic: on a device the wait hangs";
     "dma-wait-mismatch", Semantic, [I], SAME, "a dma_wait's descriptor moves as many bytes as the copy it completes", "semantic: on a device the semaphore count goes wrong";
     "parallel-revisit", Semantic, [V, I], SAME, "no output block is written by two grid steps that differ in a `parallel` dim",
         "semantic: libtpu compiles the race; the verifier walks index maps without scalar prefetch (grids up to 2^13 steps), the interpreter and compiled backends the rest at run time; such steps may run on different cores (megacore) or CPU threads and race";
     "host-memory", Semantic, [I], SAME, "a run's outputs fit the host's memory",
         "semantic: host-side; the allocation is fallible, so a too-large shape is this error, never an abort";
-    "dma-unwaited", Semantic, [I], SAME, "every started copy is waited for (by the end of its grid step unless every grid dim is arbitrary)", "semantic: on a device the copy races the next step";
+    "dma-unwaited", Semantic, [I], SAME, "every started copy is waited for (by the end of its grid step unless every grid dim is arbitrary); a remote copy at both ends", "semantic: on a device the copy races the next step";
 }
 
 /// Rules libtpu judges on some generations only: elsewhere they are ours.

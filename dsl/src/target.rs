@@ -61,6 +61,13 @@ pub struct Target {
     /// filling `1 MiB - 3 KiB` compile and 512 bytes more do not, with one or three prefetch
     /// tables; tpu7x keeps 2 KiB (`1 MiB - 2 KiB` compiles, `1 MiB - 1.75 KiB` does not).
     pub smem_reserved_bytes: usize,
+    /// Bidirectional inter-chip interconnect bandwidth per chip, GB/s (Google Cloud's TPU
+    /// spec tables: v5e 400, v5p 1200, v6e 800, tpu7x 1200).
+    pub ici_gbps: f64,
+    /// ICI links per chip: 4 on the 2D tori of v5e and v6e (the spec tables' "ICI ports per
+    /// chip"), 6 on the 3D tori of v5p and tpu7x (one per torus neighbour; assumed, the tables
+    /// give no port count). One link carries `ici_gbps / (2 * links)` each way.
+    pub ici_links: usize,
 }
 
 /// How a generation's compiler treats a `dot` of one operand dtype.
@@ -81,6 +88,12 @@ impl Target {
     /// into time (`tessera cost`).
     pub fn clock_ghz(&self) -> f64 {
         self.peak_bf16_tflops * 1e3 / self.cores_per_chip as f64 / (self.mxus_per_core * self.mxu * self.mxu * 2) as f64
+    }
+
+    /// One ICI link's bandwidth in one direction, GB/s: what a one-directional ring step
+    /// gets to its neighbour.
+    pub fn ici_link_gbps(&self) -> f64 {
+        self.ici_gbps / (2 * self.ici_links) as f64
     }
 
     /// Peak bf16 matmul throughput of one TensorCore, TFLOP/s.
@@ -105,6 +118,8 @@ impl Target {
         hbm_bytes: 16 * GIB,
         hbm_usable_bytes: 16 * GIB,
         smem_reserved_bytes: 3 << 10,
+        ici_gbps: 400.0,
+        ici_links: 4,
     };
     pub const V5P: Target = Target {
         generation: Generation::V5p,
@@ -123,6 +138,8 @@ impl Target {
         hbm_bytes: 95 * GIB,
         hbm_usable_bytes: 95 * GIB,
         smem_reserved_bytes: 3 << 10,
+        ici_gbps: 1200.0,
+        ici_links: 6,
     };
     pub const V6E: Target = Target {
         generation: Generation::V6e,
@@ -141,6 +158,8 @@ impl Target {
         hbm_bytes: 32 * GIB,
         hbm_usable_bytes: (31.24 * GIB as f64) as usize,
         smem_reserved_bytes: 3 << 10,
+        ici_gbps: 800.0,
+        ici_links: 4,
     };
     /// Ironwood. Its MXU has no int8 x int8 mode (it multiplies fp8 instead).
     pub const TPU7X: Target = Target {
@@ -161,6 +180,8 @@ impl Target {
         hbm_bytes: 192 * GIB,
         hbm_usable_bytes: (94.74 * GIB as f64) as usize,
         smem_reserved_bytes: 2 << 10,
+        ici_gbps: 1200.0,
+        ici_links: 6,
     };
 
     pub const ALL: [Target; 4] = [Target::V5E, Target::V5P, Target::V6E, Target::TPU7X];

@@ -147,6 +147,10 @@ pub enum MemorySpace {
     /// named by [`crate::Inst::DmaStart`] / [`crate::Inst::DmaWait`] and never loaded or
     /// stored. Its `RefDecl` dtype is `i32` (the semaphore counter) and takes no memory.
     Semaphore,
+    /// Counting semaphores (Pallas `SemaphoreType.REGULAR`, Mosaic `!tpu.semaphore` in
+    /// `semaphore_mem`): a scratch array named by [`crate::Inst::SemSignal`] /
+    /// [`crate::Inst::SemWait`], signalled by this device or a peer. Dtype `i32`, no memory.
+    RegularSemaphore,
 }
 
 impl MemorySpace {
@@ -156,7 +160,13 @@ impl MemorySpace {
             MemorySpace::Smem => "smem",
             MemorySpace::Any => "any",
             MemorySpace::Semaphore => "semaphore_mem",
+            MemorySpace::RegularSemaphore => "regular_semaphore_mem",
         }
+    }
+
+    /// Either kind of semaphore array: holds counters, not data.
+    pub fn is_semaphore(self) -> bool {
+        matches!(self, MemorySpace::Semaphore | MemorySpace::RegularSemaphore)
     }
 }
 

@@ -196,10 +196,20 @@ def worker_main(target):
         topo = topologies.get_topology_desc(topology_name=topology_for(target),
                                             platform="tpu")
         dev0 = topo.devices[0]
-        devices = xc.DeviceList((dev0,))
         client = dev0.client
-        opts = compiler.get_compile_options(
-            1, 1, device_assignment=np.array([dev0]).reshape(1, 1), backend=client)
+        # A module for N partitions (`mhlo.num_partitions`, a multi-device collective)
+        # compiles for the topology's first N devices; options per N, made once.
+        options = {}
+
+        def options_for(n):
+            if n not in options:
+                if n > len(topo.devices):
+                    raise RuntimeError(f"the module has {n} partitions and topology "
+                                       f"{topology_for(target)} has {len(topo.devices)} devices")
+                devs = topo.devices[:n]
+                options[n] = (xc.DeviceList(tuple(devs)), compiler.get_compile_options(
+                    1, n, device_assignment=np.array(devs).reshape(1, n), backend=client))
+            return options[n]
     except Exception as e:  # pragma: no cover - environment problem
         proto.write(json.dumps({"fatal": f"worker init failed: {e!r}"}) + "\n")
         return 1
@@ -220,6 +230,8 @@ def worker_main(target):
             if text is None:
                 with open(req["file"]) as f:
                     text = f.read()
+            parts = re.search(r"mhlo\.num_partitions = (\d+)", text)
+            devices, opts = options_for(int(parts.group(1)) if parts else 1)
             ctx = mlir.make_ir_context()
             with ctx:
                 try:

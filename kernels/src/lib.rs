@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod collective;
 pub mod contract;
 pub mod elementwise;
 pub mod fusion;

@@ -21,6 +21,11 @@ pub struct KernelAttr {
     pub blocks: Vec<(Ident, BlockAttr)>,
     pub scratch: Vec<(Ident, ScratchAttr)>,
     pub vmem_limit_bytes: Option<Expr>,
+    /// `mesh = [("x", n), ..]`: the device mesh (axis names and sizes, major to minor) of
+    /// a kernel that talks to other devices.
+    pub mesh: Option<ExprArray>,
+    /// `collective_id = id` (default 0): which barrier semaphore the kernel gets.
+    pub collective_id: Option<Expr>,
     /// `name = expr`: the kernel's name from a `&'static str` expression over the static
     /// parameters (a family of kernels sharing one body, each under its own name).
     pub name: Option<Expr>,
@@ -48,6 +53,8 @@ pub enum ScratchMemory {
     Smem,
     /// DMA semaphores (`semaphores(n)`).
     Semaphore,
+    /// Counting semaphores (`regular_semaphores(n)`).
+    RegularSemaphore,
 }
 
 /// `key = value`, or `(a, b, ..) = value` for operands that share one declaration.
@@ -76,7 +83,8 @@ impl Parse for Item {
 
 const ATTR_HELP: &str = "expected `grid = [..]`, `semantics = [..]`, `vmem_limit_bytes = ..`, `name = \"..\"`, or \
 `<operand> = block([dims], |grid indices| [block indices])`, `<name> = scratch([dims], dtype)`, \
-`<name> = scratch_smem([dims], dtype)`, `<name> = semaphores(n)`; operands sharing a declaration \
+`<name> = scratch_smem([dims], dtype)`, `<name> = semaphores(n)`, `<name> = regular_semaphores(n)`, \
+`mesh = [(\"x\", n), ..]`, `collective_id = id`; operands sharing a declaration \
 can be grouped: `(k, v) = block(..)`";
 
 impl Parse for KernelAttr {
@@ -90,6 +98,8 @@ impl Parse for KernelAttr {
             blocks: Vec::new(),
             scratch: Vec::new(),
             vmem_limit_bytes: None,
+            mesh: None,
+            collective_id: None,
             name: None,
         };
         let mut errors = Errors::default();
@@ -131,6 +141,11 @@ impl Parse for KernelAttr {
                 }
                 "name" => {
                     attr.name = Some(value);
+                    Ok(())
+                }
+                "mesh" => array(&value, "mesh").map(|a| attr.mesh = Some(a)),
+                "collective_id" => {
+                    attr.collective_id = Some(value);
                     Ok(())
                 }
                 _ => parse_operand(&key, value).map(|spec| match spec {
@@ -207,11 +222,12 @@ fn parse_operand(key: &Ident, value: Expr) -> syn::Result<OperandAttr> {
             let memory = if f == "scratch_smem" { ScratchMemory::Smem } else { ScratchMemory::Vmem };
             Ok(OperandAttr::Scratch(ScratchAttr { shape, dtype: Some(dtype.clone()), memory }))
         }
-        Some("semaphores") => {
+        Some(f @ ("semaphores" | "regular_semaphores")) => {
             let [n] = args[..] else {
-                return Err(syn::Error::new_spanned(call, "expected `semaphores(n)`: an array of n DMA semaphores"));
+                return Err(syn::Error::new_spanned(call, format!("expected `{f}(n)`: an array of n semaphores")));
             };
-            Ok(OperandAttr::Scratch(ScratchAttr { shape: vec![n.clone()], dtype: None, memory: ScratchMemory::Semaphore }))
+            let memory = if f == "semaphores" { ScratchMemory::Semaphore } else { ScratchMemory::RegularSemaphore };
+            Ok(OperandAttr::Scratch(ScratchAttr { shape: vec![n.clone()], dtype: None, memory }))
         }
         _ => Err(syn::Error::new_spanned(&call.func, format!("unknown operand declaration; {ATTR_HELP}"))),
     }

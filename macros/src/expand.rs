@@ -285,6 +285,14 @@ fn grid_and_blocks(attr: &KernelAttr, refs: &[&RefParam]) -> TokenStream {
     if let Some(v) = &attr.vmem_limit_bytes {
         out.extend(quote_spanned!(v.span()=> __b.vmem_limit_bytes(::core::convert::identity::<usize>(#v));));
     }
+    if let Some(mesh) = &attr.mesh {
+        let axes = mesh.elems.iter();
+        let id = attr.collective_id.clone().map_or(quote!(0u32), |e| quote!(#e));
+        out.extend(quote_spanned!(mesh.span()=> {
+            let __axes: ::std::vec::Vec<(&str, usize)> = ::std::vec![#(#axes),*];
+            __b.mesh(&__axes, ::core::convert::identity::<u32>(#id));
+        }));
+    }
     out
 }
 
@@ -321,10 +329,11 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
             }
             (RefKind::Scratch, _) => {
                 let Some((_, s)) = attr.scratch.iter().find(|(k, _)| k == &r.name) else { continue };
-                if s.memory == ScratchMemory::Semaphore {
+                if matches!(s.memory, ScratchMemory::Semaphore | ScratchMemory::RegularSemaphore) {
                     let n = &s.shape[0];
+                    let f = if s.memory == ScratchMemory::Semaphore { quote!(semaphores) } else { quote!(regular_semaphores) };
                     out.extend(quote!(let #ty = ::tessera_dsl::Type::vector(::tessera_dsl::DType::I32, &[#n]);));
-                    out.extend(quote!(let #var: ::tessera_dsl::RefId = __b.semaphores(#name, #ty.shape[0]);));
+                    out.extend(quote!(let #var: ::tessera_dsl::RefId = __b.#f(#name, #ty.shape[0]);));
                     continue;
                 }
                 let Some(dtype) = &s.dtype else { continue };

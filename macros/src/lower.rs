@@ -34,7 +34,35 @@ enum Var {
     Static { depth: usize },
 }
 
-const BUILTINS: &[&str] = &["dot", "dot_t", "dot_tn", "select", "iota", "zeros", "full", "program_id", "num_programs", "sigmoid", "ds", "dma_start", "dma_wait", "pipe_in", "pipe_out", "prng_seed", "prng_random_bits"];
+const BUILTINS: &[&str] = &[
+    "dot",
+    "dot_t",
+    "dot_tn",
+    "select",
+    "iota",
+    "zeros",
+    "full",
+    "program_id",
+    "num_programs",
+    "sigmoid",
+    "ds",
+    "dma_start",
+    "dma_wait",
+    "pipe_in",
+    "pipe_out",
+    "prng_seed",
+    "prng_random_bits",
+    "device_id",
+    "axis_index",
+    "axis_size",
+    "remote_copy_start",
+    "remote_copy_wait_send",
+    "remote_copy_wait_recv",
+    "semaphore_signal",
+    "semaphore_wait",
+    "barrier_semaphore",
+    "mesh_device",
+];
 const UNARY_METHODS: &[(&str, &str)] = &[
     ("exp", "Exp"),
     ("log", "Log"),
@@ -56,7 +84,9 @@ const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf,
 max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), cumsum(axis), t(), reshape([dims]), broadcast_to([dims])";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]), \
-prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); ds(start, len), ds(start, len, stride) and (a..b).step_by(s) inside ref indices; \
+prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); in a kernel with a `mesh`: device_id(), axis_index(\"x\"), \
+axis_size(\"x\"), mesh_device(c0, ..), remote_copy_start(src[..], dst[..], send[i], recv[i], device) (and remote_copy_wait_send / remote_copy_wait_recv with the same \
+arguments), semaphore_signal(sem[i] or barrier_semaphore(), amount[, device]), semaphore_wait(sem[i] or barrier_semaphore(), amount); ds(start, len), ds(start, len, stride) and (a..b).step_by(s) inside ref indices; \
 in a `for i in pipeline(steps)` loop, pipe_in(x, [block], [indices]) and pipe_out(o, [block], [indices], value); \
 any other function called with IR values is a `#[tpu_fn]` fragment";
 const DTYPES: &[(&str, &str)] = &[("f32", "F32"), ("bf16", "BF16"), ("i32", "I32"), ("i8", "I8"), ("bool", "Bool"), ("float8_e4m3fn", "F8E4M3FN"), ("float8_e5m2", "F8E5M2")];
@@ -455,9 +485,20 @@ impl<'a> Lowerer<'a> {
             if args.is_empty() {
                 return err(c, "`prng_seed` takes one or more i32 seeds, e.g. `prng_seed(seed, program_id(0))`");
             }
+        } else if name == "mesh_device" {
+            if args.is_empty() {
+                return err(c, "`mesh_device` takes one coordinate per mesh axis, major to minor: `mesh_device(row, col)`");
+            }
+        } else if name == "semaphore_signal" {
+            if !(2..=3).contains(&args.len()) {
+                return err(c, "`semaphore_signal` takes a semaphore, an amount and optionally a device: `semaphore_signal(ready[0], 1, peer)`");
+            }
         } else if BUILTINS.contains(&name.as_str()) {
             let want = match name.as_str() {
-                "program_id" | "num_programs" | "sigmoid" | "prng_random_bits" => 1,
+                "device_id" | "barrier_semaphore" => 0,
+                "program_id" | "num_programs" | "sigmoid" | "prng_random_bits" | "axis_index" | "axis_size" => 1,
+                "remote_copy_start" | "remote_copy_wait_send" | "remote_copy_wait_recv" => 5,
+                "semaphore_wait" => 2,
                 "dma_start" | "dma_wait" | "pipe_in" => 3,
                 "pipe_out" => 4,
                 "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
@@ -526,6 +567,56 @@ impl<'a> Lowerer<'a> {
                     __b.#f(#src, &__src, #dst, &__dst, #sem, __s)
                 }))
             }
+            "device_id" => Ok(quote!(__b.device_id())),
+            "mesh_device" => {
+                let mut lets = TokenStream::new();
+                let mut passed = Vec::new();
+                for (k, a) in args.iter().enumerate() {
+                    let t = format_ident!("__c{k}");
+                    let v = self.arg(a)?;
+                    lets.extend(quote!(let #t: ::tessera_dsl::Arg = ::std::convert::Into::into(#v);));
+                    passed.push(t);
+                }
+                Ok(quote!({ #lets __b.mesh_device(&[#(#passed),*]) }))
+            }
+            "axis_index" | "axis_size" => {
+                let axis = self.require_static(args[0], "a mesh axis name")?;
+                let f = format_ident!("{}", name);
+                Ok(quote!(__b.#f(#axis)))
+            }
+            "remote_copy_start" | "remote_copy_wait_send" | "remote_copy_wait_recv" => {
+                let (src, src_idx) = self.dma_side(args[0])?;
+                let (dst, dst_idx) = self.dma_side(args[1])?;
+                let what = "of a remote copy is one DMA semaphore: `sem[i]`, with `sem = semaphores(n)` declared in the attribute";
+                let (send, send_i) = self.semaphore_ix(args[2], &format!("the third argument (the send semaphore) {what}"))?;
+                let (recv, recv_i) = self.semaphore_ix(args[3], &format!("the fourth argument (the receive semaphore) {what}"))?;
+                let device = self.arg(args[4])?;
+                let f = format_ident!("{}", name);
+                Ok(quote!({
+                    let __src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
+                    let __dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
+                    let __si: ::tessera_dsl::Arg = ::std::convert::Into::into(#send_i);
+                    let __ri: ::tessera_dsl::Arg = ::std::convert::Into::into(#recv_i);
+                    let __dev: ::tessera_dsl::Arg = ::std::convert::Into::into(#device);
+                    __b.#f(&::tessera_dsl::RemoteCopy { src: #src, src_index: &__src, dst: #dst, dst_index: &__dst, send_sem: (#send, __si), recv_sem: (#recv, __ri), device: __dev })
+                }))
+            }
+            "semaphore_signal" | "semaphore_wait" => {
+                let sem = self.counting_semaphore(args[0])?;
+                let amount = self.arg(args[1])?;
+                if name == "semaphore_wait" {
+                    return Ok(quote!({ let __s = #sem; let __a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); __b.semaphore_wait(__s, __a) }));
+                }
+                let device = match args.get(2) {
+                    Some(d) => {
+                        let d = self.arg(d)?;
+                        quote!(::core::option::Option::Some(::std::convert::Into::<::tessera_dsl::Arg>::into(#d)))
+                    }
+                    None => quote!(::core::option::Option::None),
+                };
+                Ok(quote!({ let __s = #sem; let __a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); let __d = #device; __b.semaphore_signal(__s, __a, __d) }))
+            }
+            "barrier_semaphore" => err(c, "`barrier_semaphore()` names the barrier only as the semaphore of semaphore_signal / semaphore_wait"),
             "pipe_in" | "pipe_out" => {
                 let Some(r) = ident_of(args[0]) else { return err(args[0], format!("`{name}` takes the pipelined operand's name first")) };
                 let Some(k) = self.pipelines.last().and_then(|p| p.iter().position(|n| n == &r.to_string())) else {
@@ -654,6 +745,25 @@ impl<'a> Lowerer<'a> {
         };
         let (lets, names) = self.index(&ix.index)?;
         Ok((r, lets, names))
+    }
+
+    /// `sem[i]`: the semaphore array's ref variable and the index as an `Arg`.
+    fn semaphore_ix(&mut self, e: &Expr, message: &str) -> syn::Result<(Ident, TokenStream)> {
+        let Expr::Index(ix) = strip(e) else { return err(e, message) };
+        let Some(sem) = self.ref_of(&ix.expr) else { return err(e, message) };
+        let var = sem.var.clone();
+        Ok((var, self.arg(&ix.index)?))
+    }
+
+    /// A counting semaphore: `sem[i]` of `regular_semaphores(n)`, or `barrier_semaphore()`.
+    fn counting_semaphore(&mut self, e: &Expr) -> syn::Result<TokenStream> {
+        if let Expr::Call(c) = strip(e) {
+            if ident_of(&c.func).is_some_and(|f| f == "barrier_semaphore") && c.args.is_empty() {
+                return Ok(quote!(::tessera_dsl::Sem::Barrier));
+            }
+        }
+        let (var, i) = self.semaphore_ix(e, "a semaphore signal or wait names `sem[i]` (`sem = regular_semaphores(n)` in the attribute) or `barrier_semaphore()`")?;
+        Ok(quote!(::tessera_dsl::Sem::at(#var, #i)))
     }
 
     /// One side of a DMA: `x[index]` (a prefix of the dims; the rest are whole) or a bare

@@ -171,6 +171,8 @@ pub fn parse_params(sig: &Signature) -> syn::Result<Vec<Param>> {
 fn classify(ty: &Type) -> syn::Result<Option<(RefKind, Place, Vec<Dim>)>> {
     let Type::Path(tp) = ty else {
         return match ty {
+            // A `&'static str` is a static parameter like any `Copy` value (a mesh axis name).
+            Type::Reference(r) if r.mutability.is_none() && r.lifetime.as_ref().is_some_and(|l| l.ident == "static") && matches!(&*r.elem, Type::Path(p) if p.path.is_ident("str")) => Ok(None),
             Type::Reference(_) | Type::Ptr(_) => Err(syn::Error::new_spanned(ty, format!("reference and pointer parameters are not supported; {PARAM_HELP}"))),
             Type::ImplTrait(_) | Type::TraitObject(_) | Type::Infer(_) | Type::Macro(_) | Type::Never(_) => {
                 Err(syn::Error::new_spanned(ty, format!("unsupported parameter type; {PARAM_HELP}")))

@@ -216,7 +216,7 @@ impl Verifier<'_> {
                 "the operand stays in HBM (memory space ANY) and cannot be loaded or stored directly",
                 "copy it into VMEM scratch with a DMA",
             )),
-            MemorySpace::Semaphore => Err(self.err(format!("{} `{}`", decl.kind.name(), decl.name), "semaphore-access", "DMA semaphores cannot be loaded or stored", "use them only in dma_start / dma_wait")),
+            MemorySpace::Semaphore | MemorySpace::RegularSemaphore => Err(self.err(format!("{} `{}`", decl.kind.name(), decl.name), "semaphore-access", "semaphores cannot be loaded or stored", "use them only in copies (DMA semaphores) or semaphore_signal / semaphore_wait")),
             MemorySpace::Vmem => self.vector_offsets(what, decl, slices, m),
             MemorySpace::Smem => Ok(()),
         }

@@ -17,7 +17,7 @@ impl Verifier<'_> {
             return Err(self.err(&subject, "dma-semaphore", format!("`{}` is not a DMA semaphore array", md.name), "declare semaphores with `semaphores(n)`"));
         }
         for (side, r) in [("source", sd), ("destination", dd)] {
-            if r.memory == MemorySpace::Semaphore {
+            if r.memory.is_semaphore() {
                 return Err(self.err(&subject, "semaphore-access", format!("the {side} `{}` is a semaphore array", r.name), "copy between HBM (ANY), VMEM and SMEM refs"));
             }
         }

@@ -13,12 +13,14 @@
 //! - [`budget`]: VMEM and SMEM, with Mosaic's padding and internal scratch modelled;
 //! - [`body`]: the instructions (op x dtype support per generation, vector access alignment);
 //! - [`dma`]: async copy descriptors;
+//! - [`collective`]: the mesh, remote copies and semaphores of kernels that talk to other devices;
 //! - [`align`]: the divisibility analysis that proves dynamic offsets aligned;
 //! - [`warn`]: performance warnings (never errors).
 
 pub mod align;
 mod body;
 pub mod budget;
+pub mod collective;
 mod dma;
 mod grid;
 mod operand;
@@ -37,6 +39,7 @@ use crate::target::Target;
 pub fn verify(k: &Kernel, target: &Target) -> Result<()> {
     let v = Verifier { k, t: target };
     v.structure()?;
+    v.collective()?;
     v.grid()?;
     v.has_output()?;
     for r in &k.refs {

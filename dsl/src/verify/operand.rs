@@ -41,8 +41,8 @@ impl Verifier<'_> {
         if r.kind == RefKind::Prefetch && (r.dtype != DType::I32 || r.memory != MemorySpace::Smem) {
             return Err(self.err(&subject, "prefetch-dtype", format!("scalar prefetch is {} in {}", r.dtype, r.memory.name()), "scalar-prefetch operands are int32 arrays in SMEM"));
         }
-        if r.memory == MemorySpace::Semaphore && (r.kind != RefKind::Scratch || r.shape.len() != 1 || r.block.is_some()) {
-            return Err(self.err(&subject, "semaphore-decl", format!("a {} in semaphore memory of shape {:?}", r.kind.name(), r.shape), "DMA semaphores are rank-1 scratch arrays: declare them with `semaphores(n)`"));
+        if r.memory.is_semaphore() && (r.kind != RefKind::Scratch || r.shape.len() != 1 || r.shape[0] == 0 || r.block.is_some()) {
+            return Err(self.err(&subject, "semaphore-decl", format!("a {} in semaphore memory of shape {:?}", r.kind.name(), r.shape), "semaphores are non-empty rank-1 scratch arrays: declare them with `semaphores(n)` / `regular_semaphores(n)`"));
         }
         let Some(b) = &r.block else { return Ok(()) };
         if r.memory != MemorySpace::Vmem {

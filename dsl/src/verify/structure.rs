@@ -49,6 +49,12 @@ impl Verifier<'_> {
                         self.slices_match(r, &side.slices, &name())?;
                     }
                     self.ref_of(*sem, &name())?;
+                    if let Inst::DmaStart { remote: Some(r), .. } = &d.inst {
+                        self.ref_of(r.send_sem, &name())?;
+                    }
+                }
+                Inst::SemSignal { sem: SemaphoreRef::Array { sem, .. }, .. } | Inst::SemWait { sem: SemaphoreRef::Array { sem, .. }, .. } => {
+                    self.ref_of(*sem, &name())?;
                 }
                 Inst::If { then_block, else_block, .. } => {
                     for b in [then_block, else_block] {

@@ -1365,8 +1365,12 @@ impl<'a, 'b> Lower<'a, 'b> {
             match &d.inst {
                 Inst::Yield(vs) => return Ok(vs.clone()),
                 Inst::Store { dst, slices, value } => self.emit_store(i, *dst, slices, *value)?,
-                Inst::DmaStart { src, dst, sem, sem_index } => self.emit_dma(i, true, src, dst, *sem, *sem_index)?,
-                Inst::DmaWait { src, dst, sem, sem_index } => self.emit_dma(i, false, src, dst, *sem, *sem_index)?,
+                // Devices talking to each other run on the interpreter, which simulates the mesh.
+                Inst::DmaStart { remote: Some(_), .. } | Inst::DmaWait { remote: Some(_), .. } | Inst::SemSignal { .. } | Inst::SemWait { .. } | Inst::DeviceId => {
+                    return unsupported("communication between devices (remote copies, semaphores, device ids)")
+                }
+                Inst::DmaStart { src, dst, sem, sem_index, .. } => self.emit_dma(i, true, src, dst, *sem, *sem_index)?,
+                Inst::DmaWait { src, dst, sem, sem_index, .. } => self.emit_dma(i, false, src, dst, *sem, *sem_index)?,
                 Inst::PrngSeed(seeds) => self.emit_prng_seed(seeds)?,
                 Inst::If { cond, then_block, else_block } => self.emit_if(i, *cond, *then_block, *else_block)?,
                 Inst::For { lo, hi, step, init, body } => self.emit_for(i, *lo, *hi, *step, init, *body)?,
