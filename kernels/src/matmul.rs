@@ -14,7 +14,9 @@ use crate::plan::{single, Launch, Plan};
 use crate::{f64s, harness};
 
 #[tpu_kernel(
-    grid = [m / bm, n / bn, k / bk],
+    // A partial last m or n block computes rows / columns that are dropped; k must be a
+    // multiple of bk (a partial k block would add what lies past x's rows).
+    grid = [m.div_ceil(bm), n.div_ceil(bn), k / bk],
     semantics = [parallel, parallel, arbitrary],
     x = block([if transpose_lhs { bk } else { bm }, if transpose_lhs { bm } else { bk }], |i, j, kk| [if transpose_lhs { kk } else { i }, if transpose_lhs { i } else { kk }]),
     y = block([if transpose_rhs { bn } else { bk }, if transpose_rhs { bk } else { bn }], |i, j, kk| [if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
@@ -41,13 +43,30 @@ pub fn matmul_kernel(x: In<_, _>, y: In<_, _>, out: Out<m, n>, acc: Scratch, bm:
 ///
 /// Rule: start from (512, 1024, 1024) — big enough that the MXU stays busy and each
 /// grid step amortises its ~0.35 us overhead (DESIGN §6: 91.5% of v5e peak at these
-/// blocks, 6% at 128^3) — restricted to multiples of the MXU edge that divide the
-/// problem, then halve bk, bn, bm in turn until the double-buffered windows plus the
-/// accumulator fit in 3/4 of the target's default scoped VMEM.
+/// blocks, 6% at 128^3) — then, where the problem has rows to spare, make the output tile tall
+/// enough that HBM keeps up with the MXU. A `[bm, bk] x [bk, bn]` step moves `(bm + bn) * bk` elements for `2 bm bn bk`
+/// flops: `2 bm bn / ((bm + bn) * bytes)` flops per byte, against the target's ridge, its
+/// bf16 peak per core over its HBM bandwidth (v5e 240, v5p 83, v6e 561, tpu7x 313). 512 x
+/// 1024 in bf16 (341) clears every ridge but v6e's, where bm doubles to 2048 (683), with
+/// bk 512 so the windows still fit (libtpu's static estimate at 4096^3 bf16 on v6e: 179 us
+/// against 266 us at (512, 1024, 1024), `tessera tune matmul`). Then the blocks are
+/// restricted to multiples of the MXU edge that divide the problem, and bk, bn, bm halved
+/// in turn until the double-buffered windows plus the accumulator fit in 3/4 of the
+/// target's default scoped VMEM.
 pub fn matmul_blocks(m: usize, k: usize, n: usize, in_dtype: DType, out_dtype: DType, target: &Target) -> (usize, usize, usize) {
     let (sub, lane) = target.tiling(in_dtype);
-    let mut bm = pick_block(m, 512, sub.max(target.tiling(out_dtype).0));
-    let mut bk = pick_block(k, 1024, lane.max(target.mxu.min(k)));
+    let ridge = target.core_peak_tflops() * 1e3 / target.hbm_gbps;
+    // In bf16 bytes whatever the dtype: f32 runs the MXU at a fraction of bf16's rate, so
+    // bf16 is the case where HBM binds.
+    let intensity = |bm: usize, bn: usize| (2 * bm * bn) as f64 / ((bm + bn) * 2) as f64;
+    let (mut start_m, mut start_k) = (512, 1024);
+    // Doubling keeps at least two steps along m, so the next block's copy still overlaps
+    // this one's dots (at 1024^3 on v6e one step is 8.7% more cycles than two).
+    while start_m < 2048 && 4 * start_m <= m && intensity(start_m, 1024) < ridge {
+        (start_m, start_k) = (start_m * 2, 512);
+    }
+    let mut bm = pick_block(m, start_m, sub.max(target.tiling(out_dtype).0));
+    let mut bk = pick_block(k, start_k, lane.max(target.mxu.min(k)));
     let mut bn = pick_block(n, 1024, lane.max(target.mxu.min(n)));
     let vmem = |bm: usize, bk: usize, bn: usize| {
         2 * (target.padded_bytes(in_dtype, &[bm, bk]) + target.padded_bytes(in_dtype, &[bk, bn]) + target.padded_bytes(out_dtype, &[bm, bn]))
@@ -86,7 +105,21 @@ fn check_float_pair(c: &Call, a: &str, b: &str) -> Result<(), KernelError> {
 fn plan_matmul(c: &Call) -> Result<Plan, KernelError> {
     check_float_pair(c, "x", "y")?;
     let (x, y) = (c.tensor("x")?.clone(), c.tensor("y")?.clone());
-    Ok(single(c, matmul(&x, &y, c.target)?, vec![c.input("x", x)?, c.input("y", y)?], &[]))
+    let (m, k, n) = (x.shape[0], x.shape[1], y.shape[1]);
+    // Blocks: given (or from a tuning table), else the rule of `matmul_blocks`.
+    let (dm, dk, dn) = matmul_blocks(m, k, n, x.dtype, x.dtype, c.target);
+    let block = |name: &str, default: usize| match c.usize_opt(name)? {
+        Some(0) => Err(c.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
+        given => Ok(given.unwrap_or(default)),
+    };
+    let (bm, bk, bn) = (block("block_m", dm)?, block("block_k", dk)?, block("block_n", dn)?);
+    // A partial m or n block only computes rows / columns that are dropped; a partial k
+    // block would add what lies past the end of x's rows into every result.
+    if !k.is_multiple_of(bk) {
+        return Err(c.err("argument `block_k`", "option-value", format!("block_k = {bk} does not divide k = {k}"), "pass a block_k that divides x's columns, or leave it unset"));
+    }
+    let kernel = matmul_kernel(x.clone(), y.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk, k, false, false)?;
+    Ok(single(c, kernel, vec![c.input("x", x)?, c.input("y", y)?], &[]))
 }
 
 /// `dx = dout @ y^T`, `dy = x^T @ dout`: two launches reading every operand in place.
@@ -129,7 +162,7 @@ fn reference_matmul_bwd(a: &[Array], _: &Statics) -> Vec<Vec<f64>> {
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "matmul", doc: "x [m, k] @ y [k, n]: tiled, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis", schema: "(Tensor x, Tensor y) -> Tensor", plan: plan_matmul, reference: Some(reference_matmul),
+        name: "matmul", doc: "x [m, k] @ y [k, n]: tiled, f32 accumulator in VMEM scratch, K reduction on the last (arbitrary) grid axis", schema: "(Tensor x, Tensor y, int? block_m=None, int? block_k=None, int? block_n=None) -> Tensor", plan: plan_matmul, reference: Some(reference_matmul), knobs: crate::tune::MATMUL,
         inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "y", dims: "[k, n]", kind: Kind::Float }], outputs: &[Output { name: "out", shape: "[x.0, y.1]", dtype: "x" }],
         backward: Some(Backward { op: "matmul_bwd", args: "x, y, d_out", grads: &["x", "y"] }),
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[384, 768], &[768, 1536]] }], ..Op::EMPTY

@@ -49,6 +49,14 @@ pub const GMM: &[Knob] = &[Knob {
     values: &["[128, 128, 128]", "[256, 256, 256]", "[512, 256, 256]", "[256, 512, 512]", "[512, 512, 512]", "[512, 1024, 1024]", "[1024, 512, 512]"],
 }];
 
+/// matmul's `block_m` x `block_k` x `block_n`: MXU multiples from where the grid-step
+/// overhead is amortised (DESIGN §6) up to what VMEM holds.
+pub const MATMUL: &[Knob] = &[
+    Knob { name: "block_m", values: &["256", "512", "1024", "2048"] },
+    Knob { name: "block_k", values: &["512", "1024", "2048"] },
+    Knob { name: "block_n", values: &["512", "1024", "2048"] },
+];
+
 /// Paged attention's pages per compute block.
 pub const PAGED_ATTENTION: &[Knob] = &[Knob { name: "pages_per_compute_block", values: &["1", "2", "4", "8", "16", "32", "64"] }];
 

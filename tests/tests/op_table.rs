@@ -167,3 +167,38 @@ fn shipped_tuning_table_sets_the_defaults_it_holds() {
     let types = fwd.types(&shapes, DType::parse(&e.dtype).unwrap());
     assert_eq!(tessera_kernels::tune::tuned_statics(alias, &types, &alias.statics(&e.statics).unwrap(), &e.target).unwrap().as_deref(), Some(e.best.as_str()));
 }
+
+/// matmul's default blocks follow the target's ridge (v6e, where HBM binds at 512 x 1024
+/// output tiles, takes 2048-row tiles once the problem has rows for two steps; the other
+/// generations keep (512, 1024, 1024)); given blocks win; partial m / n blocks compute the
+/// right product and a k block that does not divide k is refused.
+#[test]
+fn matmul_blocks_follow_the_ridge_and_the_statics() {
+    let op = find("matmul").unwrap();
+    let blocks = |n: usize, dtype: DType, statics: &str, target: &Target| {
+        let plan = op.plan_for(&op.types(&[vec![n, n], vec![n, n]], dtype), &op.statics(statics).unwrap(), target).unwrap();
+        let ir = plan.launches[0].kernel.to_string();
+        let block = |name: &str| ir.lines().find(|l| l.contains(name)).and_then(|l| l.split("block ").nth(1)).and_then(|b| b.split(' ').next()).unwrap().to_string();
+        (block("@0 x:"), block("@1 y:"))
+    };
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(blocks(4096, DType::BF16, "", &Target::V6E), s("[2048,512]", "[512,1024]"));
+    assert_eq!(blocks(2048, DType::BF16, "", &Target::V6E), s("[1024,512]", "[512,1024]"));
+    assert_eq!(blocks(1024, DType::BF16, "", &Target::V6E), s("[512,1024]", "[1024,1024]"));
+    for t in [Target::V5E, Target::V5P, Target::TPU7X] {
+        assert_eq!(blocks(4096, DType::BF16, "", &t), s("[512,1024]", "[1024,1024]"), "{}", t.name);
+    }
+    assert_eq!(blocks(4096, DType::BF16, "block_m=256, block_k=512, block_n=2048", &Target::V6E), s("[256,512]", "[512,2048]"));
+    // Partial m and n blocks against the f64 reference, on the interpreter.
+    let shapes = [vec![300, 256], vec![256, 200]];
+    let statics = op.statics("block_m=128, block_k=128, block_n=128").unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let report = harness::run_case(op, &statics, &shapes, dtype, &Target::V6E, 5, &Interpreter).unwrap();
+        assert!(report.passed(), "{dtype}: {:?}", report.worst());
+    }
+    let err = |statics: &str| op.plan_for(&op.types(&shapes, DType::F32), &op.statics(statics).unwrap(), &Target::V6E).err().expect("refused");
+    let e = err("block_k=96");
+    assert_eq!((e.rule, e.subject.as_str()), ("option-value", "argument `block_k`"), "{e}");
+    assert!(e.to_string().contains("does not divide k = 256"), "{e}");
+    assert_eq!(err("block_m=0").rule, "option-value");
+}
