@@ -53,7 +53,7 @@ fn tunes_block_statics() {
         assert_eq!(out.status.code(), Some(2), "{args:?} should be refused");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    assert!(fail(&["tune", "matmul"]).contains("no block statics"));
+    assert!(fail(&["tune", "rmsnorm"]).contains("no block statics"));
     assert!(fail(&["tune", "flash_attention_fwd", "--case", "causal", "--statics", "block_q=128, block_kv=128"]).contains("every knob (block_q, block_kv) is fixed"));
     assert!(fail(&["tune", "--all"]).contains("one op at a time"));
     if !tessera::testing::oracle_enabled() {
