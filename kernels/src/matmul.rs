@@ -108,11 +108,7 @@ fn plan_matmul(c: &Call) -> Result<Plan, KernelError> {
     let (m, k, n) = (x.shape[0], x.shape[1], y.shape[1]);
     // Blocks: given (or from a tuning table), else the rule of `matmul_blocks`.
     let (dm, dk, dn) = matmul_blocks(m, k, n, x.dtype, x.dtype, c.target);
-    let block = |name: &str, default: usize| match c.usize_opt(name)? {
-        Some(0) => Err(c.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
-        given => Ok(given.unwrap_or(default)),
-    };
-    let (bm, bk, bn) = (block("block_m", dm)?, block("block_k", dk)?, block("block_n", dn)?);
+    let (bm, bk, bn) = (c.block("block_m", dm)?, c.block("block_k", dk)?, c.block("block_n", dn)?);
     // A partial m or n block only computes rows / columns that are dropped; a partial k
     // block would add what lies past the end of x's rows into every result.
     if !k.is_multiple_of(bk) {

@@ -655,6 +655,15 @@ impl Call<'_> {
         }
     }
 
+    /// Block static `name`: its value when given (a zero block is an error), else `default`
+    /// (the op's own rule; a tuning table's entry arrives as a given value).
+    pub fn block(&self, name: &str, default: usize) -> Result<usize, KernelError> {
+        match self.usize_opt(name)? {
+            Some(0) => Err(self.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
+            given => Ok(given.unwrap_or(default)),
+        }
+    }
+
     /// Static `name` as a non-negative integer, which must be given.
     pub fn usize(&self, name: &str) -> Result<usize, KernelError> {
         self.usize_opt(name)?.ok_or_else(|| self.err(format!("argument `{name}`"), "missing-argument", format!("{name} is not given"), format!("pass {name}")))

@@ -48,11 +48,7 @@ fn plan_scaled_silu(c: &Call) -> Result<Plan, KernelError> {
     let beta = c.statics.f64("beta").unwrap_or(1.0) as f32; // statics by name, defaults filled in
     // Blocks: given (or set by a tuning table, see `KNOBS`), else the library's row rule.
     let RowTiles { bm, bn } = blocks(&x, c.target);
-    let block = |name: &str, default: usize| match c.usize_opt(name)? {
-        Some(0) => Err(c.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
-        given => Ok(given.unwrap_or(default)),
-    };
-    let (bm, bn) = (block("block_rows", bm)?, block("block_cols", bn)?);
+    let (bm, bn) = (c.block("block_rows", bm)?, c.block("block_cols", bn)?);
     let kernel = scaled_silu_kernel(x.clone(), scale.clone(), x.clone(), bm, bn, beta)?;
     let out_shape = c.tensor("x")?.shape.clone(); // the [m, n] output seen with x's shape
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("scale", scale)?], &[Some(out_shape)]))
