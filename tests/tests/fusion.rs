@@ -307,9 +307,11 @@ fn random_graph_sized(seed: u64, big: bool) -> Random {
             0 => g.binary([Binary::Add, Binary::Sub, Binary::Mul, Binary::Maximum, Binary::Minimum][rng.gen_range(0..5)], Operand::Node(x), Operand::Node(y)),
             1 => g.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(rng.gen_range(-2.0..2.0))),
             2 => g.binary(Binary::Add, Operand::Scalar(0.5), Operand::Node(x)),
-            3 => g.unary([Unary::Neg, Unary::Abs, Unary::Tanh, Unary::Sigmoid, Unary::Relu, Unary::Silu, Unary::Gelu, Unary::Erf, Unary::Sin, Unary::Cos][rng.gen_range(0..10)], x),
-            // Well-conditioned uses of exp, log, sqrt, rsqrt, div.
-            4 => g.unary(Unary::Tanh, x).and_then(|t| g.unary(Unary::Exp, t)),
+            3 => g.unary([Unary::Neg, Unary::Abs, Unary::Tanh, Unary::Sigmoid, Unary::Relu, Unary::Silu, Unary::Gelu, Unary::Erf][rng.gen_range(0..8)], x),
+            // Well-conditioned uses of exp, sin, cos, log, sqrt, rsqrt, div. (sin of a sum of
+            // hundreds of terms is not: an f32 argument near 1000 is already 6e-5 off, and the
+            // check's tolerance scales with the result, which sin bounds by 1.)
+            4 => g.unary(Unary::Tanh, x).and_then(|t| g.unary([Unary::Exp, Unary::Sin, Unary::Cos][rng.gen_range(0..3)], t)),
             5 => g.unary(Unary::Abs, x).and_then(|t| g.binary(Binary::Add, Operand::Node(t), Operand::Scalar(1.0))).and_then(|t| g.unary([Unary::Log, Unary::Sqrt, Unary::Rsqrt, Unary::Reciprocal][rng.gen_range(0..4)], t)),
             6 => g.unary(Unary::Abs, y).and_then(|t| g.binary(Binary::Add, Operand::Node(t), Operand::Scalar(1.0))).and_then(|t| g.binary(Binary::Div, Operand::Node(x), Operand::Node(t))),
             7 => g.clamp(x, Some(-1.0), if rng.gen_bool(0.5) { Some(1.5) } else { None }),
@@ -409,8 +411,16 @@ fn check_graph_sized(seed: u64, backend: Backend, big: bool) -> Result<(), TestC
     Ok(())
 }
 
+/// A fixed sample in CI, as the Python tiers' `derandomize=True`: whether a commit lands must
+/// not depend on the seed a run happened to draw. `PROPTEST_RNG_SEED=<n>` explores others.
+fn fuzz_config(cases: u32) -> ProptestConfig {
+    let default = ProptestConfig::default();
+    let rng_seed = if std::env::var_os("PROPTEST_RNG_SEED").is_some() { default.rng_seed } else { proptest::test_runner::RngSeed::Fixed(0x7e55_e7a0) };
+    ProptestConfig { cases, failure_persistence: None, rng_seed, ..default }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(fuzz_config(256))]
 
     #[test]
     fn random_graphs_match_the_f64_reference_on_every_backend(seed in any::<u64>()) {
