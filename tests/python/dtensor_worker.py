@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module  # noqa: E402
 
 import tessera  # noqa: E402  (torch.distributed.tensor already loaded: rules registered)
+import tessera.distributed as tdist  # noqa: E402
 
 tpu = torch.ops.tpu
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -358,8 +359,173 @@ def case_user_op(mesh, rank, world):
     close(got, tpu.scaled_silu(x, scale), "a user op without rules")
     assert got.placements == (Replicate(),), got.placements
 
+# ---- the collective kernels as torch.ops.tpu.* (remote DMA rings on the device simulation) ----
 
-CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("wrong_placements", case_wrong_placements), ("user_op", case_user_op)]
+
+def _gathered(t):
+    """Every rank's `t` through torch.distributed's own all-gather (the independent reference)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def case_collectives(mesh, rank, world):
+    """all_gather / reduce_scatter / all_gather_matmul against torch.distributed and plain
+    sums, forward and backward; ranks passing different shapes all raise (none hangs)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=2e-2, atol=2e-2))):
+        x = torch.randn(3, 5, 6, generator=gen).to(dtype)
+        for dim in (0, 1, -1):
+            want = torch.cat(_gathered(x), dim=dim)
+            got = tdist.all_gather(x, dim)
+            assert torch.equal(got, want), f"all_gather dim {dim} {dtype}"
+        y = torch.randn(2, 4 * world, 3, generator=gen).to(dtype)
+        want = torch.stack([t.float() for t in _gathered(y)]).sum(0).chunk(world, dim=1)[rank].to(dtype)
+        got = tdist.reduce_scatter(y, 1)
+        assert torch.allclose(got.float(), want.float(), **tol), f"reduce_scatter {dtype}: {(got.float() - want.float()).abs().max()}"
+    # Backward: all_gather's is the reduce-scatter of every rank's output gradient.
+    x = torch.randn(4, 8, generator=gen, requires_grad=True)
+    g = torch.randn(4 * world, 8, generator=gen)
+    tdist.all_gather(x, 0).backward(g)
+    want = torch.stack(_gathered(g)).sum(0).chunk(world)[rank]
+    assert torch.allclose(x.grad, want, rtol=1e-5, atol=1e-5), "all_gather backward"
+    y = torch.randn(4 * world, 8, generator=gen, requires_grad=True)
+    g = torch.randn(4, 8, generator=gen)
+    tdist.reduce_scatter(y, 0).backward(g)
+    assert torch.equal(y.grad, torch.cat(_gathered(g))), "reduce_scatter backward"
+    # all_gather_matmul: gather(x) @ w, and its gradients.
+    torch.manual_seed(7)
+    w = torch.randn(16, 24, requires_grad=True)
+    x = torch.randn(8, 16, generator=gen, requires_grad=True)
+    out = tdist.all_gather_matmul(x, w)
+    xs = torch.cat(_gathered(x.detach()))
+    close(out, xs @ w.detach(), "all_gather_matmul")
+    g = torch.randn_like(out)
+    out.backward(g)
+    gs = _gathered(g)
+    close(x.grad, sum(gi[rank * 8 : (rank + 1) * 8] for gi in gs) @ w.detach().t(), "all_gather_matmul dx")
+    close(w.grad, xs.t() @ g, "all_gather_matmul dw")
+    # The ops' registrations (schema, fake shapes, autograd) and a fullgraph compile.
+    group_name = dist.group.WORLD.group_name
+    a = torch.randn(4, 8, generator=gen, requires_grad=True)
+    for op, args in (
+        (tpu.all_gather, (a, 1, group_name)),
+        (tpu.reduce_scatter, (torch.randn(4 * world, 3, generator=gen, requires_grad=True), 0, group_name)),
+        (tpu.all_gather_matmul, (a, torch.randn(8, 16, generator=gen, requires_grad=True), group_name)),
+    ):
+        torch.library.opcheck(op, args)
+    compiled = torch.compile(lambda x, w: F.relu(tdist.all_gather_matmul(x, w)).sum(0), backend="aot_eager", fullgraph=True)
+    close(compiled(x.detach(), w.detach()), F.relu(xs @ w.detach()).sum(0), "all_gather_matmul under torch.compile(fullgraph=True)")
+    # Ranks that disagree on shapes: every rank raises the same error.
+    try:
+        tdist.all_gather(torch.zeros(2 + (rank == 1), 3), 0)
+    except ValueError as e:
+        assert "rank 1 passes operands of other shapes" in str(e), e
+    else:
+        raise AssertionError("all_gather with different shapes on rank 1 did not raise")
+
+
+def case_ragged_all_to_all(mesh, rank, world):
+    """Random ragged metadata (the same draw on every rank), f32 and bf16 rows: each rank's
+    result equals the rows its peers sent, placed where they said; rows nobody sends keep
+    `output`'s values; a recv_sizes that disagrees with the senders raises on every rank."""
+    for seed, dtype in ((0, torch.float32), (1, torch.bfloat16), (2, torch.float32)):
+        g = torch.Generator().manual_seed(seed)
+        t, h = 13, 6
+        sizes = torch.randint(0, 4, (world, world), generator=g)  # sizes[d][p]: rows d sends p
+        rows_in = [torch.randn(t, h, generator=g).to(dtype) for _ in range(world)]
+        # Receivers stack senders in order, after a gap of 1 row; `output` starts as -7.
+        tout = 1 + int(sizes.sum(0).max())
+        io = torch.cumsum(sizes[rank], 0) - sizes[rank]
+        oo = torch.tensor([1 + int(sizes[:rank, p].sum()) for p in range(world)])
+        got = tdist.ragged_all_to_all(rows_in[rank], torch.full((tout, h), -7.0, dtype=dtype), io, sizes[rank], oo, sizes[:, rank])
+        want = torch.full((tout, h), -7.0, dtype=dtype)
+        at = 1
+        for d in range(world):
+            start = int(sizes[d, :rank].sum())
+            n = int(sizes[d, rank])
+            want[at : at + n] = rows_in[d][start : start + n]
+            at += n
+        assert torch.equal(got, want), f"ragged_all_to_all seed {seed} {dtype}"
+        if seed == 0:
+            args = (rows_in[rank].clone().requires_grad_(), torch.zeros(tout, h, requires_grad=True), io, sizes[rank], oo, sizes[:, rank], dist.group.WORLD.group_name)
+            torch.library.opcheck(tpu.ragged_all_to_all, args)
+    try:
+        bad = sizes[:, rank].clone()
+        bad[0] += 1
+        tdist.ragged_all_to_all(rows_in[rank], torch.zeros(tout + 1, h, dtype=dtype), io, sizes[rank], oo, bad)
+    except ValueError as e:
+        assert "recv_sizes on each rank must equal what its peers send it" in str(e), e
+    else:
+        raise AssertionError("mismatched recv_sizes did not raise")
+
+
+def moe_a2a(x, router, w_gate, w_up, w_down, k, e, group=None):
+    """Expert-parallel top-k MoE on this rank's tokens `x`: rows sorted by expert
+    (`permute`), sent to the ranks that own their experts with the ragged all-to-all, run
+    through gmm/swiglu on the local experts (`w_*` hold this rank's `e / world`), sent back
+    with the ragged all-to-all in reverse, and combined."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    el = e // world
+    weights, ids = tpu.router_topk(x @ router, k)
+    xs, counts = tpu.permute(x, ids, e)
+    c = torch.stack(_gathered(counts.to(torch.int64)))  # c[q, ex]: rows rank q routes to expert ex
+    per_rank = c.view(world, world, el).sum(-1)  # per_rank[q, p]: rows q sends p
+    send, recv = per_rank[rank], per_rank[:, rank]
+    io = torch.cumsum(send, 0) - send
+    oo = torch.stack([per_rank[:rank, p].sum() for p in range(world)])
+    tout = int(per_rank.sum(0).max())  # one receive buffer shape on every rank
+    got = tdist.ragged_all_to_all(xs, xs.new_zeros(tout, x.shape[1]), io, send, oo, recv, group)
+    # Received rows are sender-major; gmm wants them expert-major.
+    base = torch.cumsum(recv, 0) - recv
+    local = c[:, rank * el : (rank + 1) * el]  # local[q, j]: rows from q for local expert j
+    within = torch.cumsum(local, 1) - local
+    perm = torch.cat([torch.arange(int(local[q, j])) + int(base[q] + within[q, j]) for j in range(el) for q in range(world)]).long()
+    sizes = local.sum(0).to(torch.int32)
+    grouped = got.index_select(0, perm)
+    hid = tpu.swiglu(tpu.gmm(grouped, w_gate, sizes), tpu.gmm(grouped, w_up, sizes))
+    y = tpu.gmm(hid, w_down, sizes)
+    back = y.new_zeros(tout, y.shape[1]).index_copy(0, perm, y)
+    # The return trip: the rows each peer sent, from where they landed to where they came from.
+    their_io = torch.stack([torch.cumsum(per_rank[q], 0)[rank] - per_rank[q, rank] for q in range(world)])
+    ret = tdist.ragged_all_to_all(back, xs.new_zeros(xs.shape), base, recv, their_io, send, group)
+    return tpu.combine(ret, weights, ids, e)
+
+
+def case_moe_a2a(mesh, rank, world):
+    torch.manual_seed(3)
+    t, d, f, e, k = 12, 32, 48, 8, 2
+    el = e // world
+    xs_all = torch.randn(world * t, d)  # every rank's tokens (the same draw everywhere)
+    params = [torch.randn(d, e), torch.randn(e, d, f) / 4, torch.randn(e, d, f) / 4, torch.randn(e, f, d) / 4]
+    dy_all = torch.randn(world * t, d)
+    # The single-process reference: plain torch, dense over each token's top-k experts.
+    ref = [p.clone().requires_grad_() for p in params]
+    x_ref = xs_all.clone().requires_grad_()
+    w, ids = tpu.router_topk(x_ref @ ref[0], k)
+    dense = torch.zeros(world * t, d)
+    for j in range(k):
+        ex = ids[:, j].long()
+        hid = F.silu(torch.einsum("td,tdf->tf", x_ref, ref[1][ex])) * torch.einsum("td,tdf->tf", x_ref, ref[2][ex])
+        dense = dense + w[:, j : j + 1] * torch.einsum("tf,tfd->td", hid, ref[3][ex])
+    dense.backward(dy_all)
+    mine = slice(rank * t, (rank + 1) * t)
+    experts = slice(rank * el, (rank + 1) * el)
+    x = xs_all[mine].clone().requires_grad_()
+    local = [params[0].clone().requires_grad_()] + [p[experts].clone().requires_grad_() for p in params[1:]]
+    out = moe_a2a(x, *local, k, e)
+    close(out, dense.detach()[mine], "MoE (ragged all-to-all) output")
+    out.backward(dy_all[mine])
+    close(x.grad, x_ref.grad[mine], "MoE (ragged all-to-all) grad of x")
+    for i in (1, 2, 3):
+        close(local[i].grad, ref[i].grad[experts], f"MoE (ragged all-to-all) grad of expert weights {i}")
+    router_grad = local[0].grad.clone()
+    dist.all_reduce(router_grad)  # the router is replicated: its gradient is the ranks' sum
+    close(router_grad, ref[0].grad, "MoE (ragged all-to-all) grad of the router")
+
+
+
+CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("collectives", case_collectives), ("ragged_all_to_all", case_ragged_all_to_all), ("moe_a2a", case_moe_a2a), ("wrong_placements", case_wrong_placements), ("user_op", case_user_op)]
 
 
 def run_rank(rank, world, port, results):

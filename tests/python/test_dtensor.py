@@ -51,6 +51,29 @@ def test_every_op_has_rules_fitting_its_contract():
             assert len(variants) >= len(tdt.RULES.get(name, ())), (name, case)
 
 
+
+def test_collective_kernels_refuse_bad_groups_by_name():
+    """The native entry of the collective ops (one process, no group): what it refuses, it
+    names (the op, the device, the rule), never a hang or a wrong tensor."""
+    x = torch.ones(4, 8)
+    with pytest.raises(ValueError, match="a collective needs 2 or more devices"):
+        _native.run_collective("all_gather", [[x]], 0, "v6e")
+    with pytest.raises(ValueError, match="device 1's operands .* differ from device 0's"):
+        _native.run_collective("all_gather", [[x], [torch.ones(5, 8)]], 0, "v6e")
+    with pytest.raises(ValueError, match="no collective"):
+        _native.run_collective("all_reduce", [[x], [x]], 0, "v6e")
+    with pytest.raises(ValueError, match="x has 3 chunks for a group of 2"):
+        _native.run_collective("reduce_scatter", [[torch.ones(3, 4, 8)], [torch.ones(3, 4, 8)]], 1, "v6e")
+    # Two devices, in one process: device 1's all-gather is both shards.
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    (out,) = _native.run_collective("all_gather", [[a], [b]], 1, "v6e")
+    assert torch.equal(out, torch.stack([a, b]))
+    # Overlapping writes into one device's result: the simulator's race, named.
+    meta = [torch.tensor(v, dtype=torch.int32) for v in ([0, 0], [2, 2], [0, 0], [2, 2])]
+    with pytest.raises(ValueError, match="remote-buffer-race"):
+        _native.run_collective("ragged_all_to_all", [meta + [torch.randn(4, 8)], meta + [torch.randn(4, 8)]], 0, "v6e", out_rows=4)
+
+
 def _parse_statics(text):
     """A case's statics, `"transpose_rhs=True num_experts=7"` (only bools and ints matter here)."""
     out = {}
@@ -77,7 +100,7 @@ def test_dtensor_on_4_ranks():
     results = report["results"]
     failures = [f"rank {r['rank']} {r['case']}: {r['error']}" for r in results if r["error"]]
     assert not failures, "\n".join(failures)
-    cases = {"llama_tp", "moe_ep", "wrong_placements", "user_op", "llama_dp_x_tp"}
+    cases = {"llama_tp", "moe_ep", "collectives", "ragged_all_to_all", "moe_a2a", "wrong_placements", "user_op", "llama_dp_x_tp"}
     done = {(r["rank"], r["case"]) for r in results}
     missing = sorted({(rank, c) for rank in range(WORLD) for c in cases} - done)
     assert not missing, f"(rank, case) never finished (hung or died; exit codes {report['exitcodes']}): {missing}\n{proc.stderr[-3000:]}"

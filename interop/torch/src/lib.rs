@@ -10,6 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
+mod collective;
 mod dispatch;
 mod fusion;
 mod tensor;
@@ -699,6 +700,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add_function(wrap_pyfunction!(op_cases, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(reference, m)?)?;
+    m.add_function(wrap_pyfunction!(collective::run_collective, m)?)?;
     m.add_class::<PyPlan>()?;
     m.add_class::<fusion::FusionGraph>()?;
     m.add_function(wrap_pyfunction!(fusion::fusion_cache_info, m)?)?;

@@ -17,6 +17,12 @@ __version__ = _native.__version__
 
 import sys as _sys
 
+import torch.distributed as _dist
+
+if _dist.is_available():
+    # torch.ops.tpu.{all_gather, reduce_scatter, all_gather_matmul, ragged_all_to_all}
+    from tessera import distributed  # noqa: F401
+
 if "torch.distributed.tensor" in _sys.modules:
     # DTensor already loaded: register the ops' sharding rules now (else `import tessera.dtensor`).
     from tessera import dtensor  # noqa: F401
