@@ -460,6 +460,27 @@ def case_ragged_all_to_all(mesh, rank, world):
         raise AssertionError("mismatched recv_sizes did not raise")
 
 
+def case_collectives_on_tpu(mesh, rank, world):
+    """The collective ops on the emulated `tpu` device: results on the device, equal to the CPU
+    run, gradients too."""
+    from tessera import emulated_tpu
+
+    dev = emulated_tpu.enable()
+    gen = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(4, 16, generator=gen)
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(5))
+    xt, wt = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+    out = tdist.all_gather_matmul(xt, wt)
+    assert out.device.type == "tpu", out.device
+    close(out.cpu(), torch.cat(_gathered(x)) @ w, "all_gather_matmul on tpu")
+    out.sum().backward()
+    assert xt.grad.device.type == "tpu"
+    close(xt.grad.cpu(), world * torch.ones(4, 8) @ w.t(), "all_gather_matmul dx on tpu")
+    got = tdist.reduce_scatter(torch.arange(world * 3.0).repeat(2, 1).to(dev), 1)
+    assert torch.equal(got.cpu(), world * torch.arange(rank * 3.0, rank * 3.0 + 3).repeat(2, 1)), got.cpu()
+
+
+
 def moe_a2a(x, router, w_gate, w_up, w_down, k, e, group=None):
     """Expert-parallel top-k MoE on this rank's tokens `x`: rows sorted by expert
     (`permute`), sent to the ranks that own their experts with the ragged all-to-all, run
@@ -525,7 +546,7 @@ def case_moe_a2a(mesh, rank, world):
 
 
 
-CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("collectives", case_collectives), ("ragged_all_to_all", case_ragged_all_to_all), ("moe_a2a", case_moe_a2a), ("wrong_placements", case_wrong_placements), ("user_op", case_user_op)]
+CASES = [("llama_tp", case_llama_tp), ("moe_ep", case_moe_ep), ("collectives", case_collectives), ("ragged_all_to_all", case_ragged_all_to_all), ("moe_a2a", case_moe_a2a), ("collectives_on_tpu", case_collectives_on_tpu), ("wrong_placements", case_wrong_placements), ("user_op", case_user_op)]
 
 
 def run_rank(rank, world, port, results):

@@ -90,6 +90,11 @@ def _free_port():
 
 
 def test_dtensor_on_4_ranks():
+    # The emulated `tpu` device's extension, built (or found in TESSERA_CACHE_DIR) once here,
+    # so the ranks only load it.
+    from tessera import emulated_tpu
+
+    emulated_tpu.enable()
     worker = os.path.join(os.path.dirname(__file__), "dtensor_worker.py")
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", TESSERA_THREADS="1", OMP_NUM_THREADS="1")
     t0 = time.time()
@@ -100,7 +105,7 @@ def test_dtensor_on_4_ranks():
     results = report["results"]
     failures = [f"rank {r['rank']} {r['case']}: {r['error']}" for r in results if r["error"]]
     assert not failures, "\n".join(failures)
-    cases = {"llama_tp", "moe_ep", "collectives", "ragged_all_to_all", "moe_a2a", "wrong_placements", "user_op", "llama_dp_x_tp"}
+    cases = {"llama_tp", "moe_ep", "collectives", "ragged_all_to_all", "moe_a2a", "collectives_on_tpu", "wrong_placements", "user_op", "llama_dp_x_tp"}
     done = {(r["rank"], r["case"]) for r in results}
     missing = sorted({(rank, c) for rank in range(WORLD) for c in cases} - done)
     assert not missing, f"(rank, case) never finished (hung or died; exit codes {report['exitcodes']}): {missing}\n{proc.stderr[-3000:]}"

@@ -24,9 +24,10 @@ gathers every rank's operands with one `torch.distributed` all-gather, runs the 
 all simulated devices, and keeps its own results. So the remote copies, semaphores and
 waits of the TPU kernel are what computes the result, and a kernel bug is an error naming
 the device; it is a correctness path (each rank does the whole group's work), not a fast
-one. Tensors on a `tpu` device are refused: the multi-chip TPU path (the same kernels in a
-multi-partition StableHLO module, `tessera check` compiles them) is not wired to TorchTPU's
-runtime yet.
+one. On the emulated `tpu` device (host memory) the operands cross as CPU tensors and the
+results come back on the device; tensors on TorchTPU's `tpu` device are refused: the
+multi-chip TPU path (the same kernels in a multi-partition StableHLO module, which
+`tests/tests/collective.rs` compiles with libtpu) is not wired to TorchTPU's runtime yet.
 """
 
 import torch
@@ -46,13 +47,24 @@ def _name(group):
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _check_cpu(op, **tensors):
+def _device(op, **tensors):
+    """The device the operands are on: the CPU, or the emulated `tpu` device (host memory: its
+    tensors cross as CPU tensors and the results come back on it)."""
+    device = next(iter(tensors.values())).device
     for name, t in tensors.items():
-        if t.device.type != "cpu":
-            raise NotImplementedError(
-                f"tessera {op}: `{name}` is on {t.device}; the collective kernels run on CPU tensors "
-                "(gloo) today, the TorchTPU multi-chip path is not wired yet: move the tensors to the CPU"
-            )
+        if t.device != device:
+            raise ValueError(f"tessera {op}: `{name}` is on {t.device}, other operands on {device}; pass them on one device")
+    if device.type == "cpu":
+        return device
+    if device.type == "tpu":
+        from tessera import emulated_tpu
+
+        if emulated_tpu.is_enabled():
+            return device
+    raise NotImplementedError(
+        f"tessera {op}: the operands are on {device}; the collective kernels run on CPU tensors (gloo) and on the "
+        "emulated `tpu` device; TorchTPU's multi-chip path is not wired yet: move the tensors to the CPU"
+    )
 
 
 def _signature(tensors):
@@ -105,16 +117,16 @@ def _check_dtype(op, name, t, allowed):
 
 @torch.library.custom_op("tpu::all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    _check_cpu("all_gather", x=x)
+    device = _device("all_gather", x=x)
     _check_dtype("all_gather", "x", x, (torch.float32, torch.bfloat16, torch.int32))
     group = _group(group_name)
     if x.dim() == 0:
         raise ValueError("tessera all_gather: `x` is 0-dim; gather tensors of at least one dim")
     d = dim % x.dim()
-    rows = x.movedim(d, 0)
+    rows = x.cpu().movedim(d, 0)
     flat = rows.reshape(rows.shape[0], -1)
     (out,) = _native.run_collective("all_gather", [[o[0]] for o in _operands("all_gather", [flat], group)], group.rank(), get_target())
-    return out.reshape(group.size() * rows.shape[0], *rows.shape[1:]).movedim(0, d).contiguous()
+    return out.reshape(group.size() * rows.shape[0], *rows.shape[1:]).movedim(0, d).contiguous().to(device)
 
 
 @_all_gather.register_fake
@@ -126,7 +138,7 @@ def _(x, dim, group_name):
 
 @torch.library.custom_op("tpu::reduce_scatter", mutates_args=())
 def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    _check_cpu("reduce_scatter", x=x)
+    device = _device("reduce_scatter", x=x)
     _check_dtype("reduce_scatter", "x", x, (torch.float32, torch.bfloat16))
     group = _group(group_name)
     n = group.size()
@@ -136,10 +148,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
             f"pad dim {dim} to a multiple of {n}"
         )
     d = dim % x.dim()
-    rows = x.movedim(d, 0)
+    rows = x.cpu().movedim(d, 0)
     chunks = rows.reshape(n, rows.shape[0] // n, -1)
     (out,) = _native.run_collective("reduce_scatter", [[o[0]] for o in _operands("reduce_scatter", [chunks], group)], group.rank(), get_target())
-    return out.reshape(rows.shape[0] // n, *rows.shape[1:]).movedim(0, d).contiguous()
+    return out.reshape(rows.shape[0] // n, *rows.shape[1:]).movedim(0, d).contiguous().to(device)
 
 
 @_reduce_scatter.register_fake
@@ -162,13 +174,13 @@ _reduce_scatter.register_autograd(lambda ctx, g: (_all_gather(g, ctx.dim, ctx.gr
 
 @torch.library.custom_op("tpu::all_gather_matmul", mutates_args=())
 def _all_gather_matmul(x: torch.Tensor, w: torch.Tensor, group_name: str) -> torch.Tensor:
-    _check_cpu("all_gather_matmul", x=x, w=w)
+    device = _device("all_gather_matmul", x=x, w=w)
     group = _group(group_name)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or x.dtype != w.dtype:
         raise ValueError(f"tessera all_gather_matmul: x {x.dtype}{list(x.shape)} @ w {w.dtype}{list(w.shape)}: pass x [m, k] and w [k, n] of one dtype")
     _check_dtype("all_gather_matmul", "x", x, (torch.float32, torch.bfloat16))
-    (out,) = _native.run_collective("all_gather_matmul", _operands("all_gather_matmul", [x, w], group), group.rank(), get_target())
-    return out.reshape(-1, w.shape[1])
+    (out,) = _native.run_collective("all_gather_matmul", _operands("all_gather_matmul", [x.cpu(), w.cpu()], group), group.rank(), get_target())
+    return out.reshape(-1, w.shape[1]).to(device)
 
 
 @_all_gather_matmul.register_fake
@@ -244,7 +256,7 @@ def _ragged_all_to_all(
     group_name: str,
 ) -> torch.Tensor:
     op = "ragged_all_to_all"
-    _check_cpu(op, x=x, output=output)
+    device = _device(op, x=x, output=output)
     group = _group(group_name)
     n, me = group.size(), group.rank()
     if x.dim() != 2 or output.dim() != 2 or x.shape[1] != output.shape[1] or x.dtype != output.dtype:
@@ -254,17 +266,17 @@ def _ragged_all_to_all(
         if m.shape != (n,) or m.dtype.is_floating_point or m.dtype == torch.bool:
             raise ValueError(f"tessera {op}: `{name}` is {m.dtype}{list(m.shape)}; pass an integer tensor of one entry per rank, [{n}]")
         meta.append(m.to(torch.int32).cpu())
-    words = _rows_as_words(op, x.contiguous())
+    words = _rows_as_words(op, x.cpu().contiguous())
     operands = _operands(op, meta + [words], group)
     _check_metadata([[m.tolist() for m in o[:4]] for o in operands], x.shape[0], output.shape[0], me)
     (moved,) = _native.run_collective(op, operands, me, get_target(), out_rows=output.shape[0])
     moved = moved.view(x.dtype) if moved.dtype != x.dtype else moved
     # Rows nobody sent keep `output`'s values (the kernel leaves them untouched).
-    out = output.clone()
+    out = output.cpu().clone()
     for r, o in enumerate(operands):
         start, count = int(o[2][me]), int(o[1][me])
         out[start : start + count] = moved[start : start + count]
-    return out
+    return out.to(device)
 
 
 @_ragged_all_to_all.register_fake
