@@ -283,6 +283,11 @@ impl Lower<'_> {
                 let x = self.v(*x);
                 Some(self.t.op1("vector.shape_cast", &[&x], "", ty(result_ty.as_ref().unwrap())))
             }
+            Inst::Concat { axis, parts } => {
+                let parts: Vec<_> = parts.iter().map(|p| self.v(*p)).collect();
+                let refs: Vec<&_> = parts.iter().collect();
+                Some(self.t.op1("tpu.concatenate", &refs, &format!("dimension = {axis} : i32"), ty(result_ty.as_ref().unwrap())))
+            }
             Inst::If { cond, then_block, else_block } => {
                 self.if_else(&d.results, *cond, *then_block, *else_block)?;
                 None

@@ -1040,6 +1040,31 @@ impl KernelBuilder {
         self.push1(Inst::Transpose(x), Type::vector(t.dtype, &shape))
     }
 
+    /// `parts` joined along `axis` (`jnp.concatenate`; the same value repeated is
+    /// `jnp.tile`): one dtype and rank, equal sizes but on `axis`.
+    pub fn concat(&mut self, parts: &[Value], axis: usize) -> Value {
+        let Some(&first) = parts.first() else {
+            self.fail("instruction `concat`", "concat-parts", "no parts", "pass at least one value");
+            return self.constant(Scalar::Float(0.0), Type::scalar(DType::F32));
+        };
+        let t = self.ty(first).clone();
+        if axis >= t.rank() {
+            self.fail("instruction `concat`", "concat-axis", format!("axis {axis} of {t}"), "join along one of the parts' dims");
+            return first;
+        }
+        let mut shape = t.shape.clone();
+        for &p in &parts[1..] {
+            let u = self.ty(p).clone();
+            let same_but_axis = u.rank() == t.rank() && u.shape.iter().zip(&t.shape).enumerate().all(|(d, (a, b))| d == axis || a == b);
+            if u.dtype != t.dtype || !same_but_axis {
+                self.fail("instruction `concat`", "concat-parts", format!("{u} does not join {t} along axis {axis}"), "give every part the same dtype and rank, and the same sizes but on the joined axis");
+                return first;
+            }
+            shape[axis] += u.shape[axis];
+        }
+        self.push1(Inst::Concat { axis, parts: parts.to_vec() }, Type::vector(t.dtype, &shape))
+    }
+
     pub fn reshape(&mut self, x: Value, shape: &[usize]) -> Value {
         let t = self.ty(x).clone();
         if t.num_elements() != shape.iter().product::<usize>() || shape.is_empty() {

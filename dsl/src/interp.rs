@@ -1303,6 +1303,20 @@ fn reduce_sum_f32(v: &[f32], shape: &[usize], axis: usize) -> Vec<f32> {
 }
 
 /// Swaps the last two dims of a rank >= 2 row-major array.
+/// Row-major `parts` (each with its shape) joined along `axis`: for every index of the
+/// dims before `axis`, each part's contiguous run in turn.
+fn concat<T: Copy>(parts: &[(&[T], &[usize])], axis: usize) -> Vec<T> {
+    let outer: usize = parts[0].1[..axis].iter().product();
+    let mut out = Vec::with_capacity(parts.iter().map(|(v, _)| v.len()).sum());
+    for o in 0..outer {
+        for (v, shape) in parts {
+            let run: usize = shape[axis..].iter().product();
+            out.extend_from_slice(&v[o * run..(o + 1) * run]);
+        }
+    }
+    out
+}
+
 fn transpose<T: Copy>(v: &[T], shape: &[usize]) -> Vec<T> {
     let r = shape.len();
     let (rows, cols) = (shape[r - 2], shape[r - 1]);
@@ -2218,6 +2232,15 @@ impl<'k, 'h> Machine<'k, 'h> {
             }
             // Row-major reshape keeps the element order; `bind` checks the count.
             Inst::Reshape(x) => self.get(*x, d)?.buf.clone(),
+            Inst::Concat { axis, parts } => {
+                let parts = parts.iter().map(|p| self.get(*p, d)).collect::<Result<Vec<_>>>()?;
+                let mixed = || self.malformed(d, "concat of parts of different kinds");
+                match &parts[0].buf {
+                    Buf::F(_) => Buf::F(concat(&parts.iter().map(|p| if let Buf::F(v) = &p.buf { Ok((v.as_slice(), p.shape.as_slice())) } else { Err(mixed()) }).collect::<Result<Vec<_>>>()?, *axis)),
+                    Buf::I(_) => Buf::I(concat(&parts.iter().map(|p| if let Buf::I(v) = &p.buf { Ok((v.as_slice(), p.shape.as_slice())) } else { Err(mixed()) }).collect::<Result<Vec<_>>>()?, *axis)),
+                    Buf::B(_) => Buf::B(concat(&parts.iter().map(|p| if let Buf::B(v) = &p.buf { Ok((v.as_slice(), p.shape.as_slice())) } else { Err(mixed()) }).collect::<Result<Vec<_>>>()?, *axis)),
+                }
+            }
             Inst::DeviceId => Buf::I(vec![self.device as i32]),
             Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::SemSignal { .. } | Inst::SemWait { .. } | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_) => {
                 return Err(self.malformed(d, "not a single-result op"))

@@ -541,6 +541,10 @@ pub enum Inst {
     /// Swap the last two dims.
     Transpose(Value),
     Reshape(Value),
+    /// The parts joined along `axis` (Mosaic `tpu.concatenate`): equal dtypes and ranks,
+    /// equal sizes but on `axis`. Parts repeated are `jnp.tile` (a lane-replicated `[r, 128]`
+    /// column tiled to a `[r, 512]` score tile).
+    Concat { axis: usize, parts: Vec<Value> },
     /// Results are the values yielded by the taken branch.
     If { cond: Value, then_block: BlockId, else_block: BlockId },
     /// `for i in lo..hi (step)`, with loop-carried values. The body's parameters are the
@@ -588,6 +592,7 @@ impl Inst {
             Inst::Dot { .. } => "dot",
             Inst::Transpose(_) => "transpose",
             Inst::Reshape(_) => "reshape",
+            Inst::Concat { .. } => "concat",
             Inst::If { .. } => "if",
             Inst::For { .. } => "for",
             Inst::DmaStart { .. } => "dma_start",
@@ -604,6 +609,7 @@ impl Inst {
         match self {
             Inst::Const(_) | Inst::ProgramId(_) | Inst::NumPrograms(_) | Inst::Iota { .. } | Inst::PrngRandomBits | Inst::DeviceId => vec![],
             Inst::PrngSeed(seeds) => seeds.clone(),
+            Inst::Concat { parts, .. } => parts.clone(),
             Inst::Load { slices, .. } => slices.iter().map(|s| s.start).collect(),
             Inst::Store { slices, value, .. } => {
                 let mut v: Vec<Value> = slices.iter().map(|s| s.start).collect();

@@ -73,6 +73,7 @@ impl Kernel {
                 }
                 Inst::Transpose(x) => write!(out, "transpose {x}")?,
                 Inst::Reshape(x) => write!(out, "reshape {x}")?,
+                Inst::Concat { axis, parts } => write!(out, "concat {} axis={axis}", parts.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", "))?,
                 Inst::If { cond, then_block, else_block } => {
                     writeln!(out, "if {cond} {{")?;
                     self.print_block(out, *then_block, depth + 1)?;

@@ -226,6 +226,8 @@ rules! {
     "dot-contraction", Semantic, [B], SAME, "a dot's contracted dims are equal", "semantic: an IR type error";
     "transpose-rank", Semantic, [B], SAME, "a transpose has at least two dims", "semantic: an IR type error";
     "reshape-size", Semantic, [B], SAME, "a reshape keeps the element count", "semantic: an IR type error";
+    "concat-parts", Semantic, [B], SAME, "a concat joins one or more parts of one dtype and rank, equal but on the joined axis", "semantic: an IR type error";
+    "concat-axis", Semantic, [B], SAME, "a concat joins along one of its parts' dims", "semantic: an IR type error";
     "if-condition", Semantic, [B], SAME, "an `if` branches on a scalar bool", "semantic: an IR type error";
     "if-branch-types", Semantic, [B], SAME, "both branches of an `if` yield the same types", "semantic: an IR type error";
     "loop-bounds", Semantic, [B], SAME, "loop bounds are i32 scalars", "semantic: an IR type error";

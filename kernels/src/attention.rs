@@ -164,15 +164,24 @@ fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
 /// the caller's).
 #[tpu_fn]
 fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, left: usize, right: usize) -> Value {
+    // Each test only where it can fail: keys past the array only when `skv` is not a
+    // multiple of `bk` (the last block), queries past it only when `sq` is not one of `bq`.
     let col = iota([bq, bk], 1) + kv_start;
-    let mut keep = col < (skv as i32);
-    if rows || left < sq || right < skv {
+    let ragged_keys = !skv.is_multiple_of(bk);
+    let mut keep = if right < skv {
         let row = iota([bq, bk], 0) + q_start;
-        if rows {
-            keep = (row < (sq as i32)) & keep;
+        let mut k = if right == 0 { col <= row } else { col <= row + (right as i32) };
+        if ragged_keys {
+            k = k & (col < (skv as i32));
         }
-        if right < skv {
-            keep = keep & if right == 0 { col <= row } else { col <= row + (right as i32) };
+        k
+    } else {
+        col < (skv as i32)
+    };
+    if (rows && !sq.is_multiple_of(bq)) || left < sq {
+        let row = iota([bq, bk], 0) + q_start;
+        if rows && !sq.is_multiple_of(bq) {
+            keep = keep & (row < (sq as i32));
         }
         if left < sq {
             keep = keep & (col + (left as i32) >= row);
@@ -217,6 +226,33 @@ fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value
     let alpha = (m_old - m_use).exp();
     let p = (s - m_use).exp();
     (m_new, alpha * l_old + p.sum(1), alpha * acc_old + dot(p.cast(v_dtype), v), p)
+}
+
+/// The lanes of the forward's running max and sum: 128 when the kv block and the head dim
+/// are multiples of 128, so that they are lane-replicated `[bq, 128]` (Pallas' layout): a
+/// use against the `[bq, bk]` scores or the `[bq, d]` accumulator tiles whole vregs
+/// ([`widen`]) instead of broadcasting a column along lanes, and a write stores whole vregs
+/// instead of one masked lane. Else 1 (a `[bq, 1]` column).
+fn state_lanes(bk: usize, d: usize) -> usize {
+    if bk.is_multiple_of(128) && d.is_multiple_of(128) { 128 } else { 1 }
+}
+
+/// Lane-replicated state (`[rows, lanes]`) as wide as `width`: the same vregs repeated
+/// (`jnp.tile`); a `[rows, 1]` column broadcasts where it is used.
+#[tpu_fn]
+fn widen(x: Value, lanes: usize, width: usize) -> Value {
+    if lanes == 1 || width == lanes { x } else { concat([x; width / lanes], 1) }
+}
+
+/// [`online_softmax`] with the running max and sum as `[bq, lanes]` state ([`state_lanes`]).
+#[tpu_fn]
+fn online_softmax_lanes(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
+    let m_new = m_old.max(s.reduce_max(1));
+    let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
+    let alpha = (m_old - m_use).exp();
+    let p = (s - widen(m_use, lanes, bk)).exp();
+    let acc_new = widen(alpha, lanes, d) * acc_old + dot(p.cast(v_dtype), v);
+    (m_new, alpha * l_old + p.sum(1), acc_new, p)
 }
 
 /// The radix of the nonfinite code of a block of `keys` keys: a power of two above `keys`
@@ -281,7 +317,7 @@ fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (V
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(if left < sq { max(j, min((max(i * bq, left) - left) / bk, skv.div_ceil(bk) - 1)) } else { j }, (i * bq + reach(right, bq, skv)) / bk) * usize::from(segmented)]),
     lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
-    (m_run, l_run) = scratch([bq, 1], f32),
+    (m_run, l_run) = scratch([bq, state_lanes(bk, d)], f32),
     acc = scratch([bq, d], f32),
 )]
 #[rustfmt::skip]
@@ -292,17 +328,22 @@ pub fn flash_attention_fwd_kernel(
 ) {
     let i = program_id(2);
     let j = program_id(3);
+    let lanes = state_lanes(bk, d);
     if j == 0 {
-        m_run[..] = full([bq, 1], f32, f32::NEG_INFINITY);
-        l_run[..] = zeros([bq, 1], f32);
+        m_run[..] = full([bq, lanes], f32, f32::NEG_INFINITY);
+        l_run[..] = zeros([bq, lanes], f32);
         acc[..] = zeros([bq, d], f32);
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
         let s = logits(q[..], k[..], sm_scale, soft_cap);
-        let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
-        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
-        if needs_mask {
+        // Whether any block of this kernel can hold a pair a query may not see (static).
+        let maskable = segmented || !skv.is_multiple_of(bk) || right < skv || left < sq;
+        if maskable {
+            // Masking selects (Pallas masks every live block the same way); what a masked
+            // block adds is the nonfinite-v bookkeeping ([`add_nonfinite`]), under `if`.
+            let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
+            let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
@@ -314,26 +355,33 @@ pub fn flash_attention_fwd_kernel(
             }
             let r = nonfinite_radix(bk);
             let (vf, class) = split_nonfinite(vb, r);
-            let (m_new, l_new, acc_new, p) = online_softmax(sm, vf, m_run[..], l_run[..], acc[..], v.dtype);
+            // Unmasked, `p @ v` is math attention's product itself (`p * inf`); masked, v's
+            // nonfinite values are zeroed and added back where a visible key holds them.
+            let vin = if needs_mask { vf } else { vb };
+            let (m_new, l_new, acc_new, p) = online_softmax_lanes(sm, vin, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
-            acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+            if needs_mask {
+                acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+            } else {
+                acc[..] = acc_new;
+            }
         } else {
-            // Every key is visible: `p @ v` is math attention's product itself (`p * inf`).
-            let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype);
+            let (m_new, l_new, acc_new, _p) = online_softmax_lanes(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
             acc[..] = acc_new;
         }
     }
     if j == num_programs(3) - 1 {
-        let m = m_run[..];
-        let l = l_run[..];
+        let m = widen(m_run[..], lanes, d);
+        let l = widen(l_run[..], lanes, d);
         // m = -inf: the row saw no key, or its visible logits were all -inf; torch's SDPA
         // (its safe softmax) gives o = 0 there, not acc / l = 0 / 0. lse is torch's
         // logsumexp: -inf over all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
         o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
-        lse[..] = select(m == f32::INFINITY, f32::INFINITY, m + l.log());
+        let m_col = m_run[(.., 0..1)];
+        lse[..] = select(m_col == f32::INFINITY, f32::INFINITY, m_col + l_run[(.., 0..1)].log());
     }
 }
 

@@ -35,6 +35,7 @@ enum Var {
 }
 
 const BUILTINS: &[&str] = &[
+    "concat",
     "dot",
     "dot_t",
     "dot_tn",
@@ -82,7 +83,7 @@ const UNARY_METHODS: &[(&str, &str)] = &[
 ];
 const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, log1p, expm1, sin, cos, floor, ceil, round, sign, \
 max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), cumsum(axis), t(), reshape([dims]), broadcast_to([dims])";
-const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), iota([dims], dim), zeros([dims], dtype), \
+const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), concat([a, b], axis) or concat([x; n], axis), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]), \
 prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); in a kernel with a `mesh`: device_id(), axis_index(\"x\"), \
 axis_size(\"x\"), mesh_device(c0, ..), remote_copy_start(src[..], dst[..], send[i], recv[i], device) (and remote_copy_wait_send / remote_copy_wait_recv with the same \
@@ -501,7 +502,7 @@ impl<'a> Lowerer<'a> {
                 "semaphore_wait" => 2,
                 "dma_start" | "dma_wait" | "pipe_in" => 3,
                 "pipe_out" => 4,
-                "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" => 2,
+                "dot" | "dot_t" | "dot_tn" | "iota" | "zeros" | "ds" | "concat" => 2,
                 _ => 3,
             };
             if args.len() != want {
@@ -520,6 +521,23 @@ impl<'a> Lowerer<'a> {
                 let cond = self.value(args[0])?;
                 let (a, b) = (self.arg(args[1])?, self.arg(args[2])?);
                 Ok(quote!({ let __c = #cond; let __l = #a; let __r = #b; __b.select(__c, __l, __r) }))
+            }
+            "concat" => {
+                // `concat([a, b, ..], axis)`, or `concat([x; n], axis)` (`jnp.tile` along `axis`).
+                let axis = self.static_usize(args[1], "the concat axis")?;
+                let parts = match strip(args[0]) {
+                    Expr::Array(a) => {
+                        let vals = a.elems.iter().map(|e| self.value(e)).collect::<syn::Result<Vec<_>>>()?;
+                        quote!(::std::vec![#(#vals),*])
+                    }
+                    Expr::Repeat(r) => {
+                        let v = self.value(&r.expr)?;
+                        let n = self.static_usize(&r.len, "the number of repeats")?;
+                        quote!({ let __v = #v; ::std::vec![__v; #n] })
+                    }
+                    e => return err(e, "`concat` takes an array of values, `[a, b]`, or a repeat, `[x; n]`, then the axis"),
+                };
+                Ok(quote!({ let __p: ::std::vec::Vec<::tessera_dsl::Value> = #parts; __b.concat(&__p, #axis) }))
             }
             "iota" => {
                 let s = self.shape(args[0])?;

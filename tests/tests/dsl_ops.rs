@@ -328,6 +328,49 @@ fn misuse_is_a_builder_error_with_the_line() {
     expect_err(round_int(i.clone(), i), "op-dtype", &["round", "cast to f32"]);
 }
 
+/// `concat` (Mosaic `tpu.concatenate`): two different parts along the lanes and along the
+/// sublanes, and a column tiled (`[x; n]`, `jnp.tile`) as flash attention widens its
+/// lane-replicated state.
+#[tpu_kernel(grid = [1], (a, b) = block([8, 128], |i| [0, 0]), (lanes, rows) = block([8, 256], |i| [0, 0]), rows_out = block([16, 128], |i| [0, 0]))]
+fn concat_parts(a: In<8, 128>, b: In<8, 128>, lanes: Out<8, 256>, rows: Out<8, 256>, rows_out: Out<16, 128>) {
+    let x = a[..];
+    let y = b[..];
+    lanes[..] = concat([x, y], 1);
+    rows[..] = concat([x.reduce_max(1).broadcast_to([8, 128]); 2], 1);
+    rows_out[..] = concat([y, x], 0);
+}
+
+#[test]
+fn concat_joins_parts_on_every_backend() {
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        let av: Vec<f32> = (0..8 * 128).map(|i| (i % 97) as f32 - 40.0).collect();
+        let bv: Vec<f32> = (0..8 * 128).map(|i| (i % 13) as f32 * 3.0).collect();
+        let array = |v: &[f32]| if dtype == DType::I32 { Array::from_i32(&[8, 128], v.iter().map(|&x| x as i32).collect()) } else { Array::from_f32_in(dtype, &[8, 128], v.to_vec()) };
+        let (a, b) = (array(&av), array(&bv));
+        let k = concat_parts(ty(dtype, &[8, 128]), ty(dtype, &[8, 128]), ty(dtype, &[8, 256]), ty(dtype, &[8, 256]), ty(dtype, &[16, 128])).unwrap();
+        let out = run_all(&k, &[&a, &b]);
+        let f32s = |a: &Array| a.to_f64_vec().into_iter().map(|x| x as f32).collect::<Vec<f32>>();
+        let (lanes, rows, stacked) = (f32s(&out[0]), f32s(&out[1]), f32s(&out[2]));
+        for r in 0..8 {
+            let row_max = av[r * 128..(r + 1) * 128].iter().cloned().fold(f32::MIN, f32::max);
+            for c in 0..256 {
+                let want = if c < 128 { av[r * 128 + c] } else { bv[r * 128 + c - 128] };
+                assert_eq!(lanes[r * 256 + c], want, "{dtype} lanes [{r}, {c}]");
+                assert_eq!(rows[r * 256 + c], row_max, "{dtype} tiled [{r}, {c}]");
+            }
+        }
+        assert_eq!(&stacked[..8 * 128], &bv[..], "{dtype}: the first part's rows first");
+        assert_eq!(&stacked[8 * 128..], &av[..], "{dtype}");
+    }
+    // Parts that do not join name the rule.
+    let mut b = tessera_dsl::KernelBuilder::new("bad_concat");
+    let x = b.zeros(&[8, 128], DType::F32);
+    let y = b.zeros(&[16, 128], DType::F32);
+    b.concat(&[x, y], 1);
+    let e = b.finish().expect_err("parts of different rows along the lanes");
+    assert_eq!(e.rule, "concat-parts", "{e}");
+}
+
 /// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the kernels above, in every dtype they were
 /// run in, verify and compile for v5e, v6e and tpu7x.
 #[test]
@@ -347,6 +390,9 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
         let t = ty(dtype, &[64, 256]);
         kernels.push(int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone()).unwrap());
         kernels.push(int4_unpack(t.clone(), t.clone(), t).unwrap());
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I32] {
+        kernels.push(concat_parts(ty(dtype, &[8, 128]), ty(dtype, &[8, 128]), ty(dtype, &[8, 256]), ty(dtype, &[8, 256]), ty(dtype, &[16, 128])).unwrap());
     }
     for dtype in [DType::F32, DType::BF16, DType::I32] {
         let (r, c) = (16, 256);

@@ -1423,6 +1423,11 @@ impl<'a, 'b> Lower<'a, 'b> {
                 self.slot[r.index()] = off;
                 self.emit_transpose(*x, off)?;
             }
+            Inst::Concat { axis, parts } => {
+                let off = self.alloc(n * 4);
+                self.slot[r.index()] = off;
+                self.emit_concat(parts, *axis, &shape, off)?;
+            }
             Inst::Cumsum { axis, x } => {
                 let xt = k.ty(*x).clone();
                 if *axis >= xt.rank() || xt.shape != shape {
@@ -1782,6 +1787,39 @@ impl<'a, 'b> Lower<'a, 'b> {
             me.counted(0, rows as i64, 1, &mut rowf)
         };
         self.counted(0, batch as i64, 1, &mut outer)
+    }
+
+    /// `parts` joined along `axis` into the slot at `off` (result shape `shape`): for every
+    /// index of the dims before `axis`, each part's contiguous run copied in turn.
+    fn emit_concat(&mut self, parts: &[Value], axis: usize, shape: &[usize], off: usize) -> R<()> {
+        let outer: usize = shape[..axis].iter().product();
+        let total: usize = shape[axis..].iter().product();
+        let d = self.slot_addr(off);
+        let mut at = 0usize;
+        for &p in parts {
+            let run: usize = self.shape(p)[axis..].iter().product();
+            let src = self.ensure_slot(p)?;
+            let s = self.slot_addr(src);
+            let mut outerf = |me: &mut Self, o: CV| -> R<()> {
+                let mut elemf = |me: &mut Self, e: CV| -> R<()> {
+                    let so = me.b.ins().imul_imm_s(o, (run * 4) as i64);
+                    let se = me.b.ins().imul_imm_s(e, 4);
+                    let so = me.b.ins().iadd(so, se);
+                    let sa = me.b.ins().iadd(s, so);
+                    let x = me.b.ins().load(I32, mflags(), sa, 0);
+                    let dof = me.b.ins().imul_imm_s(o, (total * 4) as i64);
+                    let dof = me.b.ins().iadd_imm_s(dof, (at * 4) as i64);
+                    let dof = me.b.ins().iadd(dof, se);
+                    let da = me.b.ins().iadd(d, dof);
+                    me.b.ins().store(mflags(), x, da, 0);
+                    Ok(())
+                };
+                me.counted(0, run as i64, 1, &mut elemf)
+            };
+            self.counted(0, outer as i64, 1, &mut outerf)?;
+            at += run;
+        }
+        Ok(())
     }
 
     /// A dot operand read straight from a ref (a load fused into the dot), if it is one
