@@ -56,8 +56,14 @@ def test_collective_kernels_refuse_bad_groups_by_name():
     """The native entry of the collective ops (one process, no group): what it refuses, it
     names (the op, the device, the rule), never a hang or a wrong tensor."""
     x = torch.ones(4, 8)
-    with pytest.raises(ValueError, match="a collective needs 2 or more devices"):
-        _native.run_collective("all_gather", [[x]], 0, "v6e")
+    with pytest.raises(ValueError, match="device 1 of a group of 1"):
+        _native.run_collective("all_gather", [[x]], 1, "v6e")
+    with pytest.raises(ValueError, match="device 0 of a group of 0"):
+        _native.run_collective("all_gather", [], 0, "v6e")
+    # A group of one: the collective is the identity (as torch.distributed's are).
+    y = torch.randn(4, 8)
+    (one,) = _native.run_collective("reduce_scatter", [[y[None]]], 0, "v6e")
+    assert torch.equal(one, y)
     with pytest.raises(ValueError, match="device 1's operands .* differ from device 0's"):
         _native.run_collective("all_gather", [[x], [torch.ones(5, 8)]], 0, "v6e")
     with pytest.raises(ValueError, match="no collective"):

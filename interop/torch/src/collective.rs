@@ -79,8 +79,8 @@ fn kernel_for(name: &str, nd: usize, first: &[Array], out_rows: Option<usize>) -
 #[pyo3(signature = (name, operands, me, target, out_rows=None))]
 pub fn run_collective<'py>(py: Python<'py>, name: &str, operands: Vec<Bound<'py, PyList>>, me: usize, target: &str, out_rows: Option<usize>) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let nd = operands.len();
-    if nd < 2 || me >= nd {
-        return Err(PyValueError::new_err(format!("tessera {name}: device {me} of a group of {nd}; a collective needs 2 or more devices")));
+    if me >= nd {
+        return Err(PyValueError::new_err(format!("tessera {name}: device {me} of a group of {nd}; pass one operand list per device and a device below {nd}")));
     }
     let per_device: Vec<Vec<Array>> = operands.iter().enumerate().map(|(d, o)| arrays(name, o, d)).collect::<PyResult<_>>()?;
     for (d, ops) in per_device.iter().enumerate().skip(1) {
