@@ -10,6 +10,7 @@ Usage:
   CASE = KERNEL:key=value,...   e.g.
     matmul:m=4096,k=4096,n=4096,bm=512,bk=1024,bn=1024,dtype=bf16
     flash:b=1,h=8,s=2048,d=128,causal=1,bq=128,bk=128,dtype=bf16        (forward)
+    flash_train:b=1,h=8,s=2048,d=128,causal=1,bq=128,dtype=bf16         (forward with residuals + backward, every block bq)
     gmm:m=4096,k=1024,n=1024,g=8,tm=256,tk=1024,tn=1024,dtype=bf16,sizes=512;512;...
 Output: one JSON line per case: {"case", "target", "ok", "error", "profile"} where profile
 is as in tpu_compile.py --profile. Each case compiles in its own child process (the
@@ -58,6 +59,20 @@ def build(kernel, p):
         f = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sm_scale=1.0 / d ** 0.5, block_sizes=sizes)  # noqa: E731
         shape = (i("b"), i("h"), i("s"), d)
         return f, [S(shape, dtype)] * 3
+    if kernel == "flash_train":
+        # Forward (with residuals) and backward (dkv, dq kernels): jax.grad of the kernel.
+        import jax.numpy as jnp_
+        from jax.experimental.pallas.ops.tpu import flash_attention as fa
+        b = i("bq")
+        sizes = fa.BlockSizes(block_q=b, block_k_major=b, block_k=b, block_b=1,
+                              block_q_major_dkv=b, block_k_major_dkv=b, block_k_dkv=b, block_q_dkv=b,
+                              block_k_major_dq=b, block_k_dq=b, block_q_dq=b)
+        causal = p.get("causal", "0") in ("1", "true", "True")
+        d = i("d")
+        loss = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sm_scale=1.0 / d ** 0.5, block_sizes=sizes).astype(jnp_.float32).sum()  # noqa: E731
+        f = jax.grad(loss, argnums=(0, 1, 2))
+        shape = (i("b"), i("h"), i("s"), d)
+        return f, [S(shape, dtype)] * 3
     if kernel == "gmm":
         from jax.experimental.pallas.ops.tpu.megablox import gmm as _gmm
         sizes = [int(s) for s in p["sizes"].split(";")]
@@ -68,7 +83,7 @@ def build(kernel, p):
         # metadata is (the kernel's visit count is static either way).
         f = lambda lhs, rhs: _gmm(lhs, rhs, gs, preferred_element_type=jnp.float32, tiling=tiling)  # noqa: E731
         return f, [S((i("m"), i("k")), dtype), S((len(sizes), i("k"), i("n")), dtype)]
-    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | gmm")
+    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | flash_train | gmm")
 
 
 def child(target, case):

@@ -154,8 +154,9 @@ pub struct StaticProfile {
 }
 
 impl StaticProfile {
-    /// The custom call's figures, and the cycles of what XLA adds around it, from one result
-    /// line of `tpu_compile.py --profile`; `None` when the compile failed or gave no profile.
+    /// The custom calls' figures (summed over the program's calls), and the cycles of what
+    /// XLA adds around them, from one result line of `tpu_compile.py --profile` or
+    /// `scripts/pallas_cost.py`; `None` when the compile failed or gave no profile.
     pub fn from_report(report: &serde_json::Value) -> Option<StaticProfile> {
         if report["ok"].as_bool() != Some(true) {
             return None;
@@ -163,14 +164,20 @@ impl StaticProfile {
         let ops = report["profile"]["ops"].as_array()?;
         let n = |op: &serde_json::Value, key: &str| op[key].as_u64().unwrap_or(0);
         let is_call = |op: &&serde_json::Value| op["custom_call"].as_bool() == Some(true);
-        let call = ops.iter().find(is_call)?;
+        // A program of several custom calls (a forward and its backward kernels) sums them;
+        // VMEM is the largest call's.
+        let calls: Vec<&serde_json::Value> = ops.iter().filter(is_call).collect();
+        if calls.is_empty() {
+            return None;
+        }
+        let sum = |key: &str| calls.iter().map(|op| n(op, key)).sum();
         Some(StaticProfile {
-            cycles: n(call, "cycles"),
+            cycles: sum("cycles"),
             outside_cycles: ops.iter().filter(|op| !is_call(op)).map(|op| n(op, "cycles")).sum(),
-            bundles: n(call, "bundles"),
-            vector_spills: n(call, "vector_spills"),
-            scalar_spills: n(call, "scalar_spills"),
-            vmem_bytes: n(call, "vmem_bytes"),
+            bundles: sum("bundles"),
+            vector_spills: sum("vector_spills"),
+            scalar_spills: sum("scalar_spills"),
+            vmem_bytes: calls.iter().map(|op| n(op, "vmem_bytes")).max().unwrap_or(0),
         })
     }
 }

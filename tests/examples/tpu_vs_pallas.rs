@@ -42,6 +42,22 @@ fn pairs(target: &Target) -> Vec<Pair> {
             });
         }
     }
+    // A training step's attention: the forward (with lse) and the backward (di, dkv, dq)
+    // beside Pallas' jax.grad of its kernel (forward with residuals, dkv, dq, and what XLA
+    // adds around them), every block the same.
+    let train: &[&[usize]] = &[&[1, 8, 2048, 128], &[1, 8, 2048, 128], &[1, 8, 2048, 128], &[1, 8, 2048, 128], &[1, 8, 2048], &[1, 8, 2048, 128]];
+    for causal in [true, false] {
+        for b in [128, 256, 512] {
+            let statics = format!("causal={}, block_q={b}, block_kv={b}", if causal { "True" } else { "False" });
+            let mut kernels = op_kernels("flash_attention_fwd", qkv, &statics, target);
+            kernels.extend(op_kernels("flash_attention_bwd", train, &statics, target));
+            out.push(Pair {
+                name: format!("flash fwd+bwd {} B1 H8 S2048 D128 @ {b}^2", if causal { "causal" } else { "non-causal" }),
+                kernels,
+                pallas: format!("flash_train:b=1,h=8,s=2048,d=128,causal={},bq={b},dtype=bf16", u8::from(causal)),
+            });
+        }
+    }
     out
 }
 
