@@ -40,7 +40,11 @@
 //! Grid `(B, H, q blocks, kv blocks)`, the kv axis last and `arbitrary`. B and H are
 //! squeezed from the block specs, so the body sees `[bq, D]` / `[bk, D]` blocks. The online
 //! softmax state (running max `m`, running sum `l`, accumulator `acc`) lives in f32 VMEM
-//! scratch: set at kv block 0, folded into `o` and `lse` at the last kv block. bf16 inputs
+//! scratch: set at kv block 0, folded into `o` and `lse` at the last kv block. `m` and `l`
+//! are `[bq, 128]`, lane-replicated (Pallas' layout), when `bk` and `D` are multiples of 128:
+//! used against the scores or the accumulator they are repeated whole vregs ([`widen`],
+//! `tpu.concatenate`), where a `[bq, 1]` column is a lane broadcast per use and a masked
+//! one-lane store per write. bf16 inputs
 //! go to the MXU as bf16 (the probabilities are cast to v's dtype for `p @ v`), f32 inputs
 //! as f32; both accumulate in f32.
 //!
@@ -216,18 +220,6 @@ fn window_cuts(needs_mask: Value, q_start: Value, kv_start: Value, bq: usize, bk
     m
 }
 
-/// The online softmax step of one block: the new running max, sum and accumulator, and
-/// the block's weights `p`. A row whose logits so far are all -inf (masked, or -inf data)
-/// takes `exp(s - 0)`: 0, not `exp(-inf + inf)` = NaN.
-#[tpu_fn]
-fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType) -> (Value, Value, Value, Value) {
-    let m_new = m_old.max(s.reduce_max(1));
-    let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
-    let alpha = (m_old - m_use).exp();
-    let p = (s - m_use).exp();
-    (m_new, alpha * l_old + p.sum(1), alpha * acc_old + dot(p.cast(v_dtype), v), p)
-}
-
 /// The lanes of the forward's running max and sum: 128 when the kv block and the head dim
 /// are multiples of 128, so that they are lane-replicated `[bq, 128]` (Pallas' layout): a
 /// use against the `[bq, bk]` scores or the `[bq, d]` accumulator tiles whole vregs
@@ -244,9 +236,12 @@ fn widen(x: Value, lanes: usize, width: usize) -> Value {
     if lanes == 1 || width == lanes { x } else { concat([x; width / lanes], 1) }
 }
 
-/// [`online_softmax`] with the running max and sum as `[bq, lanes]` state ([`state_lanes`]).
+/// The online softmax step of one block: the new running max, sum and accumulator, and
+/// the block's weights `p`, with the running max and sum as `[bq, lanes]` state
+/// ([`state_lanes`]). A row whose logits so far are all -inf (masked, or -inf data) takes
+/// `exp(s - 0)`: 0, not `exp(-inf + inf)` = NaN.
 #[tpu_fn]
-fn online_softmax_lanes(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
+fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
     let m_new = m_old.max(s.reduce_max(1));
     let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
     let alpha = (m_old - m_use).exp();
@@ -358,7 +353,7 @@ pub fn flash_attention_fwd_kernel(
             // Unmasked, `p @ v` is math attention's product itself (`p * inf`); masked, v's
             // nonfinite values are zeroed and added back where a visible key holds them.
             let vin = if needs_mask { vf } else { vb };
-            let (m_new, l_new, acc_new, p) = online_softmax_lanes(sm, vin, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            let (m_new, l_new, acc_new, p) = online_softmax(sm, vin, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
             if needs_mask {
@@ -367,7 +362,7 @@ pub fn flash_attention_fwd_kernel(
                 acc[..] = acc_new;
             }
         } else {
-            let (m_new, l_new, acc_new, _p) = online_softmax_lanes(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
             acc[..] = acc_new;
