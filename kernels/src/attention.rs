@@ -170,28 +170,30 @@ fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
 fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, left: usize, right: usize) -> Value {
     // Each test only where it can fail: keys past the array only when `skv` is not a
     // multiple of `bk` (the last block), queries past it only when `sq` is not one of `bq`.
+    // The row index is built once, when a test needs it.
     let col = iota([bq, bk], 1) + kv_start;
-    let ragged_keys = !skv.is_multiple_of(bk);
-    let mut keep = if right < skv {
+    let ragged_rows = rows && !sq.is_multiple_of(bq);
+    if right < skv || left < sq || ragged_rows {
         let row = iota([bq, bk], 0) + q_start;
-        let mut k = if right == 0 { col <= row } else { col <= row + (right as i32) };
-        if ragged_keys {
-            k = k & (col < (skv as i32));
-        }
-        k
-    } else {
-        col < (skv as i32)
-    };
-    if (rows && !sq.is_multiple_of(bq)) || left < sq {
-        let row = iota([bq, bk], 0) + q_start;
-        if rows && !sq.is_multiple_of(bq) {
+        let mut keep = if right < skv {
+            let mut k = if right == 0 { col <= row } else { col <= row + (right as i32) };
+            if !skv.is_multiple_of(bk) {
+                k = k & (col < (skv as i32));
+            }
+            k
+        } else {
+            col < (skv as i32)
+        };
+        if ragged_rows {
             keep = keep & (row < (sq as i32));
         }
         if left < sq {
             keep = keep & (col + (left as i32) >= row);
         }
+        keep
+    } else {
+        col < (skv as i32)
     }
-    keep
 }
 
 /// Whether the block pair at `(q_start, kv_start)` has a visible pair at all: some key at
