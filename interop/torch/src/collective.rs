@@ -14,7 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use tessera_dsl::interp::{self, Array};
-use tessera_dsl::{DType, Kernel, KernelError};
+use tessera_dsl::{Kernel, KernelError};
 use tessera_kernels::collective::{self, Broken};
 
 use crate::tensor::TensorRef;
@@ -39,7 +39,6 @@ fn dims<const N: usize>(op: &str, what: &str, a: &Array) -> PyResult<[usize; N]>
 
 /// The kernel of collective `name` over `nd` devices for device 0's operands.
 fn kernel_for(name: &str, nd: usize, first: &[Array], out_rows: Option<usize>) -> PyResult<Kernel> {
-    let dtype: DType = first.last().map_or(DType::F32, |a| a.dtype);
     let built = match (name, first) {
         ("all_gather", [x]) => {
             let [m, k] = dims(name, "x", x)?;
@@ -63,7 +62,7 @@ fn kernel_for(name: &str, nd: usize, first: &[Array], out_rows: Option<usize>) -
         ("ragged_all_to_all", [_, _, _, _, x]) => {
             let [t, h] = dims(name, "x", x)?;
             let tout = out_rows.ok_or_else(|| PyValueError::new_err("tessera ragged_all_to_all: out_rows is required"))?;
-            collective::ragged_all_to_all(nd, t, tout, h, dtype)
+            collective::ragged_all_to_all(nd, t, tout, h, x.dtype)
         }
         _ => return Err(PyValueError::new_err(format!("tessera: no collective {name:?} taking {} operand(s)", first.len()))),
     };

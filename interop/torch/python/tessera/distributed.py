@@ -273,7 +273,7 @@ def _ragged_all_to_all(
     moved = moved.view(x.dtype) if moved.dtype != x.dtype else moved
     # Rows nobody sent keep `output`'s values (the kernel leaves them untouched).
     out = output.cpu().clone()
-    for r, o in enumerate(operands):
+    for o in operands:
         start, count = int(o[2][me]), int(o[1][me])
         out[start : start + count] = moved[start : start + count]
     return out.to(device)
@@ -287,15 +287,15 @@ def _(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_na
 @torch.library.custom_op("tpu::ragged_all_to_all_bwd", mutates_args=())
 def _ragged_all_to_all_bwd(
     g: torch.Tensor,
-    x: torch.Tensor,
+    x_rows: int,
     input_offsets: torch.Tensor,
     send_sizes: torch.Tensor,
     output_offsets: torch.Tensor,
     recv_sizes: torch.Tensor,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of `ragged_all_to_all` for `x` and `output`, given the result's `g`. (One
-    op, so that traced backward graphs hold no data-dependent Python.)"""
+    """The gradients of `ragged_all_to_all` for `x` (of `x_rows` rows) and `output`, given the
+    result's `g`. (One op, so that traced backward graphs hold no data-dependent Python.)"""
     group = _group(group_name)
     me = group.rank()
     # The reverse transfer: each rank returns to peer q the rows q sent it, from where they
@@ -305,7 +305,7 @@ def _ragged_all_to_all_bwd(
     dist.all_gather(everyone, offsets, group=group)
     back_in = torch.tensor([int(e[1][me]) for e in everyone], dtype=torch.int32)
     back_out = torch.tensor([int(e[0][me]) for e in everyone], dtype=torch.int32)
-    dx = _ragged_all_to_all(g.contiguous(), g.new_zeros(x.shape), back_in, recv_sizes.to(torch.int32), back_out, send_sizes.to(torch.int32), group_name)
+    dx = _ragged_all_to_all(g.contiguous(), g.new_zeros(x_rows, g.shape[1]), back_in, recv_sizes.to(torch.int32), back_out, send_sizes.to(torch.int32), group_name)
     # `output`'s gradient: the rows nobody wrote.
     d_output = g.clone()
     for q, e in enumerate(everyone):
@@ -315,18 +315,19 @@ def _ragged_all_to_all_bwd(
 
 
 @_ragged_all_to_all_bwd.register_fake
-def _(g, x, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
-    return g.new_empty(x.shape), torch.empty_like(g)
+def _(g, x_rows, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
+    return g.new_empty(x_rows, g.shape[1]), torch.empty_like(g)
 
 
 def _a2a_ctx(ctx, inputs, output):
     x, _, io, ss, oo, rs, ctx.group_name = inputs
-    ctx.save_for_backward(x, io, ss, oo, rs)
+    ctx.x_rows = x.shape[0]  # only its row count: x itself need not live until backward
+    ctx.save_for_backward(io, ss, oo, rs)
 
 
 def _a2a_backward(ctx, g):
-    x, io, ss, oo, rs = ctx.saved_tensors
-    dx, d_output = _ragged_all_to_all_bwd(g, x, io, ss, oo, rs, ctx.group_name)
+    io, ss, oo, rs = ctx.saved_tensors
+    dx, d_output = _ragged_all_to_all_bwd(g, ctx.x_rows, io, ss, oo, rs, ctx.group_name)
     return dx, d_output, None, None, None, None, None
 
 
