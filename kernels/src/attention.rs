@@ -140,20 +140,20 @@ fn back_reach(left: usize, bk: usize) -> usize {
 /// The logits of a block pair: `softcap(sm_scale * q @ k^T)`, `softcap(x) = cap * tanh(x / cap)`
 /// when `soft_cap > 0`.
 #[tpu_fn]
-fn logits(q: Value, k: Value, sm_scale: f32, soft_cap: f32) -> Value {
+pub(crate) fn logits(q: Value, k: Value, sm_scale: f32, soft_cap: f32) -> Value {
     let s = dot_t(q, k) * sm_scale;
     if soft_cap > 0.0 { (s * (1.0 / soft_cap)).tanh() * soft_cap } else { s }
 }
 
 /// The first query row and key column of block pair `(i, j)`.
 #[tpu_fn]
-fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
+pub(crate) fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
     (i * (bq as i32), j * (bk as i32))
 }
 
 /// The gradient through the soft cap: `d softcap(x) / dx = 1 - tanh^2 = 1 - (s / cap)^2`.
 #[tpu_fn]
-fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
+pub(crate) fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
     if soft_cap > 0.0 {
         let t = s * (1.0 / soft_cap);
         ds * (1.0 - t * t)
@@ -167,7 +167,7 @@ fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
 /// rule is `right = 0`) when `right < skv`, `r - c <= left` when `left < sq` (segments are
 /// the caller's).
 #[tpu_fn]
-fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, left: usize, right: usize) -> Value {
+pub(crate) fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool, left: usize, right: usize) -> Value {
     // Each test only where it can fail: keys past the array only when `skv` is not a
     // multiple of `bk` (the last block), queries past it only when `sq` is not one of `bq`.
     // The row index is built once, when a test needs it.
@@ -227,14 +227,14 @@ fn window_cuts(needs_mask: Value, q_start: Value, kv_start: Value, bq: usize, bk
 /// use against the `[bq, bk]` scores or the `[bq, d]` accumulator tiles whole vregs
 /// ([`widen`]) instead of broadcasting a column along lanes, and a write stores whole vregs
 /// instead of one masked lane. Else 1 (a `[bq, 1]` column).
-fn state_lanes(bk: usize, d: usize) -> usize {
+pub(crate) fn state_lanes(bk: usize, d: usize) -> usize {
     if bk.is_multiple_of(128) && d.is_multiple_of(128) { 128 } else { 1 }
 }
 
 /// Lane-replicated state (`[rows, lanes]`) as wide as `width`: the same vregs repeated
 /// (`jnp.tile`); a `[rows, 1]` column broadcasts where it is used.
 #[tpu_fn]
-fn widen(x: Value, lanes: usize, width: usize) -> Value {
+pub(crate) fn widen(x: Value, lanes: usize, width: usize) -> Value {
     if lanes == 1 || width == lanes { x } else { concat([x; width / lanes], 1) }
 }
 
@@ -243,7 +243,7 @@ fn widen(x: Value, lanes: usize, width: usize) -> Value {
 /// ([`state_lanes`]). A row whose logits so far are all -inf (masked, or -inf data) takes
 /// `exp(s - 0)`: 0, not `exp(-inf + inf)` = NaN.
 #[tpu_fn]
-fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
+pub(crate) fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
     let m_new = m_old.max(s.reduce_max(1));
     let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
     let alpha = (m_old - m_use).exp();
@@ -292,14 +292,14 @@ pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: 
 /// The backward's weights are `exp(s - lse)`; a row with `lse = -inf` (it saw no key, or
 /// only -inf logits) has weights 0, as SDPA's safe softmax gives it, not `exp(-inf + inf)`.
 #[tpu_fn]
-fn no_weight_past(lse: Value) -> Value {
+pub(crate) fn no_weight_past(lse: Value) -> Value {
     select(lse == f32::NEG_INFINITY, f32::INFINITY, lse)
 }
 
 /// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
 /// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
 #[tpu_fn]
-fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (Value, Value) {
+pub(crate) fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (Value, Value) {
     let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
     (select(key_ok, k, 0.0), select(key_ok, v, 0.0))
 }
@@ -631,7 +631,7 @@ fn err(op: &str, subject: impl Into<String>, rule: &'static str, message: impl I
 }
 
 /// `(B, H, Hkv, Sq, Skv, D)` of `q`, `k`, `v`, checked.
-fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, usize, usize, usize), KernelError> {
+pub(crate) fn dims(op: &str, q: &Type, k: &Type, v: &Type) -> Result<(usize, usize, usize, usize, usize, usize), KernelError> {
     let (&[b, h, sq, d], &[bk, hkv, skv, dk]) = (&q.shape[..], &k.shape[..]) else {
         return Err(err(op, "operands `q`, `k`", "operand-shape", format!("q is {:?} and k is {:?}", q.shape, k.shape), "pass q as [B, H, Sq, D] and k, v as [B, Hkv, Skv, D]"));
     };
@@ -662,7 +662,7 @@ fn check_blocks(op: &str, blocks: AttentionBlocks, sq: usize, skv: usize) -> Res
 }
 
 /// The kernels' segment-id operand types: `[B, Sq, 1]`, `[B, 1, Skv]`, or 1-element dummies.
-fn segment_types(segmented: bool, b: usize, sq: usize, skv: usize) -> (Type, Type) {
+pub(crate) fn segment_types(segmented: bool, b: usize, sq: usize, skv: usize) -> (Type, Type) {
     if segmented {
         (Type::vector(DType::I32, &[b, sq, 1]), Type::vector(DType::I32, &[b, 1, skv]))
     } else {
@@ -670,11 +670,11 @@ fn segment_types(segmented: bool, b: usize, sq: usize, skv: usize) -> (Type, Typ
     }
 }
 
-fn cap_of(params: &AttentionParams) -> f32 {
+pub(crate) fn cap_of(params: &AttentionParams) -> f32 {
     params.soft_cap.unwrap_or(0.0)
 }
 
-fn check_cap(op: &str, params: &AttentionParams) -> Result<(), KernelError> {
+pub(crate) fn check_cap(op: &str, params: &AttentionParams) -> Result<(), KernelError> {
     match params.soft_cap {
         Some(c) if !(c > 0.0 && c.is_finite()) => Err(err(op, "soft_cap", "soft-cap", format!("soft cap {c}"), "use a positive, finite soft cap, or None")),
         _ => Ok(()),
@@ -849,7 +849,7 @@ pub(crate) fn finite_scale(c: &Call, s: f64) -> Result<f32, KernelError> {
 
 /// The kernels' segment-id operands: the given ids as a `[B, Sq, 1]` column and a
 /// `[B, 1, Skv]` row, or the host's 1-element dummies (host arrays 0 and 1).
-fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, [Operand; 2]), KernelError> {
+pub(crate) fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, [Operand; 2]), KernelError> {
     match (c.given("q_segment_ids"), c.given("kv_segment_ids")) {
         (false, false) => {
             let dummy = Type::vector(DType::I32, &[1, 1, 1]);
@@ -862,7 +862,7 @@ fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, 
 }
 
 /// Host arrays 0 and 1: the kernels' placeholder segment ids when none are given.
-fn dummy_segments() -> crate::plan::HostFn {
+pub(crate) fn dummy_segments() -> crate::plan::HostFn {
     Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
 }
 
@@ -968,6 +968,7 @@ fn reference_params(a: &[Array], s: &Statics, segmented: bool) -> reference::Att
         kv_segments: seg(at + 1),
         window_left: s.i64("window_left").map(|x| x as usize),
         window_right: s.i64("window_right").map(|x| x as usize),
+        mask: None,
     }
 }
 
@@ -1081,10 +1082,14 @@ pub mod reference {
         /// Row `r` sees key `c` only if `r - c <= left` / `c - r <= right`, when given.
         pub window_left: Option<usize>,
         pub window_right: Option<usize>,
+        /// An explicit mask `(heads, [heads, sq, skv])` (splash attention's): `heads` is 1
+        /// (shared) or `h` (one per query head).
+        pub mask: Option<(usize, Vec<bool>)>,
     }
 
     impl Attention {
-        fn visible(&self, b: usize, r: usize, c: usize) -> bool {
+        fn visible(&self, b: usize, h: usize, r: usize, c: usize) -> bool {
+            let mask_ok = self.mask.as_ref().is_none_or(|(heads, m)| m[((if *heads == 1 { 0 } else { h }) * self.sq + r) * self.skv + c]);
             let causal_ok = !self.causal || c <= r;
             let (ri, ci) = (r as i64, c as i64);
             let window_ok = self.window_left.is_none_or(|l| ri - ci <= l as i64) && self.window_right.is_none_or(|w| ci - ri <= w as i64);
@@ -1092,7 +1097,7 @@ pub mod reference {
                 (Some(qs), Some(ks)) => qs[b * self.sq + r] == ks[b * self.skv + c],
                 _ => true,
             };
-            causal_ok && window_ok && seg_ok
+            mask_ok && causal_ok && window_ok && seg_ok
         }
 
         fn q_row(&self, b: usize, h: usize, r: usize) -> usize {
@@ -1110,7 +1115,7 @@ pub mod reference {
             let qr = &q[self.q_row(b, h, r)..][..self.d];
             (0..self.skv)
                 .map(|c| {
-                    if !self.visible(b, r, c) {
+                    if !self.visible(b, h, r, c) {
                         return None;
                     }
                     let kr = &k[self.kv_row(b, h, c)..][..self.d];

@@ -27,6 +27,7 @@ pub mod reference;
 pub mod rope_ce;
 pub mod routing;
 pub mod scaled_mm;
+pub mod splash;
 pub mod tune;
 pub mod wide_rows;
 
@@ -40,7 +41,7 @@ pub use plan::Plan;
 
 /// Every op, in registration order: the op table.
 pub fn library() -> impl Iterator<Item = &'static Op> {
-    [matmul::OPS, elementwise::OPS, norms::OPS, rope_ce::OPS, quant::OPS, scaled_mm::OPS, gmm::OPS, routing::OPS, attention::OPS, paged_attention::OPS, ragged_paged_attention::OPS].into_iter().flatten()
+    [matmul::OPS, elementwise::OPS, norms::OPS, rope_ce::OPS, quant::OPS, scaled_mm::OPS, gmm::OPS, routing::OPS, attention::OPS, splash::OPS, paged_attention::OPS, ragged_paged_attention::OPS].into_iter().flatten()
 }
 
 /// The op called `name`.

@@ -154,6 +154,9 @@ def contract(op, transpose_rhs=False):
         "flash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
+        "splash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
+        "splash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
+        "splash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
         "paged_attention": ["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
         "ragged_paged_attention": ["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
     }
@@ -205,6 +208,11 @@ def keeps_contract(op, shapes, statics):
     g = lambda n: env.get(n, 1)  # noqa: E731
     if op in ("flash_attention_fwd", "flash_attention", "flash_attention_bwd", "paged_attention", "ragged_paged_attention"):
         return g("hkv") > 0 and g("h") % max(g("hkv"), 1) == 0
+    if op.startswith("splash_attention"):
+        # The walks: one per q block (per kv block), shared or per query head.
+        nq, nk = -(-g("sq") // max(g("bq"), 1)), -(-g("skv") // max(g("bk"), 1))
+        per = g("rq") // max(nq, 1)
+        return g("hkv") > 0 and g("h") % max(g("hkv"), 1) == 0 and g("rq") in (nq, g("h") * nq) and g("rk") == per * nk
     if op in ("rope", "rope_bwd"):
         return g("dh") % 2 == 0
     if op == "router_topk":
@@ -472,6 +480,33 @@ def valid_call(op, gen, dt):
             tensors = [q, k, v, o.to(dt), lse.float(), r(*q.shape, dtype=dt), *segs]
         else:
             tensors = [q, k, v, *segs]
+    elif op in ("splash_attention_fwd", "splash_attention", "splash_attention_bwd"):
+        b, hkv, g = gen.int(1, 2), gen.int(1, 2), gen.int(1, 3)
+        sq, skv, d = gen.dim(200), gen.dim(200), gen.pick([8, 16, 32, 64, 128, 40])
+        h = hkv * g
+        sp = tessera.splash
+        family = gen.int(0, 5)
+        mask = [sp.causal(), sp.local(gen.int(0, 60), gen.int(0, 20)), sp.chunked(gen.int(1, 90)), sp.prefix_lm(gen.int(0, 50)),
+                lambda b_, h_, q_, kv_: (q_ - kv_ <= 5 + 30 * h_) & (kv_ <= q_), torch.rand(sq, skv, generator=torch.Generator().manual_seed(gen.int(0, 999))) < 0.4][family]
+        heads = h if family == 4 else None
+        m = sp.make_mask(mask, sq, skv, heads=heads, block_q=gen.pick([32, 64, 128]), block_kv=gen.pick([128, 256]))
+        meta = [m.mask_blocks, m.fwd_info, m.bwd_info]
+        if gen.coin(0.3):
+            S["soft_cap"] = gen.pick([50.0, 5.0, 1.0])
+        if gen.coin(0.3):
+            S["sm_scale"] = gen.pick([0.5, 1.0, 0.01])
+        q, k, v = r(b, h, sq, d, dtype=dt), r(b, hkv, skv, d, dtype=dt), r(b, hkv, skv, d, dtype=dt)
+        segs = [None, None]
+        if gen.coin(0.3):
+            span = min(sq, skv)
+            cuts = sorted(gen.int(1, max(span - 1, 1)) for _ in range(gen.int(0, 3))) if span > 1 else []
+            segs = [T._segments(b, sq, cuts), T._segments(b, skv, cuts)]
+        if op == "splash_attention_bwd":
+            kw = {n: S[n] for n in ("sm_scale", "soft_cap") if n in S}
+            o, lse = T.ref_splash_attention_fwd(q.double(), k.double(), v.double(), *meta, q_segment_ids=segs[0], kv_segment_ids=segs[1], **kw)
+            tensors = [q, k, v, o.to(dt), lse.float(), r(*q.shape, dtype=dt), *meta, *segs]
+        else:
+            tensors = [q, k, v, *meta, *segs]
     elif op == "paged_attention":
         b, hkv, g, npg, pps = gen.dim(5), gen.int(1, 2), gen.int(1, 4), gen.int(1, 6), gen.int(1, 4)
         ps, d = gen.pick([8, 16, 32]), gen.pick([128, 64, 256])
@@ -969,7 +1004,9 @@ def prepare(case):
             return tensors, statics, "valid", "no metadata of this kind", mut
         expect, what = r
     elif kind == "static":
-        mine = [b for b in BAD_STATICS if b[0] in SPECS[op].arg_names]
+        # Static arguments only: a tensor argument may share a static's name (attention's `k`).
+        statics_of_op = {n for i, n in enumerate(SPECS[op].arg_names) if i not in SPECS[op].tensor_idx}
+        mine = [b for b in BAD_STATICS if b[0] in statics_of_op]
         if not mine:
             # An op without statics: an unknown keyword argument (torch's schema error).
             return tensors, dict(statics, nope=1), "arity", "an unknown keyword argument nope=1", mut
@@ -985,7 +1022,7 @@ def prepare(case):
             expect = "reject" if not (isinstance(value, float) and value > 0 and math.isfinite(value)) else "any"
     elif kind == "special":
         _, w, v, at = mut
-        if op in ("cross_entropy_bwd", "flash_attention_bwd"):
+        if op in ("cross_entropy_bwd", "flash_attention_bwd", "splash_attention_bwd"):
             return tensors, statics, "valid", "derived inputs: a valid call instead", mut
         fl = [i for i in float_idx(op, tensors) if tensors[i].numel() > 0]
         if not fl:
@@ -1071,7 +1108,7 @@ def run_case(case):
         return "F", "wrong-result", f"{len(outs)} results, the reference has {len(want)}"
     for j, (g, w) in enumerate(zip(outs, want)):
         tol = 2e-2 if (dtype == BF16 or g.dtype == BF16 or mut[0] == "dtype") else 1e-5
-        in_values = mut[0] == "special" and op in ("flash_attention", "flash_attention_fwd", "paged_attention", "ragged_paged_attention") and SPECS[op].arg_names[SPECS[op].tensor_idx[float_idx(op, tensors)[mut[1] % len(float_idx(op, tensors))]]] in ("v", "v_pages")
+        in_values = mut[0] == "special" and op in ("flash_attention", "flash_attention_fwd", "splash_attention", "splash_attention_fwd", "paged_attention", "ragged_paged_attention") and SPECS[op].arg_names[SPECS[op].tensor_idx[float_idx(op, tensors)[mut[1] % len(float_idx(op, tensors))]]] in ("v", "v_pages")
         why = compare(g, w, tol, select=in_values)
         if why:
             return "F", "nan-propagation" if mut[0] == "special" else "wrong-result", f"output {j} {tuple(g.shape)} {g.dtype}: {why} [{what}]"

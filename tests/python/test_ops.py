@@ -338,6 +338,46 @@ def ref_flash_attention_bwd(q, k, v, o, lse, do, causal=False, sm_scale=None, so
     return vjp(fwd, (q, k, v), (do,))
 
 
+def splash_dense_mask(mask_blocks, fwd_info, sq, skv):
+    """The `[heads, sq, skv]` bool mask splash metadata describes, decoded here from its
+    documented format (independently of the Rust builder): a visited block is all visible
+    (kind 2) or its partial block's bits (kind 1); unvisited blocks are masked."""
+    _, bq, bk = mask_blocks.shape
+    rows, steps = fwd_info.shape[1], fwd_info.shape[2]
+    nq, nk = -(-sq // bq), -(-skv // bk)
+    heads = rows // nq
+    m = torch.zeros(heads, nq * bq, nk * bk, dtype=torch.bool)
+    info = fwd_info.long().tolist()
+    for w in range(rows):
+        h, i = divmod(w, nq)
+        for st in range(steps):
+            j, kind, mid = info[0][w][st], info[1][w][st], info[2][w][st]
+            if kind:
+                blk = torch.ones(bq, bk, dtype=torch.bool) if kind == 2 else mask_blocks[mid] != 0
+                m[h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk] = blk
+    return m[:, :sq, :skv]
+
+
+def ref_splash_attention_fwd(q, k, v, mask_blocks, fwd_info, bwd_info, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
+    """Math attention under the decoded mask (and segment ids), as ref_flash_attention_fwd."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s, seg = _attention_logits(q, k, scale, soft_cap, False, q_segment_ids, kv_segment_ids, None, None)
+    mask = seg & splash_dense_mask(mask_blocks, fwd_info, q.shape[2], k.shape[2])[None]
+    s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).masked_fill((s == -math.inf).all(-1, keepdim=True), 0.0)
+    return p @ v.repeat_interleave(q.shape[1] // k.shape[1], 1), lse
+
+
+def ref_splash_attention(*args, **kwargs):
+    return ref_splash_attention_fwd(*args, **kwargs)[0]
+
+
+def ref_splash_attention_bwd(q, k, v, o, lse, do, mask_blocks, fwd_info, bwd_info, sm_scale=None, soft_cap=None, q_segment_ids=None, kv_segment_ids=None):
+    fwd = lambda q, k, v: ref_splash_attention_fwd(q, k, v, mask_blocks, fwd_info, bwd_info, sm_scale, soft_cap, q_segment_ids, kv_segment_ids)[0]  # noqa: E731
+    return vjp(fwd, (q, k, v), (do,))
+
+
 def _gather_pages(pages, page_indices):
     """[hkv, num_pages, page_size, d] pages of one sequence's table -> its [hkv, tokens, d] cache."""
     hkv, _, ps, d = pages.shape
@@ -825,6 +865,53 @@ for _op in ("flash_attention_fwd", "flash_attention", "flash_attention_bwd"):
         _attention_sample(_op, _name, _case)
 
 
+# Splash attention: masks built by tessera.splash (structured, per head, a bool tensor) at
+# blocks small enough for several per axis; the reference decodes the metadata itself.
+def _splash_mask(mask, sq, skv, bq, bk, heads=None):
+    m = tessera.splash.make_mask(mask, sq, skv, heads=heads, block_q=bq, block_kv=bk)
+    return m.mask_blocks, m.fwd_info, m.bwd_info
+
+
+SPLASH = {
+    "causal_gqa": lambda r, dt: (*_qkv(r, dt, 1, 4, 2, 200, 200, 64), *_splash_mask(tessera.splash.causal(), 200, 200, 64, 128), {}),
+    "local_segments_softcap": lambda r, dt: (
+        *_qkv(r, dt, 1, 2, 2, 300, 300, 64),
+        *_splash_mask(tessera.splash.local(40, 7), 300, 300, 64, 128),
+        {"sm_scale": 0.2, "soft_cap": 3.0, "q_segment_ids": _segments(1, 300, (150,)), "kv_segment_ids": _segments(1, 300, (150,))},
+    ),
+    "per_head_chunked": lambda r, dt: (
+        *_qkv(r, dt, 1, 4, 1, 256, 256, 64),
+        *_splash_mask(tessera.splash.and_masks(tessera.splash.chunked(96), lambda b, h, q, kv: q - kv <= 30 + 40 * h), 256, 256, 32, 128, heads=4),
+        {},
+    ),
+    "random_bool_cross": lambda r, dt: (*_qkv(r, dt, 2, 2, 1, 150, 260, 32), *_splash_mask(torch.rand(150, 260, generator=torch.Generator().manual_seed(5)) < 0.3, 150, 260, 32, 128), {}),
+    "long_prefix_lm": lambda r, dt: (*_qkv(r, dt, 1, 2, 1, 640, 640, 64), *_splash_mask(tessera.splash.prefix_lm(100), 640, 640, 128, 256), {}),
+}
+
+
+def _splash_sample(op, name, case):
+    if op == "splash_attention_bwd":
+
+        @sample(op, name)
+        def _(r, dt):
+            """o and lse of the float64 reference, a random do."""
+            q, k, v, mb, fi, bi, kw = case(r, dt)
+            o, lse = ref_splash_attention_fwd(f64(q), f64(k), f64(v), mb, fi, bi, **kw)
+            return (q, k, v, o.to(dt), lse.float(), r.randn(*q.shape, dtype=dt), mb, fi, bi), kw
+
+    else:
+
+        @sample(op, name)
+        def _(r, dt):
+            q, k, v, mb, fi, bi, kw = case(r, dt)
+            return (q, k, v, mb, fi, bi), kw
+
+
+for _op in ("splash_attention_fwd", "splash_attention", "splash_attention_bwd"):
+    for _name, _case in SPLASH.items():
+        _splash_sample(_op, _name, _case)
+
+
 def _pages(r, dt, hkv, num_pages, page_size, d):
     return r.randn(hkv, num_pages, page_size, d, dtype=dt), r.randn(hkv, num_pages, page_size, d, dtype=dt)
 
@@ -1032,7 +1119,7 @@ def test_opcheck(op, name, dtype):
 
 
 # Outputs that are float32 whatever the input dtype (the others have the float inputs' dtype).
-F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_attention_fwd": (1,)}
+F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_attention_fwd": (1,), "splash_attention_fwd": (1,)}
 # Outputs whose dtype is the op's own, whatever the inputs' (the blockwise fp8 recipe).
 FIXED_OUTPUTS = {"scaled_mm_blockwise": (BF16,), "scaled_mm_blockwise_wgrad": (BF16,), "quantize_fp8_1x128": (E4M3, F32), "quantize_fp8_128x1": (E4M3, F32)}
 

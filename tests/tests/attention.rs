@@ -58,6 +58,7 @@ fn case(shape: Shape, dtype: DType, params: &AttentionParams, segmented: bool, s
         kv_segments: seg.as_ref().map(|s| s.kv.as_i32().unwrap().to_vec()),
         window_left: params.window_left,
         window_right: params.window_right,
+        mask: None,
     };
     Case { q, k, v, seg, cfg }
 }
@@ -253,6 +254,7 @@ fn reference_backward_matches_finite_differences() {
         kv_segments: Some(vec![0, 0, 1, 1]),
         window_left: Some(1),
         window_right: None,
+        mask: None,
     };
     let mut rng = StdRng::seed_from_u64(5);
     let mut draw = |n: usize| (0..n).map(|_| rng.gen_range(-1.5..1.5)).collect::<Vec<f64>>();

@@ -1254,6 +1254,8 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "combine" => &["t*k d", "t k", "t k"],
         "flash_attention_fwd" | "flash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
+        "splash_attention_fwd" | "splash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
+        "splash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
         "paged_attention" => &["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
         "ragged_paged_attention" => &["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
         _ => &[],
@@ -1321,6 +1323,12 @@ fn keeps_contract(op: &str, statics: &Statics, shapes: &[Vec<usize>]) -> bool {
     let get = |n: &str| env.get(n).copied().unwrap_or(1);
     match op {
         "flash_attention_fwd" | "flash_attention" | "flash_attention_bwd" | "paged_attention" | "ragged_paged_attention" => get("hkv") > 0 && get("h") % get("hkv").max(1) == 0,
+        // The walks: one per q block (per kv block), shared or one set per query head.
+        "splash_attention_fwd" | "splash_attention" | "splash_attention_bwd" => {
+            let (nq, nk) = (get("sq").div_ceil(get("bq").max(1)), get("skv").div_ceil(get("bk").max(1)));
+            let per = get("rq") / nq.max(1);
+            get("hkv") > 0 && get("h") % get("hkv").max(1) == 0 && (get("rq") == nq || get("rq") == get("h") * nq) && get("rk") == per * nk
+        }
         "rope" | "rope_bwd" => get("dh") % 2 == 0,
         "router_topk" => statics.i64("k").is_some_and(|k| k >= 1 && k as usize <= get("e")),
         // The blockwise fp8 recipe: the contraction in 128-blocks, one scale per block.
@@ -1530,6 +1538,29 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
             }
             let (q, kv) = (vec![b, hkv * g, sq, d], vec![b, hkv, skv, d]);
             let mut s = if op == "flash_attention_bwd" { vec![q.clone(), kv.clone(), kv, q.clone(), vec![b, hkv * g, sq], q] } else { vec![q, kv.clone(), kv] };
+            if rng.gen_bool(0.3) {
+                s.extend([vec![b, sq], vec![b, skv]]);
+            }
+            s
+        }
+        "splash_attention_fwd" | "splash_attention" | "splash_attention_bwd" => {
+            let (b, hkv, g) = (rng.gen_range(1..=2), rng.gen_range(1..=2), rng.gen_range(1..=3));
+            let (sq, skv) = (dim(rng, 200), dim(rng, 200));
+            let d = [8, 16, 32, 64, 128, 40][rng.gen_range(0..6)];
+            if rng.gen_bool(0.3) {
+                st.push(format!("soft_cap={:?}", [50.0, 5.0, 1.0][rng.gen_range(0..3)]));
+            }
+            if rng.gen_bool(0.3) {
+                st.push(format!("sm_scale={:?}", [0.5, 1.0, 0.01][rng.gen_range(0..3)]));
+            }
+            // Metadata shapes of a mask at legal blocks (random walks fill them).
+            let (bq, bk) = ([32, 64, 128][rng.gen_range(0..3)].min(sq), [128, 256][rng.gen_range(0..2)].min(skv));
+            let (nq, nk) = (sq.div_ceil(bq), skv.div_ceil(bk));
+            let heads = if rng.gen_bool(0.3) { hkv * g } else { 1 };
+            let meta = [vec![rng.gen_range(1..=4), bq, bk], vec![3, heads * nq, rng.gen_range(1..=nk)], vec![3, heads * nk, rng.gen_range(1..=nq)]];
+            let (q, kv) = (vec![b, hkv * g, sq, d], vec![b, hkv, skv, d]);
+            let mut s = if op == "splash_attention_bwd" { vec![q.clone(), kv.clone(), kv, q.clone(), vec![b, hkv * g, sq], q] } else { vec![q, kv.clone(), kv] };
+            s.extend(meta);
             if rng.gen_bool(0.3) {
                 s.extend([vec![b, sq], vec![b, skv]]);
             }
@@ -2152,7 +2183,7 @@ fn make_call(op: &'static Op, c: &OpCase) -> Result<Call2, Verdict> {
             }
             expect = Expect2::Reject(what.clone());
         }
-        OpMut::Special(..) if matches!(op.name, "cross_entropy_bwd" | "flash_attention_bwd") => {
+        OpMut::Special(..) if matches!(op.name, "cross_entropy_bwd" | "flash_attention_bwd" | "splash_attention_bwd") => {
             // Their lse / o inputs derive from the others: a NaN elsewhere makes them stale,
             // and the references recompute them. (Valid call instead.)
             inputs = gen(&shapes, &statics0, &mut rng)?.into_iter().map(Some).collect();
@@ -2305,7 +2336,7 @@ fn run_op_case(c: &OpCase) -> Verdict {
         // tests/tests/attention.rs holds them to.
         let tol = if mixed || got.dtype == DType::BF16 || dtype == DType::BF16 {
             2e-2
-        } else if op.name == "flash_attention_bwd" {
+        } else if matches!(op.name, "flash_attention_bwd" | "splash_attention_bwd") {
             2e-5
         } else {
             harness::tolerance(got.dtype)
@@ -2391,7 +2422,7 @@ struct CliCase {
 
 /// Ops whose default cases take seconds in the interpreter: `run` always gets small shapes.
 fn heavy(op: &str) -> bool {
-    matches!(op, "matmul" | "matmul_bwd" | "quantized_matmul" | "quantized_matmul_dx" | "gmm" | "gmm_bwd" | "cross_entropy" | "cross_entropy_bwd" | "cross_entropy_with_grad" | "flash_attention_fwd" | "flash_attention_bwd" | "flash_attention" | "ragged_paged_attention")
+    matches!(op, "matmul" | "matmul_bwd" | "quantized_matmul" | "quantized_matmul_dx" | "gmm" | "gmm_bwd" | "cross_entropy" | "cross_entropy_bwd" | "cross_entropy_with_grad" | "flash_attention_fwd" | "flash_attention_bwd" | "flash_attention" | "splash_attention_fwd" | "splash_attention_bwd" | "splash_attention" | "ragged_paged_attention")
 }
 
 fn dims_text(s: &[usize]) -> String {

@@ -19,7 +19,7 @@ use tessera_tests::oracle;
 
 /// (op, case) pairs: a matmul (MXU-bound), a row norm (HBM-bound), flash attention (VPU
 /// and spill-heavy: where issue 14's work lands), gmm (prefetch-driven: the estimate is blind).
-const SAMPLE: [(&str, &str); 4] = [("matmul", "default"), ("rmsnorm", "default"), ("flash_attention_fwd", "causal"), ("gmm", "default")];
+const SAMPLE: [(&str, &str); 5] = [("matmul", "default"), ("rmsnorm", "default"), ("flash_attention_fwd", "causal"), ("splash_attention_fwd", "default"), ("gmm", "default")];
 const TARGETS: [Target; 2] = [Target::V5E, Target::V6E];
 
 /// Relative band on cycles and bundles; spills get an absolute slack too (a few

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 mod collective;
 mod dispatch;
 mod fusion;
+mod splash;
 mod tensor;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -701,6 +702,8 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(reference, m)?)?;
     m.add_function(wrap_pyfunction!(collective::run_collective, m)?)?;
+    m.add_function(wrap_pyfunction!(splash::splash_mask_info, m)?)?;
+    m.add_function(wrap_pyfunction!(splash::splash_default_blocks, m)?)?;
     m.add_class::<PyPlan>()?;
     m.add_class::<fusion::FusionGraph>()?;
     m.add_function(wrap_pyfunction!(fusion::fusion_cache_info, m)?)?;

@@ -10,7 +10,7 @@ device (the kernels compiled for the TPU), and on the emulated host-memory `tpu`
 from tessera import _native
 from tessera._ops import SPECS, get_target, load_tuning_table, register_ops, set_target
 
-from tessera import fusion
+from tessera import fusion, splash
 from tessera.fusion import EagerMode, get_eager_mode, set_eager_mode
 
 __version__ = _native.__version__
@@ -45,4 +45,4 @@ def cache_info():
     return info
 
 
-__all__ = ["fusion", "EagerMode", "set_eager_mode", "get_eager_mode", "ops", "cache_info", "register_ops", "load_tuning_table", "set_target", "get_target", "__version__"]
+__all__ = ["fusion", "splash", "EagerMode", "set_eager_mode", "get_eager_mode", "ops", "cache_info", "register_ops", "load_tuning_table", "set_target", "get_target", "__version__"]

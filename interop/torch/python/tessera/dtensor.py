@@ -124,6 +124,9 @@ RULES = {
     # Attention: batch, or heads (GQA-aware), as aten's scaled_dot_product_attention.
     "flash_attention_fwd": [Rule("b"), HEADS],
     "flash_attention_bwd": [Rule("b"), HEADS],
+    # Splash: batch only (the mask metadata is replicated; its walks may be per head).
+    "splash_attention_fwd": [Rule("b")],
+    "splash_attention_bwd": [Rule("b")],
     "paged_attention": [Rule("b"), HEADS],
     "ragged_paged_attention": [HEADS],
     # Blockwise fp8: the scales' blocks run along k (1x128) or m (128x1), so the other dim

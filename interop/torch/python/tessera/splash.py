@@ -1,0 +1,176 @@
+"""Splash attention: flash attention over a block-sparse mask (JAX splash attention's design).
+
+Build a mask's block metadata once on the host, then call the op as often as you like::
+
+    from tessera import splash
+    mask = splash.make_mask(splash.causal(), q_len=4096, kv_len=4096)      # once
+    o = splash.splash_attention(q, k, v, mask)                             # differentiable
+
+`make_mask` takes a `mask_mod(b, h, q_idx, kv_idx) -> bool` in `torch.nn.attention.flex_attention`'s
+style (evaluated with broadcast index tensors, so write it with torch ops: `q_idx >= kv_idx`,
+`&`, `|`, `//`), one of the constructors below, or a boolean tensor `[q_len, kv_len]` /
+`[heads, q_len, kv_len]` (True = the query sees the key). The metadata is three small tensors
+(`mask_blocks` int8, `fwd_info` / `bwd_info` int32) that `torch.ops.tpu.splash_attention` takes;
+blocks no query sees are never fetched, blocks every query sees apply no mask. No value is read
+back to the host per call, so the op is safe on the `tpu` device and under DeferAndFuse.
+
+Constructors (all `mask_mod`s):
+
+- `causal()`: key `c <= q`.
+- `local(left, right=0)`: `q - left <= c <= q + right` (JAX's `LocalMask(window_size=(left,
+  right))`; transformers' `sliding_window = w` is `local(w - 1)`).
+- `chunked(size)`: causal inside chunks of `size` (Llama 4's chunked attention).
+- `prefix_lm(prefix)`: causal, plus every query sees the first `prefix` keys.
+- `and_masks(*m)`, `or_masks(*m)`: combinations.
+
+Memory: building evaluates the mask densely (`heads * q_len * kv_len` booleans, one pass).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera import _native
+
+__all__ = ["SplashMask", "make_mask", "splash_attention", "causal", "local", "chunked", "prefix_lm", "and_masks", "or_masks"]
+
+
+def causal():
+    """Query `q` sees key `c` iff `c <= q`."""
+    return lambda b, h, q, kv: kv <= q
+
+
+def local(left: int, right: int = 0):
+    """`q - left <= c <= q + right` (causal when `right = 0`)."""
+    for name, x in (("left", left), ("right", right)):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"tessera.splash.local: {name} = {x!r}; pass a non-negative int (keys before / after the query)")
+    return lambda b, h, q, kv: (kv >= q - left) & (kv <= q + right)
+
+
+def chunked(size: int):
+    """Causal inside consecutive chunks of `size` queries / keys (Llama 4's chunked attention)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tessera.splash.chunked: size = {size!r}; pass a positive int")
+    return lambda b, h, q, kv: (q // size == kv // size) & (kv <= q)
+
+
+def prefix_lm(prefix: int):
+    """Causal, and every query sees the first `prefix` keys (bidirectional prefix)."""
+    if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
+        raise ValueError(f"tessera.splash.prefix_lm: prefix = {prefix!r}; pass a non-negative int")
+    return lambda b, h, q, kv: (kv <= q) | (kv < prefix)
+
+
+def and_masks(*mods):
+    """Visible where every mask sees."""
+    def mod(b, h, q, kv):
+        out = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            out = out & m(b, h, q, kv)
+        return out
+    return mod
+
+
+def or_masks(*mods):
+    """Visible where any mask sees."""
+    def mod(b, h, q, kv):
+        out = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            out = out | m(b, h, q, kv)
+        return out
+    return mod
+
+
+class SplashMask:
+    """A mask's block metadata (see the module docs). Build with `make_mask`."""
+
+    def __init__(self, mask_blocks: torch.Tensor, fwd_info: torch.Tensor, bwd_info: torch.Tensor, q_len: int, kv_len: int, heads: int):
+        self.mask_blocks, self.fwd_info, self.bwd_info = mask_blocks, fwd_info, bwd_info
+        self.q_len, self.kv_len, self.heads = q_len, kv_len, heads
+        self.block_q, self.block_kv = mask_blocks.shape[1], mask_blocks.shape[2]
+        self._on = {torch.device("cpu"): (mask_blocks, fwd_info, bwd_info)}
+
+    def tensors(self, device) -> tuple:
+        """`(mask_blocks, fwd_info, bwd_info)` on `device`, copied there once."""
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in self._on[torch.device("cpu")])
+        return self._on[device]
+
+    @property
+    def partial_blocks(self) -> int:
+        """How many distinct partial blocks the mask has."""
+        return int(self.mask_blocks.shape[0])
+
+    def visits(self) -> int:
+        """How many (head, q block, kv block) pairs are computed (the others are skipped)."""
+        return int((self.fwd_info[1] != 0).sum())
+
+    def __repr__(self):
+        nq = -(-self.q_len // self.block_q)
+        nk = -(-self.kv_len // self.block_kv)
+        return (f"SplashMask(q_len={self.q_len}, kv_len={self.kv_len}, heads={self.heads}, blocks={self.block_q}x{self.block_kv}, "
+                f"visits {self.visits()} of {self.heads * nq * nk} blocks, {self.partial_blocks} distinct partial)")
+
+
+def _dense(mask, q_len, kv_len, heads):
+    """The mask as a bool tensor `[heads or 1, q_len, kv_len]` and its head count."""
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or mask.dim() not in (2, 3):
+            raise ValueError(f"tessera.splash.make_mask: a tensor mask must be bool [q_len, kv_len] or [heads, q_len, kv_len], got {mask.dtype} {list(mask.shape)}")
+        m = mask.detach().to("cpu")
+        if m.dim() == 2:
+            m = m[None]
+        if q_len is not None and m.shape[1] != q_len or kv_len is not None and m.shape[2] != kv_len:
+            raise ValueError(f"tessera.splash.make_mask: the mask is {list(mask.shape)} but q_len={q_len}, kv_len={kv_len}")
+        return m.contiguous(), m.shape[0]
+    if not callable(mask):
+        raise TypeError(f"tessera.splash.make_mask: mask must be a mask_mod(b, h, q_idx, kv_idx), a bool tensor or a constructor's result, got {type(mask).__name__}")
+    if q_len is None or kv_len is None:
+        raise ValueError("tessera.splash.make_mask: a mask_mod needs q_len and kv_len")
+    hs = 1 if heads is None else heads
+    h = torch.arange(hs)[:, None, None]
+    q = torch.arange(q_len)[None, :, None]
+    kv = torch.arange(kv_len)[None, None, :]
+    m = mask(torch.zeros((), dtype=torch.long), h, q, kv)
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+        raise TypeError(f"tessera.splash.make_mask: the mask_mod returned {type(m).__name__ if not isinstance(m, torch.Tensor) else m.dtype}, not a bool tensor")
+    return torch.broadcast_to(m, (hs, q_len, kv_len)).contiguous(), hs
+
+
+def make_mask(mask, q_len: int | None = None, kv_len: int | None = None, *, heads: int | None = None, block_q: int | None = None,
+              block_kv: int | None = None, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> SplashMask:
+    """The block metadata of `mask` (see the module docs). `heads`: evaluate a `mask_mod` per
+    query head (a mask per head); else one mask serves every head. Blocks default to the
+    target's (`tessera.set_target`) for `head_dim` and `dtype`."""
+    for name, x in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("block_q", block_q), ("block_kv", block_kv)):
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
+            raise ValueError(f"tessera.splash.make_mask: {name} = {x!r}; pass a positive int or None")
+    bits, hs = _dense(mask, q_len, kv_len, heads)
+    sq, skv = bits.shape[1], bits.shape[2]
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"tessera.splash.make_mask: dtype {dtype}; pass torch.float32 or torch.bfloat16 (the q/k/v dtype the blocks are sized for)")
+    dq, dk = _native.splash_default_blocks(sq, skv, head_dim, str(dtype).removeprefix("torch."))
+    bq, bk = min(block_q or dq, sq), min(block_kv or dk, skv)
+    raw = bits.to(torch.uint8).numpy().tobytes()
+    (mb, mb_shape), (fi, fi_shape), (bi, bi_shape) = _native.splash_mask_info(raw, hs, sq, skv, bq, bk)
+    as_tensor = lambda b, shape, dt: torch.frombuffer(bytearray(b), dtype=dt).reshape(shape)  # noqa: E731
+    return SplashMask(as_tensor(mb, mb_shape, torch.int8), as_tensor(fi, fi_shape, torch.int32), as_tensor(bi, bi_shape, torch.int32), sq, skv, hs)
+
+
+def splash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SplashMask, *, sm_scale: float | None = None,
+                     soft_cap: float | None = None, q_segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`softmax(mask(sm_scale * q @ k^T)) @ v` (soft cap and segment ids as flash attention's),
+    q `[B, H, Sq, D]`, k and v `[B, Hkv, Skv, D]`; differentiable. A `mask_mod` or a bool tensor
+    is accepted too and built per call: build it once with `make_mask` to reuse it."""
+    if not isinstance(mask, SplashMask):
+        mask = make_mask(mask, q.shape[-2], k.shape[-2], block_q=None, head_dim=q.shape[-1], dtype=q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"tessera splash_attention: q is {list(q.shape)} and k is {list(k.shape)}; pass q [B, H, Sq, D] and k, v [B, Hkv, Skv, D]")
+    if (q.shape[2], k.shape[2]) != (mask.q_len, mask.kv_len):
+        raise ValueError(f"tessera splash_attention: the mask was built for q_len={mask.q_len}, kv_len={mask.kv_len} but q has {q.shape[2]} queries and k {k.shape[2]} keys; build the mask for these lengths")
+    if mask.heads not in (1, q.shape[1]):
+        raise ValueError(f"tessera splash_attention: the mask has {mask.heads} heads but q has {q.shape[1]}; build it with heads=None (shared) or heads={q.shape[1]}")
+    blocks, fwd, bwd = mask.tensors(q.device)
+    return torch.ops.tpu.splash_attention(q, k, v, blocks, fwd, bwd, sm_scale, soft_cap, q_segment_ids, kv_segment_ids)

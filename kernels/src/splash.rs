@@ -1,0 +1,751 @@
+//! Splash attention: flash attention over a block-sparse mask built on the host once per
+//! mask (JAX's `splash_attention`'s design), forward and backward.
+//!
+//! # The mask and its metadata
+//!
+//! A mask says which key each query sees: `visible(h, r, c)` over `[Hm, Sq, Skv]`, `Hm` 1
+//! (one mask for every head) or `H` (a mask per query head). [`MaskInfo::build`] cuts it into
+//! `[bq, bk]` blocks and classifies each: **skip** (no visible pair: never fetched, never
+//! computed), **full** (every pair visible: no mask is built or applied), **partial** (its
+//! bits are one of the `mask_blocks`, deduplicated: a causal mask at `bq = bk` has one). The
+//! kernels read three arrays, the op's tensors:
+//!
+//! - `mask_blocks`: int8 `[nb, bq, bk]`, the distinct partial blocks (1 = visible); their
+//!   shape gives the kernels' blocks. At least one block (all zeros when none is partial).
+//! - `fwd_info`: int32 `[3, Hm * nq, steps]`, for each (mask head, q block) the kv blocks to
+//!   visit in order: plane 0 the kv block, plane 1 its kind (1 partial, 2 full, 0 a padding
+//!   step), plane 2 the partial block's index in `mask_blocks`. `steps` is the most kv blocks
+//!   any q block visits: the grid's last axis. Padding steps and full blocks repeat the
+//!   previous step's kv block / mask block, so the pipeline issues no DMA for them.
+//! - `bwd_info`: int32 `[3, Hm * nk, steps_q]`, the transpose: for each (mask head, kv
+//!   block) the q blocks that see it (the dkv kernel's walk).
+//!
+//! All three are scalar prefetch (SMEM) or plain inputs: no value is read on the host per
+//! call. The index maps clamp every block index into its array, so metadata that was not
+//! built by [`MaskInfo::build`] can give wrong values but never reads outside an operand.
+//!
+//! Array bounds are the kernels', not the mask's: keys past `Skv` of a ragged last kv block
+//! and queries past `Sq` are masked (or zeroed) in-kernel whatever the metadata says, as in
+//! [`crate::attention`].
+//!
+//! # Kernels
+//!
+//! The forward and the dq kernel walk grid `(B, H, nq, steps)`, the dkv kernel `(B, Hkv, nk,
+//! G, steps_q)`; their bodies are flash attention's ([`crate::attention`]: lane-replicated
+//! softmax state, NaN/inf semantics of math attention over the visible keys, segment ids,
+//! soft cap, GQA) with the block pair and its kind taken from the metadata. A full block
+//! without segment ids takes the unmasked path (no iota, no select, no nonfinite
+//! bookkeeping); a partial one reads its int8 bits.
+//!
+//! # Limits
+//!
+//! The metadata lives in SMEM (1 MiB on every generation, see the `smem-budget` rule): a
+//! per-head mask over long sequences at small blocks can exceed it, and the verifier says so.
+//! [`MaskInfo::build`] evaluates the mask at every (head, query, key): `Hm * Sq * Skv` calls,
+//! once per mask.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::Rng;
+use tessera_dsl::interp::Array;
+use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
+use tessera_macros::tpu_kernel;
+
+use crate::attention::{
+    add_nonfinite, cap_of, check_cap, dummy_segments, flash_attention_di_kernel, finite_scale, keys_inside, logits, no_weight_past, nonfinite_radix, online_softmax, segment_operands, split_nonfinite, state_lanes, uncap, visible, widen, AttentionParams, SegmentIds,
+};
+use crate::blocks::fit_vmem_limit;
+use crate::harness;
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
+use crate::plan::{result, single, Launch, Plan};
+
+/// A block's kind in the metadata.
+pub const SKIP: i32 = 0;
+pub const PARTIAL: i32 = 1;
+pub const FULL: i32 = 2;
+
+// ---- kernels ------------------------------------------------------------------------------
+
+#[tpu_kernel(
+    grid = [bsz, heads, sq.div_ceil(bq), steps],
+    semantics = [parallel, parallel, parallel, arbitrary],
+    (q, o) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1), 0]),
+    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), nb - 1), 0, 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
+    lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
+    (m_run, l_run) = scratch([bq, state_lanes(bk, d)], f32),
+    acc = scratch([bq, d], f32),
+)]
+#[rustfmt::skip]
+pub fn splash_attention_fwd_kernel(
+    info: Prefetch<3, rows, steps>,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
+    per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+) {
+    let h = program_id(1);
+    let i = program_id(2);
+    let j = program_id(3);
+    let lanes = state_lanes(bk, d);
+    if j == 0 {
+        m_run[..] = full([bq, lanes], f32, f32::NEG_INFINITY);
+        l_run[..] = zeros([bq, lanes], f32);
+        acc[..] = zeros([bq, d], f32);
+    }
+    let row = if per_head { h * (sq.div_ceil(bq) as i32) + i } else { i };
+    let kind = info[(1, row, j)];
+    if kind > 0 {
+        let kv_block = info[(0, row, j)];
+        let q_start = i * (bq as i32);
+        let kv_start = kv_block * (bk as i32);
+        let s = logits(q[..], k[..], sm_scale, soft_cap);
+        let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
+        let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
+        if needs_mask {
+            // `bits + (kind - 1)` is the bits in a partial block and nonzero everywhere in a
+            // full one (whose `mask` window is a stale block, never a meaningful one).
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            let sm = select(keep, s, f32::NEG_INFINITY);
+            let mut vb = v[..];
+            if !skv.is_multiple_of(bk) {
+                vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
+            }
+            let r = nonfinite_radix(bk);
+            let (vf, class) = split_nonfinite(vb, r);
+            let (m_new, l_new, acc_new, p) = online_softmax(sm, vf, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            m_run[..] = m_new;
+            l_run[..] = l_new;
+            acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+        } else {
+            let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            m_run[..] = m_new;
+            l_run[..] = l_new;
+            acc[..] = acc_new;
+        }
+    }
+    if j == num_programs(3) - 1 {
+        let m = widen(m_run[..], lanes, d);
+        let l = widen(l_run[..], lanes, d);
+        o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
+        let m_col = m_run[(.., 0..1)];
+        lse[..] = select(m_col == f32::INFINITY, f32::INFINITY, m_col + l_run[(.., 0..1)].log());
+    }
+}
+
+/// dk, dv: kv blocks outside; the group's query heads and the q blocks that see the kv block
+/// (`bwd_info`) inside.
+#[tpu_kernel(
+    grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, steps],
+    semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
+    (q, dout) = block([None, None, bq, d], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1), 0]),
+    (k, v, dk, dv) = block([None, None, bk, d], |b, kh, j, g, t| [b, kh, j, 0]),
+    mask = block([None, bq, bk], |b, kh, j, g, t| [min(max(info[(2, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), nb - 1), 0, 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, t| [b * usize::from(segmented), min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, t| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
+    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1), 0]),
+    (dk_acc, dv_acc) = scratch([bk, d], f32),
+)]
+#[rustfmt::skip]
+pub fn splash_attention_dkv_kernel(
+    info: Prefetch<3, rows, steps>,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>,
+    dk: Out<bsz, kv_heads, skv, d>, dv: Out<bsz, kv_heads, skv, d>, dk_acc: Scratch, dv_acc: Scratch,
+    per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+) {
+    let kh = program_id(1);
+    let j = program_id(2);
+    let g = program_id(3);
+    let t = program_id(4);
+    if (g == 0) & (t == 0) {
+        dk_acc[..] = zeros([bk, d], f32);
+        dv_acc[..] = zeros([bk, d], f32);
+    }
+    let hq = kh * ((heads / kv_heads) as i32) + g;
+    let row = if per_head { hq * (skv.div_ceil(bk) as i32) + j } else { j };
+    let kind = info[(1, row, t)];
+    if kind > 0 {
+        let q_block = info[(0, row, t)];
+        let q_start = q_block * (bq as i32);
+        let kv_start = j * (bk as i32);
+        let mut qb = q[..];
+        let mut dob = dout[..];
+        let mut lse_b = lse[..];
+        let mut di_b = di[..];
+        let mut kb = k[..];
+        let mut vb = v[..];
+        let ragged_q = !sq.is_multiple_of(bq) & (q_block == (sq.div_ceil(bq) - 1) as i32);
+        let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
+        let needs_mask = segmented | (kind == PARTIAL) | ragged_q | ragged_kv;
+        // The dots contract over q rows and kv rows: zero the undefined rows past the ends.
+        if needs_mask {
+            if !sq.is_multiple_of(bq) {
+                let row_ok = iota([bq, 1], 0) + q_start < (sq as i32);
+                qb = select(row_ok, qb, 0.0);
+                dob = select(row_ok, dob, 0.0);
+                lse_b = select(row_ok, lse_b, 0.0);
+                di_b = select(row_ok, di_b, 0.0);
+            }
+            if !skv.is_multiple_of(bk) {
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
+            }
+        }
+        let s = logits(qb, kb, sm_scale, soft_cap);
+        let mut p = (s - no_weight_past(lse_b)).exp();
+        let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
+        if needs_mask {
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            p = select(keep, p, 0.0);
+            ds = select(keep, ds, 0.0);
+        }
+        dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
+        dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
+    }
+    if (g == num_programs(3) - 1) & (t == num_programs(4) - 1) {
+        dk[..] = dk_acc[..].cast(dk.dtype);
+        dv[..] = dv_acc[..].cast(dv.dtype);
+    }
+}
+
+/// dq: q blocks outside, the kv blocks of `fwd_info` inside, as the forward.
+#[tpu_kernel(
+    grid = [bsz, heads, sq.div_ceil(bq), steps],
+    semantics = [parallel, parallel, parallel, arbitrary],
+    (q, dout, dq) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1), 0]),
+    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), nb - 1), 0, 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
+    (lse, di) = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
+    dq_acc = scratch([bq, d], f32),
+)]
+#[rustfmt::skip]
+pub fn splash_attention_dq_kernel(
+    info: Prefetch<3, rows, steps>,
+    q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
+    dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>, dq: Out<bsz, heads, sq, d>, dq_acc: Scratch,
+    per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+) {
+    let h = program_id(1);
+    let i = program_id(2);
+    let j = program_id(3);
+    if j == 0 {
+        dq_acc[..] = zeros([bq, d], f32);
+    }
+    let row = if per_head { h * (sq.div_ceil(bq) as i32) + i } else { i };
+    let kind = info[(1, row, j)];
+    if kind > 0 {
+        let kv_block = info[(0, row, j)];
+        let q_start = i * (bq as i32);
+        let kv_start = kv_block * (bk as i32);
+        let mut kb = k[..];
+        let mut vb = v[..];
+        let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
+        let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
+        if needs_mask {
+            if !skv.is_multiple_of(bk) {
+                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
+                kb = k_ok;
+                vb = v_ok;
+            }
+        }
+        let s = logits(q[..], kb, sm_scale, soft_cap);
+        let p = (s - no_weight_past(lse[..])).exp();
+        let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
+        if needs_mask {
+            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            if segmented {
+                keep = keep & (q_seg[..] == kv_seg[..]);
+            }
+            ds = select(keep, ds, 0.0);
+        }
+        dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
+    }
+    if j == num_programs(3) - 1 {
+        dq[..] = dq_acc[..].cast(dq.dtype);
+    }
+}
+
+// ---- the host-side mask metadata ------------------------------------------------------------
+
+/// A mask cut into blocks: the three arrays the kernels read (see the module docs).
+#[derive(Clone, Debug)]
+pub struct MaskInfo {
+    /// int8 `[nb, bq, bk]`.
+    pub mask_blocks: Array,
+    /// int32 `[3, heads * nq, steps]`.
+    pub fwd_info: Array,
+    /// int32 `[3, heads * nk, steps_q]`.
+    pub bwd_info: Array,
+}
+
+/// One visited block of a walk: the other axis's block, its kind, its partial block.
+type Visit = (i32, i32, i32);
+
+impl MaskInfo {
+    /// The metadata of mask `visible(h, r, c)` over `heads` mask heads (1, or one per query
+    /// head), `sq` queries and `skv` keys at blocks `bq x bk`. Pairs past the ends are not
+    /// asked (the kernels mask them).
+    pub fn build(heads: usize, sq: usize, skv: usize, bq: usize, bk: usize, visible: impl Fn(usize, usize, usize) -> bool) -> Result<MaskInfo, KernelError> {
+        let err = |m: String| KernelError::new("splash_attention", "mask", "mask-shape", m, "pass a mask of at least one head, query and key, and blocks of at least 1");
+        if heads == 0 || sq == 0 || skv == 0 || bq == 0 || bk == 0 {
+            return Err(err(format!("{heads} heads, {sq} queries, {skv} keys at blocks {bq} x {bk}")));
+        }
+        let (nq, nk) = (sq.div_ceil(bq), skv.div_ceil(bk));
+        let mut ids: HashMap<Vec<i8>, i32> = HashMap::new();
+        let mut blocks: Vec<Vec<i8>> = Vec::new();
+        // Per (head, q block), the kv blocks with their kind and partial id.
+        let mut rows: Vec<Vec<Visit>> = vec![Vec::new(); heads * nq];
+        let mut bits = vec![0i8; bq * bk];
+        for h in 0..heads {
+            for i in 0..nq {
+                for j in 0..nk {
+                    let (mut seen, mut total) = (0usize, 0usize);
+                    bits.fill(0);
+                    for r in i * bq..((i + 1) * bq).min(sq) {
+                        for c in j * bk..((j + 1) * bk).min(skv) {
+                            total += 1;
+                            if visible(h, r, c) {
+                                seen += 1;
+                                bits[(r - i * bq) * bk + (c - j * bk)] = 1;
+                            }
+                        }
+                    }
+                    let visit = if seen == 0 {
+                        continue;
+                    } else if seen == total {
+                        (j as i32, FULL, -1)
+                    } else {
+                        let next = blocks.len() as i32;
+                        let id = *ids.entry(bits.clone()).or_insert_with(|| {
+                            blocks.push(bits.clone());
+                            next
+                        });
+                        (j as i32, PARTIAL, id)
+                    };
+                    rows[h * nq + i].push(visit);
+                }
+            }
+        }
+        let mut cols: Vec<Vec<Visit>> = vec![Vec::new(); heads * nk];
+        for (hr, row) in rows.iter().enumerate() {
+            let (h, i) = (hr / nq, hr % nq);
+            for &(j, kind, id) in row {
+                cols[h * nk + j as usize].push((i as i32, kind, id));
+            }
+        }
+        let nb = blocks.len().max(1);
+        let mut flat = Vec::with_capacity(nb * bq * bk);
+        for b in &blocks {
+            flat.extend_from_slice(b);
+        }
+        flat.resize(nb * bq * bk, 0);
+        Ok(MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, 1), bwd_info: walks(&cols, 1) })
+    }
+
+    /// The kernels' blocks `(bq, bk)`.
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.mask_blocks.shape[1], self.mask_blocks.shape[2])
+    }
+}
+
+/// int32 `[3, walks, steps]` (steps at least `min_steps` and the longest walk): each walk's
+/// visits, then padding steps of kind [`SKIP`] that repeat the last visit's blocks; a full
+/// visit's mask block is the previous partial one's (or 0), so neither issues a DMA.
+fn walks(walks: &[Vec<Visit>], min_steps: usize) -> Array {
+    let steps = walks.iter().map(Vec::len).max().unwrap_or(0).max(min_steps);
+    let n = walks.len();
+    let mut out = vec![0i32; 3 * n * steps];
+    for (w, visits) in walks.iter().enumerate() {
+        let (mut block, mut mask) = (0, 0);
+        for s in 0..steps {
+            let kind = match visits.get(s) {
+                Some(&(b, kind, id)) => {
+                    block = b;
+                    if kind == PARTIAL {
+                        mask = id;
+                    }
+                    kind
+                }
+                None => SKIP,
+            };
+            out[w * steps + s] = block;
+            out[(n + w) * steps + s] = kind;
+            out[(2 * n + w) * steps + s] = mask;
+        }
+    }
+    Array::from_i32(&[3, n, steps], out)
+}
+
+/// The dense mask `[heads, sq, skv]` that metadata describes, read from `fwd_info` alone (the
+/// independent decoding the references and tests use): a pair is visible iff its block is
+/// visited as full, or as partial with its bit set. `None` when the metadata is malformed
+/// (an index out of range, a kind other than 0/1/2).
+pub fn decode(mask_blocks: &Array, fwd_info: &Array, sq: usize, skv: usize) -> Option<(usize, Vec<bool>)> {
+    let (nb, bq, bk) = (mask_blocks.shape[0], mask_blocks.shape[1], mask_blocks.shape[2]);
+    let (rows, steps) = (fwd_info.shape[1], fwd_info.shape[2]);
+    let nq = sq.div_ceil(bq);
+    let nk = skv.div_ceil(bk);
+    if nq == 0 || rows % nq != 0 {
+        return None;
+    }
+    let heads = rows / nq;
+    let info = fwd_info.as_i32()?;
+    let bits = mask_blocks.as_i8()?;
+    let mut out = vec![false; heads * sq * skv];
+    for hr in 0..rows {
+        let (h, i) = (hr / nq, hr % nq);
+        for s in 0..steps {
+            let at = |plane: usize| info[(plane * rows + hr) * steps + s];
+            let (j, kind, id) = (at(0), at(1), at(2));
+            if kind == SKIP {
+                continue;
+            }
+            if !(0..nk as i32).contains(&j) || (kind != FULL && kind != PARTIAL) || (kind == PARTIAL && !(0..nb as i32).contains(&id)) {
+                return None;
+            }
+            let j = j as usize;
+            for r in i * bq..((i + 1) * bq).min(sq) {
+                for c in j * bk..((j + 1) * bk).min(skv) {
+                    if kind == FULL || bits[(id as usize * bq + r - i * bq) * bk + c - j * bk] != 0 {
+                        out[(h * sq + r) * skv + c] = true;
+                    }
+                }
+            }
+        }
+    }
+    Some((heads, out))
+}
+
+/// Random metadata for `[nb, bq, bk]` mask blocks and `[3, rows, steps]` / `[3, rows_k,
+/// steps_q]` walks over `sq` x `skv`: each (mask head, q block) visits a random subset of kv
+/// blocks (random kinds and partial blocks, random bits), no walk longer than its array
+/// allows. Arbitrary block-sparse masks for the op's random inputs; structured masks come
+/// from [`MaskInfo::build`].
+pub fn random_mask_info(shapes: [&[usize]; 3], sq: usize, skv: usize, rng: &mut StdRng) -> MaskInfo {
+    let (nb, bq, bk) = (shapes[0][0].max(1), shapes[0][1].max(1), shapes[0][2].max(1));
+    let (nq, nk) = (sq.div_ceil(bq).max(1), skv.div_ceil(bk).max(1));
+    let heads = (shapes[1][1] / nq).max(1);
+    let (steps, steps_q) = (shapes[1][2].max(1), shapes[2][2].max(1));
+    // Bits visible with probability 0.6; block 0 all zero when there are several (a partial
+    // block may hide every key of some rows: those rows must come out 0 / -inf).
+    let mut flat: Vec<i8> = (0..nb * bq * bk).map(|_| i8::from(rng.gen_bool(0.6))).collect();
+    if nb > 1 {
+        flat[..bq * bk].fill(0);
+    }
+    let mut rows: Vec<Vec<Visit>> = vec![Vec::new(); heads * nq];
+    let mut col_count = vec![0usize; heads * nk];
+    for h in 0..heads {
+        for row in rows[h * nq..(h + 1) * nq].iter_mut() {
+            let mut js: Vec<usize> = (0..nk).collect();
+            js.shuffle(rng);
+            let want = rng.gen_range(0..=nk.min(steps));
+            let mut picked: Vec<usize> = js.into_iter().filter(|&j| col_count[h * nk + j] < steps_q).take(want).collect();
+            picked.sort_unstable();
+            for j in picked {
+                col_count[h * nk + j] += 1;
+                let kind = if rng.gen_bool(0.5) { FULL } else { PARTIAL };
+                row.push((j as i32, kind, if kind == PARTIAL { rng.gen_range(0..nb) as i32 } else { -1 }));
+            }
+        }
+    }
+    let mut cols: Vec<Vec<Visit>> = vec![Vec::new(); heads * nk];
+    for (hr, row) in rows.iter().enumerate() {
+        for &(j, kind, id) in row {
+            cols[(hr / nq) * nk + j as usize].push(((hr % nq) as i32, kind, id));
+        }
+    }
+    MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, steps), bwd_info: walks(&cols, steps_q) }
+}
+
+// ---- building -----------------------------------------------------------------------------
+
+/// The checked geometry of a call: a mask per head (or one shared), the q block.
+struct Geometry {
+    per_head: bool,
+    bq: usize,
+}
+
+/// Checks q/k/v, the metadata's shapes against them and each other, and the soft cap.
+fn geometry(op: &str, q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, params: &AttentionParams) -> Result<Geometry, KernelError> {
+    let e = |subject: &str, m: String, help: String| KernelError::new(op, subject, "splash-metadata", m, help);
+    let (_, h, _, sq, skv, _) = crate::attention::dims(op, q, k, v)?;
+    check_cap(op, params)?;
+    let (bq, bk) = (blocks.shape[1], blocks.shape[2]);
+    if bq == 0 || bk == 0 || blocks.shape[0] == 0 {
+        return Err(e("input `mask_blocks`", format!("mask_blocks is {blocks}"), "pass the mask_blocks of tessera.splash.make_mask (at least one [bq, bk] block)".into()));
+    }
+    let (nq, nk) = (sq.div_ceil(bq), skv.div_ceil(bk));
+    let per_head = match fwd.shape[1] {
+        r if r == nq => false,
+        r if r == h * nq => true,
+        r => {
+            return Err(e(
+                "input `fwd_info`",
+                format!("fwd_info has {r} walks; a mask over {sq} queries at block_q = {bq} has {nq} q blocks, so 1 x {nq} (one mask) or {h} x {nq} (a mask per head)"),
+                "build the metadata for this q length and these heads (tessera.splash.make_mask)".into(),
+            ))
+        }
+    };
+    let want = if per_head { h * nk } else { nk };
+    if bwd.shape[1] != want {
+        return Err(e("input `bwd_info`", format!("bwd_info has {} walks, fwd_info's mask needs {want} ({} kv blocks of {bk} over {skv} keys)", bwd.shape[1], nk), "pass bwd_info built with fwd_info".into()));
+    }
+    Ok(Geometry { per_head, bq })
+}
+
+/// The forward kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn build_splash_attention(q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, segmented: bool, params: &AttentionParams, target: &Target) -> Result<Kernel, KernelError> {
+    let g = geometry("splash_attention", q, k, v, blocks, fwd, bwd, params)?;
+    let (b, h, sq, skv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]);
+    let (qs, ks) = crate::attention::segment_types(segmented, b, sq, skv);
+    let kernel = splash_attention_fwd_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), Type::vector(DType::F32, &[b, h, sq, 1]), g.per_head, segmented, params.sm_scale, cap_of(params))?;
+    Ok(fit_vmem_limit(kernel, target))
+}
+
+/// The three backward kernels (di, dkv, dq).
+#[allow(clippy::too_many_arguments)]
+pub fn build_splash_attention_bwd(q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, segmented: bool, params: &AttentionParams, target: &Target) -> Result<Vec<Kernel>, KernelError> {
+    let g = geometry("splash_attention_bwd", q, k, v, blocks, fwd, bwd, params)?;
+    let (b, h, sq, skv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]);
+    let (qs, ks) = crate::attention::segment_types(segmented, b, sq, skv);
+    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
+    let (scale, cap) = (params.sm_scale, cap_of(params));
+    let di = flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), g.bq)?;
+    let dkv = splash_attention_dkv_kernel(bwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), g.per_head, segmented, scale, cap)?;
+    let dq = splash_attention_dq_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), g.per_head, segmented, scale, cap)?;
+    Ok(vec![fit_vmem_limit(di, target), fit_vmem_limit(dkv, target), fit_vmem_limit(dq, target)])
+}
+
+/// Default blocks for a mask over `sq` x `skv` with head dim `d`: flash attention's backward
+/// blocks (the metadata serves the forward and the backward, so it takes the blocks that
+/// fit both; see [`crate::attention::default_blocks`]).
+pub fn default_blocks(sq: usize, skv: usize, d: usize, dtype: DType, target: &Target) -> (usize, usize) {
+    let b = crate::attention::default_blocks(sq, skv, d, dtype, false, true, target);
+    (b.block_q, b.block_kv)
+}
+
+// ---- running (through the op table) -----------------------------------------------------------
+
+fn statics_of(params: &AttentionParams) -> String {
+    let mut s = format!("sm_scale={:?}", params.sm_scale as f64);
+    if let Some(cap) = params.soft_cap {
+        s += &format!(", soft_cap={:?}", cap as f64);
+    }
+    s
+}
+
+/// Splash attention `(o, lse)` of `q [B, H, Sq, D]`, `k`, `v [B, Hkv, Skv, D]` under the mask
+/// `info` describes (its blocks are the kernels'); `params`' `sm_scale` and `soft_cap` apply,
+/// its causal flag and window do not (they are the mask's business).
+#[allow(clippy::too_many_arguments)]
+pub fn splash_attention(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, info: &MaskInfo, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array), KernelError> {
+    let op = crate::op_named("splash_attention_fwd")?;
+    let mut inputs = vec![Some(q), Some(k), Some(v), Some(&info.mask_blocks), Some(&info.fwd_info), Some(&info.bwd_info)];
+    inputs.extend(segment_ids.map_or([None, None], |s| [Some(&s.q), Some(&s.kv)]));
+    let mut out = op.run(exec, &inputs, &op.statics(&statics_of(params))?, target)?.into_iter();
+    out.next().zip(out.next()).ok_or_else(|| KernelError::new(op.name, "outputs", "output-count", "expected 2 results", "report this as a library bug"))
+}
+
+/// The gradients `(dq, dk, dv)` of `sum(o * do)` from the forward's `o` and `lse`.
+#[allow(clippy::too_many_arguments)]
+pub fn splash_attention_bwd(exec: &dyn Executor, q: &Array, k: &Array, v: &Array, o: &Array, lse: &Array, dout: &Array, info: &MaskInfo, segment_ids: Option<&SegmentIds>, params: &AttentionParams, target: &Target) -> Result<(Array, Array, Array), KernelError> {
+    let op = crate::op_named("splash_attention_bwd")?;
+    let mut inputs = vec![Some(q), Some(k), Some(v), Some(o), Some(lse), Some(dout), Some(&info.mask_blocks), Some(&info.fwd_info), Some(&info.bwd_info)];
+    inputs.extend(segment_ids.map_or([None, None], |s| [Some(&s.q), Some(&s.kv)]));
+    let mut out = op.run(exec, &inputs, &op.statics(&statics_of(params))?, target)?.into_iter();
+    match (out.next(), out.next(), out.next()) {
+        (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
+        _ => Err(KernelError::new(op.name, "outputs", "output-count", "expected 3 results", "report this as a library bug")),
+    }
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+fn params_of(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
+    let mut params = AttentionParams::new(q.shape.get(3).copied().unwrap_or(1), false);
+    if let Some(s) = c.statics.f64("sm_scale") {
+        params.sm_scale = finite_scale(c, s)?;
+    }
+    params.soft_cap = c.statics.f64("soft_cap").map(|x| x as f32);
+    Ok(params)
+}
+
+/// q, k, v and the three metadata tensors' types.
+fn operands(c: &Call) -> Result<[Type; 6], KernelError> {
+    Ok([c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone(), c.tensor("mask_blocks")?.clone(), c.tensor("fwd_info")?.clone(), c.tensor("bwd_info")?.clone()])
+}
+
+fn plan_fwd(c: &Call) -> Result<Plan, KernelError> {
+    let [q, k, v, blocks, fwd, bwd] = operands(c)?;
+    let params = params_of(c, &q)?;
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
+    let kernel = build_splash_attention(&q, &k, &v, &blocks, &fwd, &bwd, segmented, &params, c.target)?;
+    let args = vec![c.input("fwd_info", fwd)?, c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, c.input("mask_blocks", blocks)?, qs, ks];
+    let plan = single(c, kernel, args, &[None, Some(vec![b, h, sq])]);
+    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+}
+
+fn plan_bwd(c: &Call) -> Result<Plan, KernelError> {
+    let [q, k, v, blocks, fwd, bwd] = operands(c)?;
+    let params = params_of(c, &q)?;
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    for name in ["o", "do"] {
+        let t = c.tensor(name)?;
+        if t.dtype != q.dtype {
+            return Err(c.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {t}, q is {q}"), format!("pass {name} of q's dtype ({})", q.dtype)));
+        }
+    }
+    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
+    let kernels = build_splash_attention_bwd(&q, &k, &v, &blocks, &fwd, &bwd, segmented, &params, c.target)?;
+    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
+    let (o, lse, dout) = (c.input("o", q.clone())?, c.input("lse", col.clone())?, c.input("do", q.clone())?);
+    let di = result(0, 0, col);
+    let tail = |info: &str, ty: Type| -> Result<Vec<_>, KernelError> {
+        Ok(vec![c.input(info, ty)?, c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, c.input("mask_blocks", blocks.clone())?, qs.clone(), ks.clone(), dout.clone(), lse.clone(), di.clone()])
+    };
+    let [di_k, dkv_k, dq_k]: [Kernel; 3] = kernels.try_into().map_err(|_| c.err("kernels", "plan-consistency", "the backward builds three kernels", "report this as a Tessera bug"))?;
+    let launches = vec![Launch::new(di_k, vec![o, dout.clone()]), Launch::new(dkv_k, tail("bwd_info", bwd)?), Launch::new(dq_k, tail("fwd_info", fwd)?)];
+    let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
+    let plan = Plan::new(c.op, c.target, launches, results);
+    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+}
+
+/// q, k in [-2, 2), v in [-1, 1), random block-sparse metadata ([`random_mask_info`]) for the
+/// given metadata shapes, segment ids when their shapes are given.
+fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let n = |s: &Vec<usize>| s.iter().product::<usize>();
+    let (sq, skv) = (shapes[0][2], shapes[1][2]);
+    let mut a = vec![
+        Array::from_f32_in(dtype, &shapes[0], harness::uniform(n(&shapes[0]), 2.0, rng)),
+        Array::from_f32_in(dtype, &shapes[1], harness::uniform(n(&shapes[1]), 2.0, rng)),
+        Array::from_f32_in(dtype, &shapes[2], harness::uniform(n(&shapes[2]), 1.0, rng)),
+    ];
+    let info = random_mask_info([&shapes[3], &shapes[4], &shapes[5]], sq, skv, rng);
+    a.extend([info.mask_blocks, info.fwd_info, info.bwd_info]);
+    if shapes.len() > 6 {
+        let s = crate::attention::random_segment_ids(shapes[0][0], sq, skv, rng);
+        a.extend([s.q, s.kv]);
+    }
+    a
+}
+
+/// The reference problem of inputs `(q, k, v, [o, lse, do,] mask_blocks, fwd_info, bwd_info,
+/// [segments])`: the dense mask decoded from the metadata.
+fn reference_params(a: &[Array], s: &Statics, meta: usize) -> Option<crate::attention::reference::Attention> {
+    let (q, k) = (&a[0].shape, &a[1].shape);
+    let (heads, mask) = decode(&a[meta], &a[meta + 1], q[2], k[2])?;
+    let segmented = a.len() > meta + 3;
+    let seg = |i: usize| segmented.then(|| a[i].as_i32().unwrap_or(&[]).to_vec());
+    Some(crate::attention::reference::Attention {
+        b: q[0],
+        h: q[1],
+        hkv: k[1],
+        sq: q[2],
+        skv: k[2],
+        d: q[3],
+        causal: false,
+        sm_scale: s.f64("sm_scale").map_or(1.0 / (q[3] as f64).sqrt(), |x| x as f32 as f64),
+        soft_cap: s.f64("soft_cap").map(|x| x as f32 as f64),
+        q_segments: seg(meta + 3),
+        kv_segments: seg(meta + 4),
+        window_left: None,
+        window_right: None,
+        mask: Some((heads, mask)),
+    })
+}
+
+/// Forward inputs with the reference forward's `o`, `lse` and a random `do` inserted after v.
+fn backward_inputs(shapes: &[Vec<usize>], dtype: DType, s: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    let fwd_shapes: Vec<Vec<usize>> = shapes[..3].iter().chain(&shapes[6..]).cloned().collect();
+    let mut fwd = forward_inputs(&fwd_shapes, dtype, s, rng);
+    let cfg = reference_params(&fwd, s, 3).expect("random metadata decodes");
+    let (o, lse) = crate::attention::reference::forward(&cfg, &fwd[0].to_f64_vec(), &fwd[1].to_f64_vec(), &fwd[2].to_f64_vec());
+    let q_shape = shapes[0].clone();
+    let rest: Vec<Array> = fwd.drain(3..).collect();
+    fwd.push(Array::from_f32_in(dtype, &q_shape, o.iter().map(|&x| x as f32).collect()));
+    fwd.push(Array::from_f32(&shapes[4], lse.iter().map(|&x| x as f32).collect()));
+    fwd.push(Array::from_f32_in(dtype, &q_shape, harness::uniform(q_shape.iter().product(), 1.0, rng)));
+    fwd.extend(rest);
+    fwd
+}
+
+fn ref_forward(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let Some(cfg) = reference_params(a, s, 3) else { return vec![] };
+    let (o, lse) = crate::attention::reference::forward(&cfg, &a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec());
+    vec![o, lse]
+}
+
+fn ref_backward(a: &[Array], s: &Statics) -> Vec<Vec<f64>> {
+    let Some(cfg) = reference_params(a, s, 6) else { return vec![] };
+    let (dq, dk, dv) = crate::attention::reference::backward(&cfg, &a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), &a[5].to_f64_vec());
+    vec![dq, dk, dv]
+}
+
+const Q: Input = Input { name: "q", dims: "[b, h, sq, d]", kind: Kind::Float };
+const K: Input = Input { name: "k", dims: "[b, hkv, skv, d]", kind: Kind::Float };
+const V: Input = Input { name: "v", dims: "[b, hkv, skv, d]", kind: Kind::Float };
+const MASK_BLOCKS: Input = Input { name: "mask_blocks", dims: "[nb, bq, bk]", kind: Kind::Int8 };
+const FWD_INFO: Input = Input { name: "fwd_info", dims: "[3, rq, steps]", kind: Kind::Int32 };
+const BWD_INFO: Input = Input { name: "bwd_info", dims: "[3, rk, steps_q]", kind: Kind::Int32 };
+const Q_SEG: Input = Input { name: "q_segment_ids", dims: "[b, sq]", kind: Kind::Int32 };
+const KV_SEG: Input = Input { name: "kv_segment_ids", dims: "[b, skv]", kind: Kind::Int32 };
+const FWD_SCHEMA: &str = "(Tensor q, Tensor k, Tensor v, Tensor mask_blocks, Tensor fwd_info, Tensor bwd_info, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> (Tensor, Tensor)";
+const FWD_DOC: &str = "splash attention: flash attention over a block-sparse mask whose metadata (mask_blocks int8 [nb, bq, bk], fwd_info / bwd_info int32 [3, walks, steps]) tessera.splash.make_mask builds on the host once per mask; fully masked blocks are never fetched, full blocks apply no mask; (o, float32 lse [b, h, sq]); GQA, soft cap, segment ids";
+
+/// Cases: a 1024-long sequence at 256 blocks (4 x 4 blocks, every walk as long as the
+/// sequence, 16 distinct partial blocks allowed), per-head metadata over GQA 4:1 and ragged
+/// lengths, and segment ids with a soft cap.
+const FWD_CASES: &[Case] = &[
+    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 4, 4], &[3, 4, 4]] },
+    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[6, 256, 256], &[3, 24, 4], &[3, 32, 3]] },
+    Case { name: "segmented", statics: "soft_cap=50.0", shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[4, 128, 128], &[3, 4, 4], &[3, 4, 4], &[2, 512], &[2, 512]] },
+];
+const BWD_CASES: &[Case] = &[
+    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 4, 4], &[3, 4, 4]] },
+    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[6, 256, 256], &[3, 24, 4], &[3, 32, 3]] },
+    Case {
+        name: "segmented",
+        statics: "soft_cap=50.0",
+        shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[2, 4, 512, 128], &[2, 4, 512], &[2, 4, 512, 128], &[4, 128, 128], &[3, 4, 4], &[3, 4, 4], &[2, 512], &[2, 512]],
+    },
+];
+
+/// This module's ops.
+pub const OPS: &[Op] = &[
+    Op {
+        name: "splash_attention_fwd", doc: FWD_DOC, schema: FWD_SCHEMA, plan: plan_fwd, reference: Some(ref_forward),
+        inputs: &[Q, K, V, MASK_BLOCKS, FWD_INFO, BWD_INFO, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }, Output { name: "lse", shape: "[*q[:3]]", dtype: "f32" }],
+        backward: Some(Backward { op: "splash_attention_bwd", args: "q, k, v, o, lse, d_o, mask_blocks, fwd_info, bwd_info, sm_scale, soft_cap, q_segment_ids, kv_segment_ids", grads: &["q", "k", "v"] }),
+        cases: FWD_CASES, random: Some(forward_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "splash_attention_bwd", doc: "(dq, dk, dv) of splash attention: di = rowsum(do * o), a dkv kernel walking bwd_info (the q blocks that see each kv block, the group's query heads summed in VMEM), a dq kernel walking fwd_info",
+        schema: "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, Tensor mask_blocks, Tensor fwd_info, Tensor bwd_info, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> (Tensor, Tensor, Tensor)",
+        plan: plan_bwd, reference: Some(ref_backward),
+        inputs: &[Q, K, V, Input { name: "o", dims: "[b, h, sq, d]", kind: Kind::Float }, Input { name: "lse", dims: "[b, h, sq, 1?]", kind: Kind::Float32 }, Input { name: "do", dims: "[b, h, sq, d]", kind: Kind::Float }, MASK_BLOCKS, FWD_INFO, BWD_INFO, Q_SEG, KV_SEG],
+        outputs: &[Output { name: "dq", shape: "q", dtype: "q" }, Output { name: "dk", shape: "k", dtype: "k" }, Output { name: "dv", shape: "v", dtype: "v" }],
+        cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
+    },
+    Op {
+        name: "splash_attention", doc: "splash attention's output o (differentiable), splash_attention_fwd's first result", schema: FWD_SCHEMA_O,
+        inputs: &[Q, K, V, MASK_BLOCKS, FWD_INFO, BWD_INFO, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
+        alias_of: Some(("splash_attention_fwd", 0)), ..Op::EMPTY
+    },
+];
+
+const FWD_SCHEMA_O: &str = "(Tensor q, Tensor k, Tensor v, Tensor mask_blocks, Tensor fwd_info, Tensor bwd_info, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> Tensor";
