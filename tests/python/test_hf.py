@@ -338,23 +338,36 @@ def test_generate_left_padded_batch_matches_eager(cache_implementation):
     assert torch.equal(got, ref)
 
 
-def test_unsupported_masks_are_refused_with_a_clear_error():
-    _, tes = pair(llama_config())
+def test_other_boolean_masks_run_splash_attention_and_match_eager():
+    """Masks flash attention cannot express go through splash attention: several new tokens on
+    top of a filled cache (bottom-right causal), packed sequences (position_ids restarting inside
+    a row: a block-diagonal causal mask), a custom boolean 4D mask. A float mask is refused."""
+    eager, tes = pair(llama_config())
     ids = tokens()
     with torch.no_grad():
-        out = tes(ids[:, :48], use_cache=True)
-        # several new tokens on a filled cache: bottom-right causal, not expressible
-        with pytest.raises(NotImplementedError, match="several new tokens on top of a filled cache") as e:
-            tes(ids[:, 48:52], cache=out.cache)
-        print(f"refused: {e.value}")
+        cache_e = eager(ids[:, :48], use_cache=True).cache
+        with TpuOps() as ops:
+            out_t = tes(ids[:, :48], use_cache=True)
+            got = tes(ids[:, 48:52], cache=out_t.cache).logits
+        assert len(ops.named("splash_attention_fwd")) == LAYERS, "the chunk on a filled cache ran splash attention"
+        want = eager(ids[:, 48:52], cache=cache_e).logits
+        assert rel_err(got, want) < F32_TOL
         # packed sequences: position_ids restart inside a row
         pos = torch.cat([torch.arange(32), torch.arange(32)]).expand(BATCH, -1)
-        with pytest.raises(NotImplementedError, match="packed sequences"):
-            tes(ids, position_ids=pos, use_cache=False)  # (with a cache transformers never looks)
-        # a custom 4D float mask
-        custom = torch.zeros(BATCH, 1, SEQ, SEQ)
-        with pytest.raises(NotImplementedError, match="custom 4D"):
-            tes(ids, attention_mask=custom)
+        with TpuOps() as ops:
+            got = tes(ids, position_ids=pos, use_cache=False).logits
+        assert ops.named("splash_attention_fwd"), "packed sequences ran splash attention"
+        assert rel_err(got, eager(ids, position_ids=pos, use_cache=False).logits) < F32_TOL
+        # a custom boolean 4D mask, a different band per batch row; eager adds a boolean mask to
+        # the scores (True = +1), so SDPA, which reads it as "attend", is the reference here
+        r, c = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
+        custom = torch.stack([(c <= r) & (r - c <= 5 + 9 * b) for b in range(BATCH)])[:, None]
+        sdpa = copy.deepcopy(eager)
+        sdpa.set_attn_implementation("sdpa")
+        assert rel_err(tes(ids, attention_mask=custom).logits, sdpa(ids, attention_mask=custom).logits) < F32_TOL
+        # a custom 4D float mask: refused
+        with pytest.raises(NotImplementedError, match="float"):
+            tes(ids, attention_mask=torch.zeros(BATCH, 1, SEQ, SEQ))
 
 
 def test_dropout_in_training_is_refused():
@@ -595,3 +608,26 @@ def test_flash_attention_negative_window_is_refused():
     text = str(e.value)
     assert "flash_attention" in text and "window_left" in text and "option-value" in text, text
     print(f"refused: {text}")
+
+
+def test_llama4_chunked_attention_matches_eager():
+    """Llama 4's chunked attention layers (causal inside chunks of 16 keys) through splash
+    attention, a prompt 4x the chunk: logits equal eager, greedy generate() gives eager's tokens."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, intermediate_size_mlp=256, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=16,
+                           max_position_embeddings=256, interleave_moe_layer_step=2)
+    assert cfg.layer_types.count("chunked_attention") == 3
+    torch.manual_seed(0)
+    eager = Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    tes = Llama4ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="tessera").eval()
+    tes.load_state_dict(eager.state_dict())
+    ids = tokens(seq=64)
+    with torch.no_grad():
+        with TpuOps() as ops:
+            got = tes(ids).logits
+        assert len(ops.named("splash_attention_fwd")) == 3, "the chunked layers ran splash attention"
+        assert rel_err(got, eager(ids).logits) < F32_TOL
+        kw = dict(max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids[:, :20]), pad_token_id=0)
+        assert torch.equal(tes.generate(ids[:, :20], **kw), eager.generate(ids[:, :20], **kw))

@@ -7,7 +7,8 @@
 After ``register()`` every model whose attention layers dispatch through
 ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` (Llama, Mistral,
 Qwen2/3, Gemma 2/3 and most other models in transformers 5.x) runs its attention through
-``torch.ops.tpu.flash_attention``. Tested with transformers 5.24 (tests/python/test_hf.py).
+``torch.ops.tpu.flash_attention`` (or ``torch.ops.tpu.splash_attention`` for masks flash attention
+cannot express, below). Tested with transformers 5.24 (tests/python/test_hf.py).
 
 How transformers (5.24) wires a custom name, and what ``register()`` therefore does:
 
@@ -48,9 +49,12 @@ returns ``(attn_output [B,Sq,H,D] contiguous, None)``.
   query positions are as meaningless as in eager). Bidirectional masks give the queries all 1.
 * One query token (decoding) with any boolean mask ``[B, 1, 1, Skv]`` (padding, static cache slots,
   sliding window): that mask is a per-key mask, so it becomes the kv segment ids directly.
-* Any other mask (packed sequences, several new tokens on top of a filled cache, bidirectional or
-  chunked windows, image-token overlays, custom 4D or float masks) ->
-  ``NotImplementedError``; so are dropout while training, ``position_bias``, attention sinks
+* Any other boolean mask (packed sequences, several new tokens on top of a filled cache, chunked
+  attention as Llama 4's, bidirectional windows, image-token overlays, a custom boolean 4D mask) ->
+  ``tessera.splash``: the mask's block metadata is built once per forward from the 4D mask (one
+  read of it on the host; batch rows with equal masks share one), and attention runs through
+  ``torch.ops.tpu.splash_attention``, skipping the blocks no query sees. A float (additive) mask
+  -> ``NotImplementedError``; so are dropout while training, ``position_bias``, attention sinks
   (``s_aux``) and varlen kwargs. Nothing is silently ignored.
 
 Importing this module does not import transformers; ``register()`` does.
@@ -70,16 +74,12 @@ _log = logging.getLogger(__name__)
 _warned_output_attentions = False
 
 _MASK_RULE = (
-    'attn_implementation="tessera" runs torch.ops.tpu.flash_attention, which masks only by the causal rule '
-    "(top-left aligned), a causal sliding window and segment ids; this covers no mask, padding (a 2D "
-    "attention_mask), sliding-window layers, and any boolean mask while decoding one token at a time. "
-    "transformers built a different mask here ({what}). "
-    "That happens with packed sequences (position_ids restarting inside a row), "
-    "several new tokens on top of a filled cache (chunked prefill, speculative "
-    "decoding, assisted generation), image-token or other overlays on the causal mask, and custom 4D or "
-    "float masks. Load the model with attn_implementation=\"sdpa\" or \"eager\" for these inputs "
-    '(model.set_attn_implementation("sdpa") switches an existing model), or avoid the pattern (e.g. pad '
-    "instead of packing, prefill in one step)."
+    'attn_implementation="tessera" runs torch.ops.tpu.flash_attention (no mask, padding, causal sliding '
+    "windows) or torch.ops.tpu.splash_attention (any other boolean mask [batch or 1, 1, q_len, kv_len]); "
+    "transformers built a different mask here ({what}): a custom 4D float (additive) mask, or one whose "
+    "shape does not match the batch and lengths. Pass a boolean mask (True = attend), or load the model "
+    'with attn_implementation="sdpa" or "eager" for these inputs (model.set_attn_implementation("sdpa") '
+    "switches an existing model)."
 )
 
 
@@ -143,7 +143,12 @@ def tessera_attention_forward(
         causal = bool(is_causal) and q_len > 1
     else:
         # With a mask, the mask alone defines the pattern (SDPA drops is_causal then too).
-        causal, q_seg, kv_seg, window_left = _segments(attention_mask, batch, q_len, kv_len)
+        expressed = _segments(attention_mask, batch, q_len, kv_len)
+        if expressed is None:
+            # Any other boolean mask: splash attention over its block metadata.
+            out = _splash(query, key, value, attention_mask, scaling, softcap)
+            return out.transpose(1, 2).contiguous(), None
+        causal, q_seg, kv_seg, window_left = expressed
 
     if causal and kv_len > q_len:
         # Top-left causal never reaches keys past q_len: these are unwritten static-cache slots.
@@ -171,7 +176,8 @@ _TAG = "_tessera_mask"
 
 
 def _segments(mask, batch: int, q_len: int, kv_len: int):
-    """(causal, q_segment_ids, kv_segment_ids, window_left) expressing `mask`, or NotImplementedError."""
+    """(causal, q_segment_ids, kv_segment_ids, window_left) expressing `mask` for flash attention;
+    None for another boolean mask (splash attention takes it); NotImplementedError otherwise."""
     what = type(mask).__name__
     if isinstance(mask, torch.Tensor):
         what += f" of shape {tuple(mask.shape)}, dtype {mask.dtype}"
@@ -194,7 +200,43 @@ def _segments(mask, batch: int, q_len: int, kv_len: int):
                 # A single query row: the mask is just which keys it sees.
                 kv_seg = mask[:, 0, 0, :].to(torch.int32).expand(batch, kv_len).contiguous()
                 return False, torch.ones((batch, 1), dtype=torch.int32, device=kv_seg.device), kv_seg, None
+            if mask.dtype == torch.bool:
+                return None  # splash attention's (see _splash)
     raise NotImplementedError(_MASK_RULE.format(what=what))
+
+
+# The splash masks of a 4D boolean mask, cached on the mask tensor (every layer of a forward
+# gets the same tensor): one per distinct batch row, and which row each batch element uses.
+_SPLASH = "_tessera_splash"
+
+
+def _splash(query, key, value, mask, scaling, softcap):
+    """Attention under any boolean mask ``[B or 1, 1, Sq, Skv]`` through splash attention: the
+    mask's block metadata is built once per forward on the host (one read of the mask), and batch
+    elements with the same mask share it; blocks no query sees are skipped."""
+    from tessera import splash
+
+    batch = query.shape[0]
+    cached = getattr(mask, _SPLASH, None)
+    if cached is None:
+        rows = mask[:, 0].to("cpu")
+        distinct, which = [], []
+        for b in range(rows.shape[0]):
+            same = next((i for i, r in enumerate(distinct) if torch.equal(r, rows[b])), None)
+            if same is None:
+                distinct.append(rows[b])
+                same = len(distinct) - 1
+            which.append(same)
+        dt = query.dtype if query.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+        cached = ([splash.make_mask(r, head_dim=query.shape[-1], dtype=dt) for r in distinct], which)
+        setattr(mask, _SPLASH, cached)
+    masks, which = cached
+    scale = None if scaling is None else float(scaling)
+    cap = None if softcap is None else float(softcap)
+    if len(masks) == 1:
+        return splash.splash_attention(query, key, value, masks[0], sm_scale=scale, soft_cap=cap)
+    outs = [splash.splash_attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], masks[which[b % len(which)]], sm_scale=scale, soft_cap=cap) for b in range(batch)]
+    return torch.cat(outs, 0)
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
