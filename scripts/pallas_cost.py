@@ -12,6 +12,8 @@ Usage:
     flash:b=1,h=8,s=2048,d=128,causal=1,bq=128,bk=128,dtype=bf16        (forward)
     flash_train:b=1,h=8,s=2048,d=128,causal=1,bq=128,dtype=bf16         (forward with residuals + backward, every block bq)
     gmm:m=4096,k=1024,n=1024,g=8,tm=256,tk=1024,tn=1024,dtype=bf16,sizes=512;512;...
+    splash:h=8,s=2048,d=128,bq=256,bk=256,mask=causal,dtype=bf16     (forward; mask = causal | full | local:W | chunked:C,
+                                                                      a numpy mask: partial blocks read as bits, as Tessera's)
 Output: one JSON line per case: {"case", "target", "ok", "error", "profile"} where profile
 is as in tpu_compile.py --profile. Each case compiles in its own child process (the
 profiler aborts on some kernels; a crash is that case's error, not the run's).
@@ -83,7 +85,19 @@ def build(kernel, p):
         # metadata is (the kernel's visit count is static either way).
         f = lambda lhs, rhs: _gmm(lhs, rhs, gs, preferred_element_type=jnp.float32, tiling=tiling)  # noqa: E731
         return f, [S((i("m"), i("k")), dtype), S((len(sizes), i("k"), i("n")), dtype)]
-    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | flash_train | gmm")
+    if kernel == "splash":
+        import numpy as np
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+        h, s, d = i("h"), i("s"), i("d")
+        r, c = np.arange(s)[:, None], np.arange(s)[None, :]
+        kind, _, arg = p.get("mask", "causal").partition(":")
+        mask = {"causal": c <= r, "full": np.ones((s, s), bool), "local": (c <= r) & (r - c <= int(arg or 0)),
+                "chunked": (c <= r) & (r // max(int(arg or 1), 1) == c // max(int(arg or 1), 1))}[kind]
+        sizes = sk.BlockSizes(block_q=i("bq"), block_kv=i("bk"), block_kv_compute=i("bk"))
+        kernel_fn = sk.make_splash_mha_single_device(np.broadcast_to(mask, (h, s, s)), block_sizes=sizes)
+        f = lambda q, k, v: kernel_fn(q, k, v)  # noqa: E731
+        return f, [S((h, s, d), dtype)] * 3
+    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | flash_train | gmm | splash")
 
 
 def child(target, case):
