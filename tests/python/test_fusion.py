@@ -800,3 +800,41 @@ def test_a_kernel_the_verifier_refuses_falls_back_and_says_why():
     s = fusion.stats()
     assert s["kernels_launched"] == 0 and len(s["fallbacks"]) == 1, s
     assert "vmem-budget" in s["fallbacks"][0] and "tpu7x" in s["fallbacks"][0], s["fallbacks"]
+
+
+def test_torch_compile_maps_sdpa_to_flash_attention(fresh_dynamo, monkeypatch):
+    """F.scaled_dot_product_attention under torch.compile(backend="tessera") runs Tessera's flash
+    attention forward and backward (causal or not, a given scale, GQA); a masked SDPA stays aten."""
+    import torch.nn.functional as F
+    from tessera import _compile
+
+    mapped = []
+    real = _compile.map_library_ops
+    monkeypatch.setattr(_compile, "map_library_ops", lambda gm: mapped.append(real(gm)) or mapped[-1])
+
+    def attn(q, k, v, causal, scale, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True).relu()
+
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        for causal, scale in ((True, None), (False, 0.3)):
+            mapped.clear()
+            torch.manual_seed(0)
+            q = torch.randn(2, 4, 96, 32, dtype=dtype, requires_grad=True)
+            k = torch.randn(2, 2, 96, 32, dtype=dtype, requires_grad=True)
+            v = torch.randn(2, 2, 96, 32, dtype=dtype, requires_grad=True)
+            want = attn(q, k, v, causal, scale)
+            want.sum().backward()
+            grads = [t.grad.clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            got = torch.compile(attn, backend="tessera")(q, k, v, causal, scale)
+            got.sum().backward()
+            assert mapped == [1, 1], f"forward and backward each map one SDPA: {mapped}"
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            for t, g in zip((q, k, v), grads):
+                torch.testing.assert_close(t.grad, g, rtol=tol * 5, atol=tol * 5)
+    mapped.clear()
+    q = torch.randn(1, 2, 64, 32)
+    mask = torch.rand(64, 64) < 0.5
+    torch.testing.assert_close(torch.compile(attn, backend="tessera")(q, q, q, False, None, mask), attn(q, q, q, False, None, mask), rtol=1e-5, atol=1e-5)
+    assert mapped == [0], "a masked SDPA stays aten"
