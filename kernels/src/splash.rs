@@ -479,6 +479,7 @@ struct Geometry {
 }
 
 /// Checks q/k/v, the metadata's shapes against them and each other, and the soft cap.
+#[allow(clippy::too_many_arguments)]
 fn geometry(op: &str, q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, params: &AttentionParams) -> Result<Geometry, KernelError> {
     let e = |subject: &str, m: String, help: String| KernelError::new(op, subject, "splash-metadata", m, help);
     let (_, h, _, sq, skv, _) = crate::attention::dims(op, q, k, v)?;

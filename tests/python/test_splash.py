@@ -20,13 +20,9 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 def dense(mask_mod, heads, sq, skv):
-    """The mask evaluated pair by pair (plain Python ints, no broadcasting): [heads, sq, skv]."""
-    out = torch.zeros(heads, sq, skv, dtype=torch.bool)
-    for h in range(heads):
-        for r in range(sq):
-            for c in range(skv):
-                out[h, r, c] = bool(mask_mod(0, torch.tensor(h), torch.tensor(r), torch.tensor(c)))
-    return out
+    """The mask evaluated pair by pair on plain Python ints (no broadcasting, unlike
+    make_mask): [heads, sq, skv]."""
+    return torch.tensor([[[bool(mask_mod(0, h, r, c)) for c in range(skv)] for r in range(sq)] for h in range(heads)], dtype=torch.bool)
 
 
 def math_attention(q, k, v, mask, scale=None):

@@ -248,3 +248,32 @@ fn mismatched_metadata_is_refused() {
     assert!(e.contains("bwd_info"), "{e}");
     assert!(MaskInfo::build(1, 0, 256, 64, 128, |_, _, _| true).is_err());
 }
+
+/// libtpu compiles the forward and the backward at large blocks (512 and 1024) for every
+/// target, with a per-head mask over GQA 4:1, in bf16 (tpu_compiler.rs compiles the library
+/// cases in f32 too).
+#[test]
+fn libtpu_compiles_large_blocks() {
+    if !tessera_tests::oracle::enabled() {
+        eprintln!("skipped: set TESSERA_TPU_ORACLE=1 to compile with libtpu");
+        return;
+    }
+    let mut jobs = Vec::new();
+    for block in [512, 1024] {
+        let info = MaskInfo::build(8, 4096, 4096, block, block, |h, r, c| c <= r && r - c <= 700 + 300 * h).unwrap();
+        let t = |a: &Array| Type::vector(a.dtype, &a.shape);
+        let (mb, fi, bi) = (t(&info.mask_blocks), t(&info.fwd_info), t(&info.bwd_info));
+        for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+            let q = Type::vector(DType::BF16, &[1, 8, 4096, 128]);
+            let kv = Type::vector(DType::BF16, &[1, 2, 4096, 128]);
+            let params = AttentionParams::new(128, false);
+            let mut kernels = vec![splash::build_splash_attention(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap()];
+            kernels.extend(splash::build_splash_attention_bwd(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap());
+            for kernel in kernels {
+                let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+                jobs.push((format!("{}-bf16-{block}", kernel.name), target.name.to_string(), lowered.stablehlo));
+            }
+        }
+    }
+    tessera_tests::oracle::assert_all_accepted(&jobs);
+}
