@@ -12,12 +12,12 @@
 //!
 //! - `mask_blocks`: int8 `[nb, bq, bk]`, the distinct partial blocks (1 = visible); their
 //!   shape gives the kernels' blocks. At least one block (all zeros when none is partial).
-//! - `fwd_info`: int32 `[3, Hm * nq, steps]`, for each (mask head, q block) the kv blocks to
+//! - `fwd_info`: int32 `[3, Hm, nq, steps]`, for each (mask head, q block) the kv blocks to
 //!   visit in order: plane 0 the kv block, plane 1 its kind (1 partial, 2 full, 0 a padding
 //!   step), plane 2 the partial block's index in `mask_blocks`. `steps` is the most kv blocks
 //!   any q block visits: the grid's last axis. Padding steps and full blocks repeat the
 //!   previous step's kv block / mask block, so the pipeline issues no DMA for them.
-//! - `bwd_info`: int32 `[3, Hm * nk, steps_q]`, the transpose: for each (mask head, kv
+//! - `bwd_info`: int32 `[3, Hm, nk, steps_q]`, the transpose: for each (mask head, kv
 //!   block) the q blocks that see it (the dkv kernel's walk).
 //!
 //! All three are scalar prefetch (SMEM) or plain inputs: no value is read on the host per
@@ -72,17 +72,17 @@ pub const FULL: i32 = 2;
     grid = [bsz, heads, sq.div_ceil(bq), steps],
     semantics = [parallel, parallel, parallel, arbitrary],
     (q, o) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1), 0]),
-    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), nb - 1), 0, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head), i, j)], 0), skv.div_ceil(bk) - 1), 0]),
+    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head), i, j)], 0), nb - 1), 0, 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
-    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head), i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
     lse = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     (m_run, l_run) = scratch([bq, state_lanes(bk, d)], f32),
     acc = scratch([bq, d], f32),
 )]
 #[rustfmt::skip]
 pub fn splash_attention_fwd_kernel(
-    info: Prefetch<3, rows, steps>,
+    info: Prefetch<3, hm, nblk, steps>,
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
     per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
@@ -96,10 +96,10 @@ pub fn splash_attention_fwd_kernel(
         l_run[..] = zeros([bq, lanes], f32);
         acc[..] = zeros([bq, d], f32);
     }
-    let row = if per_head { h * (sq.div_ceil(bq) as i32) + i } else { i };
-    let kind = info[(1, row, j)];
+    let mh = h * i32::from(per_head);
+    let kind = info[(1, mh, i, j)];
     if kind > 0 {
-        let kv_block = info[(0, row, j)];
+        let kv_block = info[(0, mh, i, j)];
         let q_start = i * (bq as i32);
         let kv_start = kv_block * (bk as i32);
         let s = logits(q[..], k[..], sm_scale, soft_cap);
@@ -144,17 +144,17 @@ pub fn splash_attention_fwd_kernel(
 #[tpu_kernel(
     grid = [bsz, kv_heads, skv.div_ceil(bk), heads / kv_heads, steps],
     semantics = [parallel, parallel, parallel, arbitrary, arbitrary],
-    (q, dout) = block([None, None, bq, d], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1), 0]),
+    (q, dout) = block([None, None, bq, d], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head), j, t)], 0), sq.div_ceil(bq) - 1), 0]),
     (k, v, dk, dv) = block([None, None, bk, d], |b, kh, j, g, t| [b, kh, j, 0]),
-    mask = block([None, bq, bk], |b, kh, j, g, t| [min(max(info[(2, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), nb - 1), 0, 0]),
-    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, t| [b * usize::from(segmented), min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
+    mask = block([None, bq, bk], |b, kh, j, g, t| [min(max(info[(2, (kh * (heads / kv_heads) + g) * usize::from(per_head), j, t)], 0), nb - 1), 0, 0]),
+    q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, kh, j, g, t| [b * usize::from(segmented), min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head), j, t)], 0), sq.div_ceil(bq) - 1) * usize::from(segmented), 0]),
     kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, kh, j, g, t| [b * usize::from(segmented), 0, j * usize::from(segmented)]),
-    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head) * skv.div_ceil(bk) + j, t)], 0), sq.div_ceil(bq) - 1), 0]),
+    (lse, di) = block([None, None, bq, 1], |b, kh, j, g, t| [b, kh * (heads / kv_heads) + g, min(max(info[(0, (kh * (heads / kv_heads) + g) * usize::from(per_head), j, t)], 0), sq.div_ceil(bq) - 1), 0]),
     (dk_acc, dv_acc) = scratch([bk, d], f32),
 )]
 #[rustfmt::skip]
 pub fn splash_attention_dkv_kernel(
-    info: Prefetch<3, rows, steps>,
+    info: Prefetch<3, hm, nblk, steps>,
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>,
     dk: Out<bsz, kv_heads, skv, d>, dv: Out<bsz, kv_heads, skv, d>, dk_acc: Scratch, dv_acc: Scratch,
@@ -168,11 +168,10 @@ pub fn splash_attention_dkv_kernel(
         dk_acc[..] = zeros([bk, d], f32);
         dv_acc[..] = zeros([bk, d], f32);
     }
-    let hq = kh * ((heads / kv_heads) as i32) + g;
-    let row = if per_head { hq * (skv.div_ceil(bk) as i32) + j } else { j };
-    let kind = info[(1, row, t)];
+    let mh = (kh * ((heads / kv_heads) as i32) + g) * i32::from(per_head);
+    let kind = info[(1, mh, j, t)];
     if kind > 0 {
-        let q_block = info[(0, row, t)];
+        let q_block = info[(0, mh, j, t)];
         let q_start = q_block * (bq as i32);
         let kv_start = j * (bk as i32);
         let mut qb = q[..];
@@ -224,16 +223,16 @@ pub fn splash_attention_dkv_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), steps],
     semantics = [parallel, parallel, parallel, arbitrary],
     (q, dout, dq) = block([None, None, bq, d], |b, h, i, j| [b, h, i, 0]),
-    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1), 0]),
-    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), nb - 1), 0, 0]),
+    (k, v) = block([None, None, bk, d], |b, h, i, j| [b, h / (heads / kv_heads), min(max(info[(0, h * usize::from(per_head), i, j)], 0), skv.div_ceil(bk) - 1), 0]),
+    mask = block([None, bq, bk], |b, h, i, j| [min(max(info[(2, h * usize::from(per_head), i, j)], 0), nb - 1), 0, 0]),
     q_seg = block([None, if segmented { bq } else { 1 }, 1], |b, h, i, j| [b * usize::from(segmented), i * usize::from(segmented), 0]),
-    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head) * sq.div_ceil(bq) + i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
+    kv_seg = block([None, 1, if segmented { bk } else { 1 }], |b, h, i, j| [b * usize::from(segmented), 0, min(max(info[(0, h * usize::from(per_head), i, j)], 0), skv.div_ceil(bk) - 1) * usize::from(segmented)]),
     (lse, di) = block([None, None, bq, 1], |b, h, i, j| [b, h, i, 0]),
     dq_acc = scratch([bq, d], f32),
 )]
 #[rustfmt::skip]
 pub fn splash_attention_dq_kernel(
-    info: Prefetch<3, rows, steps>,
+    info: Prefetch<3, hm, nblk, steps>,
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     dout: In<bsz, heads, sq, d>, lse: In<bsz, heads, sq, 1>, di: In<bsz, heads, sq, 1>, dq: Out<bsz, heads, sq, d>, dq_acc: Scratch,
     per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
@@ -244,10 +243,10 @@ pub fn splash_attention_dq_kernel(
     if j == 0 {
         dq_acc[..] = zeros([bq, d], f32);
     }
-    let row = if per_head { h * (sq.div_ceil(bq) as i32) + i } else { i };
-    let kind = info[(1, row, j)];
+    let mh = h * i32::from(per_head);
+    let kind = info[(1, mh, i, j)];
     if kind > 0 {
-        let kv_block = info[(0, row, j)];
+        let kv_block = info[(0, mh, i, j)];
         let q_start = i * (bq as i32);
         let kv_start = kv_block * (bk as i32);
         let mut kb = k[..];
@@ -285,9 +284,9 @@ pub fn splash_attention_dq_kernel(
 pub struct MaskInfo {
     /// int8 `[nb, bq, bk]`.
     pub mask_blocks: Array,
-    /// int32 `[3, heads * nq, steps]`.
+    /// int32 `[3, heads, nq, steps]`.
     pub fwd_info: Array,
-    /// int32 `[3, heads * nk, steps_q]`.
+    /// int32 `[3, heads, nk, steps_q]`.
     pub bwd_info: Array,
 }
 
@@ -299,6 +298,43 @@ impl MaskInfo {
     /// head), `sq` queries and `skv` keys at blocks `bq x bk`. Pairs past the ends are not
     /// asked (the kernels mask them).
     pub fn build(heads: usize, sq: usize, skv: usize, bq: usize, bk: usize, visible: impl Fn(usize, usize, usize) -> bool) -> Result<MaskInfo, KernelError> {
+        Self::build_with(heads, sq, skv, bq, bk, |_, _, _| None, visible)
+    }
+
+    /// The metadata of a band: query `r` sees key `c` iff `c - r <= right` and `r - c <=
+    /// left` (flash attention's extents, [`crate::attention::AttentionParams::extents`]:
+    /// causal is `right = 0`, an extent as long as the sequence is unbounded). Blocks are
+    /// classified from their corners, so only the band's edge blocks are evaluated pair by
+    /// pair: `O(nq * nk)` plus the edges, not `O(sq * skv)`.
+    pub fn band(sq: usize, skv: usize, bq: usize, bk: usize, left: usize, right: usize) -> Result<MaskInfo, KernelError> {
+        let (l, rt) = (left as i64, right as i64);
+        let visible = move |r: i64, c: i64| c - r <= rt && r - c <= l;
+        let classify = move |_: usize, i: usize, j: usize| {
+            let (r0, r1) = ((i * bq) as i64, (((i + 1) * bq).min(sq) - 1) as i64);
+            let (c0, c1) = ((j * bk) as i64, (((j + 1) * bk).min(skv) - 1) as i64);
+            // The band is convex along both axes: the block's extreme differences decide.
+            if c0 - r1 > rt || r0 - c1 > l {
+                Some(SKIP)
+            } else if c1 - r0 <= rt && r1 - c0 <= l {
+                Some(FULL)
+            } else {
+                None
+            }
+        };
+        Self::build_with(1, sq, skv, bq, bk, classify, move |_, r, c| visible(r as i64, c as i64))
+    }
+
+    /// [`MaskInfo::build`] with a classifier that settles some blocks without visiting their
+    /// pairs (`Some(SKIP)` / `Some(FULL)`; `None`: evaluate them).
+    pub fn build_with(
+        heads: usize,
+        sq: usize,
+        skv: usize,
+        bq: usize,
+        bk: usize,
+        classify: impl Fn(usize, usize, usize) -> Option<i32>,
+        visible: impl Fn(usize, usize, usize) -> bool,
+    ) -> Result<MaskInfo, KernelError> {
         let err = |m: String| KernelError::new("splash_attention", "mask", "mask-shape", m, "pass a mask of at least one head, query and key, and blocks of at least 1");
         if heads == 0 || sq == 0 || skv == 0 || bq == 0 || bk == 0 {
             return Err(err(format!("{heads} heads, {sq} queries, {skv} keys at blocks {bq} x {bk}")));
@@ -312,6 +348,14 @@ impl MaskInfo {
         for h in 0..heads {
             for i in 0..nq {
                 for j in 0..nk {
+                    match classify(h, i, j) {
+                        Some(SKIP) => continue,
+                        Some(_) => {
+                            rows[h * nq + i].push((j as i32, FULL, -1));
+                            continue;
+                        }
+                        None => {}
+                    }
                     let (mut seen, mut total) = (0usize, 0usize);
                     bits.fill(0);
                     for r in i * bq..((i + 1) * bq).min(sq) {
@@ -352,7 +396,7 @@ impl MaskInfo {
             flat.extend_from_slice(b);
         }
         flat.resize(nb * bq * bk, 0);
-        Ok(MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, 1), bwd_info: walks(&cols, 1) })
+        Ok(MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, heads, 1), bwd_info: walks(&cols, heads, 1) })
     }
 
     /// The kernels' blocks `(bq, bk)`.
@@ -361,10 +405,11 @@ impl MaskInfo {
     }
 }
 
-/// int32 `[3, walks, steps]` (steps at least `min_steps` and the longest walk): each walk's
-/// visits, then padding steps of kind [`SKIP`] that repeat the last visit's blocks; a full
-/// visit's mask block is the previous partial one's (or 0), so neither issues a DMA.
-fn walks(walks: &[Vec<Visit>], min_steps: usize) -> Array {
+/// int32 `[3, heads, n, steps]` of `heads * n` walks (steps at least `min_steps` and the
+/// longest walk): each walk's visits, then padding steps of kind [`SKIP`] that repeat the last
+/// visit's blocks; a full visit's mask block is the previous partial one's (or 0), so neither
+/// issues a DMA.
+fn walks(walks: &[Vec<Visit>], heads: usize, min_steps: usize) -> Array {
     let steps = walks.iter().map(Vec::len).max().unwrap_or(0).max(min_steps);
     let n = walks.len();
     let mut out = vec![0i32; 3 * n * steps];
@@ -386,7 +431,7 @@ fn walks(walks: &[Vec<Visit>], min_steps: usize) -> Array {
             out[(2 * n + w) * steps + s] = mask;
         }
     }
-    Array::from_i32(&[3, n, steps], out)
+    Array::from_i32(&[3, heads, n / heads.max(1), steps], out)
 }
 
 /// The dense mask `[heads, sq, skv]` that metadata describes, read from `fwd_info` alone (the
@@ -395,13 +440,13 @@ fn walks(walks: &[Vec<Visit>], min_steps: usize) -> Array {
 /// (an index out of range, a kind other than 0/1/2).
 pub fn decode(mask_blocks: &Array, fwd_info: &Array, sq: usize, skv: usize) -> Option<(usize, Vec<bool>)> {
     let (nb, bq, bk) = (mask_blocks.shape[0], mask_blocks.shape[1], mask_blocks.shape[2]);
-    let (rows, steps) = (fwd_info.shape[1], fwd_info.shape[2]);
+    let (heads, steps) = (fwd_info.shape[1], fwd_info.shape[3]);
     let nq = sq.div_ceil(bq);
     let nk = skv.div_ceil(bk);
-    if nq == 0 || rows % nq != 0 {
+    if fwd_info.shape[2] != nq {
         return None;
     }
-    let heads = rows / nq;
+    let rows = heads * nq;
     let info = fwd_info.as_i32()?;
     let bits = mask_blocks.as_i8()?;
     let mut out = vec![false; heads * sq * skv];
@@ -429,16 +474,17 @@ pub fn decode(mask_blocks: &Array, fwd_info: &Array, sq: usize, skv: usize) -> O
     Some((heads, out))
 }
 
-/// Random metadata for `[nb, bq, bk]` mask blocks and `[3, rows, steps]` / `[3, rows_k,
-/// steps_q]` walks over `sq` x `skv`: each (mask head, q block) visits a random subset of kv
+/// Random metadata for `[nb, bq, bk]` mask blocks and `[3, heads, nq, steps]` / `[3, heads,
+/// nk, steps_q]` walks: each (mask head, q block) visits a random subset of kv
 /// blocks (random kinds and partial blocks, random bits), no walk longer than its array
 /// allows. Arbitrary block-sparse masks for the op's random inputs; structured masks come
 /// from [`MaskInfo::build`].
-pub fn random_mask_info(shapes: [&[usize]; 3], sq: usize, skv: usize, rng: &mut StdRng) -> MaskInfo {
+pub fn random_mask_info(shapes: [&[usize]; 3], rng: &mut StdRng) -> MaskInfo {
     let (nb, bq, bk) = (shapes[0][0].max(1), shapes[0][1].max(1), shapes[0][2].max(1));
-    let (nq, nk) = (sq.div_ceil(bq).max(1), skv.div_ceil(bk).max(1));
-    let heads = (shapes[1][1] / nq).max(1);
-    let (steps, steps_q) = (shapes[1][2].max(1), shapes[2][2].max(1));
+    // The walks the shapes ask for (a contract-breaking shape makes metadata the op refuses).
+    let (nq, nk) = (shapes[1][2].max(1), shapes[2][2].max(1));
+    let heads = shapes[1][1].max(1);
+    let (steps, steps_q) = (shapes[1][3].max(1), shapes[2][3].max(1));
     // Bits visible with probability 0.6; block 0 all zero when there are several (a partial
     // block may hide every key of some rows: those rows must come out 0 / -inf).
     let mut flat: Vec<i8> = (0..nb * bq * bk).map(|_| i8::from(rng.gen_bool(0.6))).collect();
@@ -467,7 +513,7 @@ pub fn random_mask_info(shapes: [&[usize]; 3], sq: usize, skv: usize, rng: &mut 
             cols[(hr / nq) * nk + j as usize].push(((hr % nq) as i32, kind, id));
         }
     }
-    MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, steps), bwd_info: walks(&cols, steps_q) }
+    MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, heads, steps), bwd_info: walks(&cols, heads, steps_q) }
 }
 
 // ---- building -----------------------------------------------------------------------------
@@ -489,20 +535,21 @@ fn geometry(op: &str, q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, b
         return Err(e("input `mask_blocks`", format!("mask_blocks is {blocks}"), "pass the mask_blocks of tessera.splash.make_mask (at least one [bq, bk] block)".into()));
     }
     let (nq, nk) = (sq.div_ceil(bq), skv.div_ceil(bk));
-    let per_head = match fwd.shape[1] {
-        r if r == nq => false,
-        r if r == h * nq => true,
-        r => {
-            return Err(e(
-                "input `fwd_info`",
-                format!("fwd_info has {r} walks; a mask over {sq} queries at block_q = {bq} has {nq} q blocks, so 1 x {nq} (one mask) or {h} x {nq} (a mask per head)"),
-                "build the metadata for this q length and these heads (tessera.splash.make_mask)".into(),
-            ))
-        }
-    };
-    let want = if per_head { h * nk } else { nk };
-    if bwd.shape[1] != want {
-        return Err(e("input `bwd_info`", format!("bwd_info has {} walks, fwd_info's mask needs {want} ({} kv blocks of {bk} over {skv} keys)", bwd.shape[1], nk), "pass bwd_info built with fwd_info".into()));
+    let (hm, fq) = (fwd.shape[1], fwd.shape[2]);
+    if fq != nq || (hm != 1 && hm != h) {
+        return Err(e(
+            "input `fwd_info`",
+            format!("fwd_info walks {hm} mask head(s) x {fq} q blocks; {sq} queries at block_q = {bq} are {nq} q blocks, over 1 mask head (shared) or {h} (one per query head)"),
+            "build the metadata for this q length and these heads (tessera.splash.make_mask)".into(),
+        ));
+    }
+    let per_head = hm == h && h > 1;
+    if bwd.shape[1] != hm || bwd.shape[2] != nk {
+        return Err(e(
+            "input `bwd_info`",
+            format!("bwd_info walks {} mask head(s) x {} kv blocks; fwd_info's mask needs {hm} x {nk} ({skv} keys at block_kv = {bk})", bwd.shape[1], bwd.shape[2]),
+            "pass the bwd_info built with fwd_info".into(),
+        ));
     }
     Ok(Geometry { per_head, bq })
 }
@@ -537,6 +584,77 @@ pub fn build_splash_attention_bwd(q: &Type, k: &Type, v: &Type, blocks: &Type, f
 pub fn default_blocks(sq: usize, skv: usize, d: usize, dtype: DType, target: &Target) -> (usize, usize) {
     let b = crate::attention::default_blocks(sq, skv, d, dtype, false, true, target);
     (b.block_q, b.block_kv)
+}
+
+// ---- flash attention's sliding windows --------------------------------------------------------
+
+/// Flash attention's window as splash metadata at blocks `bq x bk`, when a walk over it is
+/// shorter than the kv axis (a band narrower than the keys: flash's grid would step through
+/// every kv block, most of them skipped; splash's grid is the band's). `None` for no left
+/// window (causal or full attention, whose walks are as long as the keys), and for a q block
+/// the int8 mask block cannot tile (a multiple of 32 rows, or all of `sq`).
+pub(crate) fn band_info(sq: usize, skv: usize, bq: usize, bk: usize, left: usize, right: usize) -> Result<Option<MaskInfo>, KernelError> {
+    if left >= sq || !(bq.is_multiple_of(32) || bq == sq) {
+        return Ok(None);
+    }
+    let info = MaskInfo::band(sq, skv, bq, bk, left, right)?;
+    Ok((info.fwd_info.shape[3] < skv.div_ceil(bk)).then_some(info))
+}
+
+/// The host arrays of a band plan: the metadata (0, 1, 2) and the segment-id placeholders
+/// (3, 4), the same arrays every call.
+fn band_host(info: &MaskInfo) -> crate::plan::HostFn {
+    let arrays = [info.mask_blocks.clone(), info.fwd_info.clone(), info.bwd_info.clone()];
+    Box::new(move |_| {
+        let mut out = arrays.to_vec();
+        out.extend([Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]);
+        Ok(out)
+    })
+}
+
+fn band_types(info: &MaskInfo) -> [Type; 3] {
+    let t = |a: &Array| Type::vector(a.dtype, &a.shape);
+    [t(&info.mask_blocks), t(&info.fwd_info), t(&info.bwd_info)]
+}
+
+/// Segment-id operands of a band plan: the given ids, or host arrays 3 and 4.
+fn band_segments(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, [crate::plan::Operand; 2]), KernelError> {
+    let (segmented, given) = segment_operands(c, b, sq, skv)?;
+    if segmented {
+        return Ok((true, given));
+    }
+    let dummy = Type::vector(DType::I32, &[1, 1, 1]);
+    Ok((false, [crate::plan::host(3, dummy.clone()), crate::plan::host(4, dummy)]))
+}
+
+/// `flash_attention_fwd`'s plan over a band ([`band_info`]): splash's forward kernel.
+pub(crate) fn plan_band_fwd(c: &Call, params: &AttentionParams, info: &MaskInfo) -> Result<Plan, KernelError> {
+    let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (segmented, [qs, ks]) = band_segments(c, b, sq, k.shape[2])?;
+    let [mb, fi, bi] = band_types(info);
+    let kernel = build_splash_attention(&q, &k, &v, &mb, &fi, &bi, segmented, params, c.target)?;
+    let args = vec![crate::plan::host(1, fi), c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, crate::plan::host(0, mb), qs, ks];
+    Ok(single(c, kernel, args, &[None, Some(vec![b, h, sq])]).with_host(&[], band_host(info)))
+}
+
+/// `flash_attention_bwd`'s plan over a band: splash's di, dkv and dq kernels.
+pub(crate) fn plan_band_bwd(c: &Call, params: &AttentionParams, info: &MaskInfo) -> Result<Plan, KernelError> {
+    let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (segmented, [qs, ks]) = band_segments(c, b, sq, k.shape[2])?;
+    let [mb, fi, bi] = band_types(info);
+    let kernels = build_splash_attention_bwd(&q, &k, &v, &mb, &fi, &bi, segmented, params, c.target)?;
+    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
+    let (o, lse, dout) = (c.input("o", q.clone())?, c.input("lse", col.clone())?, c.input("do", q.clone())?);
+    let di = result(0, 0, col);
+    let tail = |walks: crate::plan::Operand| -> Result<Vec<_>, KernelError> {
+        Ok(vec![walks, c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, crate::plan::host(0, mb.clone()), qs.clone(), ks.clone(), dout.clone(), lse.clone(), di.clone()])
+    };
+    let [di_k, dkv_k, dq_k]: [Kernel; 3] = kernels.try_into().map_err(|_| c.err("kernels", "plan-consistency", "the backward builds three kernels", "report this as a Tessera bug"))?;
+    let launches = vec![Launch::new(di_k, vec![o, dout.clone()]), Launch::new(dkv_k, tail(crate::plan::host(2, bi))?), Launch::new(dq_k, tail(crate::plan::host(1, fi))?)];
+    let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
+    Ok(Plan::new(c.op, c.target, launches, results).with_host(&[], band_host(info)))
 }
 
 // ---- running (through the op table) -----------------------------------------------------------
@@ -636,7 +754,7 @@ fn forward_inputs(shapes: &[Vec<usize>], dtype: DType, _: &Statics, rng: &mut St
         Array::from_f32_in(dtype, &shapes[1], harness::uniform(n(&shapes[1]), 2.0, rng)),
         Array::from_f32_in(dtype, &shapes[2], harness::uniform(n(&shapes[2]), 1.0, rng)),
     ];
-    let info = random_mask_info([&shapes[3], &shapes[4], &shapes[5]], sq, skv, rng);
+    let info = random_mask_info([&shapes[3], &shapes[4], &shapes[5]], rng);
     a.extend([info.mask_blocks, info.fwd_info, info.bwd_info]);
     if shapes.len() > 6 {
         let s = crate::attention::random_segment_ids(shapes[0][0], sq, skv, rng);
@@ -701,28 +819,28 @@ const Q: Input = Input { name: "q", dims: "[b, h, sq, d]", kind: Kind::Float };
 const K: Input = Input { name: "k", dims: "[b, hkv, skv, d]", kind: Kind::Float };
 const V: Input = Input { name: "v", dims: "[b, hkv, skv, d]", kind: Kind::Float };
 const MASK_BLOCKS: Input = Input { name: "mask_blocks", dims: "[nb, bq, bk]", kind: Kind::Int8 };
-const FWD_INFO: Input = Input { name: "fwd_info", dims: "[3, rq, steps]", kind: Kind::Int32 };
-const BWD_INFO: Input = Input { name: "bwd_info", dims: "[3, rk, steps_q]", kind: Kind::Int32 };
+const FWD_INFO: Input = Input { name: "fwd_info", dims: "[3, hm, nq, steps]", kind: Kind::Int32 };
+const BWD_INFO: Input = Input { name: "bwd_info", dims: "[3, hm, nk, steps_q]", kind: Kind::Int32 };
 const Q_SEG: Input = Input { name: "q_segment_ids", dims: "[b, sq]", kind: Kind::Int32 };
 const KV_SEG: Input = Input { name: "kv_segment_ids", dims: "[b, skv]", kind: Kind::Int32 };
 const FWD_SCHEMA: &str = "(Tensor q, Tensor k, Tensor v, Tensor mask_blocks, Tensor fwd_info, Tensor bwd_info, float? sm_scale=None, float? soft_cap=None, Tensor? q_segment_ids=None, Tensor? kv_segment_ids=None) -> (Tensor, Tensor)";
-const FWD_DOC: &str = "splash attention: flash attention over a block-sparse mask whose metadata (mask_blocks int8 [nb, bq, bk], fwd_info / bwd_info int32 [3, walks, steps]) tessera.splash.make_mask builds on the host once per mask; fully masked blocks are never fetched, full blocks apply no mask; (o, float32 lse [b, h, sq]); GQA, soft cap, segment ids";
+const FWD_DOC: &str = "splash attention: flash attention over a block-sparse mask whose metadata (mask_blocks int8 [nb, bq, bk], fwd_info / bwd_info int32 [3, mask heads, q / kv blocks, steps]) tessera.splash.make_mask builds on the host once per mask; fully masked blocks are never fetched, full blocks apply no mask; (o, float32 lse [b, h, sq]); GQA, soft cap, segment ids";
 
 /// Cases: a 1024-long sequence at 256 blocks (4 x 4 blocks, every walk as long as the
 /// sequence, 16 distinct partial blocks allowed), per-head metadata over GQA 4:1 and ragged
 /// lengths, and segment ids with a soft cap.
 const FWD_CASES: &[Case] = &[
-    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 4, 4], &[3, 4, 4]] },
-    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[6, 256, 256], &[3, 24, 4], &[3, 32, 3]] },
-    Case { name: "segmented", statics: "soft_cap=50.0", shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[4, 128, 128], &[3, 4, 4], &[3, 4, 4], &[2, 512], &[2, 512]] },
+    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 1, 4, 4], &[3, 1, 4, 4]] },
+    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[6, 256, 256], &[3, 8, 3, 4], &[3, 8, 4, 3]] },
+    Case { name: "segmented", statics: "soft_cap=50.0", shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[4, 128, 128], &[3, 1, 4, 4], &[3, 1, 4, 4], &[2, 512], &[2, 512]] },
 ];
 const BWD_CASES: &[Case] = &[
-    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 4, 4], &[3, 4, 4]] },
-    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[6, 256, 256], &[3, 24, 4], &[3, 32, 3]] },
+    Case { name: "default", statics: "", shapes: &[&[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024, 128], &[1, 8, 1024], &[1, 8, 1024, 128], &[16, 256, 256], &[3, 1, 4, 4], &[3, 1, 4, 4]] },
+    Case { name: "per_head_alt", statics: "", shapes: &[&[2, 8, 700, 64], &[2, 2, 1000, 64], &[2, 2, 1000, 64], &[2, 8, 700, 64], &[2, 8, 700], &[2, 8, 700, 64], &[6, 256, 256], &[3, 8, 3, 4], &[3, 8, 4, 3]] },
     Case {
         name: "segmented",
         statics: "soft_cap=50.0",
-        shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[2, 4, 512, 128], &[2, 4, 512], &[2, 4, 512, 128], &[4, 128, 128], &[3, 4, 4], &[3, 4, 4], &[2, 512], &[2, 512]],
+        shapes: &[&[2, 4, 512, 128], &[2, 2, 512, 128], &[2, 2, 512, 128], &[2, 4, 512, 128], &[2, 4, 512], &[2, 4, 512, 128], &[4, 128, 128], &[3, 1, 4, 4], &[3, 1, 4, 4], &[2, 512], &[2, 512]],
     },
 ];
 

@@ -154,9 +154,9 @@ def contract(op, transpose_rhs=False):
         "flash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
-        "splash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
-        "splash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
-        "splash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
+        "splash_attention_fwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 hm nq steps", "3 hm nk stepsq", "b sq", "b skv"],
+        "splash_attention": ["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 hm nq steps", "3 hm nk stepsq", "b sq", "b skv"],
+        "splash_attention_bwd": ["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 hm nq steps", "3 hm nk stepsq", "b sq", "b skv"],
         "paged_attention": ["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
         "ragged_paged_attention": ["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
     }
@@ -209,10 +209,9 @@ def keeps_contract(op, shapes, statics):
     if op in ("flash_attention_fwd", "flash_attention", "flash_attention_bwd", "paged_attention", "ragged_paged_attention"):
         return g("hkv") > 0 and g("h") % max(g("hkv"), 1) == 0
     if op.startswith("splash_attention"):
-        # The walks: one per q block (per kv block), shared or per query head.
+        # The walks: one per q block (per kv block), over one mask head or one per query head.
         nq, nk = -(-g("sq") // max(g("bq"), 1)), -(-g("skv") // max(g("bk"), 1))
-        per = g("rq") // max(nq, 1)
-        return g("hkv") > 0 and g("h") % max(g("hkv"), 1) == 0 and g("rq") in (nq, g("h") * nq) and g("rk") == per * nk
+        return g("hkv") > 0 and g("h") % max(g("hkv"), 1) == 0 and g("hm") in (1, g("h")) and g("nq") == nq and g("nk") == nk
     if op in ("rope", "rope_bwd"):
         return g("dh") % 2 == 0
     if op == "router_topk":

@@ -343,18 +343,18 @@ def splash_dense_mask(mask_blocks, fwd_info, sq, skv):
     documented format (independently of the Rust builder): a visited block is all visible
     (kind 2) or its partial block's bits (kind 1); unvisited blocks are masked."""
     _, bq, bk = mask_blocks.shape
-    rows, steps = fwd_info.shape[1], fwd_info.shape[2]
-    nq, nk = -(-sq // bq), -(-skv // bk)
-    heads = rows // nq
+    _, heads, nq, steps = fwd_info.shape
+    nk = -(-skv // bk)
+    assert nq == -(-sq // bq), "the metadata's q blocks"
     m = torch.zeros(heads, nq * bq, nk * bk, dtype=torch.bool)
     info = fwd_info.long().tolist()
-    for w in range(rows):
-        h, i = divmod(w, nq)
-        for st in range(steps):
-            j, kind, mid = info[0][w][st], info[1][w][st], info[2][w][st]
-            if kind:
-                blk = torch.ones(bq, bk, dtype=torch.bool) if kind == 2 else mask_blocks[mid] != 0
-                m[h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk] = blk
+    for h in range(heads):
+        for i in range(nq):
+            for st in range(steps):
+                j, kind, mid = info[0][h][i][st], info[1][h][i][st], info[2][h][i][st]
+                if kind:
+                    blk = torch.ones(bq, bk, dtype=torch.bool) if kind == 2 else mask_blocks[mid] != 0
+                    m[h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk] = blk
     return m[:, :sq, :skv]
 
 

@@ -153,5 +153,36 @@ def test_errors_name_what_to_change():
         torch.ops.tpu.splash_attention(torch.randn(1, 2, 128, 32), *(torch.randn(1, 2, 128, 32) for _ in range(2)), *other.tensors("cpu"))
 
 
+def test_masks_that_one_metadata_cannot_serve_are_refused():
+    """One metadata serves every batch element (and every head without heads=): a mask_mod that
+    reads b, or h without heads=, is refused rather than silently taking b = 0 / h = 0."""
+    docs = torch.tensor([[0] * 64 + [1] * 64, [0] * 16 + [1] * 112])
+    with pytest.raises(ValueError, match="batch index b"):
+        splash.make_mask(lambda b, h, q, kv: docs[b, q] == docs[b, kv], 128, 128)
+    per_head = lambda b, h, q, kv: (kv <= q) & (q - kv <= 8 * (h + 1))  # noqa: E731
+    with pytest.raises(ValueError, match="heads="):
+        splash.make_mask(per_head, 128, 128)
+    assert splash.make_mask(per_head, 128, 128, heads=4).heads == 4
+    # A captured tensor indexed by q / kv only (documents shared by the batch) is fine.
+    doc = docs[0]
+    m = splash.make_mask(lambda b, h, q, kv: doc[q] == doc[kv], 128, 128)
+    q = torch.randn(2, 2, 128, 32)
+    assert rel_err(splash.splash_attention(q, q, q, m), math_attention(q, q, q, (doc[:, None] == doc[None, :])[None])) < 1e-4
+    with pytest.raises(ValueError, match="drop heads="):
+        splash.make_mask(torch.ones(128, 128, dtype=torch.bool), heads=4)
+    with pytest.raises(ValueError, match="block_q = 33"):
+        splash.make_mask(splash.causal(), 77, 130, block_q=33)
+    with pytest.raises(ValueError, match="head_dim"):
+        splash.make_mask(splash.causal(), 128, 128, head_dim=0)
+    with pytest.raises(ValueError, match="at least one"):
+        splash.and_masks()
+    import numpy as np
+
+    assert splash.make_mask(splash.causal(), np.int64(128), np.int64(128)).q_len == 128
+    assert splash.make_mask(torch.ones(64, 64, dtype=torch.bool)).partial_blocks == 0
+    with pytest.raises(RuntimeError, match="outside the compiled function"):
+        torch.compile(lambda q: splash.splash_attention(q, q, q, splash.causal()), fullgraph=True)(torch.randn(1, 1, 64, 32))
+
+
 def test_jax_is_never_imported():
     assert "jax" not in sys.modules

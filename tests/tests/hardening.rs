@@ -1254,8 +1254,8 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "combine" => &["t*k d", "t k", "t k"],
         "flash_attention_fwd" | "flash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b sq", "b skv"],
         "flash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "b sq", "b skv"],
-        "splash_attention_fwd" | "splash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
-        "splash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 rq steps", "3 rk stepsq", "b sq", "b skv"],
+        "splash_attention_fwd" | "splash_attention" => &["b h sq d", "b hkv skv d", "b hkv skv d", "nb bq bk", "3 hm nq steps", "3 hm nk stepsq", "b sq", "b skv"],
+        "splash_attention_bwd" => &["b h sq d", "b hkv skv d", "b hkv skv d", "b h sq d", "b h sq 1?", "b h sq d", "nb bq bk", "3 hm nq steps", "3 hm nk stepsq", "b sq", "b skv"],
         "paged_attention" => &["b h d", "hkv np ps d", "hkv np ps d", "b", "b pps", "hkv np ps", "hkv np ps"],
         "ragged_paged_attention" => &["t h d", "hkv np ps d", "hkv np ps d", "s", "s pps", "s+1", "1", "hkv np ps", "hkv np ps"],
         _ => &[],
@@ -1326,8 +1326,7 @@ fn keeps_contract(op: &str, statics: &Statics, shapes: &[Vec<usize>]) -> bool {
         // The walks: one per q block (per kv block), shared or one set per query head.
         "splash_attention_fwd" | "splash_attention" | "splash_attention_bwd" => {
             let (nq, nk) = (get("sq").div_ceil(get("bq").max(1)), get("skv").div_ceil(get("bk").max(1)));
-            let per = get("rq") / nq.max(1);
-            get("hkv") > 0 && get("h") % get("hkv").max(1) == 0 && (get("rq") == nq || get("rq") == get("h") * nq) && get("rk") == per * nk
+            get("hkv") > 0 && get("h") % get("hkv").max(1) == 0 && (get("hm") == 1 || get("hm") == get("h")) && get("nq") == nq && get("nk") == nk
         }
         "rope" | "rope_bwd" => get("dh") % 2 == 0,
         "router_topk" => statics.i64("k").is_some_and(|k| k >= 1 && k as usize <= get("e")),
@@ -1557,7 +1556,7 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
             let (bq, bk) = ([32, 64, 128][rng.gen_range(0..3)].min(sq), [128, 256][rng.gen_range(0..2)].min(skv));
             let (nq, nk) = (sq.div_ceil(bq), skv.div_ceil(bk));
             let heads = if rng.gen_bool(0.3) { hkv * g } else { 1 };
-            let meta = [vec![rng.gen_range(1..=4), bq, bk], vec![3, heads * nq, rng.gen_range(1..=nk)], vec![3, heads * nk, rng.gen_range(1..=nq)]];
+            let meta = [vec![rng.gen_range(1..=4), bq, bk], vec![3, heads, nq, rng.gen_range(1..=nk)], vec![3, heads, nk, rng.gen_range(1..=nq)]];
             let (q, kv) = (vec![b, hkv * g, sq, d], vec![b, hkv, skv, d]);
             let mut s = if op == "splash_attention_bwd" { vec![q.clone(), kv.clone(), kv, q.clone(), vec![b, hkv * g, sq], q] } else { vec![q, kv.clone(), kv] };
             s.extend(meta);

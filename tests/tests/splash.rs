@@ -181,9 +181,11 @@ fn metadata_describes_the_mask() {
             }
             // The backward's walks are the transpose: the same (head, q block, kv block) set.
             let pairs = |info: &Array, transpose: bool| {
-                let (rows, steps) = (info.shape[1], info.shape[2]);
+                let (n_own, steps) = (info.shape[2], info.shape[3]);
+                let rows = info.shape[1] * n_own;
                 let x = info.as_i32().unwrap();
-                let (n_own, mut out) = (if transpose { skv.div_ceil(bk) } else { sq.div_ceil(bq) }, Vec::new());
+                assert_eq!(n_own, if transpose { skv.div_ceil(bk) } else { sq.div_ceil(bq) });
+                let mut out = Vec::new();
                 for w in 0..rows {
                     for s in 0..steps {
                         if x[(rows + w) * steps + s] != splash::SKIP {
@@ -200,7 +202,7 @@ fn metadata_describes_the_mask() {
     }
     let causal = MaskInfo::build(1, 1024, 1024, 128, 128, |_, r, c| c <= r).unwrap();
     assert_eq!(causal.mask_blocks.shape, vec![1, 128, 128], "the 8 diagonal blocks share one partial block");
-    assert_eq!(causal.fwd_info.shape, vec![3, 8, 8]);
+    assert_eq!(causal.fwd_info.shape, vec![3, 1, 8, 8]);
     let full = MaskInfo::build(1, 512, 512, 128, 128, |_, _, _| true).unwrap();
     assert_eq!(full.mask_blocks.shape, vec![1, 128, 128], "no partial block: one all-zero placeholder");
     assert!(full.fwd_info.as_i32().unwrap()[16..32].iter().all(|&k| k == splash::FULL));
@@ -214,7 +216,7 @@ fn masked_blocks_are_never_fetched() {
     let (s, d) = (2048, 64);
     let m = mask("local 255", 1, |_, r, c| c <= r && r - c <= 255);
     let p = problem((1, 1, 1, s, s, d), DType::F32, &m, false, None, (128, 128), 3);
-    assert_eq!(p.info.fwd_info.shape, vec![3, 16, 3], "walks of at most 3 kv blocks");
+    assert_eq!(p.info.fwd_info.shape, vec![3, 1, 16, 3], "walks of at most 3 kv blocks");
     // Partial blocks: the diagonal one and the window's far edge, shared by every q block.
     assert_eq!(p.info.mask_blocks.shape[0], 2);
     let t = |a: &Array| Type::vector(a.dtype, &a.shape);
@@ -247,6 +249,12 @@ fn mismatched_metadata_is_refused() {
     let e = splash::splash_attention(&Interpreter, &p.q, &p.k, &p.v, &wrong_bwd, None, &params(64, None), &Target::V6E).unwrap_err().to_string();
     assert!(e.contains("bwd_info"), "{e}");
     assert!(MaskInfo::build(1, 0, 256, 64, 128, |_, _, _| true).is_err());
+    // A shared mask over 256 queries has 4 q-block walks, as many as a per-head mask of 2
+    // heads over 128 queries would have: the head count in the shape tells them apart.
+    let p2 = problem((1, 2, 2, 128, 256, 64), DType::F32, &m, false, None, (64, 128), 2);
+    let long = MaskInfo::build(1, 256, 256, 64, 128, |_, r, c| c <= r).unwrap();
+    let e = splash::splash_attention(&Interpreter, &p2.q, &p2.k, &p2.v, &long, None, &params(64, None), &Target::V6E).unwrap_err().to_string();
+    assert!(e.contains("fwd_info") && e.contains("128 queries"), "{e}");
 }
 
 /// libtpu compiles the forward and the backward at large blocks (512 and 1024) for every

@@ -23,10 +23,18 @@ Constructors (all `mask_mod`s):
 - `prefix_lm(prefix)`: causal, plus every query sees the first `prefix` keys.
 - `and_masks(*m)`, `or_masks(*m)`: combinations.
 
+One mask serves every batch element (a `mask_mod` that reads `b` is refused: per-sequence
+documents are `q_segment_ids` / `kv_segment_ids`), and every head unless `heads=` is given (a
+`mask_mod` that reads `h` without it is refused). Build masks outside `torch.compile`d code.
+The kernels clamp every index the metadata holds, so metadata not built here can give wrong
+values but never reads outside an operand.
+
 Memory: building evaluates the mask densely (`heads * q_len * kv_len` booleans, one pass).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -64,6 +72,9 @@ def prefix_lm(prefix: int):
 
 def and_masks(*mods):
     """Visible where every mask sees."""
+    if not mods:
+        raise ValueError("tessera.splash.and_masks: pass at least one mask_mod")
+
     def mod(b, h, q, kv):
         out = mods[0](b, h, q, kv)
         for m in mods[1:]:
@@ -74,6 +85,9 @@ def and_masks(*mods):
 
 def or_masks(*mods):
     """Visible where any mask sees."""
+    if not mods:
+        raise ValueError("tessera.splash.or_masks: pass at least one mask_mod")
+
     def mod(b, h, q, kv):
         out = mods[0](b, h, q, kv)
         for m in mods[1:]:
@@ -100,8 +114,9 @@ class SplashMask:
 
     @property
     def partial_blocks(self) -> int:
-        """How many distinct partial blocks the mask has."""
-        return int(self.mask_blocks.shape[0])
+        """How many distinct partial blocks the mask has (a mask without any still stores one
+        all-zero placeholder block)."""
+        return int(self.mask_blocks.shape[0]) if bool((self.fwd_info[1] == 1).any()) else 0
 
     def visits(self) -> int:
         """How many (head, q block, kv block) pairs are computed (the others are skipped)."""
@@ -114,6 +129,19 @@ class SplashMask:
                 f"visits {self.visits()} of {self.heads * nq * nk} blocks, {self.partial_blocks} distinct partial)")
 
 
+def _index(name, x, lo=1):
+    """`x` as an int >= lo (anything `operator.index` takes: numpy integers too), or None."""
+    if x is None:
+        return None
+    try:
+        v = operator.index(x)
+    except TypeError:
+        v = None
+    if v is None or isinstance(x, bool) or v < lo:
+        raise ValueError(f"tessera.splash.make_mask: {name} = {x!r}; pass an int >= {lo} or None")
+    return v
+
+
 def _dense(mask, q_len, kv_len, heads):
     """The mask as a bool tensor `[heads or 1, q_len, kv_len]` and its head count."""
     if isinstance(mask, torch.Tensor):
@@ -122,6 +150,8 @@ def _dense(mask, q_len, kv_len, heads):
         m = mask.detach().to("cpu")
         if m.dim() == 2:
             m = m[None]
+        if heads is not None and heads != m.shape[0]:
+            raise ValueError(f"tessera.splash.make_mask: heads={heads} but the mask is {list(mask.shape)}; a [q_len, kv_len] mask serves every head and a [heads, q_len, kv_len] one has its own heads: drop heads=")
         if q_len is not None and m.shape[1] != q_len or kv_len is not None and m.shape[2] != kv_len:
             raise ValueError(f"tessera.splash.make_mask: the mask is {list(mask.shape)} but q_len={q_len}, kv_len={kv_len}")
         return m.contiguous(), m.shape[0]
@@ -129,14 +159,33 @@ def _dense(mask, q_len, kv_len, heads):
         raise TypeError(f"tessera.splash.make_mask: mask must be a mask_mod(b, h, q_idx, kv_idx), a bool tensor or a constructor's result, got {type(mask).__name__}")
     if q_len is None or kv_len is None:
         raise ValueError("tessera.splash.make_mask: a mask_mod needs q_len and kv_len")
-    hs = 1 if heads is None else heads
-    h = torch.arange(hs)[:, None, None]
     q = torch.arange(q_len)[None, :, None]
     kv = torch.arange(kv_len)[None, None, :]
-    m = mask(torch.zeros((), dtype=torch.long), h, q, kv)
-    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-        raise TypeError(f"tessera.splash.make_mask: the mask_mod returned {type(m).__name__ if not isinstance(m, torch.Tensor) else m.dtype}, not a bool tensor")
-    return torch.broadcast_to(m, (hs, q_len, kv_len)).contiguous(), hs
+
+    def evaluate(b, h):
+        m = mask(torch.tensor(b), h, q, kv)
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            raise TypeError(f"tessera.splash.make_mask: the mask_mod returned {type(m).__name__ if not isinstance(m, torch.Tensor) else m.dtype}, not a bool tensor (combine conditions with & and |, not `and` / `or`)")
+        return torch.broadcast_to(m, (h.shape[0], q_len, kv_len))
+
+    def differs(a, b_eval):
+        # A mask_mod that indexes a captured tensor may not accept index 1: then it cannot
+        # depend on that index.
+        try:
+            return not torch.equal(a, b_eval())
+        except (IndexError, RuntimeError):
+            return False
+
+    hs = 1 if heads is None else heads
+    m = evaluate(0, torch.arange(hs)[:, None, None])
+    # The metadata serves every batch element, and every head unless heads= is given.
+    if differs(m[:1], lambda: evaluate(1, torch.zeros(1, 1, 1, dtype=torch.long))):
+        raise ValueError("tessera.splash.make_mask: the mask_mod depends on the batch index b, but one mask serves every batch "
+                         "element; express per-sequence documents with q_segment_ids / kv_segment_ids, or build a mask per batch element")
+    if heads is None and differs(m, lambda: evaluate(0, torch.ones(1, 1, 1, dtype=torch.long))):
+        raise ValueError("tessera.splash.make_mask: the mask_mod depends on the head index h: pass heads=<number of query heads> "
+                         "for a mask per head")
+    return m.contiguous(), hs
 
 
 def make_mask(mask, q_len: int | None = None, kv_len: int | None = None, *, heads: int | None = None, block_q: int | None = None,
@@ -144,15 +193,21 @@ def make_mask(mask, q_len: int | None = None, kv_len: int | None = None, *, head
     """The block metadata of `mask` (see the module docs). `heads`: evaluate a `mask_mod` per
     query head (a mask per head); else one mask serves every head. Blocks default to the
     target's (`tessera.set_target`) for `head_dim` and `dtype`."""
-    for name, x in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("block_q", block_q), ("block_kv", block_kv)):
-        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
-            raise ValueError(f"tessera.splash.make_mask: {name} = {x!r}; pass a positive int or None")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("tessera.splash.make_mask runs on the host, once per mask: build the mask outside the compiled "
+                           "function and pass the SplashMask (or its tensors) in")
+    q_len, kv_len, heads = _index("q_len", q_len), _index("kv_len", kv_len), _index("heads", heads)
+    block_q, block_kv, head_dim = _index("block_q", block_q), _index("block_kv", block_kv), _index("head_dim", head_dim)
     bits, hs = _dense(mask, q_len, kv_len, heads)
     sq, skv = bits.shape[1], bits.shape[2]
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"tessera.splash.make_mask: dtype {dtype}; pass torch.float32 or torch.bfloat16 (the q/k/v dtype the blocks are sized for)")
     dq, dk = _native.splash_default_blocks(sq, skv, head_dim, str(dtype).removeprefix("torch."))
     bq, bk = min(block_q or dq, sq), min(block_kv or dk, skv)
+    # The TPU's (8, 128) tiling: a block is a multiple of it or the whole length.
+    for name, b, n, unit in (("block_q", bq, sq, 8), ("block_kv", bk, skv, 128)):
+        if b != n and b % unit:
+            raise ValueError(f"tessera.splash.make_mask: {name} = {b} for a length of {n}; use a multiple of {unit}, or the whole length {n}")
     raw = bits.to(torch.uint8).numpy().tobytes()
     (mb, mb_shape), (fi, fi_shape), (bi, bi_shape) = _native.splash_mask_info(raw, hs, sq, skv, bq, bk)
     as_tensor = lambda b, shape, dt: torch.frombuffer(bytearray(b), dtype=dt).reshape(shape)  # noqa: E731
@@ -165,6 +220,9 @@ def splash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Sp
     q `[B, H, Sq, D]`, k and v `[B, Hkv, Skv, D]`; differentiable. A `mask_mod` or a bool tensor
     is accepted too and built per call: build it once with `make_mask` to reuse it."""
     if not isinstance(mask, SplashMask):
+        if torch.compiler.is_compiling():
+            raise RuntimeError("tessera.splash.splash_attention under torch.compile takes a SplashMask: build it with "
+                               "tessera.splash.make_mask outside the compiled function")
         mask = make_mask(mask, q.shape[-2], k.shape[-2], block_q=None, head_dim=q.shape[-1], dtype=q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.bfloat16)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"tessera splash_attention: q is {list(q.shape)} and k is {list(k.shape)}; pass q [B, H, Sq, D] and k, v [B, Hkv, Skv, D]")
