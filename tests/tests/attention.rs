@@ -592,3 +592,28 @@ fn negative_window_is_an_option_error() {
         assert!(e.rule == "option-value" && text.contains(arg) && text.contains(name), "{name} {arg}: {text}");
     }
 }
+
+/// A narrow sliding window runs splash attention's kernels over the band: the forward's grid
+/// walks the band's kv blocks only (2 per q block for a 16-key causal window at 128 blocks,
+/// not all 8), and the backward's too; a window as wide as the keys keeps flash's kernels.
+#[test]
+fn narrow_windows_walk_only_the_band() {
+    let op = find("flash_attention_fwd").unwrap();
+    let t = Type::vector(DType::BF16, &[1, 4, 1024, 128]);
+    let types = vec![Some(t.clone()), Some(t.clone()), Some(t.clone()), None, None];
+    let plan = |statics: &str| op.plan_for(&types, &op.statics(statics).unwrap(), &Target::V6E).unwrap();
+    let narrow = plan("causal=True, window_left=15, block_q=128, block_kv=128");
+    let k = &narrow.launches[0].kernel;
+    assert_eq!(k.name, "splash_attention_fwd_kernel");
+    let extents = |k: &tessera_dsl::Kernel| k.grid.iter().map(|g| g.extent).collect::<Vec<_>>();
+    assert_eq!(extents(k), vec![1, 4, 8, 2], "8 q blocks x 2 kv steps");
+    let wide = plan("causal=True, window_left=2000, block_q=128, block_kv=128");
+    assert_eq!(wide.launches[0].kernel.name, "flash_attention_fwd_kernel");
+    let bwd = find("flash_attention_bwd").unwrap();
+    let col = Type::vector(DType::F32, &[1, 4, 1024]);
+    let btypes = vec![Some(t.clone()), Some(t.clone()), Some(t.clone()), Some(t.clone()), Some(col), Some(t.clone()), None, None];
+    let plan = bwd.plan_for(&btypes, &bwd.statics("causal=True, window_left=15, block_q=128, block_kv=128").unwrap(), &Target::V6E).unwrap();
+    let names: Vec<&str> = plan.launches.iter().map(|l| l.kernel.name.as_str()).collect();
+    assert_eq!(names, ["flash_attention_di_kernel", "splash_attention_dkv_kernel", "splash_attention_dq_kernel"]);
+    assert_eq!(extents(&plan.launches[1].kernel), vec![1, 4, 8, 1, 2], "each kv block is seen by 2 q blocks");
+}
