@@ -260,6 +260,22 @@ pub(crate) fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc
     (m_new, alpha * l_old + p.sum(1), acc_new, p)
 }
 
+/// The forward's output at the last kv step, `acc / l` in f32 from the running state: a row
+/// whose max is -inf saw no key, or only -inf logits; torch's SDPA (its safe softmax) gives
+/// o = 0 there, not acc / l = 0 / 0.
+#[tpu_fn]
+pub(crate) fn finish_o(m_run: Value, l_run: Value, acc: Value, lanes: usize, d: usize) -> Value {
+    let m = widen(m_run, lanes, d);
+    select(m == f32::NEG_INFINITY, 0.0, acc / widen(l_run, lanes, d))
+}
+
+/// `lse = m + log l` of `[bq, 1]` columns of the running state, torch's logsumexp: -inf over
+/// all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
+#[tpu_fn]
+pub(crate) fn finish_lse(m_col: Value, l_col: Value) -> Value {
+    select(m_col == f32::INFINITY, f32::INFINITY, m_col + l_col.log())
+}
+
 /// The radix of the nonfinite code of a block of `keys` keys: a power of two above `keys`
 /// (a digit counts keys), at most 4096 so that two digits stay exact in f32.
 pub(crate) fn nonfinite_radix(keys: usize) -> f32 {
@@ -302,6 +318,16 @@ pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: 
 #[tpu_fn]
 pub(crate) fn no_weight_past(lse: Value) -> Value {
     select(lse == f32::NEG_INFINITY, f32::INFINITY, lse)
+}
+
+/// A backward block's weights `p = exp(logits - lse)` and `ds = p * (do @ v^T - di)` through
+/// the soft cap ([`uncap`]), before any masking.
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn weights_and_ds(q: Value, k: Value, v: Value, dout: Value, lse: Value, di: Value, sm_scale: f32, soft_cap: f32) -> (Value, Value) {
+    let s = logits(q, k, sm_scale, soft_cap);
+    let p = (s - no_weight_past(lse)).exp();
+    (p, uncap(p * (dot_t(dout, v) - di), s, soft_cap))
 }
 
 /// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
@@ -379,14 +405,8 @@ pub fn flash_attention_fwd_kernel(
         }
     }
     if j == num_programs(3) - 1 {
-        let m = widen(m_run[..], lanes, d);
-        let l = widen(l_run[..], lanes, d);
-        // m = -inf: the row saw no key, or its visible logits were all -inf; torch's SDPA
-        // (its safe softmax) gives o = 0 there, not acc / l = 0 / 0. lse is torch's
-        // logsumexp: -inf over all -inf (or nothing), +inf if a logit is +inf, NaN with a NaN.
-        o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
-        let m_col = m_run[(.., 0..1)];
-        lse[..] = select(m_col == f32::INFINITY, f32::INFINITY, m_col + l_run[(.., 0..1)].log());
+        o[..] = finish_o(m_run[..], l_run[..], acc[..], lanes, d).cast(o.dtype);
+        lse[..] = finish_lse(m_run[(.., 0..1)], l_run[(.., 0..1)]);
     }
 }
 
@@ -457,9 +477,7 @@ pub fn flash_attention_dkv_kernel(
                 vb = v_ok;
             }
         }
-        let s = logits(qb, kb, sm_scale, soft_cap);
-        let mut p = (s - no_weight_past(lse_b)).exp();
-        let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
+        let (mut p, mut ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, left, right);
             if segmented {
@@ -516,9 +534,7 @@ pub fn flash_attention_dq_kernel(
                 vb = v_ok;
             }
         }
-        let s = logits(q[..], kb, sm_scale, soft_cap);
-        let p = (s - no_weight_past(lse[..])).exp();
-        let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
+        let (_p, mut ds) = weights_and_ds(q[..], kb, vb, dout[..], lse[..], di[..], sm_scale, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
             if segmented {

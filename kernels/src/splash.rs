@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
 use crate::attention::{
-    add_nonfinite, cap_of, check_cap, dummy_segments, flash_attention_di_kernel, finite_scale, keys_inside, logits, no_weight_past, nonfinite_radix, online_softmax, segment_operands, split_nonfinite, state_lanes, uncap, visible, widen, AttentionParams, SegmentIds,
+    add_nonfinite, cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, keys_inside, logits, nonfinite_radix, online_softmax, segment_operands, split_nonfinite, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -131,11 +131,8 @@ pub fn splash_attention_fwd_kernel(
         }
     }
     if j == num_programs(3) - 1 {
-        let m = widen(m_run[..], lanes, d);
-        let l = widen(l_run[..], lanes, d);
-        o[..] = select(m == f32::NEG_INFINITY, 0.0, acc[..] / l).cast(o.dtype);
-        let m_col = m_run[(.., 0..1)];
-        lse[..] = select(m_col == f32::INFINITY, f32::INFINITY, m_col + l_run[(.., 0..1)].log());
+        o[..] = finish_o(m_run[..], l_run[..], acc[..], lanes, d).cast(o.dtype);
+        lse[..] = finish_lse(m_run[(.., 0..1)], l_run[(.., 0..1)]);
     }
 }
 
@@ -198,9 +195,7 @@ pub fn splash_attention_dkv_kernel(
                 vb = v_ok;
             }
         }
-        let s = logits(qb, kb, sm_scale, soft_cap);
-        let mut p = (s - no_weight_past(lse_b)).exp();
-        let mut ds = uncap(p * (dot_t(dob, vb) - di_b), s, soft_cap);
+        let (mut p, mut ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
             if segmented {
@@ -260,9 +255,7 @@ pub fn splash_attention_dq_kernel(
                 vb = v_ok;
             }
         }
-        let s = logits(q[..], kb, sm_scale, soft_cap);
-        let p = (s - no_weight_past(lse[..])).exp();
-        let mut ds = uncap(p * (dot_t(dout[..], vb) - di[..]), s, soft_cap);
+        let (_p, mut ds) = weights_and_ds(q[..], kb, vb, dout[..], lse[..], di[..], sm_scale, soft_cap);
         if needs_mask {
             let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
             if segmented {
