@@ -26,8 +26,10 @@
 //! A left window whose band is narrower than the keys (some q block's walk skips kv blocks)
 //! runs splash attention's kernels ([`crate::splash`]) over the band's block metadata, built
 //! once per plan from the extents alone (no input is read): their grid walks only the band's
-//! blocks (at S = 4096, a 16-key window and 512 blocks, libtpu's v6e estimate is 74,064
-//! cycles against 409,758 for the kernels below, whose grid steps through every kv block).
+//! blocks, where the kernels below step through every kv block and skip most (at S = 32k, a
+//! 4096-key window and 512 blocks: 64 x 9 steps per head instead of 64 x 64, each skipped
+//! step still paying the grid step's fixed cost). libtpu's static estimate cannot compare the
+//! two: it does not see splash's data-dependent branch (see `kernels/README.md`).
 //! The kernels below serve the rest (causal and full attention, windows as wide as the keys,
 //! q blocks the int8 mask block cannot tile).
 //!
