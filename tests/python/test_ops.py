@@ -865,15 +865,15 @@ for _op in ("flash_attention_fwd", "flash_attention", "flash_attention_bwd"):
         _attention_sample(_op, _name, _case)
 
 
-# Splash attention: masks built by tessera.splash (structured, per head, a bool tensor) at
-# blocks small enough for several per axis; the reference decodes the metadata itself.
+# Splash attention: masks built by tessera.splash (structured with segment ids, per head, a
+# bool tensor) at blocks small enough for several per axis; the reference decodes the metadata
+# itself. (tests/python/test_splash.py and tests/tests/splash.rs cover the mask families.)
 def _splash_mask(mask, sq, skv, bq, bk, heads=None):
     m = tessera.splash.make_mask(mask, sq, skv, heads=heads, block_q=bq, block_kv=bk)
     return m.mask_blocks, m.fwd_info, m.bwd_info
 
 
 SPLASH = {
-    "causal_gqa": lambda r, dt: (*_qkv(r, dt, 1, 4, 2, 200, 200, 64), *_splash_mask(tessera.splash.causal(), 200, 200, 64, 128), {}),
     "local_segments_softcap": lambda r, dt: (
         *_qkv(r, dt, 1, 2, 2, 300, 300, 64),
         *_splash_mask(tessera.splash.local(40, 7), 300, 300, 64, 128),
@@ -885,7 +885,6 @@ SPLASH = {
         {},
     ),
     "random_bool_cross": lambda r, dt: (*_qkv(r, dt, 2, 2, 1, 150, 260, 32), *_splash_mask(torch.rand(150, 260, generator=torch.Generator().manual_seed(5)) < 0.3, 150, 260, 32, 128), {}),
-    "long_prefix_lm": lambda r, dt: (*_qkv(r, dt, 1, 2, 1, 640, 640, 64), *_splash_mask(tessera.splash.prefix_lm(100), 640, 640, 128, 256), {}),
 }
 
 

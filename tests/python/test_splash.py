@@ -54,8 +54,8 @@ def rel_err(got, want):
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("name,dtype", [(n, F32) for n in MASKS] + [(n, BF16) for n in ("causal", "local_wide_two_sided", "per_head")],
+                         ids=[f"{n}-f32" for n in MASKS] + [f"{n}-bf16" for n in ("causal", "local_wide_two_sided", "per_head")])
 def test_masks_match_math_attention(name, dtype):
     mask_mod, per = MASKS[name]
     tol = 1e-4 if dtype == F32 else 3e-2

@@ -133,11 +133,15 @@ fn check_case(exec: &dyn Executor, shape: Shape, dtype: DType, m: &Mask, segment
     assert_close(&format!("dv of {what}"), &dv, &dv_ref, tol(dtype, true));
 }
 
-/// Every mask on every shape in f32 on the interpreter; segment ids and a soft cap on some.
+/// Every mask on three of the five shapes (rotating, so each shape meets most masks) in f32 on
+/// the interpreter; segment ids and a soft cap on some.
 #[test]
 fn masks_match_the_reference() {
     for (s, &shape) in SHAPES.iter().enumerate() {
         for (n, m) in masks(shape.1, s as u64).iter().enumerate() {
+            if (s + n) % 5 >= 3 {
+                continue;
+            }
             let target = [Target::V5E, Target::V6E, Target::TPU7X][(s + n) % 3];
             let segmented = (s + n) % 4 == 1;
             let cap = ((s + n) % 3 == 2).then_some(5.0);
@@ -257,8 +261,8 @@ fn mismatched_metadata_is_refused() {
     assert!(e.contains("fwd_info") && e.contains("128 queries"), "{e}");
 }
 
-/// libtpu compiles the forward and the backward at large blocks (512 and 1024) for every
-/// target, with a per-head mask over GQA 4:1, in bf16 (tpu_compiler.rs compiles the library
+/// libtpu compiles the forward and the backward at large blocks (1024) for every target, with
+/// a per-head mask over GQA 4:1, in bf16 (tpu_compiler.rs compiles the library
 /// cases in f32 too).
 #[test]
 fn libtpu_compiles_large_blocks() {
@@ -267,20 +271,19 @@ fn libtpu_compiles_large_blocks() {
         return;
     }
     let mut jobs = Vec::new();
-    for block in [512, 1024] {
-        let info = MaskInfo::build(8, 4096, 4096, block, block, |h, r, c| c <= r && r - c <= 700 + 300 * h).unwrap();
-        let t = |a: &Array| Type::vector(a.dtype, &a.shape);
-        let (mb, fi, bi) = (t(&info.mask_blocks), t(&info.fwd_info), t(&info.bwd_info));
-        for target in [Target::V5E, Target::V6E, Target::TPU7X] {
-            let q = Type::vector(DType::BF16, &[1, 8, 4096, 128]);
-            let kv = Type::vector(DType::BF16, &[1, 2, 4096, 128]);
-            let params = AttentionParams::new(128, false);
-            let mut kernels = vec![splash::build_splash_attention(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap()];
-            kernels.extend(splash::build_splash_attention_bwd(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap());
-            for kernel in kernels {
-                let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
-                jobs.push((format!("{}-bf16-{block}", kernel.name), target.name.to_string(), lowered.stablehlo));
-            }
+    let block = 1024;
+    let info = MaskInfo::build(8, 4096, 4096, block, block, |h, r, c| c <= r && r - c <= 700 + 300 * h).unwrap();
+    let t = |a: &Array| Type::vector(a.dtype, &a.shape);
+    let (mb, fi, bi) = (t(&info.mask_blocks), t(&info.fwd_info), t(&info.bwd_info));
+    for target in [Target::V5E, Target::V6E, Target::TPU7X] {
+        let q = Type::vector(DType::BF16, &[1, 8, 4096, 128]);
+        let kv = Type::vector(DType::BF16, &[1, 2, 4096, 128]);
+        let params = AttentionParams::new(128, false);
+        let mut kernels = vec![splash::build_splash_attention(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap()];
+        kernels.extend(splash::build_splash_attention_bwd(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap());
+        for kernel in kernels {
+            let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
+            jobs.push((format!("{}-bf16-{block}", kernel.name), target.name.to_string(), lowered.stablehlo));
         }
     }
     tessera_tests::oracle::assert_all_accepted(&jobs);
