@@ -31,7 +31,7 @@
 //! step still paying the grid step's fixed cost). libtpu's static estimate cannot compare the
 //! two: it does not see splash's data-dependent branch (see `kernels/README.md`).
 //! The kernels below serve the rest (causal and full attention, windows as wide as the keys,
-//! q blocks the int8 mask block cannot tile).
+//! q blocks other than multiples of 32 rows).
 //!
 //! Blocks entirely outside the window are skipped like the causal ones, on both sides: the
 //! body is under `if` on the block test (some key at most `right` after a query of the block
@@ -157,13 +157,13 @@ pub(crate) fn logits(q: Value, k: Value, sm_scale: f32, soft_cap: f32) -> Value 
 
 /// The first query row and key column of block pair `(i, j)`.
 #[tpu_fn]
-pub(crate) fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
+fn block_origin(i: Value, j: Value, bq: usize, bk: usize) -> (Value, Value) {
     (i * (bq as i32), j * (bk as i32))
 }
 
 /// The gradient through the soft cap: `d softcap(x) / dx = 1 - tanh^2 = 1 - (s / cap)^2`.
 #[tpu_fn]
-pub(crate) fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
+fn uncap(ds: Value, s: Value, soft_cap: f32) -> Value {
     if soft_cap > 0.0 {
         let t = s * (1.0 / soft_cap);
         ds * (1.0 - t * t)
@@ -244,7 +244,7 @@ pub(crate) fn state_lanes(bk: usize, d: usize) -> usize {
 /// Lane-replicated state (`[rows, lanes]`) as wide as `width`: the same vregs repeated
 /// (`jnp.tile`); a `[rows, 1]` column broadcasts where it is used.
 #[tpu_fn]
-pub(crate) fn widen(x: Value, lanes: usize, width: usize) -> Value {
+fn widen(x: Value, lanes: usize, width: usize) -> Value {
     if lanes == 1 || width == lanes { x } else { concat([x; width / lanes], 1) }
 }
 
@@ -318,7 +318,7 @@ pub(crate) fn add_nonfinite(acc: Value, p: Value, keep: Value, class: Value, r: 
 /// The backward's weights are `exp(s - lse)`; a row with `lse = -inf` (it saw no key, or
 /// only -inf logits) has weights 0, as SDPA's safe softmax gives it, not `exp(-inf + inf)`.
 #[tpu_fn]
-pub(crate) fn no_weight_past(lse: Value) -> Value {
+fn no_weight_past(lse: Value) -> Value {
     select(lse == f32::NEG_INFINITY, f32::INFINITY, lse)
 }
 

@@ -51,7 +51,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
     add_nonfinite, cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, keys_inside, logits, nonfinite_radix, online_softmax, segment_operands, split_nonfinite, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
@@ -59,7 +59,7 @@ use crate::attention::{
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
-use crate::plan::{result, single, Launch, Plan};
+use crate::plan::{host, result, single, HostFn, Launch, Operand, Plan};
 
 /// A block's kind in the metadata.
 pub const SKIP: i32 = 0;
@@ -67,6 +67,16 @@ pub const PARTIAL: i32 = 1;
 pub const FULL: i32 = 2;
 
 // ---- kernels ------------------------------------------------------------------------------
+
+/// Which logits of a visited block count: the pairs inside the arrays (and, with `rows`, the
+/// queries too) whose bit is set. `bits + (kind - 1)` is the bits in a partial block and
+/// nonzero everywhere in a full one, whose `mask` window is a stale block, never a
+/// meaningful one. (Segment ids are the caller's.)
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+fn keep_of(bits: Value, kind: Value, q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, rows: bool) -> Value {
+    visible(q_start, kv_start, bq, bk, sq, skv, rows, sq, skv) & ((bits.cast(i32) + (kind - 1)) != 0)
+}
 
 #[tpu_kernel(
     grid = [bsz, heads, sq.div_ceil(bq), steps],
@@ -106,9 +116,7 @@ pub fn splash_attention_fwd_kernel(
         let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
         if needs_mask {
-            // `bits + (kind - 1)` is the bits in a partial block and nonzero everywhere in a
-            // full one (whose `mask` window is a stale block, never a meaningful one).
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -197,7 +205,7 @@ pub fn splash_attention_dkv_kernel(
         }
         let (mut p, mut ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
         if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, true);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -257,7 +265,7 @@ pub fn splash_attention_dq_kernel(
         }
         let (_p, mut ds) = weights_and_ds(q[..], kb, vb, dout[..], lse[..], di[..], sm_scale, soft_cap);
         if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, sq, skv) & ((mask[..].cast(i32) + (kind - 1)) != 0);
+            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false);
             if segmented {
                 keep = keep & (q_seg[..] == kv_seg[..]);
             }
@@ -392,10 +400,6 @@ impl MaskInfo {
         Ok(MaskInfo { mask_blocks: Array::from_i8(&[nb, bq, bk], flat), fwd_info: walks(&rows, heads, 1), bwd_info: walks(&cols, heads, 1) })
     }
 
-    /// The kernels' blocks `(bq, bk)`.
-    pub fn blocks(&self) -> (usize, usize) {
-        (self.mask_blocks.shape[1], self.mask_blocks.shape[2])
-    }
 }
 
 /// int32 `[3, heads, n, steps]` of `heads * n` walks (steps at least `min_steps` and the
@@ -584,8 +588,9 @@ pub fn default_blocks(sq: usize, skv: usize, d: usize, dtype: DType, target: &Ta
 /// Flash attention's window as splash metadata at blocks `bq x bk`, when a walk over it is
 /// shorter than the kv axis (a band narrower than the keys: flash's grid would step through
 /// every kv block, most of them skipped; splash's grid is the band's). `None` for no left
-/// window (causal or full attention, whose walks are as long as the keys), and for a q block
-/// the int8 mask block cannot tile (a multiple of 32 rows, or all of `sq`).
+/// window (causal or full attention, whose walks are as long as the keys), and for q blocks
+/// other than a multiple of 32 rows (int8's packing; libtpu's rulebook accepts int8 blocks of
+/// 8 rows, but these kernels were compiled at 32 and up only) or all of `sq`.
 pub(crate) fn band_info(sq: usize, skv: usize, bq: usize, bk: usize, left: usize, right: usize) -> Result<Option<MaskInfo>, KernelError> {
     if left >= sq || !(bq.is_multiple_of(32) || bq == sq) {
         return Ok(None);
@@ -594,60 +599,88 @@ pub(crate) fn band_info(sq: usize, skv: usize, bq: usize, bk: usize, left: usize
     Ok((info.fwd_info.shape[3] < skv.div_ceil(bk)).then_some(info))
 }
 
-/// The host arrays of a band plan: the metadata (0, 1, 2) and the segment-id placeholders
-/// (3, 4), the same arrays every call.
-fn band_host(info: &MaskInfo) -> crate::plan::HostFn {
-    let arrays = [info.mask_blocks.clone(), info.fwd_info.clone(), info.bwd_info.clone()];
-    Box::new(move |_| {
-        let mut out = arrays.to_vec();
-        out.extend([Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]);
-        Ok(out)
-    })
+/// Where a plan's metadata and segment ids come from, with the host arrays they need.
+struct Metadata {
+    /// `mask_blocks`, `fwd_info`, `bwd_info`.
+    walks: [Operand; 3],
+    segmented: bool,
+    segments: [Operand; 2],
+    host: Option<HostFn>,
 }
 
-fn band_types(info: &MaskInfo) -> [Type; 3] {
-    let t = |a: &Array| Type::vector(a.dtype, &a.shape);
-    [t(&info.mask_blocks), t(&info.fwd_info), t(&info.bwd_info)]
-}
-
-/// Segment-id operands of a band plan: the given ids, or host arrays 3 and 4.
-fn band_segments(c: &Call, b: usize, sq: usize, skv: usize) -> Result<(bool, [crate::plan::Operand; 2]), KernelError> {
-    let (segmented, given) = segment_operands(c, b, sq, skv)?;
-    if segmented {
-        return Ok((true, given));
+impl Metadata {
+    /// The op's own metadata inputs; without segment ids, the 1-element placeholders as host
+    /// arrays 0 and 1.
+    fn inputs(c: &Call) -> Result<Metadata, KernelError> {
+        let (q, k) = (c.tensor("q")?, c.tensor("k")?);
+        let (segmented, segments) = segment_operands(c, q.shape[0], q.shape[2], k.shape[2])?;
+        let walks = [c.input("mask_blocks", c.tensor("mask_blocks")?.clone())?, c.input("fwd_info", c.tensor("fwd_info")?.clone())?, c.input("bwd_info", c.tensor("bwd_info")?.clone())?];
+        Ok(Metadata { walks, segmented, segments, host: (!segmented).then(dummy_segments) })
     }
-    let dummy = Type::vector(DType::I32, &[1, 1, 1]);
-    Ok((false, [crate::plan::host(3, dummy.clone()), crate::plan::host(4, dummy)]))
+
+    /// A band's metadata, built at plan time, as host arrays 0 to 2 (the same arrays every
+    /// call); without segment ids, the placeholders as host arrays 3 and 4.
+    fn band(c: &Call, info: &MaskInfo) -> Result<Metadata, KernelError> {
+        let (q, k) = (c.tensor("q")?, c.tensor("k")?);
+        let (segmented, given) = segment_operands(c, q.shape[0], q.shape[2], k.shape[2])?;
+        let dummy = Type::vector(DType::I32, &[1, 1, 1]);
+        let segments = if segmented { given } else { [host(3, dummy.clone()), host(4, dummy)] };
+        let arrays = [info.mask_blocks.clone(), info.fwd_info.clone(), info.bwd_info.clone()];
+        let walks = [0, 1, 2].map(|i| host(i, Type::vector(arrays[i].dtype, &arrays[i].shape)));
+        let host_fn: HostFn = Box::new(move |_| {
+            let mut out = arrays.to_vec();
+            out.extend([Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]);
+            Ok(out)
+        });
+        Ok(Metadata { walks, segmented, segments, host: Some(host_fn) })
+    }
+
+    fn attach(self, plan: Plan) -> Plan {
+        match self.host {
+            Some(h) => plan.with_host(&[], h),
+            None => plan,
+        }
+    }
 }
 
 /// `flash_attention_fwd`'s plan over a band ([`band_info`]): splash's forward kernel.
 pub(crate) fn plan_band_fwd(c: &Call, params: &AttentionParams, info: &MaskInfo) -> Result<Plan, KernelError> {
-    let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
-    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
-    let (segmented, [qs, ks]) = band_segments(c, b, sq, k.shape[2])?;
-    let [mb, fi, bi] = band_types(info);
-    let kernel = build_splash_attention(&q, &k, &v, &mb, &fi, &bi, segmented, params, c.target)?;
-    let args = vec![crate::plan::host(1, fi), c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, crate::plan::host(0, mb), qs, ks];
-    Ok(single(c, kernel, args, &[None, Some(vec![b, h, sq])]).with_host(&[], band_host(info)))
+    forward_plan(c, params, Metadata::band(c, info)?)
 }
 
 /// `flash_attention_bwd`'s plan over a band: splash's di, dkv and dq kernels.
 pub(crate) fn plan_band_bwd(c: &Call, params: &AttentionParams, info: &MaskInfo) -> Result<Plan, KernelError> {
+    backward_plan(c, params, Metadata::band(c, info)?)
+}
+
+/// The forward launch over metadata `m`.
+fn forward_plan(c: &Call, params: &AttentionParams, m: Metadata) -> Result<Plan, KernelError> {
     let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
-    let (segmented, [qs, ks]) = band_segments(c, b, sq, k.shape[2])?;
-    let [mb, fi, bi] = band_types(info);
-    let kernels = build_splash_attention_bwd(&q, &k, &v, &mb, &fi, &bi, segmented, params, c.target)?;
+    let [blocks, fwd, bwd] = m.walks.clone();
+    let [qs, ks] = m.segments.clone();
+    let kernel = build_splash_attention(&q, &k, &v, &blocks.ty, &fwd.ty, &bwd.ty, m.segmented, params, c.target)?;
+    let args = vec![fwd, c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, blocks, qs, ks];
+    Ok(m.attach(single(c, kernel, args, &[None, Some(vec![b, h, sq])])))
+}
+
+/// The backward launches (di, dkv over `bwd_info`, dq over `fwd_info`) over metadata `m`.
+fn backward_plan(c: &Call, params: &AttentionParams, m: Metadata) -> Result<Plan, KernelError> {
+    let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
+    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let [blocks, fwd, bwd] = m.walks.clone();
+    let [qs, ks] = m.segments.clone();
+    let kernels = build_splash_attention_bwd(&q, &k, &v, &blocks.ty, &fwd.ty, &bwd.ty, m.segmented, params, c.target)?;
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
     let (o, lse, dout) = (c.input("o", q.clone())?, c.input("lse", col.clone())?, c.input("do", q.clone())?);
     let di = result(0, 0, col);
-    let tail = |walks: crate::plan::Operand| -> Result<Vec<_>, KernelError> {
-        Ok(vec![walks, c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, crate::plan::host(0, mb.clone()), qs.clone(), ks.clone(), dout.clone(), lse.clone(), di.clone()])
+    let tail = |walks: Operand| -> Result<Vec<_>, KernelError> {
+        Ok(vec![walks, c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, blocks.clone(), qs.clone(), ks.clone(), dout.clone(), lse.clone(), di.clone()])
     };
     let [di_k, dkv_k, dq_k]: [Kernel; 3] = kernels.try_into().map_err(|_| c.err("kernels", "plan-consistency", "the backward builds three kernels", "report this as a Tessera bug"))?;
-    let launches = vec![Launch::new(di_k, vec![o, dout.clone()]), Launch::new(dkv_k, tail(crate::plan::host(2, bi))?), Launch::new(dq_k, tail(crate::plan::host(1, fi))?)];
+    let launches = vec![Launch::new(di_k, vec![o, dout.clone()]), Launch::new(dkv_k, tail(bwd)?), Launch::new(dq_k, tail(fwd)?)];
     let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
-    Ok(Plan::new(c.op, c.target, launches, results).with_host(&[], band_host(info)))
+    Ok(m.attach(Plan::new(c.op, c.target, launches, results)))
 }
 
 // ---- running (through the op table) -----------------------------------------------------------
@@ -696,45 +729,22 @@ fn params_of(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
     Ok(params)
 }
 
-/// q, k, v and the three metadata tensors' types.
-fn operands(c: &Call) -> Result<[Type; 6], KernelError> {
-    Ok([c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone(), c.tensor("mask_blocks")?.clone(), c.tensor("fwd_info")?.clone(), c.tensor("bwd_info")?.clone()])
-}
-
 fn plan_fwd(c: &Call) -> Result<Plan, KernelError> {
-    let [q, k, v, blocks, fwd, bwd] = operands(c)?;
-    let params = params_of(c, &q)?;
-    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
-    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
-    let kernel = build_splash_attention(&q, &k, &v, &blocks, &fwd, &bwd, segmented, &params, c.target)?;
-    let args = vec![c.input("fwd_info", fwd)?, c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, c.input("mask_blocks", blocks)?, qs, ks];
-    let plan = single(c, kernel, args, &[None, Some(vec![b, h, sq])]);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    let params = params_of(c, c.tensor("q")?)?;
+    forward_plan(c, &params, Metadata::inputs(c)?)
 }
 
 fn plan_bwd(c: &Call) -> Result<Plan, KernelError> {
-    let [q, k, v, blocks, fwd, bwd] = operands(c)?;
-    let params = params_of(c, &q)?;
-    let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
+    let q = c.tensor("q")?;
+    let params = params_of(c, q)?;
+    // Shapes are the op's contract; o and do are also read with q's dtype.
     for name in ["o", "do"] {
         let t = c.tensor(name)?;
         if t.dtype != q.dtype {
             return Err(c.err(format!("input `{name}`"), "operand-dtype", format!("{name} is {t}, q is {q}"), format!("pass {name} of q's dtype ({})", q.dtype)));
         }
     }
-    let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
-    let kernels = build_splash_attention_bwd(&q, &k, &v, &blocks, &fwd, &bwd, segmented, &params, c.target)?;
-    let col = Type::vector(DType::F32, &[b, h, sq, 1]);
-    let (o, lse, dout) = (c.input("o", q.clone())?, c.input("lse", col.clone())?, c.input("do", q.clone())?);
-    let di = result(0, 0, col);
-    let tail = |info: &str, ty: Type| -> Result<Vec<_>, KernelError> {
-        Ok(vec![c.input(info, ty)?, c.input("q", q.clone())?, c.input("k", k.clone())?, c.input("v", v.clone())?, c.input("mask_blocks", blocks.clone())?, qs.clone(), ks.clone(), dout.clone(), lse.clone(), di.clone()])
-    };
-    let [di_k, dkv_k, dq_k]: [Kernel; 3] = kernels.try_into().map_err(|_| c.err("kernels", "plan-consistency", "the backward builds three kernels", "report this as a Tessera bug"))?;
-    let launches = vec![Launch::new(di_k, vec![o, dout.clone()]), Launch::new(dkv_k, tail("bwd_info", bwd)?), Launch::new(dq_k, tail("fwd_info", fwd)?)];
-    let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
-    let plan = Plan::new(c.op, c.target, launches, results);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    backward_plan(c, &params, Metadata::inputs(c)?)
 }
 
 /// q, k in [-2, 2), v in [-1, 1), random block-sparse metadata ([`random_mask_info`]) for the

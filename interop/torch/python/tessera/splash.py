@@ -34,6 +34,7 @@ Memory: building evaluates the mask densely (`heads * q_len * kv_len` booleans, 
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -43,6 +44,28 @@ from tessera import _native
 __all__ = ["SplashMask", "make_mask", "splash_attention", "causal", "local", "chunked", "prefix_lm", "and_masks", "or_masks"]
 
 
+def _index(where, name, x, lo, optional=False):
+    """`x` as an int >= lo (anything `operator.index` takes: numpy integers too); None stays
+    None when `optional`."""
+    if x is None and optional:
+        return None
+    try:
+        v = operator.index(x)
+    except TypeError:
+        v = None
+    if v is None or isinstance(x, bool) or v < lo:
+        kind = "a non-negative int" if lo == 0 else "a positive int" if lo == 1 else f"an int >= {lo}"
+        raise ValueError(f"tessera.splash.{where}: {name} = {x!r}; pass {kind}" + (" or None" if optional else ""))
+    return v
+
+
+def _combine(where, mods, op):
+    """A mask_mod visible where `op` (& or |) of every mask in `mods` is."""
+    if not mods:
+        raise ValueError(f"tessera.splash.{where}: pass at least one mask_mod")
+    return lambda b, h, q, kv: functools.reduce(op, (m(b, h, q, kv) for m in mods))
+
+
 def causal():
     """Query `q` sees key `c` iff `c <= q`."""
     return lambda b, h, q, kv: kv <= q
@@ -50,50 +73,30 @@ def causal():
 
 def local(left: int, right: int = 0):
     """`q - left <= c <= q + right` (causal when `right = 0`)."""
-    for name, x in (("left", left), ("right", right)):
-        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-            raise ValueError(f"tessera.splash.local: {name} = {x!r}; pass a non-negative int (keys before / after the query)")
+    left, right = _index("local", "left", left, 0), _index("local", "right", right, 0)
     return lambda b, h, q, kv: (kv >= q - left) & (kv <= q + right)
 
 
 def chunked(size: int):
     """Causal inside consecutive chunks of `size` queries / keys (Llama 4's chunked attention)."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tessera.splash.chunked: size = {size!r}; pass a positive int")
+    size = _index("chunked", "size", size, 1)
     return lambda b, h, q, kv: (q // size == kv // size) & (kv <= q)
 
 
 def prefix_lm(prefix: int):
     """Causal, and every query sees the first `prefix` keys (bidirectional prefix)."""
-    if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-        raise ValueError(f"tessera.splash.prefix_lm: prefix = {prefix!r}; pass a non-negative int")
+    prefix = _index("prefix_lm", "prefix", prefix, 0)
     return lambda b, h, q, kv: (kv <= q) | (kv < prefix)
 
 
 def and_masks(*mods):
     """Visible where every mask sees."""
-    if not mods:
-        raise ValueError("tessera.splash.and_masks: pass at least one mask_mod")
-
-    def mod(b, h, q, kv):
-        out = mods[0](b, h, q, kv)
-        for m in mods[1:]:
-            out = out & m(b, h, q, kv)
-        return out
-    return mod
+    return _combine("and_masks", mods, operator.and_)
 
 
 def or_masks(*mods):
     """Visible where any mask sees."""
-    if not mods:
-        raise ValueError("tessera.splash.or_masks: pass at least one mask_mod")
-
-    def mod(b, h, q, kv):
-        out = mods[0](b, h, q, kv)
-        for m in mods[1:]:
-            out = out | m(b, h, q, kv)
-        return out
-    return mod
+    return _combine("or_masks", mods, operator.or_)
 
 
 class SplashMask:
@@ -127,19 +130,6 @@ class SplashMask:
         nk = -(-self.kv_len // self.block_kv)
         return (f"SplashMask(q_len={self.q_len}, kv_len={self.kv_len}, heads={self.heads}, blocks={self.block_q}x{self.block_kv}, "
                 f"visits {self.visits()} of {self.heads * nq * nk} blocks, {self.partial_blocks} distinct partial)")
-
-
-def _index(name, x, lo=1):
-    """`x` as an int >= lo (anything `operator.index` takes: numpy integers too), or None."""
-    if x is None:
-        return None
-    try:
-        v = operator.index(x)
-    except TypeError:
-        v = None
-    if v is None or isinstance(x, bool) or v < lo:
-        raise ValueError(f"tessera.splash.make_mask: {name} = {x!r}; pass an int >= {lo} or None")
-    return v
 
 
 def _dense(mask, q_len, kv_len, heads):
@@ -196,8 +186,10 @@ def make_mask(mask, q_len: int | None = None, kv_len: int | None = None, *, head
     if torch.compiler.is_compiling():
         raise RuntimeError("tessera.splash.make_mask runs on the host, once per mask: build the mask outside the compiled "
                            "function and pass the SplashMask (or its tensors) in")
-    q_len, kv_len, heads = _index("q_len", q_len), _index("kv_len", kv_len), _index("heads", heads)
-    block_q, block_kv, head_dim = _index("block_q", block_q), _index("block_kv", block_kv), _index("head_dim", head_dim)
+    q_len, kv_len, heads, block_q, block_kv = (
+        _index("make_mask", name, x, 1, optional=True) for name, x in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("block_q", block_q), ("block_kv", block_kv))
+    )
+    head_dim = _index("make_mask", "head_dim", head_dim, 1)
     bits, hs = _dense(mask, q_len, kv_len, heads)
     sq, skv = bits.shape[1], bits.shape[2]
     if dtype not in (torch.float32, torch.bfloat16):
