@@ -4,12 +4,15 @@
 //!   sorted by group, `rhs [g, k, n]` (or `[g, n, k]` with `transpose_rhs`);
 //! - `tgmm`: `out[g] = lhs[rows_g]^T @ grad[rows_g]`, `out [g, k, n]` (the weight gradient).
 //!
-//! # Group metadata (computed on the host, passed as scalar prefetch)
+//! # Group metadata (computed on the device, passed as scalar prefetch)
 //!
 //! Rows are cut into m-tiles of `tm` rows. A *visit* is one (m-tile, group) pair whose row
 //! ranges overlap; the grid walks the visits in row order, so a tile shared by two groups
-//! is visited twice in a row. [`group_metadata`] lists them in four i32 arrays (plus two
-//! flags for `tgmm`), read by the index maps and the body:
+//! is visited twice in a row. Four i32 arrays (plus two flags for `tgmm`) list them, read
+//! by the index maps and the body. [`group_metadata_kernel`] computes them on the device,
+//! a launch before the grouped kernel, so no call reads `group_sizes` back to the host
+//! (on a TPU that read would stall every MoE layer and cut a deferred graph);
+//! [`group_metadata`] is the same list computed sequentially on the host, its reference:
 //!
 //! | array | per visit |
 //! |---|---|
@@ -55,7 +58,7 @@ use tessera_macros::tpu_kernel;
 use crate::blocks::{fit_blocks, fit_vmem_limit, pick_block};
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
-use crate::plan::{host, result, Launch, Operand, Plan};
+use crate::plan::{result, Launch, Operand, Plan};
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -144,6 +147,79 @@ pub fn tgmm_kernel(
     if last[t] == 1 {
         out[..] = acc[..].cast(out.dtype);
     }
+}
+
+/// The visit list of `group_sizes` (`[1, g]`) computed on the device, so a call reads no
+/// value back to the host: the same arrays as [`group_metadata`] for valid sizes, as
+/// `[cap, 1]` columns plus the visit count `[1, 1]` (`first`/`last` are `tgmm`'s flags;
+/// `gmm` ignores them).
+///
+/// Vectorised over a block of `bt` visits against all `g` groups, with no scan over
+/// groups: per group its clamped row range `[start, end)` (prefix sums of the sizes), its
+/// tile range and visit count `n`, and the prefix sums of `n` (`vin`, `vex` exclusive).
+/// Visit `t` belongs to the group whose `[vex, vin)` holds it, which is the count of
+/// groups with `vin <= t`; its other fields are picked from that group by a one-hot
+/// lane sum. Work is `cap x g` per call (about 400 x 128 for 64k rows and 128 experts).
+///
+/// Sizes outside the contract (negative, or not summing to `m`) give metadata that stays
+/// in bounds (negative sizes count as 0, ranges are clamped to `[0, m]`, tiles and groups
+/// to theirs): wrong rows, never an out-of-bounds block. The CPU path refuses such sizes
+/// (`check_sizes`); a device call cannot without a host read.
+#[tpu_kernel(
+    grid = [cap.div_ceil(bt)],
+    semantics = [arbitrary],
+    sizes = block([1, g], |i| [0, 0]),
+    visits = block([1, 1], |i| [0, 0]),
+    (group, tile, row_lo, row_hi, first, last) = block([bt, 1], |i| [i, 0]),
+)]
+pub fn group_metadata_kernel(
+    sizes: In<1, g>,
+    visits: Out<1, 1>,
+    group: Out<cap, 1>,
+    tile: Out<cap, 1>,
+    row_lo: Out<cap, 1>,
+    row_hi: Out<cap, 1>,
+    first: Out<cap, 1>,
+    last: Out<cap, 1>,
+    m: usize,
+    tm: usize,
+    bt: usize,
+    visit_empty: bool,
+) {
+    let s = sizes[..].max(0);
+    let incl = s.cumsum(1);
+    let end = incl.max(0).min(m as i32);
+    let start = (incl - s).max(0).min(end);
+    // Tile of a row: floor(row / tm) through f32 (no vector integer division on the VPU),
+    // then corrected by one either way, exact for rows < 2^23 * tm.
+    let inv = 1.0 / tm as f32;
+    let q0 = (start.cast(f32) * inv).cast(i32);
+    let q0 = select(q0 * (tm as i32) > start, q0 - 1, q0);
+    let t0 = select((q0 + 1) * (tm as i32) <= start, q0 + 1, q0);
+    let last_row = (end - 1).max(0);
+    let q1 = (last_row.cast(f32) * inv).cast(i32);
+    let q1 = select(q1 * (tm as i32) > last_row, q1 - 1, q1);
+    let t1 = select((q1 + 1) * (tm as i32) <= last_row, q1 + 1, q1);
+    let empty_visits = if visit_empty { 1 } else { 0 };
+    let n = select(end > start, t1 - t0 + 1, empty_visits);
+    let vin = n.cumsum(1);
+    let vex = vin - n;
+    let total = n.sum(1);
+    visits[..] = total;
+    let t = iota([bt, 1], 0) + program_id(0) * (bt as i32);
+    // Padding visits repeat the last one's group and tile, with no rows and no flags.
+    let tc = t.min((total - 1).max(0));
+    let live = t < total;
+    let owner = select(vin <= tc, 1, 0).sum(1).min(g as i32 - 1);
+    let onehot = iota([bt, g], 1) == owner;
+    let first_visit = select(onehot, vex.broadcast_to([bt, g]), 0).sum(1);
+    let tile_of = select(onehot, t0.broadcast_to([bt, g]), 0).sum(1) + tc - first_visit;
+    group[..] = owner;
+    tile[..] = tile_of.max(0).min(m.div_ceil(tm) as i32 - 1);
+    row_lo[..] = select(live, select(onehot, start.broadcast_to([bt, g]), 0).sum(1), 0);
+    row_hi[..] = select(live, select(onehot, end.broadcast_to([bt, g]), 0).sum(1), 0);
+    first[..] = select(live & (tc == first_visit), 1, 0);
+    last[..] = select(live & (tc == select(onehot, vin.broadcast_to([bt, g]), 0).sum(1) - 1), 1, 0);
 }
 
 // ---- block sizes ----------------------------------------------------------------------------
@@ -430,36 +506,75 @@ fn blocks_of(c: &Call, default: GmmBlocks) -> Result<GmmBlocks, KernelError> {
     }
 }
 
-/// The host metadata operands `first..first + 1 + arrays`: the visit count, then the arrays.
-fn meta_operands(first: usize, arrays: usize, cap: usize) -> Vec<Operand> {
-    std::iter::once(host(first, Type::vector(DType::I32, &[1]))).chain((first + 1..first + 1 + arrays).map(|i| host(i, Type::vector(DType::I32, &[cap])))).collect()
+/// The visit block of the metadata kernel: all visits when they are few, else a multiple
+/// of 8 keeping each `[bt, g]` i32 temporary near 512 KiB of VMEM.
+fn metadata_block(cap: usize, groups: usize) -> usize {
+    let lanes = groups.div_ceil(128) * 128;
+    let bt = ((128 << 10) / lanes / 8 * 8).max(8);
+    if cap <= bt { cap } else { bt }
 }
 
-/// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata the host arrays `first..first + 5`.
-fn gmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, transpose_rhs: bool, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
+/// The kernel computing the visits of `groups` groups over `m` rows in m-tiles of `tm`
+/// (`visit_empty`: `tgmm`'s, one visit per empty group) on the device.
+pub fn build_group_metadata(m: usize, groups: usize, tm: usize, visit_empty: bool, target: &Target) -> Result<Kernel, KernelError> {
+    if m == 0 || groups == 0 || tm == 0 {
+        return Err(err("group_metadata", "input `group_sizes`", "operand-shape", format!("{m} rows, {groups} groups, m-tile {tm}"), "pass at least one row, one group and a positive m-tile"));
+    }
+    let cap = visit_capacity(m, groups, tm);
+    let col = Type::vector(DType::I32, &[cap, 1]);
+    let kernel = group_metadata_kernel(
+        Type::vector(DType::I32, &[1, groups]),
+        Type::vector(DType::I32, &[1, 1]),
+        col.clone(),
+        col.clone(),
+        col.clone(),
+        col.clone(),
+        col.clone(),
+        col,
+        m,
+        tm,
+        metadata_block(cap, groups),
+        visit_empty,
+    )?;
+    Ok(fit_vmem_limit(kernel, target))
+}
+
+/// A launch of the metadata kernel for `a` (`[m, _]`) at m-tile `tm`.
+fn metadata_launch(c: &Call, m: usize, sizes: &Type, tm: usize, visit_empty: bool) -> Result<Launch, KernelError> {
+    let groups = sizes.shape[0];
+    let kernel = build_group_metadata(m, groups, tm, visit_empty, c.target)?;
+    Ok(Launch::new(kernel, vec![c.input("group_sizes", Type::vector(DType::I32, &[1, groups]))?]))
+}
+
+/// Launch `meta`'s outputs as a grouped kernel's prefetch operands: the visit count, then
+/// `arrays` of the visit arrays.
+fn meta_operands(meta: usize, arrays: usize, cap: usize) -> Vec<Operand> {
+    std::iter::once(result(meta, 0, Type::vector(DType::I32, &[1]))).chain((1..=arrays).map(|i| result(meta, i, Type::vector(DType::I32, &[cap])))).collect()
+}
+
+/// A `gmm` launch of `a @ b[g]` (`b[g]^T`), its metadata launch `meta`'s outputs.
+fn gmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, transpose_rhs: bool, blocks: GmmBlocks, meta: usize) -> Result<Launch, KernelError> {
     let kernel = build_gmm(a.1, b.1, sizes, transpose_rhs, blocks, c.target)?;
     let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
-    let mut args = meta_operands(first, 4, cap);
+    let mut args = meta_operands(meta, 4, cap);
     args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
     Ok(Launch::new(kernel, args))
 }
 
-/// A `tgmm` launch of `a^T @ b` per group, its metadata the host arrays `first..first + 7`.
-fn tgmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, blocks: GmmBlocks, first: usize) -> Result<Launch, KernelError> {
+/// A `tgmm` launch of `a^T @ b` per group, its metadata launch `meta`'s outputs.
+fn tgmm_launch(c: &Call, a: (&str, &Type), b: (&str, &Type), sizes: &Type, blocks: GmmBlocks, meta: usize) -> Result<Launch, KernelError> {
     let kernel = build_tgmm(a.1, b.1, sizes, blocks, c.target)?;
     let cap = visit_capacity(a.1.shape[0], sizes.shape[0], blocks.tm);
-    let mut args = meta_operands(first, 6, cap);
+    let mut args = meta_operands(meta, 6, cap);
     args.extend([c.input(a.0, a.1.clone())?, c.input(b.0, b.1.clone())?]);
     Ok(Launch::new(kernel, args))
 }
 
-/// The per-call metadata of launches with m-tiles `tms` (`true`: tgmm's, with flags).
-fn metadata(c: &Call, m: usize, tms: Vec<(usize, bool)>) -> crate::plan::HostFn {
+/// The plan's check of `group_sizes` where values are at hand (CPU tensors): the device
+/// path computes the metadata without reading them (see [`group_metadata_kernel`]).
+fn sizes_check(c: &Call, plan: Plan, m: usize) -> Result<Plan, KernelError> {
     let op = c.op;
-    Box::new(move |v| {
-        let sizes = check_sizes(op, v[0], m)?;
-        Ok(tms.iter().flat_map(|&(tm, t)| group_metadata(&sizes, m, tm, t).arrays(t)).collect())
-    })
+    Ok(plan.with_check(&[c.index("group_sizes")?], Box::new(move |v| check_sizes(op, v[0], m).map(|_| ()))))
 }
 
 /// Ranks, dtypes and the shared dims (`m`, `k`, `n`, `g`) are the op's contract, checked
@@ -469,40 +584,46 @@ fn plan_gmm(c: &Call) -> Result<Plan, KernelError> {
     let (lhs, rhs, sizes) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone());
     let transpose = c.statics.bool("transpose_rhs");
     let blocks = blocks_of(c, default_gmm_blocks(&lhs, &rhs, transpose, c.target))?;
+    let meta = metadata_launch(c, lhs.shape[0], &sizes, blocks.tm, false)?;
     let launch = gmm_launch(c, ("lhs", &lhs), ("rhs", &rhs), &sizes, transpose, blocks, 0)?;
-    one_launch(c, launch, lhs.shape[0], (blocks.tm, false))
+    grouped_plan(c, meta, launch, lhs.shape[0])
 }
 
-/// The plan of one grouped launch whose metadata (m-tile `tm`, tgmm's flags) the host
-/// computes from `group_sizes` per call.
-fn one_launch(c: &Call, launch: Launch, m: usize, tiles: (usize, bool)) -> Result<Plan, KernelError> {
-    let results = vec![result(0, 0, launch.outputs[0].clone())];
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("group_sizes")?], metadata(c, m, vec![tiles])))
+/// The plan of one grouped launch after its metadata launch.
+fn grouped_plan(c: &Call, meta: Launch, launch: Launch, m: usize) -> Result<Plan, KernelError> {
+    let results = vec![result(1, 0, launch.outputs[0].clone())];
+    sizes_check(c, Plan::new(c.op, c.target, vec![meta, launch], results), m)
 }
 
 fn plan_tgmm(c: &Call) -> Result<Plan, KernelError> {
     let (lhs, grad, sizes) = (c.tensor("lhs")?.clone(), c.tensor("grad")?.clone(), c.tensor("group_sizes")?.clone());
     let blocks = blocks_of(c, default_tgmm_blocks(&lhs, &grad, c.target))?;
+    let meta = metadata_launch(c, lhs.shape[0], &sizes, blocks.tm, true)?;
     let launch = tgmm_launch(c, ("lhs", &lhs), ("grad", &grad), &sizes, blocks, 0)?;
-    one_launch(c, launch, lhs.shape[0], (blocks.tm, true))
+    grouped_plan(c, meta, launch, lhs.shape[0])
 }
 
 /// `dlhs = gmm(dout, rhs, !transpose_rhs)`; `drhs = tgmm(lhs, dout)` (`tgmm(dout, lhs)`
-/// for a transposed rhs, `[g, n, k]`).
+/// for a transposed rhs), each after its own metadata launch (their m-tiles and tgmm's
+/// empty-group visits differ).
 fn plan_gmm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (lhs, rhs, sizes, dout) = (c.tensor("lhs")?.clone(), c.tensor("rhs")?.clone(), c.tensor("group_sizes")?.clone(), c.tensor("dout")?.clone());
     let t = c.statics.bool("transpose_rhs");
     if dout.dtype != lhs.dtype {
         return Err(c.err("input `dout`", "operand-dtype", format!("dout is {dout}, lhs is {lhs}"), format!("pass the gradient of gmm's output, of lhs's dtype ({})", lhs.dtype)));
     }
+    let m = lhs.shape[0];
     let gb = default_gmm_blocks(&dout, &rhs, !t, c.target);
-    let dlhs = gmm_launch(c, ("dout", &dout), ("rhs", &rhs), &sizes, !t, gb, 0)?;
     let (a, b) = if t { (("dout", &dout), ("lhs", &lhs)) } else { (("lhs", &lhs), ("dout", &dout)) };
     let tb = default_tgmm_blocks(a.1, b.1, c.target);
-    let drhs = tgmm_launch(c, a, b, &sizes, tb, 5)?;
-    let results = vec![result(0, 0, dlhs.outputs[0].clone()), result(1, 0, drhs.outputs[0].clone())];
-    let host = metadata(c, lhs.shape[0], vec![(gb.tm, false), (tb.tm, true)]);
-    Ok(Plan::new(c.op, c.target, vec![dlhs, drhs], results).with_host(&[c.index("group_sizes")?], host))
+    let launches = vec![
+        metadata_launch(c, m, &sizes, gb.tm, false)?,
+        gmm_launch(c, ("dout", &dout), ("rhs", &rhs), &sizes, !t, gb, 0)?,
+        metadata_launch(c, m, &sizes, tb.tm, true)?,
+        tgmm_launch(c, a, b, &sizes, tb, 2)?,
+    ];
+    let results = vec![result(1, 0, launches[1].outputs[0].clone()), result(3, 0, launches[3].outputs[0].clone())];
+    sizes_check(c, Plan::new(c.op, c.target, launches, results), m)
 }
 
 // ---- library entries ------------------------------------------------------------------------
@@ -582,7 +703,7 @@ const GMM_CASES: &[Case] = &[
 /// This module's ops.
 pub const OPS: &[Op] = &[
     Op {
-        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata from the host as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm), knobs: crate::tune::GMM,
+        name: "gmm", doc: "grouped matmul (MoE experts): out[rows of group g] = lhs[rows] @ rhs[g] (rhs[g]^T with transpose_rhs, rhs [g, n, k]); group metadata computed on the device as scalar prefetch, visits only (m-tile, group) pairs that own rows", schema: "(Tensor lhs, Tensor rhs, Tensor group_sizes, bool transpose_rhs=False, int[]? tiling=None) -> Tensor", plan: plan_gmm, reference: Some(ref_gmm), knobs: crate::tune::GMM,
         inputs: &[LHS, RHS, GROUP_SIZES], outputs: &[Output { name: "out", shape: "[lhs.0, transpose_rhs ? rhs.1 : rhs.2]", dtype: "lhs" }],
         backward: Some(Backward { op: "gmm_bwd", args: "lhs, rhs, group_sizes, d_out, transpose_rhs", grads: &["lhs", "rhs"] }),
         cases: GMM_CASES, random: Some(random_inputs), ..Op::EMPTY

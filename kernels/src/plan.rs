@@ -10,8 +10,9 @@
 //!   through `register_custom_kernel` / `call_custom_kernel`.
 //!
 //! A plan depends on types and static arguments only, so it is built once and cached. The
-//! few ops whose host-side preparation reads input *values* (gmm's group metadata, MoE
-//! routing, RoPE tables) get those arrays per call from [`Plan::host_arrays`].
+//! few ops whose host-side preparation reads input *values* (MoE routing, RoPE tables) get
+//! those arrays per call from [`Plan::host_arrays`]; on a device that is a read back to the
+//! host, which is why gmm computes its metadata in a launch of its own instead.
 
 use std::sync::OnceLock;
 

@@ -202,6 +202,27 @@ def test_item_and_empty(tpu):
     assert torch.full((2,), 7, device="tpu").tolist() == [7, 7]
 
 
+def test_transfer_stats_count_what_the_program_reads_back(tpu):
+    """`.cpu()`, `.item()`, `bool()` and printing are device-to-host copies; `.to("tpu")`
+    a host-to-device one; ops that run through the CPU fallback make none."""
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torch.tpu.reset_transfer_stats()
+    t = x.to(tpu)
+    stats = torch.tpu.transfer_stats()
+    assert (stats["host_to_device.count"], stats["host_to_device.bytes"]) == (1, 48)
+    assert stats["device_to_host.count"] == 0
+    y = torch.sort(t.flip(0), dim=0).values.cumsum(1) * 2  # fallback ops: no transfer
+    assert torch.tpu.transfer_stats()["device_to_host.count"] == 0
+    assert torch.equal(y.cpu(), torch.sort(x.flip(0), dim=0).values.cumsum(1) * 2)
+    assert torch.tpu.transfer_stats()["device_to_host.bytes"] == 48
+    float(y[0, 0])
+    bool((y > 3).any())
+    stats = torch.tpu.transfer_stats()
+    assert stats["device_to_host.count"] == 3
+    torch.tpu.reset_transfer_stats()
+    assert set(torch.tpu.transfer_stats().values()) == {0}
+
+
 def test_save_and_load_keep_the_device(tpu, tmp_path):
     t = torch.randn(3, device="tpu")
     torch.save({"t": t}, tmp_path / "t.pt")

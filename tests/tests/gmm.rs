@@ -9,6 +9,7 @@ use tessera_dsl::Interpreter;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Target, Type};
 use tessera_kernels::gmm::{self, group_metadata, reference, visit_capacity, GmmBlocks};
+use tessera_codegen::cpu::Backend;
 use tessera_kernels::harness::{check_output, random_array, run_against_reference};
 use tessera_tests::oracle;
 
@@ -227,6 +228,14 @@ fn large_block_gmm_compiles() {
                 modules.push((target, format!("gmm-large-{dtype}-t{transpose_rhs}"), lowered.stablehlo));
             }
             let grad = Type::vector(dtype, &[4096, 2048]);
+            if dtype == DTYPES[0] {
+                // The metadata kernel over many visit blocks and more groups than lanes.
+                for (m, g, tm) in [(65536, 256, 512), (9000, 300, 8)] {
+                    let k = gmm::build_group_metadata(m, g, tm, true, &target).unwrap_or_else(|e| panic!("{e}"));
+                    let lowered = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+                    modules.push((target, format!("group-metadata-m{m}-g{g}-tm{tm}"), lowered.stablehlo));
+                }
+            }
             let k = gmm::build_tgmm(&lhs, &grad, &gs, blocks, &target).unwrap_or_else(|e| panic!("{e}"));
             let lowered = tessera_codegen::lower(&k, &target).unwrap_or_else(|e| panic!("{target} {dtype}: {e}"));
             modules.push((target, format!("tgmm-large-{dtype}"), lowered.stablehlo));
@@ -248,7 +257,7 @@ fn large_block_gmm_compiles() {
 /// interpreter and the JIT, numerics against the f64 reference.
 #[test]
 fn gmm_runs_only_the_active_visits_with_one_compile() {
-    use tessera_codegen::cpu::{cache_stats, Backend};
+    use tessera_codegen::cpu::cache_stats;
     use tessera_dsl::interp::HostMut;
     let (m, k, n, g) = (512, 256, 256, 8);
     let target = Target::V5E;
@@ -294,4 +303,69 @@ fn gmm_runs_only_the_active_visits_with_one_compile() {
     assert_eq!(skipped[1], (8, 11));
     assert_eq!(skipped[2], (4, 11));
     eprintln!("visits run / bound per call: {skipped:?}");
+}
+
+/// The device metadata kernel gives the host list ([`group_metadata`], a sequential walk)
+/// on the interpreter and the JIT: every live visit equal, padding a no-op. Shapes cover
+/// one and several visit blocks, odd group counts, m-tiles that are not powers of two,
+/// empty groups at both ends and all rows in one group.
+#[test]
+fn device_metadata_matches_the_host_walk() {
+    let target = Target::V5E;
+    let mut rng = StdRng::seed_from_u64(11);
+    for (m, g, tm) in [(1024, 8, 128), (1000, 6, 256), (100, 3, 100), (4096, 64, 512), (520, 13, 96), (128, 1, 128), (9000, 300, 8), (777, 5, 1000)] {
+        let cap = visit_capacity(m, g, tm);
+        let mut sets = vec![gmm::random_group_sizes(m, g, &mut rng), gmm::random_group_sizes(m, g, &mut rng)];
+        let mut one = vec![0; g];
+        one[g - 1] = m as i32;
+        sets.push(one);
+        let mut front = vec![0; g];
+        front[0] = m as i32;
+        sets.push(front);
+        for visit_empty in [false, true] {
+            let kernel = gmm::build_group_metadata(m, g, tm, visit_empty, &target).unwrap();
+            for sizes in &sets {
+                let want = group_metadata(sizes, m, tm, visit_empty);
+                let input = Array::from_i32(&[1, g], sizes.clone());
+                for be in [Backend::Interp, Backend::Jit] {
+                    let out = tessera_dsl::exec::run(be.executor(), &kernel, &[&input]).unwrap_or_else(|e| panic!("{be:?} m{m} g{g} tm{tm}: {e}"));
+                    let field = |i: usize| out[i].as_i32().unwrap().to_vec();
+                    let what = format!("{be:?} m{m} g{g} tm{tm} empty={visit_empty} {sizes:?}");
+                    assert_eq!(field(0), vec![want.visits as i32], "{what}: visits");
+                    let v = want.visits;
+                    for (i, (name, host)) in [("group", &want.group), ("tile", &want.tile), ("row_lo", &want.row_lo), ("row_hi", &want.row_hi), ("first", &want.first), ("last", &want.last)].into_iter().enumerate() {
+                        let got = field(i + 1);
+                        assert_eq!(got.len(), cap);
+                        assert_eq!(&got[..v], &host[..v], "{what}: {name}");
+                    }
+                    for t in v..cap {
+                        assert!(field(3)[t] == field(4)[t] && field(5)[t] == 0 && field(6)[t] == 0, "{what}: padding visit {t} is not a no-op");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sizes outside the contract (negative, too many rows, a sum that wraps i32) give metadata
+/// that stays inside every operand: groups, tiles and row ranges in range, the visit count
+/// within the static bound.
+#[test]
+fn device_metadata_stays_in_bounds_for_bad_sizes() {
+    let target = Target::V5E;
+    let (m, g, tm) = (1000, 6, 128);
+    let cap = visit_capacity(m, g, tm);
+    let tiles = m.div_ceil(tm) as i32;
+    for sizes in [vec![-5, 300, -1000, 2000, 7, 0], vec![i32::MAX, i32::MAX, 1, 1, -1, 5], vec![0; 6], vec![1; 6], vec![5000, 0, 0, 0, 0, 0]] {
+        for visit_empty in [false, true] {
+            let kernel = gmm::build_group_metadata(m, g, tm, visit_empty, &target).unwrap();
+            let out = tessera_dsl::exec::run(&Interpreter, &kernel, &[&Array::from_i32(&[1, g], sizes.clone())]).unwrap();
+            let f = |i: usize| out[i].as_i32().unwrap().to_vec();
+            let visits = f(0)[0];
+            assert!((0..=cap as i32).contains(&visits), "{sizes:?}: {visits} visits, bound {cap}");
+            assert!(f(1).iter().all(|x| (0..g as i32).contains(x)), "{sizes:?}: groups {:?}", f(1));
+            assert!(f(2).iter().all(|x| (0..tiles).contains(x)), "{sizes:?}: tiles {:?}", f(2));
+            assert!(f(3).iter().zip(f(4)).all(|(&lo, hi)| 0 <= lo && lo <= hi && hi <= m as i32), "{sizes:?}: rows");
+        }
+    }
 }

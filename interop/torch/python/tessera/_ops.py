@@ -128,11 +128,15 @@ class OpSpec:
 
 
 def _prepare(t, op=None, name=None):
-    """Contiguous, and int64 index tensors as int32 (the kernels' index type), checked to
-    fit: a value outside int32 is an error, never a wrap (on a device this reads back one
-    bool)."""
+    """Contiguous, and int64 index tensors as int32 (the kernels' index type), never a wrap.
+    On the host a value outside int32 is an error. A device tensor is saturated instead
+    (checking would read a value back to the host on every call), and the kernel treats it
+    as any out-of-range index value on a device: a wrong result, never a read outside an
+    operand."""
     if t is None:
         return None
+    if t.dtype == torch.int64 and t.device.type != "cpu":
+        return t.clamp(-(2**31), 2**31 - 1).to(torch.int32).contiguous()
     if t.dtype == torch.int64:
         if t.numel() and bool(((t < -(2**31)) | (t >= 2**31)).any()):
             raise ValueError(

@@ -22,7 +22,9 @@ Behaviour to know about (all process-wide, and enable() cannot be undone):
 * ``torch.accelerator`` now reports ``tpu``, and ``torch.tpu`` is a small module
   (availability, one device, RNG state, allocator statistics as ``torch.cuda`` names them:
   ``memory_stats()``, ``memory_allocated()``, ``max_memory_allocated()``,
-  ``reset_peak_memory_stats()``) marked ``torch.tpu.tessera_emulated``.
+  ``reset_peak_memory_stats()``, and ``transfer_stats()`` / ``reset_transfer_stats()``
+  counting the host <-> device copies a program asks for) marked
+  ``torch.tpu.tessera_emulated``.
 * DeferAndFuse's placeholders (``tessera._fusion_device``) are tensors whose storage has
   no memory until a flush materialises them (``torch.ops.tessera_emulated_tpu``'s
   ``empty_unallocated`` / ``materialize`` / ``is_allocated``); reading one that was never
@@ -134,6 +136,18 @@ class _DeviceModule:
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
         torch.ops.tessera_emulated_tpu.reset_peak_memory_stats()
+
+    # Host <-> device copies the program asked for (`.cpu()`, `.to()`, `.item()`, printing;
+    # not the CPU fallback's internal staging, which a real device would not make), so a
+    # test can show that an op reads nothing back to the host.
+    @staticmethod
+    def transfer_stats(device=None) -> dict:
+        d2h, d2h_bytes, h2d, h2d_bytes = torch.ops.tessera_emulated_tpu.transfer_stats()
+        return {"device_to_host.count": d2h, "device_to_host.bytes": d2h_bytes, "host_to_device.count": h2d, "host_to_device.bytes": h2d_bytes}
+
+    @staticmethod
+    def reset_transfer_stats(device=None) -> None:
+        torch.ops.tessera_emulated_tpu.reset_transfer_stats()
 
     # RNG: random ops run on the CPU through the fallback and draw from the CPU
     # default generator, so the tpu RNG *is* that generator. fork_rng, activation

@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -113,6 +114,45 @@ void reset_peak_memory_stats() {
   Stats& s = stats();
   std::lock_guard<std::mutex> g(s.lock);
   s.peak = s.current;
+}
+
+// ---------------------------------------------------------------- transfers
+
+// Copies between the host and the device that a program asks for (.cpu(), .to(),
+// .item(), printing), as a real device would make them: what the tests count to show an
+// op reads nothing back. The fallback's own staging copies are not counted: on a real
+// device those ops run there.
+struct Transfers {
+  std::atomic<int64_t> d2h{0}, d2h_bytes{0}, h2d{0}, h2d_bytes{0};
+};
+Transfers& transfers() {
+  static Transfers* t = new Transfers();
+  return *t;
+}
+thread_local int g_in_fallback = 0;
+
+void count_transfer(const at::Tensor& src, const at::Tensor& dst) {
+  if (g_in_fallback > 0) return;
+  const bool from_tpu = src.device().type() == kTpu, to_tpu = dst.device().type() == kTpu;
+  if (from_tpu == to_tpu) return;
+  Transfers& t = transfers();
+  const int64_t bytes = static_cast<int64_t>(src.numel()) * static_cast<int64_t>(src.element_size());
+  (from_tpu ? t.d2h : t.h2d) += 1;
+  (from_tpu ? t.d2h_bytes : t.h2d_bytes) += bytes;
+}
+
+// [device-to-host copies, their bytes, host-to-device copies, their bytes]
+std::vector<int64_t> transfer_stats() {
+  Transfers& t = transfers();
+  return {t.d2h.load(), t.d2h_bytes.load(), t.h2d.load(), t.h2d_bytes.load()};
+}
+
+void reset_transfer_stats() {
+  Transfers& t = transfers();
+  t.d2h = 0;
+  t.d2h_bytes = 0;
+  t.h2d = 0;
+  t.h2d_bytes = 0;
 }
 
 HostAllocator g_allocator;
@@ -249,6 +289,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 // here: Tensor.copy_ re-dispatches to _copy_from for non-builtin devices.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst,
                      bool /*non_blocking: everything is synchronous*/) {
+  count_transfer(self, dst);
   host_alias(dst).copy_(host_alias(self));
   return dst;
 }
@@ -259,6 +300,10 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  if (g_in_fallback == 0) {
+    transfers().d2h += 1;
+    transfers().d2h_bytes += static_cast<int64_t>(self.element_size());
+  }
   return host_alias(self).item();
 }
 
@@ -322,6 +367,10 @@ void record_stream(at::Tensor&, c10::Stream) {}
 // makes an unregistered *view* op fail loudly instead of silently returning a
 // copy that does not alias its input.
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  struct Depth {
+    Depth() { ++g_in_fallback; }
+    ~Depth() { --g_in_fallback; }
+  } depth;
   at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
 }
 
@@ -379,6 +428,8 @@ TORCH_LIBRARY_IMPL(aten, Negative, m) {
 TORCH_LIBRARY(tessera_emulated_tpu, m) {
   m.def("memory_stats() -> int[]", &memory_stats);
   m.def("reset_peak_memory_stats() -> ()", &reset_peak_memory_stats);
+  m.def("transfer_stats() -> int[]", &transfer_stats);
+  m.def("reset_transfer_stats() -> ()", &reset_transfer_stats);
   m.def("empty_unallocated(int[] size, ScalarType dtype) -> Tensor", &empty_unallocated);
   m.def("materialize(Tensor t) -> bool", &materialize);
   m.def("is_allocated(Tensor t) -> bool", &is_allocated);
