@@ -8,10 +8,10 @@
 //! stores and loads) and a select, `out = x * cos + swap(x) * sin` on the VPU: no MXU
 //! work, exact, and each output reads only its own pair, so a NaN or inf of `x` reaches
 //! exactly the two outputs torch's formula gives it (a matmul with a ±1 permutation, the
-//! earlier form, spread it over the whole chunk through `0 * inf`). `cos`/`sin` come from
-//! the host as f32 `[t, w]` tables (angles in f64 from `position_ids` and `theta`,
-//! repeated across the chunk's heads); their block index does not move along the chunk
-//! axis, so each is fetched once per row tile.
+//! earlier form, spread it over the whole chunk through `0 * inf`). `cos`/`sin` are built
+//! in the kernel from `position_ids` and a per-lane frequency table that depends on the
+//! statics only ([`rope_freqs`]), once per row tile into VMEM scratch, so a call reads no
+//! value back to the host.
 //!
 //! Variants: rotate-half (GPT-NeoX / Llama; pairs `(i, i + dh/2)`, frequency `i`) and
 //! interleaved (GPT-J; pairs `(2i, 2i + 1)`, frequency `i`).
@@ -60,14 +60,55 @@ const MASKED: f32 = f32::MIN;
 /// selected, and each output lane reads only its own pair, so a NaN or inf reaches
 /// exactly the two outputs of its pair (as torch's `x * cos + rotate(x) * sin`); the
 /// values are exact (no rounding before the final f32 multiply-add).
+///
+/// The angles come from `positions` (`[t, 1]` i32) and `freqs` ([`rope_freqs`]), built
+/// into the `cos`/`sin` scratch at the first chunk of each row tile (the chunk axis is
+/// `arbitrary`, so a row tile's chunks run in order on one core) and reused by the rest.
+/// A position splits into three 11-bit chunks `c_k`, and the angle in turns is
+/// `sum_k c_k * frac(2^(11k) * f)` with each `frac(..)` held as two 13-bit parts and a
+/// remainder: every `c_k * part` is exact in f32, so its fraction is too, and only the
+/// remainders' tiny products and the final sum round. The angle is reduced to one turn
+/// before `cos`/`sin`, so it stays within ~1e-6 rad of the exact angle for any i32
+/// position (a plain f32 `position * inv_freq` is ~1e-4 rad off in the thousands).
 #[tpu_kernel(
     grid = [t.div_ceil(tm), n / w],
-    semantics = [parallel, parallel],
+    semantics = [parallel, arbitrary],
     (x, out) = block([tm, w], |i, j| [i, j]),
-    (cos, sin) = block([tm, w], |i, j| [i, 0]),
-    shift = scratch([tm, w], f32),
+    positions = block([tm, 1], |i, j| [i, 0]),
+    freqs = block([9, w], |i, j| [0, 0]),
+    (shift, cos, sin) = scratch([tm, w], f32),
 )]
-pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, shift: Scratch, tm: usize, dh: usize, interleaved: bool, sign: f32) {
+pub fn rope_kernel(x: In<t, n>, positions: In<t, 1>, freqs: In<9, w>, out: Out<t, n>, shift: Scratch, cos: Scratch, sin: Scratch, tm: usize, dh: usize, interleaved: bool, sign: f32) {
+    if program_id(1) == 0 {
+        let p = positions[..];
+        let c0 = (p & 2047).cast(f32);
+        let c1 = ((p >> 11) & 2047).cast(f32);
+        let c2 = (p >> 22).cast(f32);
+        // Exact products, so `a - trunc(a)` is their exact fraction.
+        let a = c0 * freqs[(0..1, ..)];
+        let b = c0 * freqs[(1..2, ..)];
+        let turns = (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c0 * freqs[(2..3, ..)];
+        let a = c1 * freqs[(3..4, ..)];
+        let b = c1 * freqs[(4..5, ..)];
+        let turns = turns + (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c1 * freqs[(5..6, ..)];
+        let a = c2 * freqs[(6..7, ..)];
+        let b = c2 * freqs[(7..8, ..)];
+        let turns = turns + (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c2 * freqs[(8..9, ..)];
+        // sin and cos of the angle by quadrant: `q` quarter turns plus `y` in [-pi/4, pi/4],
+        // where Taylor polynomials to y^9 / y^8 are within 3e-8 (the generic sin/cos
+        // lowering reduces any f32 argument and costs several times more).
+        let q = (turns * 4.0).round();
+        let y = (turns - q * 0.25) * std::f32::consts::TAU;
+        let y2 = y * y;
+        let s = y * (1.0 + y2 * (-1.0 / 6.0 + y2 * (1.0 / 120.0 + y2 * (-1.0 / 5040.0 + y2 * (1.0 / 362880.0)))));
+        let c = 1.0 + y2 * (-0.5 + y2 * (1.0 / 24.0 + y2 * (-1.0 / 720.0 + y2 * (1.0 / 40320.0))));
+        let quadrant = q.cast(i32) & 3;
+        let odd = (quadrant & 1) == 1;
+        let sin_sign = select(quadrant >= 2, -1.0, 1.0);
+        let cos_sign = select((quadrant == 1) | (quadrant == 2), -1.0, 1.0);
+        sin[..] = select(odd, c, s) * sin_sign;
+        cos[..] = select(odd, s, c) * cos_sign;
+    }
     let off = if interleaved { 1 } else { dh / 2 };
     // A lane's place in its pair, computed on one row and broadcast down the block.
     let lane = iota([1, w], 1);
@@ -90,6 +131,38 @@ pub fn rope_kernel(x: In<t, n>, cos: In<t, w>, sin: In<t, w>, out: Out<t, n>, sh
     // (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin); the transpose flips the signs.
     let swapped = if sign > 0.0 { select(first, -up, down) } else { select(first, up, -down) };
     out[..] = (v * cos[..] + swapped * sin[..]).cast(out.dtype);
+}
+
+/// The per-lane frequency table of [`rope_kernel`], `[9, w]` f32: row `3k + i` holds part
+/// `i` of `frac(2^(11k) * f)` for lane `c`'s frequency in turns, `f = theta^(-2 pair /
+/// dh) / 2 pi` (`pair` of lane `c mod dh`). Parts 0 and 1 have 13 significant bits (their
+/// products with an 11-bit position chunk are exact in f32), part 2 is the f32 rest. It
+/// depends on the statics alone: no input value is read to build it.
+pub fn rope_freqs(dh: usize, w: usize, theta: f64, interleaved: bool) -> Array {
+    // `x` rounded to 13 significant bits (exact in f32).
+    let head = |x: f64| {
+        if x == 0.0 {
+            return 0.0;
+        }
+        let q = 2f64.powi(x.abs().log2().floor() as i32 - 12);
+        (x / q).round() * q
+    };
+    let mut rows = vec![0f32; 9 * w];
+    for c in 0..w {
+        let lane = c % dh;
+        let pair = if interleaved { lane / 2 } else { lane % (dh / 2) };
+        let turns = theta.powf(-2.0 * pair as f64 / dh as f64) / std::f64::consts::TAU;
+        for k in 0..3 {
+            let scaled = turns * 2f64.powi(11 * k as i32);
+            let g = scaled - scaled.floor();
+            let h0 = head(g);
+            let h1 = head(g - h0);
+            for (i, part) in [h0, h1, g - h0 - h1].into_iter().enumerate() {
+                rows[(3 * k + i) * w + c] = part as f32;
+            }
+        }
+    }
+    Array::from_f32(&[9, w], rows)
 }
 
 /// The lane chunk a RoPE grid step owns: `lcm(dh, 128)` when it divides `n = h * dh`,
@@ -131,7 +204,8 @@ fn rope_dims(op: &str, name: &str, x: &Type) -> Result<(usize, usize, usize), Ke
 }
 
 /// The RoPE kernel for an op input `x: [t, h, dh]` on `target` (default blocks); it takes
-/// `x` viewed as `[t, h * dh]` and f32 tables `[t, rope_chunk(h * dh, dh)]`.
+/// `x` viewed as `[t, h * dh]`, the positions as an i32 column `[t, 1]` and the table
+/// [`rope_freqs`] `[9, rope_chunk(h * dh, dh)]`.
 pub fn build_rope(x: &Type, interleaved: bool, backward: bool, target: &Target) -> Result<Kernel, KernelError> {
     let (op, name) = if backward { ("rope_bwd", "dy") } else { ("rope", "x") };
     let (t, h, dh) = rope_dims(op, name, x)?;
@@ -141,28 +215,8 @@ pub fn build_rope(x: &Type, interleaved: bool, backward: bool, target: &Target) 
     let n = h * dh;
     let w = rope_chunk(n, dh);
     let flat = Type::vector(x.dtype, &[t, n]);
-    let table = Type::vector(DType::F32, &[t, w]);
     let sign = if backward { -1.0 } else { 1.0 };
-    rope_kernel(flat.clone(), table.clone(), table, flat, rope_rows(t, w, x.dtype, target), dh, interleaved, sign)
-}
-
-/// Host-side `cos`/`sin` tables `[t, w]` (f32) for `positions`: column `c` holds the
-/// angle of lane `c mod dh` of a head. Angles are computed in f64 and rounded once: in
-/// f32, `position * inv_freq` alone loses ~1e-4 rad at positions in the thousands.
-pub fn rope_tables(positions: &[i32], dh: usize, w: usize, theta: f64, interleaved: bool) -> (Array, Array) {
-    let half = dh / 2;
-    let (mut cos, mut sin) = (Vec::with_capacity(positions.len() * w), Vec::with_capacity(positions.len() * w));
-    for &p in positions {
-        for c in 0..w {
-            let lane = c % dh;
-            let pair = if interleaved { lane / 2 } else { lane % half };
-            let angle = p as f64 * theta.powf(-2.0 * pair as f64 / dh as f64);
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    let shape = [positions.len(), w];
-    (Array::from_f32(&shape, cos), Array::from_f32(&shape, sin))
+    rope_kernel(flat.clone(), Type::vector(DType::I32, &[t, 1]), Type::vector(DType::F32, &[9, w]), flat, rope_rows(t, w, x.dtype, target), dh, interleaved, sign)
 }
 
 /// RoPE: `x: [t, h, dh]` (f32 or bf16) rotated by the angles of `positions: i32[t]`
@@ -295,18 +349,11 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let kernel = build_rope(&x, interleaved, backward, c.target)?;
     let (t, h, dh) = (x.shape[0], x.shape[1], x.shape[2]);
     let w = rope_chunk(h * dh, dh);
-    let table = Type::vector(DType::F32, &[t, w]);
-    let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, host(0, table.clone()), host(1, table)];
+    let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, column(c, "position_ids", t)?, host(0, Type::vector(DType::F32, &[9, w]))];
     let theta = c.statics.f64("theta").unwrap_or(ROPE_THETA);
-    let positions_at = c.index("position_ids")?;
-    Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(
-        &[positions_at],
-        Box::new(move |v| {
-            let positions = v[0].as_i32().unwrap_or_default();
-            let (cos, sin) = rope_tables(positions, dh, w, theta, interleaved);
-            Ok(vec![cos, sin])
-        }),
-    ))
+    // The table depends on statics only: built once here, handed out per call.
+    let freqs = rope_freqs(dh, w, theta, interleaved);
+    Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(&[], Box::new(move |_| Ok(vec![freqs.clone()]))))
 }
 
 /// Tensor input `name` (`[t]`, or `[t, 1]` where its dims allow) as a `[t, 1]` column.

@@ -203,6 +203,32 @@ fn rope_public_functions() {
 }
 
 
+/// The in-kernel angles hold for any i32 position, far past what a plain f32
+/// `position * inv_freq` gets right: negative, 2^17, 2^24 + 3, the i32 extremes, against
+/// the f64 reference at f32's tolerance, on the interpreter and the JIT, both variants and
+/// a small and a large base.
+#[test]
+fn rope_angles_are_exact_across_the_position_range() {
+    use tessera_codegen::cpu::Backend;
+    let positions = [0, 1, 7, 8191, 65_535, 131_071, 1 << 20, (1 << 24) + 3, 300_000_007, i32::MAX, -1, -4096, i32::MIN];
+    let (t, h, dh) = (positions.len(), 3, 128);
+    let mut rng = StdRng::seed_from_u64(21);
+    let xs: Vec<f32> = (0..t * h * dh).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let x = Array::from_f32(&[t, h, dh], xs.clone());
+    let pos = Array::from_i32(&[t], positions.to_vec());
+    let posf: Vec<f64> = positions.iter().map(|&p| p as f64).collect();
+    for theta in [10000.0, 1e6] {
+        for interleaved in [false, true] {
+            let want = reference::rope(&x.to_f64_vec(), &posf, t, h, dh, theta, interleaved);
+            for be in [Backend::Interp, Backend::Jit] {
+                let y = rope_ce::rope(be.executor(), &x, &pos, theta, interleaved, &Target::V6E).unwrap();
+                let err = y.to_f64_vec().iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(err < 4e-6, "{be:?} theta={theta} interleaved={interleaved}: max error {err}");
+            }
+        }
+    }
+}
+
 /// A NaN or inf in x (or dy) reaches exactly the two outputs of its pair, as torch's
 /// `x * cos + rotate(x) * sin` (at position 0, `sin = 0` and `inf * 0` makes the partner
 /// NaN too), never the rest of the head or chunk: both variants, several heads per chunk
