@@ -888,8 +888,8 @@ pub(crate) fn segment_operands(c: &Call, b: usize, sq: usize, skv: usize) -> Res
 }
 
 /// Host arrays 0 and 1: the kernels' placeholder segment ids when none are given.
-pub(crate) fn dummy_segments() -> crate::plan::HostFn {
-    Box::new(|_| Ok(vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]))
+pub(crate) fn dummy_segments() -> Vec<Array> {
+    vec![Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]
 }
 
 /// q, k and v (`[b, h, sq, d]` and `[b, hkv, skv, d]`: the op's contract, checked).
@@ -922,7 +922,7 @@ fn plan_flash_attention_fwd(c: &Call) -> Result<Plan, KernelError> {
     }
     let kernel = build_flash_attention(&q, &k, &v, segmented, &params, blocks, c.target)?;
     let plan = single(c, kernel, vec![c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, qs, ks], &[None, Some(vec![b, h, sq])]);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    Ok(if segmented { plan } else { plan.with_host(dummy_segments()) })
 }
 
 fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
@@ -951,7 +951,7 @@ fn plan_flash_attention_bwd(c: &Call) -> Result<Plan, KernelError> {
     let launches = vec![Launch::new(di_k, vec![o, dout]), Launch::new(dkv_k, main.clone()), Launch::new(dq_k, main)];
     let results = vec![result(2, 0, q), result(1, 0, k), result(1, 1, v)];
     let plan = Plan::new(c.op, c.target, launches, results);
-    Ok(if segmented { plan } else { plan.with_host(&[], dummy_segments()) })
+    Ok(if segmented { plan } else { plan.with_host(dummy_segments()) })
 }
 
 /// Segment ids for `b` sequences: ids that increase along the sequence in random runs, the

@@ -9,10 +9,12 @@
 //!   [`Launch::module`] by `interop/torch`, since this crate does not depend on codegen)
 //!   through `register_custom_kernel` / `call_custom_kernel`.
 //!
-//! A plan depends on types and static arguments only, so it is built once and cached. The
-//! few ops whose host-side preparation reads input *values* (MoE routing, RoPE tables) get
-//! those arrays per call from [`Plan::host_arrays`]; on a device that is a read back to the
-//! host, which is why gmm computes its metadata in a launch of its own instead.
+//! A plan depends on types and static arguments only, so it is built once and cached, and
+//! so are its host arrays ([`Plan::host`]: placeholders, constant tables, a window's band
+//! metadata). No plan reads an input's *values* to prepare a call: what depends on them
+//! (gmm's tile visits, MoE routing order, RoPE angles) is computed by kernels, so a call
+//! on a device never waits for a read back to the host. Value checks
+//! ([`Plan::with_check`]) run where the values already are (CPU tensors).
 
 use std::sync::OnceLock;
 
@@ -93,9 +95,6 @@ impl Launch {
     }
 }
 
-/// Prepares the per-call host arrays from the values of the op's host-read inputs.
-pub type HostFn = Box<dyn Fn(&[&Array]) -> Result<Vec<Array>, KernelError> + Send + Sync>;
-
 /// Checks the values of metadata inputs against the op's contract (lengths within the
 /// page table, monotone offsets, labels in range...) before any kernel reads them.
 pub type CheckFn = Box<dyn Fn(&[&Array]) -> Result<(), KernelError> + Send + Sync>;
@@ -107,9 +106,9 @@ pub struct Plan {
     pub launches: Vec<Launch>,
     /// The op's results.
     pub results: Vec<Operand>,
-    /// The op inputs whose values [`Plan::host_arrays`] reads, in its argument order.
-    pub host_reads: Vec<usize>,
-    host: Option<HostFn>,
+    /// Arrays built with the plan from types and statics alone, the same for every call
+    /// (operands [`host`]`(i, ..)`): a device keeps them.
+    pub host: Vec<Array>,
     /// The op inputs whose values [`Plan::check`] reads, in its argument order.
     pub check_reads: Vec<usize>,
     check: Option<CheckFn>,
@@ -132,8 +131,7 @@ impl Plan {
             target: *target,
             launches,
             results,
-            host_reads: Vec::new(),
-            host: None,
+            host: Vec::new(),
             check_reads: Vec::new(),
             check: None,
             inputs: Vec::new(),
@@ -169,10 +167,9 @@ impl Plan {
         Ok(())
     }
 
-    /// Adds host-side preparation reading the values of inputs `reads`.
-    pub fn with_host(mut self, reads: &[usize], host: HostFn) -> Plan {
-        self.host_reads = reads.to_vec();
-        self.host = Some(host);
+    /// Sets the plan's host arrays (see [`Plan::host`]).
+    pub fn with_host(mut self, arrays: Vec<Array>) -> Plan {
+        self.host = arrays;
         self
     }
 
@@ -188,14 +185,6 @@ impl Plan {
         match &self.check {
             Some(check) => check(values),
             None => Ok(()),
-        }
-    }
-
-    /// The host arrays for one call, from the values of the `host_reads` inputs.
-    pub fn host_arrays(&self, values: &[&Array]) -> Result<Vec<Array>, KernelError> {
-        match &self.host {
-            Some(host) => host(values),
-            None => Ok(Vec::new()),
         }
     }
 }
@@ -223,8 +212,7 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
     let copy = |i: usize| input(i).and_then(|h| try_to_array(plan.op, &plan.input_subject(i), h));
     let checked = plan.check_reads.iter().map(|&i| copy(i)).collect::<Result<Vec<_>, _>>()?;
     plan.check(&checked.iter().collect::<Vec<_>>())?;
-    let values = plan.host_reads.iter().map(|&i| copy(i)).collect::<Result<Vec<_>, _>>()?;
-    let host = plan.host_arrays(&values.iter().collect::<Vec<_>>())?;
+    let host = &plan.host;
     let last = plan.launches.len().saturating_sub(1);
     // results[l][j]: launch l's output j, unless the last launch wrote it into `outputs`.
     let mut results: Vec<Vec<Option<Array>>> = Vec::with_capacity(plan.launches.len());

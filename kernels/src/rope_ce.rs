@@ -351,9 +351,7 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let w = rope_chunk(h * dh, dh);
     let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, column(c, "position_ids", t)?, host(0, Type::vector(DType::F32, &[9, w]))];
     let theta = c.statics.f64("theta").unwrap_or(ROPE_THETA);
-    // The table depends on statics only: built once here, handed out per call.
-    let freqs = rope_freqs(dh, w, theta, interleaved);
-    Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(&[], Box::new(move |_| Ok(vec![freqs.clone()]))))
+    Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(vec![rope_freqs(dh, w, theta, interleaved)]))
 }
 
 /// Tensor input `name` (`[t]`, or `[t, 1]` where its dims allow) as a `[t, 1]` column.
@@ -416,7 +414,7 @@ fn plan_cross_entropy_with_grad(c: &Call) -> Result<Plan, KernelError> {
         Launch::new(backward, vec![c.input("logits", logits.clone())?, labels, result(0, 1, col.clone()), host(0, col)]),
     ];
     let results = vec![result(0, 0, Type::vector(DType::F32, &[t])), result(1, 0, logits)];
-    let plan = Plan::new(c.op, c.target, launches, results).with_host(&[], Box::new(move |_| Ok(vec![Array::from_f32(&[t, 1], vec![1.0; t])])));
+    let plan = Plan::new(c.op, c.target, launches, results).with_host(vec![Array::from_f32(&[t, 1], vec![1.0; t])]);
     labels_check(c, plan, v, ignore)
 }
 

@@ -6,13 +6,17 @@
 //!
 //! ```text
 //! logits [T, E] --router_topk--> weights [T, k], expert_ids [T, k]
-//! expert_ids --plan (host)--> Routing { src [T*k], pos [T, k], group_sizes [E] }
-//! x [T, D] --permute(src)--> xs [T*k, D]  --gmm(group_sizes)--> ys [T*k, D]
+//! expert_ids --routing_metadata (device)--> pos [T, k], group_sizes [E]
+//! x [T, D] --permute(pos)--> xs [T*k, D]  --gmm(group_sizes)--> ys [T*k, D]
 //! ys, weights --combine(pos)--> out [T, D],  out[t] = sum_j w[t, j] * ys[pos[t, j]]
 //! ```
 //!
 //! The sorted order is a *stable* sort of the `T*k` (token, slot) pairs, flattened as
 //! `t * k + j`, by expert id: rows of one expert are contiguous and in token order.
+//! [`routing_metadata_kernel`] computes it on the device as the first launch of `permute`,
+//! `permute_bwd` and `combine` (one-hot counts over the experts and prefix sums, no sort),
+//! so no call reads the ids back to the host; [`plan`] is the same order by a host sort,
+//! its reference.
 //!
 //! # Top-k
 //!
@@ -33,7 +37,8 @@
 //!
 //! The IR has no DMA gather yet, so `permute` and `combine` use the dispatch/combine
 //! einsum formulation of GShard-style TPU MoE code: `permute` computes
-//! `out_tile = onehot(src[rows]) @ x_tile` accumulated over token tiles, and `combine`
+//! `out_tile = hit^T @ x_tile` accumulated over token tiles, `hit[t, r] = sum_j (pos[t, j]
+//! == r)` (k compares), and `combine`
 //! `out_tile = W_tile @ y_tile` with `W[t, i] = sum_j w[t, j] * (pos[t, j] == i)`, both on
 //! the MXU with f32 accumulation. A one-hot product is exact (one term is `1 * x`, the
 //! rest `0 * x`); `combine` rounds `W` to `y`'s dtype before the dot, like the einsum does.
@@ -78,6 +83,9 @@ use crate::plan::{host, result, single, Launch, Operand, Plan};
 
 /// The largest `k` `router_topk` supports (each round is a full pass over the row).
 pub const MAX_TOP_K: usize = 8;
+/// The most experts a routing op takes: [`routing_metadata_kernel`]'s `[8, e]` i32 temporaries
+/// (about ten live) stay within 32 MiB of VMEM.
+pub const MAX_EXPERTS: usize = 1 << 16;
 /// Rows per `router_topk` block: 256 rows of up to 128 experts is 128 KiB of f32 per
 /// temporary, and `T = 512` still splits across two TensorCores.
 const ROUTER_ROWS: usize = 256;
@@ -144,17 +152,28 @@ pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<
 #[tpu_kernel(
     grid = [rows.div_ceil(tm), d.div_ceil(td), t.div_ceil(tt)],
     semantics = [parallel, parallel, arbitrary],
-    src = block([tm, 1], |i, j, kk| [i, 0]),
+    pos = block([tt, k], |i, j, kk| [kk, 0]),
     x = block([tt, td], |i, j, kk| [kk, j]),
     out = block([tm, td], |i, j, kk| [i, j]),
     acc = scratch([tm, td], f32),
 )]
-pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scratch, tm: usize, td: usize, tt: usize) {
+pub fn permute_kernel(pos: In<t, k>, x: In<t, d>, out: Out<rows, d>, acc: Scratch, tm: usize, td: usize, tt: usize) {
     if program_id(2) == 0 {
         acc[..] = zeros([tm, td], f32);
     }
     let tok0 = program_id(2) * tt;
-    let onehot = select(iota([tm, tt], 1) + tok0 == src[..], 1.0, 0.0);
+    // hit[t, r] = 1 where one of token t's slots lands on row r of this tile: k compares
+    // against the positions (tokens down the sublanes), then out = hit^T @ x.
+    let row = iota([tt, tm], 1) + program_id(0) * tm;
+    let live = iota([tt, 1], 0) + tok0 < t;
+    let p = pos[..];
+    let slot = iota([tt, k], 1);
+    let mut hit = zeros([tt, tm], f32);
+    for j in 0..k {
+        // Rows past T in the last token tile hold garbage positions: they match nothing.
+        let pj = select(live, select(slot == j, p, 0).sum(1), -1);
+        hit = hit + select(row == pj, 1.0, 0.0);
+    }
     let mut xv = x[..].cast(f32);
     if !t.is_multiple_of(tt) {
         // The last token tile reaches past T: zero its garbage rows (0 * NaN = NaN).
@@ -163,12 +182,74 @@ pub fn permute_kernel(src: In<rows, 1>, x: In<t, d>, out: Out<rows, d>, acc: Scr
     // A nonfinite x would reach every row through `0 * inf`: gather it zeroed, and its
     // class (+inf 1, -inf -1, NaN 2) by a second one-hot product (exact: one term).
     let (finite_x, class) = nonfinite_split(xv);
-    acc[..] += dot(onehot.cast(x.dtype), finite_x.cast(x.dtype));
-    let gathered = dot(onehot.cast(bf16), class);
+    acc[..] += dot_tn(hit.cast(x.dtype), finite_x.cast(x.dtype));
+    let gathered = dot_tn(hit.cast(bf16), class);
     let fix = select(gathered > 1.5, f32::NAN, select(gathered > 0.0, f32::INFINITY, f32::NEG_INFINITY));
     acc[..] = select(gathered == 0.0, acc[..], fix);
     if program_id(2) == num_programs(2) - 1 {
         out[..] = acc[..].cast(out.dtype);
+    }
+}
+
+/// The routing of `expert_ids` (`[t, k]`) computed on the device, so no call reads the ids
+/// back: `pos [t, k]`, each (token, slot) pair's row in the stable expert-sorted order (the
+/// host's [`plan`]), and `group_sizes [1, e]`, the rows per expert.
+///
+/// Two passes over token blocks of `bt` (the grid's first axis): the first counts each
+/// expert's pairs, the second turns the counts into offsets (an exclusive prefix sum over
+/// the experts) and gives pair `(t, j)` of expert `x` the row `offset[x] + earlier[x] +
+/// (pairs of x in this block before it)`, where `earlier` counts the blocks before and the
+/// in-block count is a prefix sum of the `[bt, e]` one-hot counts down the tokens. Work is
+/// `t * k * e` (linear in tokens; one-hot over experts, no sort).
+///
+/// An id outside `0..e` belongs to no expert: its pair gets row -1, which no kernel
+/// matches (the CPU path refuses such ids first; a device call cannot without a read).
+#[tpu_kernel(
+    grid = [2, t.div_ceil(bt)],
+    semantics = [arbitrary, arbitrary],
+    expert_ids = block([bt, k], |p, i| [i, 0]),
+    pos = block([bt, k], |p, i| [i * p, 0]),
+    group_sizes = block([1, e], |p, i| [0, 0]),
+    (totals, offsets, earlier) = scratch([1, e], i32),
+)]
+pub fn routing_metadata_kernel(expert_ids: In<t, k>, pos: Out<t, k>, group_sizes: Out<1, e>, totals: Scratch, offsets: Scratch, earlier: Scratch, bt: usize) {
+    let phase = program_id(0);
+    let tok0 = program_id(1) * bt;
+    let live = iota([bt, 1], 0) + tok0 < t;
+    let ids = expert_ids[..];
+    let slot = iota([bt, k], 1);
+    let expert = iota([bt, e], 1);
+    // counts[t, x]: slots of token t routed to expert x (rows past T count nothing).
+    let mut counts = zeros([bt, e], i32);
+    for j in 0..k {
+        let id = select(live, select(slot == j, ids, 0).sum(1), -1);
+        counts = counts + select(expert == id, 1, 0);
+    }
+    if phase == 0 {
+        if program_id(1) == 0 {
+            totals[..] = zeros([1, e], i32);
+        }
+        totals[..] = totals[..] + counts.sum(0);
+    } else {
+        if program_id(1) == 0 {
+            let all = totals[..];
+            offsets[..] = all.cumsum(1) - all;
+            earlier[..] = zeros([1, e], i32);
+            group_sizes[..] = all;
+        }
+        let before = counts.cumsum(0) - counts + offsets[..] + earlier[..];
+        let mut seen = zeros([bt, e], i32);
+        let mut rows = zeros([bt, k], i32);
+        for j in 0..k {
+            let id = select(live, select(slot == j, ids, 0).sum(1), -1);
+            let mine = expert == id;
+            // One lane sum: a pair of no expert sums nothing, so its row is -1.
+            let row = select(mine, before + seen + 1, 0).sum(1) - 1;
+            rows = select(slot == j, row, rows);
+            seen = seen + select(mine, 1, 0);
+        }
+        pos[..] = rows;
+        earlier[..] = earlier[..] + counts.sum(0);
     }
 }
 
@@ -293,13 +374,35 @@ pub fn router_topk(logits: &Type, k: usize, gate: Gate, normalize: bool, _target
     router_topk_kernel(logits.clone(), Type::vector(logits.dtype, &[t, k]), Type::vector(DType::I32, &[t, k]), tile(t, ROUTER_ROWS), gate == Gate::Sigmoid, normalize)
 }
 
-/// `permute` (same blocks on every generation): `x [T, D]` and `rows = T*k` sorted rows (the `src` column is
-/// `[rows, 1]` int32). Tiles of up to [`ONEHOT_TILE`] rows, tokens and columns.
-pub fn permute_for(x: &Type, rows: usize, _target: &Target) -> Result<Kernel, KernelError> {
+/// `permute` (same blocks on every generation): `x [T, D]` into `T*k` sorted rows by the
+/// positions `[T, k]` int32 ([`routing_metadata`]). Tiles of up to [`ONEHOT_TILE`] rows,
+/// tokens and columns.
+pub fn permute_for(x: &Type, k: usize, _target: &Target) -> Result<Kernel, KernelError> {
     let (t, d) = rank2("permute", "x", x)?;
     float_operand("permute", "x", x)?;
-    let src = Type::vector(DType::I32, &[rows, 1]);
-    permute_kernel(src, x.clone(), Type::vector(x.dtype, &[rows, d]), tile(rows, ONEHOT_TILE), tile(d, ONEHOT_TILE), tile(t, ONEHOT_TILE))
+    if k == 0 {
+        return Err(KernelError::new("permute", "input `expert_ids`", "operand-shape", "k = 0 slots per token", "pass [T, k] expert ids with k >= 1"));
+    }
+    let pos = Type::vector(DType::I32, &[t, k]);
+    let rows = t * k;
+    permute_kernel(pos, x.clone(), Type::vector(x.dtype, &[rows, d]), tile(rows, ONEHOT_TILE), tile(d, ONEHOT_TILE), tile(t, ONEHOT_TILE))
+}
+
+/// Token rows per block of [`routing_metadata_kernel`]: each `[bt, e]` i32 temporary near
+/// 256 KiB of VMEM, a multiple of 8, all of `t` when that is no more.
+fn routing_block(t: usize, experts: usize) -> usize {
+    let lanes = experts.div_ceil(128) * 128;
+    let bt = ((64 << 10) / lanes / 8 * 8).clamp(8, ROUTER_ROWS);
+    if t <= bt { t } else { bt }
+}
+
+/// The device routing of `[T, k]` int32 expert ids over `experts` experts: outputs
+/// `pos [T, k]` and `group_sizes [1, experts]` (see [`routing_metadata_kernel`]).
+pub fn routing_metadata(ids: &Type, experts: usize, target: &Target) -> Result<Kernel, KernelError> {
+    let (t, _) = rank2("routing_metadata", "expert_ids", ids)?;
+    int_operand("routing_metadata", "expert_ids", ids)?;
+    let kernel = routing_metadata_kernel(ids.clone(), ids.clone(), Type::vector(DType::I32, &[1, experts]), routing_block(t, experts))?;
+    Ok(crate::blocks::fit_vmem_limit(kernel, target))
 }
 
 /// `combine` (same blocks on every generation): weights `[T, k]`, positions `[T, k]` int32, `y [T*k, D]`;
@@ -414,71 +517,68 @@ fn expert_ids(c: &Call) -> Result<(usize, usize), KernelError> {
     }
 }
 
-/// `num_experts`: expert ids are int32, so at most 2^31 - 1 experts can be named (and
-/// `permute`'s group sizes are that long).
+/// `num_experts`, at most [`MAX_EXPERTS`]: the device routing keeps `[bt, e]` one-hot
+/// counts in VMEM.
 fn num_experts(c: &Call) -> Result<usize, KernelError> {
     let e = c.usize("num_experts")?;
-    if e == 0 || e > i32::MAX as usize {
-        return Err(c.err("argument `num_experts`", "option-value", format!("num_experts = {e}"), "pass between 1 and 2^31 - 1 experts (expert ids are int32)"));
+    if e == 0 || e > MAX_EXPERTS {
+        return Err(c.err("argument `num_experts`", "option-value", format!("num_experts = {e}"), format!("pass between 1 and {MAX_EXPERTS} experts (the routing kernel counts every expert per block of tokens in VMEM)")));
     }
     Ok(e)
+}
+
+/// The routing launch (launch 0 of every routing plan): positions and group sizes from
+/// the expert ids on the device.
+fn routing_launch(c: &Call) -> Result<Launch, KernelError> {
+    let ids = c.tensor("expert_ids")?.clone();
+    let kernel = routing_metadata(&ids, num_experts(c)?, c.target)?;
+    Ok(Launch::new(kernel, vec![c.input("expert_ids", ids)?]))
+}
+
+/// The plan's check of the expert ids where values are at hand (CPU tensors): the device
+/// path routes them without reading them.
+fn ids_check(c: &Call, plan: Plan) -> Result<Plan, KernelError> {
+    let (op, experts) = (c.op, num_experts(c)?);
+    Ok(plan.with_check(&[c.index("expert_ids")?], Box::new(move |v| checked_ids(op, v[0], experts).map(|_| ()))))
 }
 
 fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
     let x = c.tensor("x")?.clone();
     let (t, k) = expert_ids(c)?;
     let experts = num_experts(c)?;
-    let kernel = permute_for(&x, t * k, c.target)?;
-    let launch = Launch::new(kernel, vec![host(0, Type::vector(DType::I32, &[t * k, 1])), c.input("x", x)?]);
-    let results = vec![result(0, 0, launch.outputs[0].clone()), host(1, Type::vector(DType::I32, &[experts]))];
-    let op = c.op;
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
-        &[c.index("expert_ids")?],
-        Box::new(move |v| {
-            let (_, _, src, _) = sorted(op, v[0], experts)?;
-            Ok(vec![Array::from_i32(&[t * k, 1], src), Array::from_i32(&[experts], group_sizes(op, v[0], experts)?)])
-        }),
-    ))
+    let route = routing_launch(c)?;
+    let launch = Launch::new(permute_for(&x, k, c.target)?, vec![result(0, 0, Type::vector(DType::I32, &[t, k])), c.input("x", x)?]);
+    let results = vec![result(1, 0, launch.outputs[0].clone()), result(0, 1, Type::vector(DType::I32, &[experts]))];
+    ids_check(c, Plan::new(c.op, c.target, vec![route, launch], results))
 }
 
 /// A combine launch of `y` rows (tensor `y_name`, `[t*k, d]` by the op's contract)
-/// weighted by `weights` (an operand), positions from host array 0.
+/// weighted by `weights` (an operand), positions from the routing launch.
 fn combine_launch(c: &Call, y_name: &str, weights: Operand, t: usize, k: usize) -> Result<Launch, KernelError> {
     let y = c.tensor(y_name)?.clone();
     let pos = Type::vector(DType::I32, &[t, k]);
     let kernel = combine_for(&weights.ty, &pos, &y, c.target)?;
-    Ok(Launch::new(kernel, vec![weights, host(0, pos), c.input(y_name, y)?]))
-}
-
-fn positions(c: &Call, t: usize, k: usize) -> Result<crate::plan::HostFn, KernelError> {
-    let (op, experts) = (c.op, num_experts(c)?);
-    Ok(Box::new(move |v| Ok(vec![Array::from_i32(&[t, k], sorted(op, v[0], experts)?.3)])))
+    Ok(Launch::new(kernel, vec![weights, result(0, 0, pos), c.input(y_name, y)?]))
 }
 
 fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     let weights = c.tensor("weights")?.clone();
     let (t, k) = expert_ids(c)?;
-    let launch = combine_launch(c, "y", c.input("weights", weights)?, t, k)?;
-    let results = vec![result(0, 0, launch.outputs[0].clone())];
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(&[c.index("expert_ids")?], positions(c, t, k)?))
+    let launches = vec![routing_launch(c)?, combine_launch(c, "y", c.input("weights", weights)?, t, k)?];
+    let results = vec![result(1, 0, launches[1].outputs[0].clone())];
+    ids_check(c, Plan::new(c.op, c.target, launches, results))
 }
 
-/// Each token's rows summed back: combine with unit weights (host array 1).
+/// Each token's rows summed back: combine with unit weights (host array 0, built from the
+/// types alone).
 fn plan_permute_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (t, k) = expert_ids(c)?;
     let dtype = c.tensor("dout")?.dtype;
     let ones = Type::vector(dtype, &[t, k]);
-    let launch = combine_launch(c, "dout", host(1, ones), t, k)?;
-    let results = vec![result(0, 0, launch.outputs[0].clone())];
-    let pos = positions(c, t, k)?;
-    Ok(Plan::new(c.op, c.target, vec![launch], results).with_host(
-        &[c.index("expert_ids")?],
-        Box::new(move |v| {
-            let mut arrays = pos(v)?;
-            arrays.push(Array::from_f32_in(dtype, &[t, k], vec![1.0; t * k]));
-            Ok(arrays)
-        }),
-    ))
+    let launches = vec![routing_launch(c)?, combine_launch(c, "dout", host(0, ones), t, k)?];
+    let results = vec![result(1, 0, launches[1].outputs[0].clone())];
+    let plan = Plan::new(c.op, c.target, launches, results).with_host(vec![Array::from_f32_in(dtype, &[t, k], vec![1.0; t * k])]);
+    ids_check(c, plan)
 }
 
 /// Random valid routing for [`random_expert_ids`] shapes: `x`, then the ids.

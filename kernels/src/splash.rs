@@ -59,7 +59,7 @@ use crate::attention::{
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
-use crate::plan::{host, result, single, HostFn, Launch, Operand, Plan};
+use crate::plan::{host, result, single, Launch, Operand, Plan};
 
 /// A block's kind in the metadata.
 pub const SKIP: i32 = 0;
@@ -605,7 +605,7 @@ struct Metadata {
     walks: [Operand; 3],
     segmented: bool,
     segments: [Operand; 2],
-    host: Option<HostFn>,
+    host: Vec<Array>,
 }
 
 impl Metadata {
@@ -615,7 +615,7 @@ impl Metadata {
         let (q, k) = (c.tensor("q")?, c.tensor("k")?);
         let (segmented, segments) = segment_operands(c, q.shape[0], q.shape[2], k.shape[2])?;
         let walks = [c.input("mask_blocks", c.tensor("mask_blocks")?.clone())?, c.input("fwd_info", c.tensor("fwd_info")?.clone())?, c.input("bwd_info", c.tensor("bwd_info")?.clone())?];
-        Ok(Metadata { walks, segmented, segments, host: (!segmented).then(dummy_segments) })
+        Ok(Metadata { walks, segmented, segments, host: if segmented { Vec::new() } else { dummy_segments() } })
     }
 
     /// A band's metadata, built at plan time, as host arrays 0 to 2 (the same arrays every
@@ -627,19 +627,13 @@ impl Metadata {
         let segments = if segmented { given } else { [host(3, dummy.clone()), host(4, dummy)] };
         let arrays = [info.mask_blocks.clone(), info.fwd_info.clone(), info.bwd_info.clone()];
         let walks = [0, 1, 2].map(|i| host(i, Type::vector(arrays[i].dtype, &arrays[i].shape)));
-        let host_fn: HostFn = Box::new(move |_| {
-            let mut out = arrays.to_vec();
-            out.extend([Array::from_i32(&[1, 1, 1], vec![0]), Array::from_i32(&[1, 1, 1], vec![0])]);
-            Ok(out)
-        });
-        Ok(Metadata { walks, segmented, segments, host: Some(host_fn) })
+        let mut host = arrays.to_vec();
+        host.extend(dummy_segments());
+        Ok(Metadata { walks, segmented, segments, host })
     }
 
     fn attach(self, plan: Plan) -> Plan {
-        match self.host {
-            Some(h) => plan.with_host(&[], h),
-            None => plan,
-        }
+        if self.host.is_empty() { plan } else { plan.with_host(self.host) }
     }
 }
 

@@ -4,8 +4,7 @@ For each op and sample of test_ops.py (float32 and bfloat16): the inputs moved t
 the op dispatched there must reach the PrivateUse1 kernel (the tpu path: plan, modules,
 runner; counted at the runner) and return `tpu` tensors equal to the CPU op's results.
 The kernels are the same on both sides, so equality is exact. No call may copy a value
-from the device to the host (counted by the emulated device), except the ops listed in
-READS_BACK. The differentiable ops'
+from the device to the host (counted by the emulated device). The differentiable ops'
 gradients on `tpu` must equal the CPU gradients too (the backward formulas mix the
 backward kernels with stock glue ops, which run through the CPU fallback; tolerance f32).
 """
@@ -49,12 +48,6 @@ def to_tpu(x, requires_grad=False):
     return t.requires_grad_() if requires_grad else t
 
 
-# Ops whose tpu path still reads input values back to the host per call (issue 15 item 6:
-# MoE routing order). The test below fails when one of them stops reading, so this list
-# only shrinks.
-READS_BACK = {"permute", "permute_bwd", "combine"}
-
-
 def device_to_host():
     return torch.tpu.transfer_stats()["device_to_host.count"]
 
@@ -69,10 +62,7 @@ def test_op_on_tpu_matches_cpu(launches, op, name, dtype):
     got = test_ops.as_tuple(getattr(torch.ops.tpu, op)(*tpu_args, **tpu_kwargs))
     reads = device_to_host() - reads
     assert launches["n"] > before, f"{op} did not reach the tpu (PrivateUse1) kernel"
-    if op in READS_BACK:
-        assert reads > 0, f"{op} no longer reads values back: take it out of READS_BACK"
-    else:
-        assert reads == 0, f"{op}/{name}: {reads} device-to-host copies in one call"
+    assert reads == 0, f"{op}/{name}: {reads} device-to-host copies in one call"
     for j, (g, w) in enumerate(zip(got, want)):
         assert g.device.type == "tpu", f"result {j} is on {g.device}"
         assert g.dtype == w.dtype and g.shape == w.shape

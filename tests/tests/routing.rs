@@ -247,8 +247,12 @@ fn routing_kernels_verify_on_every_generation() {
             let x = tessera_dsl::Type::vector(dtype, &[1000, 640]);
             let k = routing::router_topk(&tessera_dsl::Type::vector(dtype, &[1000, 60]), 8, Gate::Sigmoid, true, &target).unwrap();
             tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
-            let k = routing::permute_for(&x, 4000, &target).unwrap();
+            let k = routing::permute_for(&x, 4, &target).unwrap();
             tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+            for (t, k, e) in [(1000, 4, 64), (16384, 8, 128), (37, 1, 3), (4096, 2, 300)] {
+                let m = routing::routing_metadata(&tessera_dsl::Type::vector(DType::I32, &[t, k]), e, &target).unwrap();
+                tessera_dsl::verify::verify(&m, &target).unwrap_or_else(|err| panic!("{target} t{t} k{k} e{e}: {err}"));
+            }
             let w = tessera_dsl::Type::vector(dtype, &[1000, 4]);
             let p = tessera_dsl::Type::vector(DType::I32, &[1000, 4]);
             let k = routing::combine_for(&w, &p, &tessera_dsl::Type::vector(dtype, &[4000, 640]), &target).unwrap();
@@ -272,7 +276,12 @@ fn libtpu_compiles_router_variants_and_ragged_tiles() {
                 modules.push((format!("router_{t}x{e}_k{k}_{gate:?}_{normalize}_{dtype}"), kernel));
             }
             // D = 640 and T = 37 / 600: partial D tiles and token tiles.
-            modules.push((format!("permute_37x640_k1_{dtype}"), routing::permute_for(&Type::vector(dtype, &[37, 640]), 37, &target).unwrap()));
+            modules.push((format!("permute_37x640_k1_{dtype}"), routing::permute_for(&Type::vector(dtype, &[37, 640]), 1, &target).unwrap()));
+            if dtype == DTYPES[0] {
+                for (t, k, e) in [(37, 1, 3), (16384, 8, 128), (4096, 2, 300)] {
+                    modules.push((format!("routing_metadata_{t}x{k}_e{e}"), routing::routing_metadata(&Type::vector(DType::I32, &[t, k]), e, &target).unwrap()));
+                }
+            }
             let (w, p) = (Type::vector(dtype, &[600, 8]), Type::vector(DType::I32, &[600, 8]));
             modules.push((format!("combine_600x640_k8_{dtype}"), routing::combine_for(&w, &p, &Type::vector(dtype, &[4800, 640]), &target).unwrap()));
         }
@@ -364,4 +373,45 @@ fn router_topk_ranks_nan_first() {
             assert_eq!(ids[2 * k], 0.0, "{statics}: row 2, the negative NaN");
         }
     }
+}
+
+/// The device routing gives the host's stable sort ([`routing::plan`]) on the interpreter
+/// and the JIT: positions and group sizes equal, for one and many token blocks, k 1..8,
+/// expert counts below and above a lane width, skewed and empty experts. Out-of-range ids
+/// route nowhere (row -1) and leave the other pairs' rows as the sort of the valid ones.
+#[test]
+fn device_routing_matches_the_host_sort() {
+    use rand::Rng;
+    use tessera_codegen::cpu::Backend;
+    let mut rng = StdRng::seed_from_u64(17);
+    for (t, k, e) in [(1, 1, 1), (37, 1, 3), (600, 8, 64), (1000, 2, 300), (2049, 4, 16)] {
+        let kernel = routing::routing_metadata(&tessera_dsl::Type::vector(DType::I32, &[t, k]), e, &Target::V6E).unwrap();
+        for skew in [false, true] {
+            // Distinct experts per token (as top-k gives), skewed towards the low ids.
+            let ids: Vec<i32> = (0..t)
+                .flat_map(|_| {
+                    let mut row: Vec<i32> = Vec::new();
+                    while row.len() < k.min(e) {
+                        let x = if skew { rng.gen_range(0..e.min(4).max(k)) as i32 } else { rng.gen_range(0..e) as i32 };
+                        if !row.contains(&x) {
+                            row.push(x);
+                        }
+                    }
+                    row.resize(k, row[0]);
+                    row
+                })
+                .collect();
+            let ids = Array::from_i32(&[t, k], ids);
+            let want = routing::plan(&ids, e).unwrap();
+            for be in [Backend::Interp, Backend::Jit] {
+                let out = tessera_dsl::exec::run(be.executor(), &kernel, &[&ids]).unwrap_or_else(|err| panic!("{be:?} t{t} k{k} e{e}: {err}"));
+                assert_eq!(out[0].as_i32().unwrap(), &want.pos[..], "{be:?} t{t} k{k} e{e}: positions");
+                assert_eq!(out[1].as_i32().unwrap(), &want.group_sizes[..], "{be:?} t{t} k{k} e{e}: group sizes");
+            }
+        }
+    }
+    let kernel = routing::routing_metadata(&tessera_dsl::Type::vector(DType::I32, &[3, 2]), 4, &Target::V6E).unwrap();
+    let out = tessera_dsl::exec::run(&Interpreter, &kernel, &[&Array::from_i32(&[3, 2], vec![1, 9, -1, 1, 0, i32::MAX])]).unwrap();
+    assert_eq!(out[0].as_i32().unwrap(), &[1, -1, -1, 2, 0, -1]);
+    assert_eq!(out[1].as_i32().unwrap(), &[1, 2, 0, 0]);
 }

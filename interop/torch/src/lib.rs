@@ -594,35 +594,11 @@ impl PyPlan {
         self.0.results.iter().map(operand_tuple).collect()
     }
 
-    /// The op inputs whose values the host side reads.
-    #[getter]
-    fn host_reads(&self) -> Vec<usize> {
-        self.0.host_reads.clone()
-    }
-
-    /// The host arrays for one call, as fresh CPU tensors, from the values of the
-    /// `host_reads` inputs (CPU tensors).
-    fn host_arrays<'py>(
-        &self,
-        py: Python<'py>,
-        values: &Bound<'py, PyList>,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let refs = tensor_refs(self.0.op, values, None)?;
-        let arrays: Vec<Array> = refs
-            .iter()
-            .flatten()
-            .map(|r| plan::to_array(r.host()))
-            .collect();
-        let host = self
-            .0
-            .host_arrays(&arrays.iter().collect::<Vec<_>>())
-            .map_err(py_err)?;
+    /// The plan's host arrays (built with the plan from types and statics alone), as
+    /// fresh CPU tensors.
+    fn host_arrays<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let cpu = py.import("torch")?.getattr("device")?.call1(("cpu",))?;
-        host.iter()
-            .map(|a| {
-                host_tensor(py, a, &cpu)
-            })
-            .collect()
+        self.0.host.iter().map(|a| host_tensor(py, a, &cpu)).collect()
     }
 
     /// Runs launch `i`'s kernel on the CPU backend: `inputs` are its operands (already in

@@ -154,22 +154,19 @@ def plan_for(native, name, statics, tensors, target):
     return native.make_plan(name, statics, metas, target)
 
 
-# Host arrays of plans that read no input value (they depend on types and statics only:
-# RoPE's frequency table, attention's dummy segment ids, a window's band metadata), moved to
-# each device once. Bounded, least recently used first out.
+# Plans' host arrays (they depend on types and statics only: RoPE's frequency table,
+# attention's placeholder segment ids, a window's band metadata), moved to each device once.
+# Bounded, least recently used first out.
 _CONSTANTS = collections.OrderedDict()
 _CONSTANTS_KEPT = 256
 
 
-def _host_arrays(plan, key, tensors, device):
-    """The plan's host arrays on `device`. A plan that reads input values (`host_reads`:
-    MoE routing) reads them back to the host on every call; the others are cached."""
-    if plan.host_reads:
-        return [h.to(device) for h in plan.host_arrays([tensors[i].cpu() for i in plan.host_reads])]
+def _host_arrays(plan, key, device):
+    """The plan's host arrays on `device`."""
     key = (key, str(device))
     arrays = _CONSTANTS.get(key)
     if arrays is None:
-        arrays = [h.to(device) for h in plan.host_arrays([])]
+        arrays = [h.to(device) for h in plan.host_arrays()]
         _CONSTANTS[key] = arrays
         if len(_CONSTANTS) > _CONSTANTS_KEPT:
             _CONSTANTS.popitem(last=False)
@@ -184,7 +181,7 @@ def run_plan(native, name, statics, tensors, target, run=None):
     plan = plan_for(native, name, statics, tensors, target)
     device = next(t.device for t in tensors if t is not None)
     key = (id(native), name, repr(statics), repr([None if t is None else (t.dtype, tuple(t.shape)) for t in tensors]), target)
-    host = _host_arrays(plan, key, tensors, device)
+    host = _host_arrays(plan, key, device)
     results = []
 
     def operand(kind, a, b, layout, shape, dtype):
