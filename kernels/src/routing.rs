@@ -195,7 +195,7 @@ pub fn permute_kernel(pos: In<t, k>, x: In<t, d>, out: Out<rows, d>, acc: Scratc
 /// back: `pos [t, k]`, each (token, slot) pair's row in the stable expert-sorted order (the
 /// host's [`plan`]), and `group_sizes [1, e]`, the rows per expert.
 ///
-/// Two passes over token blocks of `bt` (the grid's first axis): the first counts each
+/// Two passes (the grid's first axis) over token blocks of `bt`: the first counts each
 /// expert's pairs, the second turns the counts into offsets (an exclusive prefix sum over
 /// the experts) and gives pair `(t, j)` of expert `x` the row `offset[x] + earlier[x] +
 /// (pairs of x in this block before it)`, where `earlier` counts the blocks before and the
