@@ -28,7 +28,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::{Array, Data};
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::tpu_kernel;
+use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics};
@@ -84,16 +84,16 @@ pub fn rope_kernel(x: In<t, n>, positions: In<t, 1>, freqs: In<9, w>, out: Out<t
         let c0 = (p & 2047).cast(f32);
         let c1 = ((p >> 11) & 2047).cast(f32);
         let c2 = (p >> 22).cast(f32);
-        // Exact products, so `a - trunc(a)` is their exact fraction.
+        // Exact products, so `frac` of each is exact.
         let a = c0 * freqs[(0..1, ..)];
         let b = c0 * freqs[(1..2, ..)];
-        let turns = (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c0 * freqs[(2..3, ..)];
+        let turns = frac(a) + frac(b) + c0 * freqs[(2..3, ..)];
         let a = c1 * freqs[(3..4, ..)];
         let b = c1 * freqs[(4..5, ..)];
-        let turns = turns + (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c1 * freqs[(5..6, ..)];
+        let turns = turns + frac(a) + frac(b) + c1 * freqs[(5..6, ..)];
         let a = c2 * freqs[(6..7, ..)];
         let b = c2 * freqs[(7..8, ..)];
-        let turns = turns + (a - a.cast(i32).cast(f32)) + (b - b.cast(i32).cast(f32)) + c2 * freqs[(8..9, ..)];
+        let turns = turns + frac(a) + frac(b) + c2 * freqs[(8..9, ..)];
         // sin and cos of the angle by quadrant: `q` quarter turns plus `y` in [-pi/4, pi/4],
         // where Taylor polynomials to y^9 / y^8 are within 3e-8 (the generic sin/cos
         // lowering reduces any f32 argument and costs several times more).
@@ -131,6 +131,12 @@ pub fn rope_kernel(x: In<t, n>, positions: In<t, 1>, freqs: In<9, w>, out: Out<t
     // (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin); the transpose flips the signs.
     let swapped = if sign > 0.0 { select(first, -up, down) } else { select(first, up, -down) };
     out[..] = (v * cos[..] + swapped * sin[..]).cast(out.dtype);
+}
+
+/// `x - trunc(x)`: the fraction of an f32 below 2^31 in magnitude, exact.
+#[tpu_fn]
+fn frac(x: Value) -> Value {
+    x - x.cast(i32).cast(f32)
 }
 
 /// The per-lane frequency table of [`rope_kernel`], `[9, w]` f32: row `3k + i` holds part
