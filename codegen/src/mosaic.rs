@@ -257,6 +257,10 @@ impl Lower<'_> {
                 Some(self.t.op1("arith.select", &[&c, &a, &b], "", a.ty.clone()))
             }
             Inst::Cast(x) => Some(self.cast(*x, result_ty.as_ref().unwrap())),
+            Inst::Bitcast(x) => {
+                let x = self.v(*x);
+                Some(self.t.op1("arith.bitcast", &[&x], "", ty(result_ty.as_ref().unwrap())))
+            }
             Inst::Broadcast(x) => {
                 let x = self.v(*x);
                 Some(self.t.op1("vector.broadcast", &[&x], "", ty(result_ty.as_ref().unwrap())))

@@ -881,6 +881,20 @@ impl KernelBuilder {
         self.push1(Inst::Cast(x), t.with_dtype(to))
     }
 
+    /// `x`'s bits read as `to` (`jax.lax.bitcast_convert_type`): i32 <-> f32, the one pair
+    /// of equal widths every backend holds unpacked (f32 bits of a NaN keep their payload).
+    pub fn bitcast(&mut self, x: Value, to: DType) -> Value {
+        let t = self.ty(x).clone();
+        if t.dtype == to {
+            return x;
+        }
+        if !matches!((t.dtype, to), (DType::I32, DType::F32) | (DType::F32, DType::I32)) {
+            self.fail("instruction `bitcast`", "bitcast-dtype", format!("{t} to {to}"), "bitcast converts between i32 and f32 only; use .cast(dtype) to convert values");
+            return self.poison(t.with_dtype(to));
+        }
+        self.push1(Inst::Bitcast(x), t.with_dtype(to))
+    }
+
     pub fn iota(&mut self, dtype: DType, shape: &[usize], dim: usize) -> Value {
         if dim >= shape.len() {
             self.fail("instruction `iota`", "iota-dim", format!("iota of {dtype}{:?} along dim {dim}", shape), "count along a dim of the iota's shape");

@@ -2190,6 +2190,11 @@ impl<'k, 'h> Machine<'k, 'h> {
                 }
             }
             Inst::Cast(x) => cast(&self.get(*x, d)?.buf, ty.dtype),
+            Inst::Bitcast(x) => match &self.get(*x, d)?.buf {
+                Buf::F(v) => Buf::I(map(v, |x| x.to_bits() as i32)),
+                Buf::I(v) => Buf::F(map(v, |x| f32::from_bits(x as u32))),
+                Buf::B(_) => return Err(self.malformed(d, "bitcast of a bool")),
+            },
             Inst::Broadcast(x) => {
                 let x = self.get(*x, d)?;
                 let out = match &x.buf {

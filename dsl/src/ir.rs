@@ -519,6 +519,9 @@ pub enum Inst {
     Cmp(CmpOp, Value, Value),
     Select { cond: Value, on_true: Value, on_false: Value },
     Cast(Value),
+    /// The same bits read as the result dtype (`arith.bitcast`, `jax.lax.bitcast_convert_type`):
+    /// i32 <-> f32 only.
+    Bitcast(Value),
     /// Numpy-style broadcast of a scalar, or of a vector with 1-sized dims, to the result shape.
     Broadcast(Value),
     /// Indices along `dim` of the result shape.
@@ -583,6 +586,7 @@ impl Inst {
             Inst::Cmp(op, ..) => op.name(),
             Inst::Select { .. } => "select",
             Inst::Cast(_) => "cast",
+            Inst::Bitcast(_) => "bitcast",
             Inst::Broadcast(_) => "broadcast",
             Inst::Iota { .. } => "iota",
             Inst::Reduce { op, .. } => op.name(),
@@ -616,7 +620,7 @@ impl Inst {
                 v.push(*value);
                 v
             }
-            Inst::Unary(_, x) | Inst::Cast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) => vec![*x],
+            Inst::Unary(_, x) | Inst::Cast(x) | Inst::Bitcast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) => vec![*x],
             Inst::Reduce { x, .. } | Inst::Cumsum { x, .. } => vec![*x],
             Inst::Binary(_, a, b) | Inst::Cmp(_, a, b) => vec![*a, *b],
             Inst::Dot { lhs, rhs, .. } => vec![*lhs, *rhs],

@@ -62,6 +62,7 @@ impl Kernel {
                 Inst::Cmp(op, a, b) => write!(out, "cmp.{} {a}, {b}", op.name())?,
                 Inst::Select { cond, on_true, on_false } => write!(out, "select {cond}, {on_true}, {on_false}")?,
                 Inst::Cast(x) => write!(out, "cast {x}")?,
+                Inst::Bitcast(x) => write!(out, "bitcast {x}")?,
                 Inst::Broadcast(x) => write!(out, "broadcast {x}")?,
                 Inst::Iota { dim } => write!(out, "iota dim={dim}")?,
                 Inst::Reduce { op, axis, x } => write!(out, "reduce.{} {x} axis={axis}", op.name())?,

@@ -226,6 +226,7 @@ rules! {
     "dot-contraction", Semantic, [B], SAME, "a dot's contracted dims are equal", "semantic: an IR type error";
     "transpose-rank", Semantic, [B], SAME, "a transpose has at least two dims", "semantic: an IR type error";
     "reshape-size", Semantic, [B], SAME, "a reshape keeps the element count", "semantic: an IR type error";
+    "bitcast-dtype", Semantic, [B], SAME, "a bitcast reads i32 bits as f32 or f32 bits as i32 (equal widths, both unpacked)", "semantic: an IR type error; the narrower pairs (bf16 <-> i16, fp8 <-> i8) have no IR dtype on one side";
     "concat-parts", Semantic, [B], SAME, "a concat joins one or more parts of one dtype and rank, equal but on the joined axis", "semantic: an IR type error";
     "concat-axis", Semantic, [B], SAME, "a concat joins along one of its parts' dims", "semantic: an IR type error";
     "if-condition", Semantic, [B], SAME, "an `if` branches on a scalar bool", "semantic: an IR type error";

@@ -22,6 +22,7 @@ pub mod op;
 pub mod paged_attention;
 pub mod plan;
 pub mod quant;
+pub mod quant4;
 pub mod ragged_paged_attention;
 pub mod reference;
 pub mod rope_ce;
@@ -41,7 +42,7 @@ pub use plan::Plan;
 
 /// Every op, in registration order: the op table.
 pub fn library() -> impl Iterator<Item = &'static Op> {
-    [matmul::OPS, elementwise::OPS, norms::OPS, rope_ce::OPS, quant::OPS, scaled_mm::OPS, gmm::OPS, routing::OPS, attention::OPS, splash::OPS, paged_attention::OPS, ragged_paged_attention::OPS].into_iter().flatten()
+    [matmul::OPS, elementwise::OPS, norms::OPS, rope_ce::OPS, quant::OPS, quant4::OPS, scaled_mm::OPS, gmm::OPS, routing::OPS, attention::OPS, splash::OPS, paged_attention::OPS, ragged_paged_attention::OPS].into_iter().flatten()
 }
 
 /// The op called `name`.

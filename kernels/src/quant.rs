@@ -196,6 +196,59 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
     out
 }
 
+/// `torch._int_mm`: int8 `a [m, k] @ b [k, n]` with exact int32 accumulation (wrapping
+/// past 2^31, as torch's). The MXU multiplies int8 natively on v5e, v5p and v6e; tpu7x has
+/// no int8 mode (libtpu still compiles it, and the verifier warns `matmul-emulated`).
+#[tpu_kernel(
+    grid = [m / bm, n / bn, k / bk],
+    semantics = [parallel, parallel, arbitrary],
+    a = block([bm, bk], |i, j, kk| [i, kk]),
+    b = block([bk, bn], |i, j, kk| [kk, j]),
+    out = block([bm, bn], |i, j, kk| [i, j]),
+    acc = scratch([bm, bn], i32),
+)]
+pub fn int_mm_kernel(a: In<m, k>, b: In<k, n>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
+    if program_id(2) == 0 {
+        acc[..] = zeros([bm, bn], i32);
+    }
+    acc[..] += dot(a[..], b[..]);
+    if program_id(2) == num_programs(2) - 1 {
+        out[..] = acc[..];
+    }
+}
+
+/// Blocks of [`int_mm_kernel`]: `bm` up to 512 rows (int8 tiles are 32 rows), `bn` up to
+/// 512 and `bk` up to 2048 lanes, MXU-aligned divisors, halved (bk, bn, bm) to fit 3/4 of
+/// the default scoped VMEM.
+pub fn int_mm_blocks(m: usize, k: usize, n: usize, target: &Target) -> (usize, usize, usize) {
+    let (sub, lane) = target.native_tile(DType::I8);
+    let mut bm = pick_block(m, 512, sub);
+    let mut bk = pick_block(k, 2048, lane.max(target.mxu.min(k)));
+    let mut bn = pick_block(n, 512, lane.max(target.mxu.min(n)));
+    let vmem = |bm: usize, bk: usize, bn: usize| 2 * (target.padded_bytes(DType::I8, &[bm, bk]) + target.padded_bytes(DType::I8, &[bk, bn]) + target.padded_bytes(DType::I32, &[bm, bn])) + target.padded_bytes(DType::I32, &[bm, bn]);
+    fit_blocks(&mut [(&mut bk, k), (&mut bn, n), (&mut bm, m)], target.default_scoped_vmem_bytes * 3 / 4, |b| vmem(b[2], b[0], b[1]));
+    (bm, bk, bn)
+}
+
+fn plan_int_mm(c: &Call) -> Result<Plan, KernelError> {
+    let (a, b) = (c.tensor("a")?.clone(), c.tensor("b")?.clone());
+    let (m, k, n) = (a.shape[0], a.shape[1], b.shape[1]);
+    let (bm, bk, bn) = int_mm_blocks(m, k, n, c.target);
+    let kernel = int_mm_kernel(a.clone(), b.clone(), Type::vector(DType::I32, &[m, n]), bm, bn, bk)?;
+    Ok(single(c, kernel, vec![c.input("a", a)?, c.input("b", b)?], &[]))
+}
+
+/// `a @ b` of integers, exactly (in f64: |sum| < 2^53 for any k below 2^38).
+pub fn reference_int_mm(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+    // int32 wraps as torch's accumulator does.
+    crate::reference::matmul(a, b, m, k, n).iter().map(|&v| v as i64 as i32 as f64).collect()
+}
+
+fn random_int8_pair(shapes: &[Vec<usize>], _: DType, _: &Statics, rng: &mut StdRng) -> Vec<Array> {
+    // The full int8 range, -128 included.
+    shapes.iter().map(|s| Array::from_i8(s, (0..s.iter().product::<usize>()).map(|_| rng.gen::<i8>()).collect())).collect()
+}
+
 /// This module's ops.
 pub const OPS: &[Op] = &[Op {
                              name: "quantized_matmul", doc: "x [m, k] @ (int8 w [n, k] * float32 scale [n])^T: weight-only int8 with per-output-channel scales, f32 accumulation", schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[0]); vec![reference(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, k, n)] }),
@@ -207,4 +260,9 @@ pub const OPS: &[Op] = &[Op {
                              name: "quantized_matmul_dx", doc: "dx of quantized_matmul: dy [m, n] @ (int8 w [n, k] * float32 scale [n]), f32 accumulation (w and scale get no gradient)", schema: "(Tensor dy, Tensor w, Tensor scale) -> Tensor", plan: plan_quantized_matmul_dx, reference: Some(|a, _| { let (m, n, k) = (a[0].shape[0], a[0].shape[1], a[1].shape[1]); vec![reference_dx(&a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), m, n, k)] }),
                              inputs: &[Input { name: "dy", dims: "[m, n]", kind: Kind::Float }, Input { name: "w", dims: "[n, k]", kind: Kind::Int8 }, Input { name: "scale", dims: "[1?, n]", kind: Kind::Float32 }], outputs: &[Output { name: "dx", shape: "[dy.0, w.1]", dtype: "dy" }],
                              cases: &[Case { name: "default", statics: "", shapes: &[&[512, 2048], &[2048, 2048], &[2048]] }, Case { name: "alt", statics: "", shapes: &[&[384, 640], &[640, 1536], &[640]] }], random: Some(random_inputs), ..Op::EMPTY
+                         },
+                         Op {
+                             name: "int_mm", doc: "torch._int_mm: int8 a [m, k] @ int8 b [k, n] -> int32 [m, n], exact int32 accumulation (native int8 MXU on v5e, v5p, v6e; tpu7x has no int8 mode: it compiles, with a matmul-emulated warning)", schema: "(Tensor a, Tensor b) -> Tensor", plan: plan_int_mm, reference: Some(|a, _| { let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[1]); vec![reference_int_mm(&a[0].to_f64_vec(), &a[1].to_f64_vec(), m, k, n)] }),
+                             inputs: &[Input { name: "a", dims: "[m, k]", kind: Kind::Int8 }, Input { name: "b", dims: "[k, n]", kind: Kind::Int8 }], outputs: &[Output { name: "out", shape: "[a.0, b.1]", dtype: "i32" }],
+                             cases: &[Case { name: "default", statics: "", shapes: &[&[256, 4096], &[4096, 512]] }, Case { name: "edges", statics: "", shapes: &[&[40, 200], &[200, 72]] }, Case { name: "decode", statics: "", shapes: &[&[8, 2048], &[2048, 768]] }], random: Some(random_int8_pair), ..Op::EMPTY
                          }];

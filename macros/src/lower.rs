@@ -440,6 +440,12 @@ impl<'a> Lowerer<'a> {
                 let d = self.dtype(args[0])?;
                 Ok(quote!({ let __x = #x; __b.cast(__x, #d) }))
             }
+            "bitcast" => {
+                arity(1)?;
+                let x = self.value(&m.receiver)?;
+                let d = self.dtype(args[0])?;
+                Ok(quote!({ let __x = #x; __b.bitcast(__x, #d) }))
+            }
             "sum" | "reduce_max" | "reduce_min" => {
                 arity(1)?;
                 let op = format_ident!("{}", if name == "sum" { "Sum" } else if name == "reduce_max" { "Max" } else { "Min" });

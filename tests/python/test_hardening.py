@@ -56,7 +56,7 @@ MARK = "@@HARDENING"
 CHILD_MEMORY = 6 << 30  # address space of the battery child (torch itself maps ~3.2 GB)
 SCALE = float(os.environ.get("TESSERA_HARDENING_SCALE", "1"))
 PER_OP = max(1, round(64 * SCALE))
-OPS = sorted(tessera.ops())
+OPS = sorted(op for op in tessera.ops() if not os.environ.get("TESSERA_HARDENING_OPS") or op in os.environ["TESSERA_HARDENING_OPS"].split(","))
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -139,6 +139,10 @@ def contract(op, transpose_rhs=False):
         "cross_entropy_with_grad": ["t v", "t"],
         "cross_entropy_bwd": ["t v", "t", "t 1?", "t"],
         "quantized_matmul": ["m k", "n k", "n"],
+        "matmul_int4": ["m k", "kh n", "ks n"],
+        "matmul_mxfp4": ["m k", "kh n", "ks n"],
+        "matmul_nvfp4": ["m k", "kh n", "ks n", "1"],
+        "int_mm": ["m k", "k n"],
         "quantized_matmul_dx": ["m n", "n k", "n"],
         "scaled_mm_blockwise": ["m k", "n k" if transpose_rhs else "k n", "m kb", "nb kb" if transpose_rhs else "kb nb"],
         "scaled_mm_blockwise_wgrad": ["m k", "m n", "mb k", "mb n"],
@@ -222,6 +226,11 @@ def keeps_contract(op, shapes, statics):
         return g("k") % 128 == 0 and g("kb") == g("k") // 128 and g("nb") == -(-g("n") // 128)
     if op == "scaled_mm_blockwise_wgrad":
         return g("m") % 128 == 0 and g("mb") == g("m") // 128
+    # 4-bit weights: two codes per byte of w [k/2, n], 32-row nibble planes, a scale per group.
+    if op in ("matmul_int4", "matmul_mxfp4", "matmul_nvfp4"):
+        k, ks = g("k"), g("ks")
+        groups = {"matmul_mxfp4": ks * 32 == k, "matmul_nvfp4": ks * 16 == k}.get(op, ks > 0 and k % ks == 0 and (k // ks) % 32 == 0)
+        return k % 64 == 0 and g("kh") * 2 == k and groups
     if op == "quantize_fp8_1x128":
         return g("k") % 128 == 0
     if op == "quantize_fp8_128x1":
@@ -399,6 +408,20 @@ def valid_call(op, gen, dt):
     elif op == "quantized_matmul":
         m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
         tensors = [r(m, k, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
+    elif op in ("matmul_int4", "matmul_mxfp4", "matmul_nvfp4"):
+        m, n, k = gen.dim(40), gen.dim(200), 64 * gen.int(1, 5)
+        group = {"matmul_mxfp4": 32, "matmul_nvfp4": 16}.get(op) or gen.pick([g for g in (32, 64, 128) if k % g == 0])
+        w = gen.randint(-128, 128, k // 2, n, dtype=I8)
+        if op == "matmul_int4":
+            scale = torch.rand(k // group, n, generator=gen.g) * 0.05 + 0.001
+        elif op == "matmul_mxfp4":
+            scale = gen.randint(118, 131, k // group, n, dtype=I8)
+        else:
+            scale = (torch.rand(k // group, n, generator=gen.g) * 2 + 0.1).to(torch.float8_e4m3fn)
+        tensors = [r(m, k, dtype=dt), w, scale] + ([torch.rand(1, generator=gen.g) * 0.01 + 0.001] if op == "matmul_nvfp4" else [])
+    elif op == "int_mm":
+        m, k, n = gen.dim(100), gen.dim(300), gen.dim(200)
+        tensors = [gen.randint(-128, 128, m, k, dtype=I8), gen.randint(-128, 128, k, n, dtype=I8)]
     elif op == "quantized_matmul_dx":
         m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
         tensors = [r(m, n, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
@@ -1229,7 +1252,7 @@ def summarize(cases, verdicts, elapsed, examples=12):
 
 def test_torch_battery():
     cases = generate_cases()
-    assert len(cases) >= 1000 * min(SCALE, 1.0), f"only {len(cases)} cases"
+    assert len(cases) >= 1000 * min(SCALE, 1.0) or os.environ.get("TESSERA_HARDENING_OPS"), f"only {len(cases)} cases"
     t0 = time.time()
     verdicts = supervise(len(cases))
     report, full, nfail = summarize(cases, verdicts, time.time() - t0)

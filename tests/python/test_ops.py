@@ -201,6 +201,22 @@ def ref_quantized_matmul(x, w, scale):
     return x @ (w.double() * scale.double()[:, None]).T
 
 
+def ref_matmul_int4(x, w, scale):
+    return x @ tessera.quant4.dequantize("int4", w, scale)
+
+
+def ref_matmul_mxfp4(x, w, scale):
+    return x @ tessera.quant4.dequantize("mxfp4", w, scale)
+
+
+def ref_matmul_nvfp4(x, w, scale, global_scale):
+    return x @ tessera.quant4.dequantize("nvfp4", w, scale, global_scale)
+
+
+def ref_int_mm(a, b):
+    return (a.double() @ b.double()).to(torch.int64).to(torch.int32)
+
+
 def _per_element(scale, rows, cols, br, bc):
     """A scale per `br x bc` block, repeated to every element of a `[rows, cols]` operand."""
     return scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
@@ -665,6 +681,60 @@ def _(r, dt):
     return (r.randn(16, 2048, dtype=dt), r.randint(-127, 128, 1536, 2048, dtype=I8), r.uniform(1536, lo=0.001, hi=0.02)), {}
 
 
+# 4-bit weights, quantized from float weights by tessera.quant4 (the packing a user makes).
+@sample("matmul_int4", "group_128")
+def _(r, dt):
+    w, s = tessera.quant4.quantize_int4(r.randn(384, 1024, scale=0.05), group_size=128, scale_dtype=dt)
+    return (r.randn(24, 1024, dtype=dt), w, s), {}
+
+
+@sample("matmul_int4", "decode_group_32_odd_n")
+def _(r, dt):
+    w, s = tessera.quant4.quantize_int4(r.randn(200, 192, scale=0.05), group_size=32)
+    return (r.randn(1, 192, dtype=dt), w, s), {}
+
+
+@sample("matmul_mxfp4", "two_k_steps")
+def _(r, dt):
+    w, s = tessera.quant4.quantize_mxfp4(r.randn(256, 2048, scale=0.05) * torch.logspace(-2, 2, 2048)[None, :])
+    return (r.randn(20, 2048, dtype=dt), w, s), {}
+
+
+@sample("matmul_mxfp4", "gpt_oss_blocks")
+def _(r, dt):
+    # A checkpoint's blocks/scales (HF gpt-oss layout), repacked; K = 2880 is not a multiple of 128.
+    n, kb = 136, 90
+    blocks = torch.randint(0, 256, (n, kb, 16), generator=r.g, dtype=torch.uint8)
+    scales = torch.randint(118, 130, (n, kb), generator=r.g, dtype=torch.uint8)
+    w, s = tessera.quant4.from_mx_blocks(blocks, scales)
+    return (r.randn(9, kb * 32, dtype=dt), w, s), {}
+
+
+@sample("matmul_nvfp4", "rows_of_different_scale")
+def _(r, dt):
+    w, s, g = tessera.quant4.quantize_nvfp4(r.randn(300, 512) * torch.logspace(-3, 1, 300)[:, None])
+    return (r.randn(33, 512, dtype=dt), w, s, g), {}
+
+
+@sample("matmul_nvfp4", "decode")
+def _(r, dt):
+    w, s, g = tessera.quant4.quantize_nvfp4(r.randn(640, 1024, scale=0.02))
+    return (r.randn(2, 1024, dtype=dt), w, s, g), {}
+
+
+@sample("int_mm", "edges", dtypes=(F32,))
+def _(r, dt):
+    return (r.randint(-128, 128, 72, 200, dtype=I8), r.randint(-128, 128, 200, 40, dtype=I8)), {}
+
+
+@sample("int_mm", "two_k_steps", dtypes=(F32,))
+def _(r, dt):
+    # Every product at its extreme (-128 * -128) in one column: 2^14 * 4096 = 2^26, exact.
+    a, b = r.randint(-128, 128, 64, 4096, dtype=I8), r.randint(-128, 128, 4096, 256, dtype=I8)
+    a[0], b[:, 0] = -128, -128
+    return (a, b), {}
+
+
 def _fp8(r, dt, *shape, mag=4.0):
     """fp8 data: e4m3fn in float32 samples, e5m2 in bfloat16 samples (both formats run)."""
     return r.uniform(*shape, lo=-mag, hi=mag).to(E4M3 if dt == F32 else E5M2)
@@ -1120,7 +1190,7 @@ def test_opcheck(op, name, dtype):
 # Outputs that are float32 whatever the input dtype (the others have the float inputs' dtype).
 F32_OUTPUTS = {"cross_entropy": (0, 1), "cross_entropy_with_grad": (0,), "flash_attention_fwd": (1,), "splash_attention_fwd": (1,)}
 # Outputs whose dtype is the op's own, whatever the inputs' (the blockwise fp8 recipe).
-FIXED_OUTPUTS = {"scaled_mm_blockwise": (BF16,), "scaled_mm_blockwise_wgrad": (BF16,), "quantize_fp8_1x128": (E4M3, F32), "quantize_fp8_128x1": (E4M3, F32)}
+FIXED_OUTPUTS = {"int_mm": (I32,), "scaled_mm_blockwise": (BF16,), "scaled_mm_blockwise_wgrad": (BF16,), "quantize_fp8_1x128": (E4M3, F32), "quantize_fp8_128x1": (E4M3, F32)}
 
 
 @functools.cache
@@ -1237,7 +1307,8 @@ def declared_backward(op, args, kwargs, outs, cotangents):
     return [by_input[i] for i in DIFF_ARGS[op]]
 
 
-NO_BACKWARD = [op for op in OPS if op not in DIFF_ARGS]
+# int_mm takes no float tensor (nothing can require grad), so it has no backprop to refuse.
+NO_BACKWARD = [op for op in OPS if op not in DIFF_ARGS and op != "int_mm"]
 
 
 @pytest.mark.parametrize("op", NO_BACKWARD)

@@ -294,6 +294,41 @@ fn argmax_argmin_match_torch_rules_on_every_backend() {
     }
 }
 
+/// `bitcast` both ways, and an E8M0 scale byte decoded by building the f32's exponent field
+/// (as `quant4`'s MXFP4 kernel does).
+#[tpu_kernel(grid = [r / 8], (f, i) = block([8, c], |b| [b, 0]), (as_int, as_float, pow2) = block([8, c], |b| [b, 0]))]
+fn bit_views(f: In<r, c>, i: In<r, c>, as_int: Out<r, c>, as_float: Out<r, c>, pow2: Out<r, c>) {
+    as_int[..] = f[..].bitcast(i32);
+    as_float[..] = i[..].bitcast(f32);
+    pow2[..] = ((i[..] & 255) << 23).bitcast(f32);
+}
+
+#[test]
+fn bitcast_reads_the_same_bits_on_every_backend() {
+    let (r, c) = (16, 128);
+    let specials = [0.0f32, -0.0, 1.0, -1.5, f32::MIN_POSITIVE, 1e-45, -1e-45, f32::MAX, f32::INFINITY, f32::NEG_INFINITY, 3.0e-39, 0.1];
+    let fs: Vec<f32> = (0..r * c).map(|e| if e < specials.len() { specials[e] } else { (e as f32 * 0.37).sin() * 2f32.powi((e % 60) as i32 - 30) }).collect();
+    let is: Vec<i32> = (0..(r * c) as i32).map(|e| e.wrapping_mul(0x9E37_79B9u32 as i32) ^ (e << 7)).collect();
+    let k = bit_views(ty(DType::F32, &[r, c]), ty(DType::I32, &[r, c]), ty(DType::I32, &[r, c]), ty(DType::F32, &[r, c]), ty(DType::F32, &[r, c])).unwrap();
+    let out = run_all(&k, &[&Array::from_f32(&[r, c], fs.clone()), &Array::from_i32(&[r, c], is.clone())]);
+    let (ints, floats, pows) = (out[0].to_f64_vec(), out[1].to_f64_vec(), out[2].to_f64_vec());
+    for e in 0..r * c {
+        assert_eq!(ints[e] as i64, fs[e].to_bits() as i32 as i64, "bits of {}", fs[e]);
+        let want = f32::from_bits(is[e] as u32);
+        assert!(floats[e] as f32 == want || (want.is_nan() && floats[e].is_nan()), "f32 of bits {:#x}: {} vs {want}", is[e], floats[e]);
+        let byte = is[e] & 255;
+        let want = if byte == 255 { f32::INFINITY } else if byte == 0 { 0.0 } else { 2f32.powi(byte - 127) };
+        assert_eq!(pows[e] as f32, want, "2^({byte} - 127)");
+    }
+    // Only the equal-width unpacked pair is a bitcast.
+    let mut b = tessera_dsl::KernelBuilder::new("bad_bitcast");
+    let x = b.zeros(&[8, 128], DType::BF16);
+    b.bitcast(x, DType::I32);
+    let e = b.finish().expect_err("bf16 bits are not i32 bits");
+    assert_eq!(e.rule, "bitcast-dtype", "{e}");
+}
+
+
 #[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 128], || [0, 0]))]
 fn shift_float(x: In<8, 128>, out: Out<8, 128>) {
     out[..] = x[..] << 2;
@@ -391,6 +426,7 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
         kernels.push(int_ops(t.clone(), t.clone(), t.clone(), t.clone(), t.clone(), t.clone()).unwrap());
         kernels.push(int4_unpack(t.clone(), t.clone(), t).unwrap());
     }
+    kernels.push(bit_views(ty(DType::F32, &[16, 128]), ty(DType::I32, &[16, 128]), ty(DType::I32, &[16, 128]), ty(DType::F32, &[16, 128]), ty(DType::F32, &[16, 128])).unwrap());
     for dtype in [DType::F32, DType::BF16, DType::I32] {
         kernels.push(concat_parts(ty(dtype, &[8, 128]), ty(dtype, &[8, 128]), ty(dtype, &[8, 256]), ty(dtype, &[8, 256]), ty(dtype, &[16, 128])).unwrap());
     }

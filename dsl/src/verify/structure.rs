@@ -78,6 +78,9 @@ impl Verifier<'_> {
                 Inst::PrngRandomBits if d.results.len() != 1 || d.results.first().is_some_and(|&r| k.ty(r).dtype != DType::I32 || k.ty(r).rank() < 2) => {
                     return bad(format!("{} must give one i32 vector of rank >= 2", name()))
                 }
+                Inst::Bitcast(x) if !matches!((k.ty(*x).dtype, d.results.first().map(|&r| k.ty(r).dtype)), (DType::I32, Some(DType::F32)) | (DType::F32, Some(DType::I32))) => {
+                    return bad(format!("{} bitcasts {} to another dtype than i32 <-> f32", name(), k.ty(*x)))
+                }
                 Inst::Unary(op @ (UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign), x) if !k.ty(*x).dtype.is_float() => {
                     return bad(format!("{} applies `{}` to {}, a float op", name(), op.name(), k.ty(*x)))
                 }

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, F64, I32, I32X4, I64, I8};
-use cranelift_codegen::ir::{Block as CB, BlockArg, FuncRef, InstBuilder, StackSlotData, StackSlotKind, Type as CT, Value as CV};
+use cranelift_codegen::ir::{Block as CB, BlockArg, Endianness, FuncRef, InstBuilder, MemFlagsData, StackSlotData, StackSlotKind, Type as CT, Value as CV};
 use cranelift_frontend::FunctionBuilder;
 use half::bf16;
 use tessera_dsl::{BinaryOp, BlockId, CmpOp, DType, Inst, InstId, Kernel, MemorySpace, ReduceOp, RefId, RefKind, Scalar, Slice, UnaryOp, Value, ValueDef};
@@ -266,7 +266,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let one_consumer = u.len() == 1 || u.len() == 2 && u[0] == u[1] && matches!(k.inst(u[0]).inst, Inst::Binary(..) | Inst::Cmp(..));
                 if one_consumer && s.pos.get(&u[0]).map(|p| p.0) == s.block_of_value(v) {
                     let fusible = match &k.inst(u[0]).inst {
-                        Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => true,
+                        Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Bitcast(_) => true,
                         Inst::Store { value, .. } => *value == v,
                         Inst::Reduce { .. } | Inst::Yield(_) => true,
                         _ => false,
@@ -281,7 +281,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                 Inst::Const(_) | Inst::Iota { .. } => How::Dup,
                 Inst::Load { .. } => How::Dup, // decided below
                 Inst::Cast(x) if free_cast(k.ty(*x).dtype, ty.dtype) && self.leaf_like(*x) => How::Dup,
-                Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => {
+                Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Bitcast(_) => {
                     let h = elementwise_fused(self);
                     // Cheap values used several times are recomputed rather than stored.
                     if h == How::Slot && self.cheap(i, 4).is_some() && self.all_uses_fusible(v, &uses) {
@@ -332,7 +332,7 @@ impl<'a, 'b> Lower<'a, 'b> {
                     break;
                 }
                 let consumer_ok = match &k.inst(u).inst {
-                    Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Broadcast(_) => true,
+                    Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Bitcast(_) | Inst::Broadcast(_) => true,
                     Inst::Store { value, .. } => *value == v,
                     Inst::Reduce { .. } | Inst::Yield(_) => true,
                     Inst::Dot { .. } => matches!(dtype, DType::F32 | DType::I32 | DType::BF16),
@@ -446,7 +446,7 @@ impl<'a, 'b> Lower<'a, 'b> {
             Inst::Binary(B::Add | B::Sub | B::Mul | B::Max | B::Min | B::And | B::Or | B::Xor, ..) => 1,
             Inst::Unary(UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round, _) => 1,
             Inst::Unary(UnaryOp::Sign, _) => 3,
-            Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Broadcast(_) => 1,
+            Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Bitcast(_) | Inst::Broadcast(_) => 1,
             Inst::Load { .. } | Inst::Const(_) | Inst::Iota { .. } => 0,
             _ => return None,
         };
@@ -471,7 +471,7 @@ impl<'a, 'b> Lower<'a, 'b> {
         uses[v.index()].iter().all(|&u| {
             self.pos.get(&u).map(|p| p.0) == blk
                 && match &self.k.inst(u).inst {
-                    Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) => true,
+                    Inst::Unary(..) | Inst::Binary(..) | Inst::Cmp(..) | Inst::Select { .. } | Inst::Cast(_) | Inst::Bitcast(_) => true,
                     Inst::Store { value, .. } => *value == v,
                     Inst::Reduce { .. } | Inst::Yield(_) => true,
                     _ => false,
@@ -1005,6 +1005,12 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let xv = self.eval(*x, at)?;
                 self.cast_vec(xv, k.ty(*x).dtype, ty.dtype)
             }
+            Inst::Bitcast(x) => {
+                let xv = self.eval(*x, at)?;
+                // Lanes keep their order: the byte order only matters to Cranelift's verifier.
+                let flags = MemFlagsData::new().with_endianness(Endianness::Little);
+                self.b.ins().bitcast(if ty.dtype == DType::F32 { F32X4 } else { I32X4 }, flags, xv)
+            }
             _ => return unsupported(format!("{v} is not elementwise")),
         };
         Ok(r)
@@ -1254,6 +1260,10 @@ impl<'a, 'b> Lower<'a, 'b> {
             Inst::Cast(x) => {
                 let xv = self.scalar(*x)?;
                 self.cast_scalar(xv, k.ty(*x).dtype, dt)
+            }
+            Inst::Bitcast(x) => {
+                let xv = self.scalar(*x)?;
+                self.b.ins().bitcast(if dt == DType::F32 { F32 } else { I32 }, MemFlagsData::new(), xv)
             }
             _ => return unsupported(format!("a scalar `{}`", d.inst.name())),
         })

@@ -10,7 +10,7 @@ device (the kernels compiled for the TPU), and on the emulated host-memory `tpu`
 from tessera import _native
 from tessera._ops import SPECS, get_target, load_tuning_table, register_ops, set_target
 
-from tessera import fusion, splash
+from tessera import fusion, quant4, splash
 from tessera.fusion import EagerMode, get_eager_mode, set_eager_mode
 
 __version__ = _native.__version__
