@@ -22,8 +22,8 @@
 //! **The kernel.** Grid `(m / bm, n / bn, k / bk)`, the K axis last and `arbitrary`. Each step
 //! decodes its scale block to f32 once, dequantises the `[bk / 2, bn]` int8 block into a
 //! `[bk, bn]` VMEM tile of `x`'s dtype (32 rows of each nibble plane at a time), and
-//! accumulates one MXU product `x_block @ tile` in f32; the last step applies the global
-//! scale. A dequantised weight is rounded to `x`'s dtype once (exact in bf16 for MXFP4 and
+//! accumulates one MXU product `x_block @ tile` in f32 (the global scale is folded into the
+//! step's scales, as torch dequantises first). A dequantised weight is rounded to `x`'s dtype once (exact in bf16 for MXFP4 and
 //! NVFP4, whose products have at most 6 significant bits; int4 times a bf16 or f32 scale
 //! rounds as torch's dequantise-then-cast does).
 
@@ -33,7 +33,7 @@ use tessera_dsl::{DType, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::blocks::fit_blocks;
-use crate::op::{Call, Case, Input, Kind, Op, Output, Statics};
+use crate::op::{Backward, Call, Case, Input, Kind, Op, Output};
 use crate::plan::{host, single, Plan};
 
 /// Rows of a nibble plane: packed rows `32c..32c+32` hold K `64c..64c+32` (low nibbles) and
@@ -60,44 +60,42 @@ impl Format {
             Format::Nvfp4 => Some(16),
         }
     }
-
-    fn op(self) -> &'static str {
-        match self {
-            Format::Int4 => "matmul_int4",
-            Format::Mxfp4 => "matmul_mxfp4",
-            Format::Nvfp4 => "matmul_nvfp4",
-        }
-    }
 }
 
+/// `out = x @ W` (grid `(m, n, k)`), or with `dx` the input gradient `dx = dy @ W^T` (grid
+/// `(m, k, n)`, `dy` in `x`'s place): either way the contraction is the last, `arbitrary`
+/// axis and each step dequantises one `[bk / 2, bn]` block of `w` into `wdq`.
 #[tpu_kernel(
-    grid = [m.div_ceil(bm), n.div_ceil(bn), k / bk],
+    grid = [m.div_ceil(bm), if dx { 2 * kh / bk } else { n.div_ceil(bn) }, if dx { n / bn } else { 2 * kh / bk }],
     semantics = [parallel, parallel, arbitrary],
-    x = block([bm, bk], |i, j, kk| [i, kk]),
-    w = block([bk / 2, bn], |i, j, kk| [kk, j]),
-    scale = block([bk / g, bn], |i, j, kk| [kk, j]),
-    global_scale = block([1, 1], |i, j, kk| [0, 0]),
-    out = block([bm, bn], |i, j, kk| [i, j]),
-    acc = scratch([bm, bn], f32),
+    x = block([bm, if dx { bn } else { bk }], |i, a, c| [i, c]),
+    w = block([bk / 2, bn], |i, a, c| [if dx { a } else { c }, if dx { c } else { a }]),
+    scale = block([bk / g, bn], |i, a, c| [if dx { a } else { c }, if dx { c } else { a }]),
+    global_scale = block([1, 1], |i, a, c| [0, 0]),
+    out = block([bm, if dx { bk } else { bn }], |i, a, c| [i, a]),
+    acc = scratch([bm, if dx { bk } else { bn }], f32),
     sdq = scratch([bk / g, bn], f32),
     wdq = scratch([bk, bn], x.dtype),
 )]
 #[rustfmt::skip]
 pub fn matmul_4bit_kernel(
-    x: In<m, k>, w: In<kh, n>, scale: In<ks, n>, global_scale: In<1, 1>, out: Out<m, n>, acc: Scratch, sdq: Scratch, wdq: Scratch,
-    bm: usize, bn: usize, bk: usize, g: usize, format: Format,
+    x: In<m, _>, w: In<kh, n>, scale: In<ks, n>, global_scale: In<1, 1>, out: Out<m, _>, acc: Scratch, sdq: Scratch, wdq: Scratch,
+    bm: usize, bn: usize, bk: usize, g: usize, format: Format, dx: bool,
 ) {
     if program_id(2) == 0 {
-        acc[..] = zeros([bm, bn], f32);
+        acc[..] = zeros([bm, if dx { bk } else { bn }], f32);
     }
-    // The step's scales in f32; the FP4 formats' decode below gives twice the E2M1 value
-    // (an integer), so their scales carry the 1/2 (exact).
+    // The step's scales in f32, times the global scale (1 but for NVFP4): applied to each
+    // weight before the product, as torch's dequantise-first (an inf global scale makes a
+    // zero code NaN). The FP4 formats' decode below gives twice the E2M1 value (an
+    // integer), so their scales carry the 1/2 (exact).
+    let global = global_scale[..];
     if format == Format::Int4 {
-        sdq[..] = scale[..].cast(f32);
+        sdq[..] = scale[..].cast(f32) * global;
     } else if format == Format::Mxfp4 {
-        sdq[..] = e8m0_to_f32(scale[..].cast(i32) & 255) * 0.5;
+        sdq[..] = e8m0_to_f32(scale[..].cast(i32) & 255) * 0.5 * global;
     } else {
-        sdq[..] = scale[..].cast(f32) * 0.5;
+        sdq[..] = scale[..].cast(f32) * 0.5 * global;
     }
     for c in 0..bk / 64 {
         let p = w[(ds(c * PLANE, PLANE), ..)].cast(i32);
@@ -120,9 +118,13 @@ pub fn matmul_4bit_kernel(
             wdq[(ds(k0, PLANE), ..)] = (code.cast(f32) * s).cast(wdq.dtype);
         }
     }
-    acc[..] += dot(x[..], wdq[..]);
+    if dx {
+        acc[..] += dot_t(x[..], wdq[..]);
+    } else {
+        acc[..] += dot(x[..], wdq[..]);
+    }
     if program_id(2) == num_programs(2) - 1 {
-        out[..] = (acc[..] * global_scale[..]).cast(out.dtype);
+        out[..] = acc[..].cast(out.dtype);
     }
 }
 
@@ -147,14 +149,16 @@ fn e8m0_to_f32(e: Value) -> Value {
 /// largest multiple of 128 up to 1024 that divides `k` and gives a scale block of whole
 /// sublane tiles (8 rows of f32, 16 of bf16, 32 of the byte formats), else all of `k`;
 /// then halved (bk, bn, bm) until the windows fit 3/4 of the default scoped VMEM.
-pub fn blocks(m: usize, k: usize, n: usize, g: usize, x: DType, scale: DType, target: &Target) -> (usize, usize, usize) {
+pub fn blocks(m: usize, k: usize, n: usize, g: usize, x: DType, scale: DType, dx: bool, target: &Target) -> (usize, usize, usize) {
     let scale_rows = target.native_tile(scale).0;
     let fits = |bk: usize| k % bk == 0 && bk % 128 == 0 && (bk / g) % scale_rows == 0;
     let mut bk = (1..=1024 / 128).rev().map(|i| i * 128).find(|&bk| bk <= k && fits(bk)).unwrap_or(k);
-    let (mut bm, mut bn) = (m.min(512), n.min(512));
+    // The forward's n blocks may be partial (garbage columns only reach garbage outputs);
+    // `dx` contracts over n, so its n blocks divide n.
+    let (mut bm, mut bn) = (m.min(512), if dx { crate::blocks::pick_block(n, 512, 128) } else { n.min(512) });
     let vmem = |bm: usize, bk: usize, bn: usize| {
         2 * (target.padded_bytes(x, &[bm, bk]) + target.padded_bytes(DType::I8, &[bk / 2, bn]) + target.padded_bytes(scale, &[bk / g, bn]) + target.padded_bytes(x, &[bm, bn]))
-            + target.padded_bytes(DType::F32, &[bm, bn])
+            + target.padded_bytes(DType::F32, &[bm, if dx { bk } else { bn }])
             + target.padded_bytes(x, &[bk, bn])
             + target.padded_bytes(DType::F32, &[bk / g, bn])
     };
@@ -163,23 +167,31 @@ pub fn blocks(m: usize, k: usize, n: usize, g: usize, x: DType, scale: DType, ta
     while vmem(bm, bk, bn) > budget && bk % 256 == 0 && fits(bk / 2) {
         bk /= 2;
     }
-    fit_blocks(&mut [(&mut bn, n), (&mut bm, m)], budget, |b| vmem(b[1], bk, b[0]));
+    if dx {
+        fit_blocks(&mut [(&mut bm, m)], budget, |b| vmem(b[0], bk, bn));
+    } else {
+        fit_blocks(&mut [(&mut bn, n), (&mut bm, m)], budget, |b| vmem(b[1], bk, b[0]));
+    }
     (bm, bn, bk)
 }
 
-/// The 4-bit matmul of `format` for `target`, from the operand types (the contract
-/// checked); `global` is the `[1, 1]` global scale's type.
-pub fn matmul_4bit(c: &Call, format: Format) -> Result<(Kernel, [Type; 4])> {
-    let op = format.op();
-    let x = c.tensor("x")?.clone();
+/// The 4-bit matmul of `format` (with `dx`, its input gradient `dy @ W^T`) for the call's
+/// target, from the operand types (the contract checked): the kernel and the types of its
+/// four inputs (the last is the `[1, 1]` global scale).
+pub fn matmul_4bit(c: &Call, format: Format, dx: bool) -> Result<(Kernel, [Type; 4])> {
+    let op = c.op;
+    let first = if dx { "dy" } else { "x" };
+    let x = c.tensor(first)?.clone();
     let w = c.tensor("w")?.clone();
     let scale = c.tensor("scale")?.clone();
-    let (m, k, n) = (x.shape[0], x.shape[1], w.shape[1]);
+    let (m, n) = (x.shape[0], w.shape[1]);
+    let k = if dx { 2 * w.shape[0] } else { x.shape[1] };
     if w.shape[0] * 2 != k {
         return Err(c.err("input `w`", "operand-shape", format!("x is {x}, so w must hold k / 2 = {} rows (two 4-bit codes per byte), but w is {w}", k / 2), format!("pack W [k, n] into int8 [{}, {n}] with tessera.quant4 (two codes per byte)", k / 2)));
     }
     if k % 64 != 0 {
-        return Err(c.err("input `x`", "operand-shape", format!("k = {k} is not a multiple of 64 (the packed layout's 32-row nibble planes)"), "pad K to a multiple of 64 with zero weights and zero activations"));
+        let subject = if dx { "input `w`" } else { "input `x`" };
+        return Err(c.err(subject, "operand-shape", format!("k = {k} is not a multiple of 64 (the packed layout's 32-row nibble planes)"), "pad K to a multiple of 64 with zero weights and zero activations"));
     }
     let rows = scale.shape[0];
     let g = match format.fixed_group() {
@@ -188,35 +200,29 @@ pub fn matmul_4bit(c: &Call, format: Format) -> Result<(Kernel, [Type; 4])> {
         None if rows > 0 && k % rows == 0 && (k / rows) % PLANE == 0 => k / rows,
         None => return Err(c.err("input `scale`", "operand-shape", format!("scale is {scale}: k = {k} rows of W in groups of k / {rows}, which must be a whole multiple of 32"), "pass scale [k / g, n] with a group size g that divides k and is a multiple of 32 (32, 64, 128, ...)")),
     };
-    if format == Format::Nvfp4 && scale.dtype != DType::F8E4M3FN && !matches!(scale.dtype, DType::F32 | DType::BF16) {
-        return Err(c.err("input `scale`", "operand-dtype", format!("NVFP4 scales are float8_e4m3fn, got {}", scale.dtype), "pass the checkpoint's float8_e4m3fn scales (or their f32 / bf16 values)"));
+    if format == Format::Nvfp4 && scale.dtype == DType::F8E5M2 {
+        return Err(c.err("input `scale`", "operand-dtype", "NVFP4 scales are float8_e4m3fn, got float8_e5m2", "pass the checkpoint's float8_e4m3fn scales (or their float32 / bfloat16 values)"));
     }
-    let (bm, bn, bk) = blocks(m, k, n, g, x.dtype, scale.dtype, c.target);
+    let (bm, bn, bk) = blocks(m, k, n, g, x.dtype, scale.dtype, dx, c.target);
     let global = Type::vector(DType::F32, &[1, 1]);
-    let kernel = matmul_4bit_kernel(x.clone(), w.clone(), scale.clone(), global.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk, g, format)?;
+    let out = Type::vector(x.dtype, &[m, if dx { k } else { n }]);
+    let kernel = matmul_4bit_kernel(x.clone(), w.clone(), scale.clone(), global.clone(), out, bm, bn, bk, g, format, dx)?;
     Ok((kernel, [x, w, scale, global]))
 }
 
 type Result<T> = std::result::Result<T, KernelError>;
 
-fn plan_int4(c: &Call) -> Result<Plan> {
-    plan_with_unit_scale(c, Format::Int4)
-}
-
-fn plan_mxfp4(c: &Call) -> Result<Plan> {
-    plan_with_unit_scale(c, Format::Mxfp4)
-}
-
-fn plan_with_unit_scale(c: &Call, format: Format) -> Result<Plan> {
-    let (kernel, [x, w, scale, global]) = matmul_4bit(c, format)?;
-    let args = vec![c.input("x", x)?, c.input("w", w)?, c.input("scale", scale)?, host(0, global)];
+/// The plan of the forward (`dx` false) or the input gradient: one launch, the global scale
+/// an input for NVFP4 and a host 1.0 for the others.
+fn plan_4bit(c: &Call, format: Format, dx: bool) -> Result<Plan> {
+    let (kernel, [x, w, scale, global]) = matmul_4bit(c, format, dx)?;
+    let mut args = vec![c.input(if dx { "dy" } else { "x" }, x)?, c.input("w", w)?, c.input("scale", scale)?];
+    if format == Format::Nvfp4 {
+        args.push(c.input("global_scale", global)?);
+        return Ok(single(c, kernel, args, &[]));
+    }
+    args.push(host(0, global));
     Ok(single(c, kernel, args, &[]).with_host(vec![Array::from_f32(&[1, 1], vec![1.0])]))
-}
-
-fn plan_nvfp4(c: &Call) -> Result<Plan> {
-    let (kernel, [x, w, scale, global]) = matmul_4bit(c, Format::Nvfp4)?;
-    let args = vec![c.input("x", x)?, c.input("w", w)?, c.input("scale", scale)?, c.input("global_scale", global)?];
-    Ok(single(c, kernel, args, &[]))
 }
 
 // ---- the reference (f64: decode, dequantise, multiply) ------------------------------------------
@@ -243,11 +249,11 @@ pub fn code_at(w: &[f64], n: usize, p: usize, j: usize) -> u8 {
     }
 }
 
-/// `x @ W` with `W` decoded and dequantised in f64 (`scale` holds the scale values: int4
-/// and NVFP4 scales as numbers, MXFP4's as E8M0 bytes read as i8).
-pub fn reference(format: Format, x: &[f64], w: &[f64], scale: &[f64], global: f64, m: usize, k: usize, n: usize) -> Vec<f64> {
+/// `W [k, n]` decoded and dequantised in f64 from the packed `w [k / 2, n]` (`scale` holds
+/// the scale values: int4 and NVFP4 scales as numbers, MXFP4's as E8M0 bytes read as i8).
+pub fn dequantize(format: Format, w: &[f64], scale: &[f64], global: f64, k: usize, n: usize) -> Vec<f64> {
     let g = format.fixed_group().unwrap_or(k / (scale.len() / n));
-    let deq: Vec<f64> = (0..k * n)
+    (0..k * n)
         .map(|e| {
             let (p, j) = (e / n, e % n);
             let code = code_at(w, n, p, j);
@@ -262,15 +268,21 @@ pub fn reference(format: Format, x: &[f64], w: &[f64], scale: &[f64], global: f6
                 Format::Nvfp4 => e2m1_value(code) * s * global,
             }
         })
-        .collect();
-    crate::reference::matmul(x, &deq, m, k, n)
+        .collect()
 }
 
-fn reference_of(format: Format) -> impl Fn(&[Array], &Statics) -> Vec<Vec<f64>> {
-    move |a: &[Array], _: &Statics| {
-        let (m, k, n) = (a[0].shape[0], a[0].shape[1], a[1].shape[1]);
-        let global = if format == Format::Nvfp4 { a[3].to_f64_vec()[0] } else { 1.0 };
-        vec![reference(format, &a[0].to_f64_vec(), &a[1].to_f64_vec(), &a[2].to_f64_vec(), global, m, k, n)]
+/// The f64 reference of the forward (`x @ W`) or, with `dx`, of the input gradient
+/// (`dy @ W^T`), from the op's input arrays.
+fn reference_of(format: Format, dx: bool, a: &[Array]) -> Vec<Vec<f64>> {
+    let (m, n) = (a[0].shape[0], a[1].shape[1]);
+    let k = 2 * a[1].shape[0];
+    let global = if format == Format::Nvfp4 { a[3].to_f64_vec()[0] } else { 1.0 };
+    let deq = dequantize(format, &a[1].to_f64_vec(), &a[2].to_f64_vec(), global, k, n);
+    if dx {
+        let deq_t: Vec<f64> = (0..n * k).map(|e| deq[(e % k) * n + e / k]).collect();
+        vec![crate::reference::matmul(&a[0].to_f64_vec(), &deq_t, m, n, k)]
+    } else {
+        vec![crate::reference::matmul(&a[0].to_f64_vec(), &deq, m, k, n)]
     }
 }
 
@@ -295,14 +307,21 @@ fn random_inputs(format: Format, shapes: &[Vec<usize>], dtype: DType, rng: &mut 
     out
 }
 
+/// `x`'s (or `dy`'s) input spec: the run's float dtype.
+const X: Input = Input { name: "x", dims: "[m, k]", kind: Kind::Float };
+const DY: Input = Input { name: "dy", dims: "[m, n]", kind: Kind::Float };
+const W: Input = Input { name: "w", dims: "[kh, n]", kind: Kind::Int8 };
+const GLOBAL: Input = Input { name: "global_scale", dims: "[1]", kind: Kind::Float32 };
+
 #[rustfmt::skip]
 pub const OPS: &[Op] = &[
     Op {
         name: "matmul_int4", doc: "x [m, k] @ W with W int4 (-8..7) in the nibble-plane packing (int8 w [k/2, n], see tessera.quant4) and f32 / bf16 group scales [k/g, n] (g a multiple of 32): dequantised in VMEM, f32 accumulation, x's dtype out; k % 64 == 0",
-        schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_int4,
-        reference: Some(|a, s| reference_of(Format::Int4)(a, s)),
-        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[kh, n]", kind: Kind::Int8 }, Input { name: "scale", dims: "[ks, n]", kind: Kind::Float }],
+        schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: |c| plan_4bit(c, Format::Int4, false),
+        reference: Some(|a, _| reference_of(Format::Int4, false, a)),
+        inputs: &[X, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::Float }],
         outputs: &[Output { name: "out", shape: "[x.0, w.1]", dtype: "x" }],
+        backward: Some(Backward { op: "matmul_int4_dx", args: "d_out, w, scale", grads: &["x"] }),
         cases: &[
             Case { name: "default", statics: "", shapes: &[&[256, 2048], &[1024, 1536], &[16, 1536]] },
             Case { name: "edges", statics: "", shapes: &[&[5, 192], &[96, 200], &[6, 200]] },
@@ -311,11 +330,24 @@ pub const OPS: &[Op] = &[
         random: Some(|s, d, _, r| random_inputs(Format::Int4, s, d, r)), ..Op::EMPTY
     },
     Op {
-        name: "matmul_mxfp4", doc: "x [m, k] @ W with W in OCP MXFP4 (E2M1 codes in the nibble-plane packing, int8 w [k/2, n], see tessera.quant4; E8M0 scale bytes [k/32, n] as int8 or uint8 bits): dequantised in VMEM, f32 accumulation, x's dtype out; k % 64 == 0",
-        schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: plan_mxfp4,
-        reference: Some(|a, s| reference_of(Format::Mxfp4)(a, s)),
-        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[kh, n]", kind: Kind::Int8 }, Input { name: "scale", dims: "[ks, n]", kind: Kind::Int8 }],
+        name: "matmul_int4_dx", doc: "matmul_int4's input gradient: dy [m, n] @ W^T, W dequantised in VMEM as the forward does, f32 accumulation over n (w and scale get no gradient)",
+        schema: "(Tensor dy, Tensor w, Tensor scale) -> Tensor", plan: |c| plan_4bit(c, Format::Int4, true),
+        reference: Some(|a, _| reference_of(Format::Int4, true, a)),
+        inputs: &[DY, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::Float }],
+        outputs: &[Output { name: "dx", shape: "[dy.0, w.0 * 2]", dtype: "dy" }],
+        cases: &[
+            Case { name: "default", statics: "", shapes: &[&[256, 1536], &[1024, 1536], &[16, 1536]] },
+            Case { name: "edges", statics: "", shapes: &[&[5, 200], &[96, 200], &[6, 200]] },
+        ],
+        random: Some(|s, d, _, r| random_inputs(Format::Int4, s, d, r)), ..Op::EMPTY
+    },
+    Op {
+        name: "matmul_mxfp4", doc: "x [m, k] @ W with W in OCP MXFP4 (E2M1 codes in the nibble-plane packing, int8 w [k/2, n], see tessera.quant4; E8M0 scale bytes [k/32, n] as int8 bits): dequantised in VMEM, f32 accumulation, x's dtype out; k % 64 == 0",
+        schema: "(Tensor x, Tensor w, Tensor scale) -> Tensor", plan: |c| plan_4bit(c, Format::Mxfp4, false),
+        reference: Some(|a, _| reference_of(Format::Mxfp4, false, a)),
+        inputs: &[X, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::Int8 }],
         outputs: &[Output { name: "out", shape: "[x.0, w.1]", dtype: "x" }],
+        backward: Some(Backward { op: "matmul_mxfp4_dx", args: "d_out, w, scale", grads: &["x"] }),
         cases: &[
             Case { name: "default", statics: "", shapes: &[&[256, 2048], &[1024, 1536], &[64, 1536]] },
             Case { name: "edges", statics: "", shapes: &[&[5, 192], &[96, 200], &[6, 200]] },
@@ -324,15 +356,40 @@ pub const OPS: &[Op] = &[
         random: Some(|s, d, _, r| random_inputs(Format::Mxfp4, s, d, r)), ..Op::EMPTY
     },
     Op {
-        name: "matmul_nvfp4", doc: "x [m, k] @ W with W in NVFP4 (E2M1 codes in the nibble-plane packing, int8 w [k/2, n], see tessera.quant4; float8_e4m3fn scales [k/16, n]; one float32 global_scale): dequantised in VMEM, f32 accumulation, x's dtype out; k % 64 == 0",
-        schema: "(Tensor x, Tensor w, Tensor scale, Tensor global_scale) -> Tensor", plan: plan_nvfp4,
-        reference: Some(|a, s| reference_of(Format::Nvfp4)(a, s)),
-        inputs: &[Input { name: "x", dims: "[m, k]", kind: Kind::Float }, Input { name: "w", dims: "[kh, n]", kind: Kind::Int8 }, Input { name: "scale", dims: "[ks, n]", kind: Kind::AnyFloat }, Input { name: "global_scale", dims: "[1]", kind: Kind::Float32 }],
+        name: "matmul_mxfp4_dx", doc: "matmul_mxfp4's input gradient: dy [m, n] @ W^T, W dequantised in VMEM as the forward does, f32 accumulation over n (w and scale get no gradient)",
+        schema: "(Tensor dy, Tensor w, Tensor scale) -> Tensor", plan: |c| plan_4bit(c, Format::Mxfp4, true),
+        reference: Some(|a, _| reference_of(Format::Mxfp4, true, a)),
+        inputs: &[DY, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::Int8 }],
+        outputs: &[Output { name: "dx", shape: "[dy.0, w.0 * 2]", dtype: "dy" }],
+        cases: &[
+            Case { name: "default", statics: "", shapes: &[&[256, 1536], &[1024, 1536], &[64, 1536]] },
+            Case { name: "edges", statics: "", shapes: &[&[5, 200], &[96, 200], &[6, 200]] },
+        ],
+        random: Some(|s, d, _, r| random_inputs(Format::Mxfp4, s, d, r)), ..Op::EMPTY
+    },
+    Op {
+        name: "matmul_nvfp4", doc: "x [m, k] @ W with W in NVFP4 (E2M1 codes in the nibble-plane packing, int8 w [k/2, n], see tessera.quant4; float8_e4m3fn scales [k/16, n]; one float32 global_scale [1]): dequantised in VMEM, f32 accumulation, x's dtype out; k % 64 == 0",
+        schema: "(Tensor x, Tensor w, Tensor scale, Tensor global_scale) -> Tensor", plan: |c| plan_4bit(c, Format::Nvfp4, false),
+        reference: Some(|a, _| reference_of(Format::Nvfp4, false, a)),
+        inputs: &[X, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::AnyFloat }, GLOBAL],
         outputs: &[Output { name: "out", shape: "[x.0, w.1]", dtype: "x" }],
+        backward: Some(Backward { op: "matmul_nvfp4_dx", args: "d_out, w, scale, global_scale", grads: &["x"] }),
         cases: &[
             Case { name: "default", statics: "", shapes: &[&[256, 2048], &[1024, 1536], &[128, 1536], &[1]] },
             Case { name: "edges", statics: "", shapes: &[&[5, 192], &[96, 200], &[12, 200], &[1]] },
             Case { name: "wide_k", statics: "", shapes: &[&[40, 2880], &[1440, 640], &[180, 640], &[1]] },
+        ],
+        random: Some(|s, d, _, r| random_inputs(Format::Nvfp4, s, d, r)), ..Op::EMPTY
+    },
+    Op {
+        name: "matmul_nvfp4_dx", doc: "matmul_nvfp4's input gradient: dy [m, n] @ W^T (global scale included), W dequantised in VMEM as the forward does, f32 accumulation over n (w and the scales get no gradient)",
+        schema: "(Tensor dy, Tensor w, Tensor scale, Tensor global_scale) -> Tensor", plan: |c| plan_4bit(c, Format::Nvfp4, true),
+        reference: Some(|a, _| reference_of(Format::Nvfp4, true, a)),
+        inputs: &[DY, W, Input { name: "scale", dims: "[ks, n]", kind: Kind::AnyFloat }, GLOBAL],
+        outputs: &[Output { name: "dx", shape: "[dy.0, w.0 * 2]", dtype: "dy" }],
+        cases: &[
+            Case { name: "default", statics: "", shapes: &[&[256, 1536], &[1024, 1536], &[128, 1536], &[1]] },
+            Case { name: "edges", statics: "", shapes: &[&[5, 200], &[96, 200], &[12, 200], &[1]] },
         ],
         random: Some(|s, d, _, r| random_inputs(Format::Nvfp4, s, d, r)), ..Op::EMPTY
     },

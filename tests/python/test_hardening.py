@@ -142,6 +142,9 @@ def contract(op, transpose_rhs=False):
         "matmul_int4": ["m k", "kh n", "ks n"],
         "matmul_mxfp4": ["m k", "kh n", "ks n"],
         "matmul_nvfp4": ["m k", "kh n", "ks n", "1"],
+        "matmul_int4_dx": ["m n", "kh n", "ks n"],
+        "matmul_mxfp4_dx": ["m n", "kh n", "ks n"],
+        "matmul_nvfp4_dx": ["m n", "kh n", "ks n", "1"],
         "int_mm": ["m k", "k n"],
         "quantized_matmul_dx": ["m n", "n k", "n"],
         "scaled_mm_blockwise": ["m k", "n k" if transpose_rhs else "k n", "m kb", "nb kb" if transpose_rhs else "kb nb"],
@@ -227,9 +230,9 @@ def keeps_contract(op, shapes, statics):
     if op == "scaled_mm_blockwise_wgrad":
         return g("m") % 128 == 0 and g("mb") == g("m") // 128
     # 4-bit weights: two codes per byte of w [k/2, n], 32-row nibble planes, a scale per group.
-    if op in ("matmul_int4", "matmul_mxfp4", "matmul_nvfp4"):
-        k, ks = g("k"), g("ks")
-        groups = {"matmul_mxfp4": ks * 32 == k, "matmul_nvfp4": ks * 16 == k}.get(op, ks > 0 and k % ks == 0 and (k // ks) % 32 == 0)
+    if op.startswith(("matmul_int4", "matmul_mxfp4", "matmul_nvfp4")):
+        k, ks, fmt = (g("kh") * 2 if op.endswith("_dx") else g("k")), g("ks"), op.removesuffix("_dx")
+        groups = {"matmul_mxfp4": ks * 32 == k, "matmul_nvfp4": ks * 16 == k}.get(fmt, ks > 0 and k % ks == 0 and (k // ks) % 32 == 0)
         return k % 64 == 0 and g("kh") * 2 == k and groups
     if op == "quantize_fp8_1x128":
         return g("k") % 128 == 0
@@ -408,17 +411,18 @@ def valid_call(op, gen, dt):
     elif op == "quantized_matmul":
         m, k, n = gen.dim(200), gen.dim(300), gen.dim(200)
         tensors = [r(m, k, dtype=dt), gen.randint(-127, 128, n, k, dtype=I8), (torch.rand(n, generator=gen.g) * 0.02 + 0.001)]
-    elif op in ("matmul_int4", "matmul_mxfp4", "matmul_nvfp4"):
+    elif op.startswith(("matmul_int4", "matmul_mxfp4", "matmul_nvfp4")):
+        fmt, dx = op.removesuffix("_dx"), op.endswith("_dx")
         m, n, k = gen.dim(40), gen.dim(200), 64 * gen.int(1, 5)
-        group = {"matmul_mxfp4": 32, "matmul_nvfp4": 16}.get(op) or gen.pick([g for g in (32, 64, 128) if k % g == 0])
+        group = {"matmul_mxfp4": 32, "matmul_nvfp4": 16}.get(fmt) or gen.pick([g for g in (32, 64, 128) if k % g == 0])
         w = gen.randint(-128, 128, k // 2, n, dtype=I8)
-        if op == "matmul_int4":
+        if fmt == "matmul_int4":
             scale = torch.rand(k // group, n, generator=gen.g) * 0.05 + 0.001
-        elif op == "matmul_mxfp4":
+        elif fmt == "matmul_mxfp4":
             scale = gen.randint(118, 131, k // group, n, dtype=I8)
         else:
             scale = (torch.rand(k // group, n, generator=gen.g) * 2 + 0.1).to(torch.float8_e4m3fn)
-        tensors = [r(m, k, dtype=dt), w, scale] + ([torch.rand(1, generator=gen.g) * 0.01 + 0.001] if op == "matmul_nvfp4" else [])
+        tensors = [r(m, n if dx else k, dtype=dt), w, scale] + ([torch.rand(1, generator=gen.g) * 0.01 + 0.001] if fmt == "matmul_nvfp4" else [])
     elif op == "int_mm":
         m, k, n = gen.dim(100), gen.dim(300), gen.dim(200)
         tensors = [gen.randint(-128, 128, m, k, dtype=I8), gen.randint(-128, 128, k, n, dtype=I8)]

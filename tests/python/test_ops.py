@@ -213,6 +213,18 @@ def ref_matmul_nvfp4(x, w, scale, global_scale):
     return x @ tessera.quant4.dequantize("nvfp4", w, scale, global_scale)
 
 
+def ref_matmul_int4_dx(dy, w, scale):
+    return dy @ tessera.quant4.dequantize("int4", w, scale).T
+
+
+def ref_matmul_mxfp4_dx(dy, w, scale):
+    return dy @ tessera.quant4.dequantize("mxfp4", w, scale).T
+
+
+def ref_matmul_nvfp4_dx(dy, w, scale, global_scale):
+    return dy @ tessera.quant4.dequantize("nvfp4", w, scale, global_scale).T
+
+
 def ref_int_mm(a, b):
     return (a.double() @ b.double()).to(torch.int64).to(torch.int32)
 
