@@ -48,6 +48,11 @@ pub enum Layout {
         group: usize,
         padded_tokens: usize,
     },
+    /// `[n, ...]` float rows with zero rows after them, to `rows` (an operand layout only:
+    /// a bf16 gather source of odd `n`, whose DMAs move row pairs).
+    PadRows {
+        rows: usize,
+    },
 }
 
 /// A value with its layout and the type its consumer sees.
@@ -239,7 +244,7 @@ pub fn execute_into(plan: &Plan, exec: &dyn Executor, inputs: &[Option<HostRef<'
                 .map(|a| {
                     Ok(match a.layout {
                         Layout::View => None,
-                        Layout::HeadMajor { .. } => Some(relayout(plan.op, &try_to_array(plan.op, "an operand", source(plan, a, &input, &host, &results)?)?, a)?),
+                        Layout::HeadMajor { .. } | Layout::PadRows { .. } => Some(relayout(plan.op, &try_to_array(plan.op, "an operand", source(plan, a, &input, &host, &results)?)?, a)?),
                     })
                 })
                 .collect::<Result<_, KernelError>>()?;
@@ -435,6 +440,16 @@ fn relayout(op: &str, array: &Array, to: &Operand) -> Result<Array, KernelError>
             shape: to.ty.shape.clone(),
             ..array.clone()
         }),
+        Layout::PadRows { rows } => {
+            let row: usize = array.shape.iter().skip(1).product();
+            let extra = rows.saturating_sub(array.shape.first().copied().unwrap_or(0)) * row;
+            let data = match &array.data {
+                Data::F32(v) => Data::F32(v.iter().copied().chain(std::iter::repeat_n(0.0, extra)).collect()),
+                Data::BF16(v) => Data::BF16(v.iter().copied().chain(std::iter::repeat_n(half::bf16::ZERO, extra)).collect()),
+                other => return Err(KernelError::new(op, "operand", "plan-consistency", format!("rows of {} padded", other.dtype()), "report this as a Tessera bug")),
+            };
+            Ok(Array::new(&to.ty.shape, data))
+        }
         Layout::HeadMajor {
             hkv,
             group,

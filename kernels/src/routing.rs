@@ -33,53 +33,39 @@
 //! lowest expert first); its weight is NaN (and, through the softmax sum or the
 //! renormalisation, the row's other weights too, as torch's).
 //!
-//! # Gather and scatter as one-hot matmuls — and what that costs
+//! # Gathers by DMA
 //!
-//! The IR has no DMA gather yet, so `permute` and `combine` use the dispatch/combine
-//! einsum formulation of GShard-style TPU MoE code: `permute` computes
-//! `out_tile = hit^T @ x_tile` accumulated over token tiles, `hit[t, r] = sum_j (pos[t, j]
-//! == r)` (k compares), and `combine`
-//! `out_tile = W_tile @ y_tile` with `W[t, i] = sum_j w[t, j] * (pos[t, j] == i)`, both on
-//! the MXU with f32 accumulation. A one-hot product is exact (one term is `1 * x`, the
-//! rest `0 * x`); `combine` rounds `W` to `y`'s dtype before the dot, like the einsum does.
+//! `permute`, `combine` and `permute_bwd` are row gathers ([`gather_rows_kernel`]): each
+//! output row is one row of the source (`permute`: `out[r] = x[src[r]]`, `src` the inverse
+//! of the routing, [`invert_positions_kernel`]) or the weighted sum of `k` rows (`combine`:
+//! `out[t] = sum_j w[t, j] * y[pos[t, j]]`; `permute_bwd` unweighted). Every (row, slot)
+//! is one DMA from the source in HBM into VMEM, with the indices read as scalars from SMEM:
+//! the work is `T * k` copies of a row and `T * k * D` multiply-adds, linear in tokens
+//! (the one-hot matmuls this replaces cost `2 * T * T*k * D` MXU flops: 17.6 TFLOP at
+//! T = 16384, k = 8, D = 4096). Values are copied bit for bit, so NaN and inf come out as
+//! torch's gather and weighted sum give them, with no special handling.
 //!
-//! **NaN and inf.** `0 * inf` and `0 * NaN` are NaN, so a nonfinite `x` (or `y`) value
-//! would reach every row of its tile. The kernels multiply finite stand-ins instead (0,
-//! or `y`'s sign in `combine`, so an inf weight still meets the right sign) and carry
-//! each nonfinite value's class through a second, bf16 product with the same one-hot
-//! (`combine`: with a code of each weight's sign, so each (weight, value) pair lands on
-//! its own power of a radix above `k`; exact in f32), then put back exactly what torch's
-//! gather / weighted sum gives: the same inf, `w * inf` with the weight's sign, NaN for a
-//! NaN, for `0 * inf` and for `inf - inf`. Nonfinite *weights* need nothing: they sit in
-//! their own token's row of `W`. The second product is one bf16 MXU pass (twice the
-//! flops of a bf16 call, +1/3 or less for f32) plus a few VPU selects per element; the
-//! radix code is exact while fewer than 64 slots of one token meet infs in one column.
-//!
-//! The price is **O(T * T*k * D)** flops (`2 * T * T*k * D`, twice that with the NaN
-//! product) and re-reading all of `x` (resp. `y`) once per row tile, where a gather moves
-//! `T*k*D` elements. That is fine for decode and small prefill batches (T = 512, k = 2,
-//! D = 4096: 4.3 GFLOP + 4.3 for the NaN product, ~44 us at v5e bf16 peak) and quadratic
-//! beyond (T = 8192, k = 8, D = 4096: 4.4 TFLOP, ~22 ms, twice that with the NaN product,
-//! where a gather moves 0.5 GB in under 1 ms). A DMA gather (row indices by scalar
-//! prefetch, one async copy per row; it would also copy NaN and inf as they are) is the
-//! scalable version and future work.
+//! A DMA moves whole packed rows: a bf16 vreg row holds two rows of the array, so a bf16
+//! row travels with its neighbour (`r & !1, r | 1`) and the kernel keeps the wanted half
+//! (a one-row f32 copy in VMEM after widening); an odd-rowed bf16 source is padded with a
+//! zero row by the plan (`Layout::PadRows`). So a bf16 gather moves twice its rows' bytes.
 //!
 //! # Ragged edges
 //!
 //! Grids are `ceil(n / block)` (Pallas partial edge blocks), so `T` need not be a
-//! multiple of any tile. Rows past the end of an input block hold garbage (NaN in the
-//! interpreter); since `0 * NaN = NaN`, the contraction operand's tail rows are zeroed
-//! with an iota mask before the dot. Output rows past the end are dropped.
+//! multiple of any tile. The last gather step issues copies only for its live rows;
+//! output rows past the end are dropped. An index outside the source (an expert id outside
+//! `0..E` routes to row -1) contributes nothing.
 
 use rand::rngs::StdRng;
 use rand::Rng;
 use tessera_dsl::interp::Array;
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
-use tessera_macros::{tpu_fn, tpu_kernel};
+use tessera_macros::tpu_kernel;
 
 use crate::harness;
 use crate::op::{Backward, Call, Case, Input, Kind, Op, Output, Statics, COMPOSITE};
-use crate::plan::{host, result, single, Launch, Operand, Plan};
+use crate::plan::{host, result, single, Launch, Layout, Operand, Plan, Source};
 
 /// The largest `k` `router_topk` supports (each round is a full pass over the row).
 pub const MAX_TOP_K: usize = 8;
@@ -89,11 +75,6 @@ pub const MAX_EXPERTS: usize = 1 << 16;
 /// Rows per `router_topk` block: 256 rows of up to 128 experts is 128 KiB of f32 per
 /// temporary, and `T = 512` still splits across two TensorCores.
 const ROUTER_ROWS: usize = 256;
-/// Row, token and D tiles of the one-hot matmuls: MXU-sized (a multiple of 128 and 256),
-/// double-buffered windows plus the accumulator about 5.5 MiB in f32, under every
-/// generation's default scoped VMEM.
-const ONEHOT_TILE: usize = 512;
-
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
 /// The gate applied to the router logits.
@@ -149,47 +130,153 @@ pub fn router_topk_kernel(logits: In<t, e>, weights: Out<t, k>, expert_ids: Out<
     expert_ids[..] = ids;
 }
 
+/// `out[i] = sum_j w[i, j] * src[idx[i, j]]` (with `weighted` false, `sum_j src[idx[i, j]]`:
+/// `permute`'s copy when `k = 1`), `idx [rows, k]`; an index outside `0..n` contributes
+/// nothing. Each grid step takes `tm` output rows: it copies its indices to SMEM, starts one
+/// DMA per (row, slot) from `src` in HBM into VMEM, waits for them all, and sums in f32.
+///
+/// A DMA moves whole packed rows: `pk` = 2 rows for bf16 (a bf16 vreg row holds two rows of
+/// the array), so the copy of row `r` is the pair `r & !1, r | 1` into slot rows `2s, 2s + 1`
+/// (the plan pads an odd-rowed bf16 `src` with a zero row, `Layout::PadRows`); slot `j`'s rows
+/// start at `j * sp`, `sp` the slot's rows rounded up to a 16-row tile. Each slot's
+/// pairs are widened to f32 in VMEM and row `2s + (r & 1)` is picked by a one-row VMEM copy
+/// (f32 rows move alone). Values are copied bit for bit and summed as torch's weighted sum:
+/// NaN and inf propagate as `w * y` does.
 #[tpu_kernel(
-    grid = [rows.div_ceil(tm), d.div_ceil(td), t.div_ceil(tt)],
-    semantics = [parallel, parallel, arbitrary],
-    pos = block([tt, k], |i, j, kk| [kk, 0]),
-    x = block([tt, td], |i, j, kk| [kk, j]),
-    out = block([tm, td], |i, j, kk| [i, j]),
-    acc = scratch([tm, td], f32),
+    grid = [rows.div_ceil(tm)],
+    semantics = [parallel],
+    idx = block([tm, k], |i| [i, 0]),
+    weights = block([if weighted { tm } else { 1 }, if weighted { k } else { 1 }], |i| [if weighted { i } else { 0 }, 0]),
+    out = block([tm, d], |i| [i, 0]),
+    buf = scratch([k * sp, d], src.dtype),
+    wide = scratch([pk * tm, d], f32),
+    picked = scratch([tm, d], f32),
+    idx_s = scratch_smem([tm, k], i32),
+    sem = semaphores(3),
 )]
-pub fn permute_kernel(pos: In<t, k>, x: In<t, d>, out: Out<rows, d>, acc: Scratch, tm: usize, td: usize, tt: usize) {
-    if program_id(2) == 0 {
-        acc[..] = zeros([tm, td], f32);
+#[rustfmt::skip]
+pub fn gather_rows_kernel(
+    idx: In<rows, k>, weights: In<_, _>, src: Any<n, d>, out: Out<rows, d>,
+    buf: Scratch, wide: Scratch, picked: Scratch, idx_s: Scratch, sem: Scratch,
+    tm: usize, pk: usize, sp: usize, weighted: bool,
+) {
+    dma_start(idx, idx_s, sem[1]);
+    dma_wait(idx, idx_s, sem[1]);
+    // Rows past `rows` in the last step have no indices.
+    let live = (rows - program_id(0) * tm).min(tm);
+    for i in 0..live {
+        for j in 0..k {
+            let first = (idx_s[(i, j)].max(0).min(n - 1) >> (pk - 1)) << (pk - 1);
+            dma_start(src[(ds(first, pk), ..)], buf[(ds(j * sp + i * pk, pk), ..)], sem[0]);
+        }
     }
-    let tok0 = program_id(2) * tt;
-    // hit[t, r] = 1 where one of token t's slots lands on row r of this tile: k compares
-    // against the positions (tokens down the sublanes), then out = hit^T @ x.
-    let row = iota([tt, tm], 1) + program_id(0) * tm;
-    let live = iota([tt, 1], 0) + tok0 < t;
-    let p = pos[..];
-    let slot = iota([tt, k], 1);
-    let mut hit = zeros([tt, tm], f32);
+    for i in 0..live {
+        for j in 0..k {
+            let first = (idx_s[(i, j)].max(0).min(n - 1) >> (pk - 1)) << (pk - 1);
+            dma_wait(src[(ds(first, pk), ..)], buf[(ds(j * sp + i * pk, pk), ..)], sem[0]);
+        }
+    }
+    let p = idx[..];
+    let slot = iota([tm, k], 1);
+    let mut acc = zeros([tm, d], f32);
     for j in 0..k {
-        // Rows past T in the last token tile hold garbage positions: they match nothing.
-        let pj = select(live, select(slot == j, p, 0).sum(1), -1);
-        hit = hit + select(row == pj, 1.0, 0.0);
+        let rows_j = if pk == 1 {
+            buf[(ds(j * sp, tm), ..)].cast(f32)
+        } else {
+            // The slot's pairs in f32, then each row's half of its pair by a one-row copy.
+            wide[..] = buf[(ds(j * sp, pk * tm), ..)].cast(f32);
+            for i in 0..live {
+                let half = idx_s[(i, j)].max(0).min(n - 1) & 1;
+                dma_start(wide[(ds(i * 2 + half, 1), ..)], picked[(ds(i, 1), ..)], sem[2]);
+            }
+            for i in 0..live {
+                let half = idx_s[(i, j)].max(0).min(n - 1) & 1;
+                dma_wait(wide[(ds(i * 2 + half, 1), ..)], picked[(ds(i, 1), ..)], sem[2]);
+            }
+            picked[..]
+        };
+        let r = select(slot == j, p, 0).sum(1);
+        let row = select((r >= 0) & (r < n), rows_j, 0.0);
+        let term = if weighted { select(slot == j, weights[..].cast(f32), 0.0).sum(1) * row } else { row };
+        // The first term as it is (a copy keeps -0.0), the others added.
+        acc = if j == 0 { term } else { acc + term };
     }
-    let mut xv = x[..].cast(f32);
-    if !t.is_multiple_of(tt) {
-        // The last token tile reaches past T: zero its garbage rows (0 * NaN = NaN).
-        xv = select(iota([tt, td], 0) + tok0 < t, xv, 0.0);
+    out[..] = acc.cast(out.dtype);
+}
+
+/// The inverse of the routing, `src[pos[t, j]] = t` (`src [rows, 1]`, the source token of
+/// each sorted row; -1 where no valid pair lands): the gather index of `permute`. One
+/// 4-byte DMA per (token, slot) from a VMEM column of token ids into HBM, after the first
+/// step has filled `src` with -1. The grid is `arbitrary`: the fill precedes every write.
+#[tpu_kernel(
+    grid = [t.div_ceil(bt)],
+    semantics = [arbitrary],
+    pos = block([bt, k], |i| [i, 0]),
+    tokens = scratch([bt, 1], i32),
+    fill = scratch([fr, 1], i32),
+    pos_s = scratch_smem([bt, k], i32),
+    sem = semaphores(2),
+)]
+#[rustfmt::skip]
+pub fn invert_positions_kernel(pos: In<t, k>, src: AnyOut<rows, 1>, tokens: Scratch, fill: Scratch, pos_s: Scratch, sem: Scratch, bt: usize, fr: usize) {
+    if program_id(0) == 0 {
+        // Whole `fr`-row copies, then the rest in a multiple of 8 rows and at most 8 more
+        // (the DMA row granularity).
+        fill[..] = full([fr, 1], i32, -1);
+        let whole = rows / fr * fr;
+        let eights = rows % fr / 8 * 8;
+        let last = rows % fr % 8;
+        if fr == rows {
+            dma_start(fill, src, sem[0]);
+        } else {
+            for c in 0..rows / fr {
+                dma_start(fill, src[(ds(c * fr, fr), ..)], sem[0]);
+            }
+        }
+        if eights > 0 {
+            dma_start(fill[(0..eights, ..)], src[(whole..whole + eights, ..)], sem[0]);
+        }
+        if last > 0 {
+            dma_start(fill[(0..last, ..)], src[(rows - last..rows, ..)], sem[0]);
+        }
+        if fr == rows {
+            dma_wait(fill, src, sem[0]);
+        } else {
+            for c in 0..rows / fr {
+                dma_wait(fill, src[(ds(c * fr, fr), ..)], sem[0]);
+            }
+        }
+        if eights > 0 {
+            dma_wait(fill[(0..eights, ..)], src[(whole..whole + eights, ..)], sem[0]);
+        }
+        if last > 0 {
+            dma_wait(fill[(0..last, ..)], src[(rows - last..rows, ..)], sem[0]);
+        }
     }
-    // A nonfinite x would reach every row through `0 * inf`: gather it zeroed, and its
-    // class (+inf 1, -inf -1, NaN 2) by a second one-hot product (exact: one term).
-    let (finite_x, class) = nonfinite_split(xv);
-    acc[..] += dot_tn(hit.cast(x.dtype), finite_x.cast(x.dtype));
-    let gathered = dot_tn(hit.cast(bf16), class);
-    let fix = select(gathered > 1.5, f32::NAN, select(gathered > 0.0, f32::INFINITY, f32::NEG_INFINITY));
-    acc[..] = select(gathered == 0.0, acc[..], fix);
-    if program_id(2) == num_programs(2) - 1 {
-        out[..] = acc[..].cast(out.dtype);
+    dma_start(pos, pos_s, sem[1]);
+    dma_wait(pos, pos_s, sem[1]);
+    tokens[..] = iota([bt, 1], 0) + program_id(0) * bt;
+    let live = (t - program_id(0) * bt).min(bt);
+    for i in 0..live {
+        for j in 0..k {
+            let r = pos_s[(i, j)];
+            if (r >= 0) & (r < rows) {
+                dma_start(tokens[(ds(i, 1), ..)], src[(ds(r, 1), ..)], sem[0]);
+            }
+        }
+    }
+    for i in 0..live {
+        for j in 0..k {
+            let r = pos_s[(i, j)];
+            if (r >= 0) & (r < rows) {
+                dma_wait(tokens[(ds(i, 1), ..)], src[(ds(r, 1), ..)], sem[0]);
+            }
+        }
     }
 }
+
+/// Rows of `-1` [`invert_positions_kernel`] writes per fill DMA (all of `src` when fewer).
+const FILL: usize = 1024;
 
 /// The routing of `expert_ids` (`[t, k]`) computed on the device, so no call reads the ids
 /// back: `pos [t, k]`, each (token, slot) pair's row in the stable expert-sorted order (the
@@ -253,80 +340,6 @@ pub fn routing_metadata_kernel(expert_ids: In<t, k>, pos: Out<t, k>, group_sizes
     }
 }
 
-/// `(x with nonfinite values zeroed, their class: +inf 1, -inf -1, NaN 2, else 0)`, the
-/// class in bf16 (exact) for a one-hot product.
-#[tpu_fn]
-fn nonfinite_split(x: Value) -> (Value, Value) {
-    let finite = (x - x) == 0.0;
-    let class = select(finite, 0.0, select(x > 0.0, 1.0, select(x < 0.0, -1.0, 2.0)));
-    (select(finite, x, 0.0), class.cast(bf16))
-}
-
-#[tpu_kernel(
-    grid = [t.div_ceil(tm), d.div_ceil(td), rows.div_ceil(ti)],
-    semantics = [parallel, parallel, arbitrary],
-    (weights, pos) = block([tm, k], |i, j, kk| [i, 0]),
-    y = block([ti, td], |i, j, kk| [kk, j]),
-    out = block([tm, td], |i, j, kk| [i, j]),
-    acc = scratch([tm, td], f32),
-)]
-pub fn combine_kernel(weights: In<t, k>, pos: In<t, k>, y: In<rows, d>, out: Out<t, d>, acc: Scratch, tm: usize, td: usize, ti: usize) {
-    if program_id(2) == 0 {
-        acc[..] = zeros([tm, td], f32);
-    }
-    let row0 = program_id(2) * ti;
-    let row = iota([tm, ti], 1) + row0;
-    let w = weights[..].cast(f32);
-    let p = pos[..];
-    let slot = iota([tm, k], 1);
-    let r = combine_radix(k);
-    // W[t, i] = sum_j w[t, j] * (pos[t, j] == row0 + i): k compares, no gather. A[t, i]
-    // codes the sign of that weight for the nonfinite-y product below: 1 (w > 0), r^2
-    // (w < 0), r^4 (w 0 or NaN: any inf it meets makes NaN).
-    let mut wt = zeros([tm, ti], f32);
-    let mut at = zeros([tm, ti], f32);
-    for j in 0..k {
-        let pj = select(slot == j, p, 0).sum(1);
-        let wj = select(slot == j, w, 0.0).sum(1);
-        let aj = select(wj > 0.0, 1.0, select(wj < 0.0, r * r, r * r * r * r));
-        let used = row == pj;
-        wt = wt + select(used, wj.broadcast_to([tm, ti]), 0.0);
-        at = at + select(used, aj.broadcast_to([tm, ti]), 0.0);
-    }
-    let mut yv = y[..].cast(f32);
-    if !rows.is_multiple_of(ti) {
-        // The last row tile reaches past T*k: zero its garbage rows (0 * NaN = NaN).
-        yv = select(iota([ti, td], 0) + row0 < rows, yv, 0.0);
-    }
-    // A nonfinite y would reach every token through `0 * inf`. The weighted product takes
-    // it as its sign (±1; NaN as 0), so an inf weight still meets the right sign, and a
-    // second product gathers its class (+inf 1, -inf r, NaN r^4) times the weight's code:
-    // each (weight, y) pair lands on its own power of r (+inf terms on r^0 and r^3, -inf on
-    // r and r^2, NaN at r^4 and above), exact in f32 below r^4 <= 2^24.
-    let finite = (yv - yv) == 0.0;
-    let y_sign = select(yv > 0.0, 1.0, select(yv < 0.0, -1.0, 0.0));
-    let y_class = select(finite, 0.0, select(yv > 0.0, 1.0, select(yv < 0.0, r, r * r * r * r)));
-    acc[..] += dot(wt.cast(y.dtype), select(finite, yv, y_sign).cast(y.dtype));
-    let code = dot(at.cast(bf16), y_class.cast(bf16));
-    let nan_term = code >= r * r * r * r;
-    let digits = select(nan_term, 0.0, code).cast(i32);
-    let ri = r as i32;
-    let plus = (digits & (((ri - 1) * ri * ri * ri) | (ri - 1))) != 0;
-    let minus = (digits & (((ri - 1) * ri * ri) | ((ri - 1) * ri))) != 0;
-    let fix = select(nan_term | (plus & minus), f32::NAN, select(plus, f32::INFINITY, f32::NEG_INFINITY));
-    // IEEE addition keeps an inf that a nonfinite weight put in `acc` (inf + -inf = NaN).
-    acc[..] = select(code == 0.0, acc[..], acc[..] + fix);
-    if program_id(2) == num_programs(2) - 1 {
-        out[..] = acc[..].cast(out.dtype);
-    }
-}
-
-/// The radix of `combine_kernel`'s nonfinite code: a power of two above `k` (a digit
-/// counts the slots of one kind), at most 64 so that four digits stay exact in f32.
-fn combine_radix(k: usize) -> f32 {
-    (k + 1).next_power_of_two().clamp(2, 64) as f32
-}
-
 // ---- block rules and builders -------------------------------------------------------------
 
 /// A tile of at most `max` (a multiple of every tiling) over `n`: all of `n` when it fits,
@@ -374,18 +387,43 @@ pub fn router_topk(logits: &Type, k: usize, gate: Gate, normalize: bool, _target
     router_topk_kernel(logits.clone(), Type::vector(logits.dtype, &[t, k]), Type::vector(DType::I32, &[t, k]), tile(t, ROUTER_ROWS), gate == Gate::Sigmoid, normalize)
 }
 
-/// `permute` (same blocks on every generation): `x [T, D]` into `T*k` sorted rows by the
-/// positions `[T, k]` int32 ([`routing_metadata`]). Tiles of up to [`ONEHOT_TILE`] rows,
-/// tokens and columns.
-pub fn permute_for(x: &Type, k: usize, _target: &Target) -> Result<Kernel, KernelError> {
-    let (t, d) = rank2("permute", "x", x)?;
-    float_operand("permute", "x", x)?;
-    if k == 0 {
-        return Err(KernelError::new("permute", "input `expert_ids`", "operand-shape", "k = 0 slots per token", "pass [T, k] expert ids with k >= 1"));
+/// Rows a DMA of [`gather_rows_kernel`] moves: 2 for bf16 (packed row pairs), 1 for f32.
+fn packed_rows(dtype: DType) -> usize {
+    32 / dtype.bits()
+}
+
+/// Output rows per step of [`gather_rows_kernel`]: its slot buffer `[k * pk * tm, d]` and f32
+/// staging within a quarter of the target's default scoped VMEM, a multiple of 16 from 16 to 256 (all the
+/// rows when fewer).
+fn gather_tile(rows: usize, k: usize, d: usize, dtype: DType, target: &Target) -> usize {
+    let pk = packed_rows(dtype);
+    let per_row = k * pk * target.padded_bytes(dtype, &[1, d]) + (pk + 1) * target.padded_bytes(DType::F32, &[1, d]);
+    let tm = (target.default_scoped_vmem_bytes / 4 / per_row / 16 * 16).clamp(16, 256);
+    if rows <= tm { rows } else { tm }
+}
+
+/// [`gather_rows_kernel`] for indices `idx [rows, k]` into `src [n, d]` (f32 or bf16; a bf16
+/// `src` has an even `n`: the plan pads it), weighted by `weights [rows, k]` when given.
+pub fn gather_rows(op: &str, idx: &Type, weights: Option<&Type>, src: &Type, target: &Target) -> Result<Kernel, KernelError> {
+    let (rows, k) = rank2(op, "idx", idx)?;
+    let (n, d) = rank2(op, "src", src)?;
+    float_operand(op, "src", src)?;
+    let pk = packed_rows(src.dtype);
+    if n % pk != 0 {
+        return Err(KernelError::new(op, "plan", "plan-consistency", format!("a bf16 gather source of {n} rows (odd)"), "report this as a Tessera bug (the plan pads it)"));
     }
+    let unit = Type::vector(DType::F32, &[1, 1]);
+    let tm = gather_tile(rows, k, d, src.dtype, target);
+    // Each slot's rows start at a multiple of 16 (a bf16 tile), so dynamic slot offsets load aligned.
+    let sp = (pk * tm).next_multiple_of(16);
+    let kernel = gather_rows_kernel(idx.clone(), weights.unwrap_or(&unit).clone(), src.clone(), Type::vector(src.dtype, &[rows, d]), tm, pk, sp, weights.is_some())?;
+    Ok(crate::blocks::fit_vmem_limit(kernel, target))
+}
+
+/// [`invert_positions_kernel`] for positions `[t, k]`: `src [t * k, 1]` int32.
+pub fn invert_positions(t: usize, k: usize) -> Result<Kernel, KernelError> {
     let pos = Type::vector(DType::I32, &[t, k]);
-    let rows = t * k;
-    permute_kernel(pos, x.clone(), Type::vector(x.dtype, &[rows, d]), tile(rows, ONEHOT_TILE), tile(d, ONEHOT_TILE), tile(t, ONEHOT_TILE))
+    invert_positions_kernel(pos, Type::vector(DType::I32, &[t * k, 1]), t.min(ROUTER_ROWS), (t * k).min(FILL))
 }
 
 /// Token rows per block of [`routing_metadata_kernel`]: each `[bt, e]` i32 temporary near
@@ -403,17 +441,6 @@ pub fn routing_metadata(ids: &Type, experts: usize, target: &Target) -> Result<K
     int_operand("routing_metadata", "expert_ids", ids)?;
     let kernel = routing_metadata_kernel(ids.clone(), ids.clone(), Type::vector(DType::I32, &[1, experts]), routing_block(t, experts))?;
     Ok(crate::blocks::fit_vmem_limit(kernel, target))
-}
-
-/// `combine` (same blocks on every generation): weights `[T, k]`, positions `[T, k]` int32, `y [T*k, D]`;
-/// the output has `y`'s dtype. Tiles of up to [`ONEHOT_TILE`].
-pub fn combine_for(weights: &Type, pos: &Type, y: &Type, _target: &Target) -> Result<Kernel, KernelError> {
-    let (t, _) = rank2("combine", "weights", weights)?;
-    let (rows, d) = rank2("combine", "y", y)?;
-    float_operand("combine", "weights", weights)?;
-    float_operand("combine", "y", y)?;
-    int_operand("combine", "pos", pos)?;
-    combine_kernel(weights.clone(), pos.clone(), y.clone(), Type::vector(y.dtype, &[t, d]), tile(t, ONEHOT_TILE), tile(d, ONEHOT_TILE), tile(rows, ONEHOT_TILE))
 }
 
 // ---- host side ----------------------------------------------------------------------------
@@ -542,43 +569,56 @@ fn ids_check(c: &Call, plan: Plan) -> Result<Plan, KernelError> {
     Ok(plan.with_check(&[c.index("expert_ids")?], Box::new(move |v| checked_ids(op, v[0], experts).map(|_| ()))))
 }
 
+/// Tensor input `name` as the source of a gather: as it is, or for an odd-rowed bf16
+/// tensor padded with a zero row (a DMA moves bf16 rows in pairs).
+fn gather_source(c: &Call, name: &str) -> Result<Operand, KernelError> {
+    let t = c.tensor(name)?.clone();
+    let (n, d) = (t.shape[0], t.shape[1]);
+    if n % packed_rows(t.dtype) == 0 {
+        return c.input(name, t);
+    }
+    let padded = n.next_multiple_of(packed_rows(t.dtype));
+    Ok(Operand { source: Source::Input(c.index(name)?), layout: Layout::PadRows { rows: padded }, ty: Type::vector(t.dtype, &[padded, d]) })
+}
+
+/// The gather launch of a routing plan: rows of `src` (a tensor input) at `idx` (an operand),
+/// weighted by `weights` or summed (a unit weight: host array 0, `[1, 1]`).
+fn gather_launch(c: &Call, idx: Operand, weights: Option<Operand>, src: &str) -> Result<Launch, KernelError> {
+    let src = gather_source(c, src)?;
+    let kernel = gather_rows(c.op, &idx.ty, weights.as_ref().map(|w| &w.ty), &src.ty, c.target)?;
+    let weights = weights.unwrap_or_else(|| host(0, Type::vector(DType::F32, &[1, 1])));
+    Ok(Launch::new(kernel, vec![idx, weights, src]))
+}
+
+fn unit_weight() -> Vec<Array> {
+    vec![Array::from_f32(&[1, 1], vec![1.0])]
+}
+
+/// Routing, its inverse (`src`: the token of each sorted row), and the gather of `x`'s rows.
 fn plan_permute(c: &Call) -> Result<Plan, KernelError> {
-    let x = c.tensor("x")?.clone();
     let (t, k) = expert_ids(c)?;
     let experts = num_experts(c)?;
-    let route = routing_launch(c)?;
-    let launch = Launch::new(permute_for(&x, k, c.target)?, vec![result(0, 0, Type::vector(DType::I32, &[t, k])), c.input("x", x)?]);
-    let results = vec![result(1, 0, launch.outputs[0].clone()), result(0, 1, Type::vector(DType::I32, &[experts]))];
-    ids_check(c, Plan::new(c.op, c.target, vec![route, launch], results))
+    let invert = Launch::new(invert_positions(t, k)?, vec![result(0, 0, Type::vector(DType::I32, &[t, k]))]);
+    let gather = gather_launch(c, result(1, 0, Type::vector(DType::I32, &[t * k, 1])), None, "x")?;
+    let results = vec![result(2, 0, gather.outputs[0].clone()), result(0, 1, Type::vector(DType::I32, &[experts]))];
+    ids_check(c, Plan::new(c.op, c.target, vec![routing_launch(c)?, invert, gather], results).with_host(unit_weight()))
 }
 
-/// A combine launch of `y` rows (tensor `y_name`, `[t*k, d]` by the op's contract)
-/// weighted by `weights` (an operand), positions from the routing launch.
-fn combine_launch(c: &Call, y_name: &str, weights: Operand, t: usize, k: usize) -> Result<Launch, KernelError> {
-    let y = c.tensor(y_name)?.clone();
-    let pos = Type::vector(DType::I32, &[t, k]);
-    let kernel = combine_for(&weights.ty, &pos, &y, c.target)?;
-    Ok(Launch::new(kernel, vec![weights, result(0, 0, pos), c.input(y_name, y)?]))
-}
-
+/// Routing and the weighted gather of each token's `k` rows of `y`.
 fn plan_combine(c: &Call) -> Result<Plan, KernelError> {
     let weights = c.tensor("weights")?.clone();
     let (t, k) = expert_ids(c)?;
-    let launches = vec![routing_launch(c)?, combine_launch(c, "y", c.input("weights", weights)?, t, k)?];
-    let results = vec![result(1, 0, launches[1].outputs[0].clone())];
-    ids_check(c, Plan::new(c.op, c.target, launches, results))
+    let gather = gather_launch(c, result(0, 0, Type::vector(DType::I32, &[t, k])), Some(c.input("weights", weights)?), "y")?;
+    let results = vec![result(1, 0, gather.outputs[0].clone())];
+    ids_check(c, Plan::new(c.op, c.target, vec![routing_launch(c)?, gather], results))
 }
 
-/// Each token's rows summed back: combine with unit weights (host array 0, built from the
-/// types alone).
+/// Each token's `k` rows of `dout` summed back: the gather unweighted.
 fn plan_permute_bwd(c: &Call) -> Result<Plan, KernelError> {
     let (t, k) = expert_ids(c)?;
-    let dtype = c.tensor("dout")?.dtype;
-    let ones = Type::vector(dtype, &[t, k]);
-    let launches = vec![routing_launch(c)?, combine_launch(c, "dout", host(0, ones), t, k)?];
-    let results = vec![result(1, 0, launches[1].outputs[0].clone())];
-    let plan = Plan::new(c.op, c.target, launches, results).with_host(vec![Array::from_f32_in(dtype, &[t, k], vec![1.0; t * k])]);
-    ids_check(c, plan)
+    let gather = gather_launch(c, result(0, 0, Type::vector(DType::I32, &[t, k])), None, "dout")?;
+    let results = vec![result(1, 0, gather.outputs[0].clone())];
+    ids_check(c, Plan::new(c.op, c.target, vec![routing_launch(c)?, gather], results).with_host(unit_weight()))
 }
 
 /// Random valid routing for [`random_expert_ids`] shapes: `x`, then the ids.
@@ -637,7 +677,7 @@ pub const OPS: &[Op] = &[
         cases: &[Case { name: "default", statics: "", shapes: &[&[512, 8]] }, Case { name: "alt", statics: "k=4", shapes: &[&[1000, 60]] }, Case { name: "sigmoid", statics: "gate=\"sigmoid\"", shapes: &[&[512, 8]] }], ..Op::EMPTY
     },
     Op {
-        name: "permute", doc: "MoE dispatch: (x rows in expert-sorted order [t*k, d] (stable by expert), int32 group_sizes [num_experts]); one-hot matmul gather, O(t * t*k * d)", schema: "(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor)", plan: plan_permute, reference: Some(ref_permute),
+        name: "permute", doc: "MoE dispatch: (x rows in expert-sorted order [t*k, d] (stable by expert), int32 group_sizes [num_experts]); a row gather by DMA (one copy per row), O(t*k*d)", schema: "(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor)", plan: plan_permute, reference: Some(ref_permute),
         inputs: &[Input { name: "x", dims: "[t, d]", kind: Kind::Float }, IDS], outputs: &[Output { name: "xs", shape: "[expert_ids.0 * expert_ids.1, x.1]", dtype: "x" }, Output { name: "group_sizes", shape: "[num_experts]", dtype: "i32" }],
         backward: Some(Backward { op: "permute_bwd", args: "d_xs, expert_ids, num_experts", grads: &["x"] }),
         cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[512, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[1000, 384], &[1000, 4]] }], random: Some(permute_inputs), ..Op::EMPTY
@@ -648,7 +688,7 @@ pub const OPS: &[Op] = &[
         cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4]] }], random: Some(permute_bwd_inputs), ..Op::EMPTY
     },
     Op {
-        name: "combine", doc: "MoE combine: out[t] = sum_j weights[t, j] * y[row of (t, j)] from expert-sorted rows; weighted one-hot matmul, O(t * t*k * d)", schema: "(Tensor y, Tensor weights, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_combine, reference: Some(ref_combine),
+        name: "combine", doc: "MoE combine: out[t] = sum_j weights[t, j] * y[row of (t, j)] from expert-sorted rows; a weighted gather of each token's k rows by DMA, O(t*k*d)", schema: "(Tensor y, Tensor weights, Tensor expert_ids, int num_experts) -> Tensor", plan: plan_combine, reference: Some(ref_combine),
         inputs: &[Input { name: "y", dims: "[t*k, d]", kind: Kind::Float }, Input { name: "weights", dims: "[t, k]", kind: Kind::Float }, IDS], outputs: &[Output { name: "out", shape: "[expert_ids.0, y.1]", dtype: "y" }],
         backward: Some(Backward { op: COMPOSITE, args: "", grads: &["y", "weights"] }),
         cases: &[Case { name: "default", statics: "num_experts=7", shapes: &[&[1024, 512], &[512, 2], &[512, 2]] }, Case { name: "alt", statics: "num_experts=11", shapes: &[&[4000, 384], &[1000, 4], &[1000, 4]] }], random: Some(combine_inputs), ..Op::EMPTY

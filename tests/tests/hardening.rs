@@ -1238,6 +1238,11 @@ fn contract(op: &str, transpose_rhs: bool) -> &'static [&'static str] {
         "cross_entropy_bwd" => &["t v", "t", "t 1?", "t"],
         "quantized_matmul" => &["m k", "n k", "n"],
         "quantized_matmul_dx" => &["m n", "n k", "n"],
+        "matmul_int4" | "matmul_mxfp4" => &["m k", "kh n", "ks n"],
+        "matmul_nvfp4" => &["m k", "kh n", "ks n", "1"],
+        "matmul_int4_dx" | "matmul_mxfp4_dx" => &["m n", "kh n", "ks n"],
+        "matmul_nvfp4_dx" => &["m n", "kh n", "ks n", "1"],
+        "int_mm" => &["m k", "k n"],
         "scaled_mm_blockwise" if transpose_rhs => &["m k", "n k", "m kb", "nb kb"],
         "scaled_mm_blockwise" => &["m k", "k n", "m kb", "kb nb"],
         "scaled_mm_blockwise_wgrad" => &["m k", "m n", "mb k", "mb n"],
@@ -1335,6 +1340,17 @@ fn keeps_contract(op: &str, statics: &Statics, shapes: &[Vec<usize>]) -> bool {
         "scaled_mm_blockwise_wgrad" => get("m") % 128 == 0 && get("mb") == get("m") / 128,
         "quantize_fp8_1x128" => get("k") % 128 == 0,
         "quantize_fp8_128x1" => get("m") % 128 == 0,
+        // 4-bit weights: two codes per byte of w [k/2, n] in 32-row nibble planes, a scale per group.
+        "matmul_int4" | "matmul_mxfp4" | "matmul_nvfp4" | "matmul_int4_dx" | "matmul_mxfp4_dx" | "matmul_nvfp4_dx" => {
+            let k = if op.ends_with("_dx") { get("kh") * 2 } else { get("k") };
+            let ks = get("ks");
+            let groups = match op.trim_end_matches("_dx") {
+                "matmul_mxfp4" => ks * 32 == k,
+                "matmul_nvfp4" => ks * 16 == k,
+                _ => ks > 0 && k % ks == 0 && (k / ks) % 32 == 0,
+            };
+            k % 64 == 0 && get("kh") * 2 == k && groups
+        }
         _ => true,
     }
 }
@@ -1459,6 +1475,27 @@ fn valid_call(op: &str, rng: &mut StdRng) -> (Vec<Vec<usize>>, String) {
         "quantized_matmul_dx" => {
             let (m, k, n) = (dim(rng, 200), dim(rng, 300), dim(rng, 200));
             vec![vec![m, n], vec![n, k], vec![n]]
+        }
+        "matmul_int4" | "matmul_mxfp4" | "matmul_nvfp4" | "matmul_int4_dx" | "matmul_mxfp4_dx" | "matmul_nvfp4_dx" => {
+            let (m, n, k) = (dim(rng, 40), dim(rng, 200), 64 * rng.gen_range(1..=5));
+            let g = match op.trim_end_matches("_dx") {
+                "matmul_mxfp4" => 32,
+                "matmul_nvfp4" => 16,
+                _ => {
+                    let choices: Vec<usize> = [32, 64, 128].into_iter().filter(|g| k % g == 0).collect();
+                    choices[rng.gen_range(0..choices.len())]
+                }
+            };
+            let first = if op.ends_with("_dx") { vec![m, n] } else { vec![m, k] };
+            let mut shapes = vec![first, vec![k / 2, n], vec![k / g, n]];
+            if op.starts_with("matmul_nvfp4") {
+                shapes.push(vec![1]);
+            }
+            shapes
+        }
+        "int_mm" => {
+            let (m, k, n) = (dim(rng, 100), dim(rng, 300), dim(rng, 200));
+            vec![vec![m, k], vec![k, n]]
         }
         "scaled_mm_blockwise" => {
             let (m, k, n) = (dim(rng, 200), 128 * rng.gen_range(1..=3), dim(rng, 300));

@@ -247,7 +247,10 @@ fn routing_kernels_verify_on_every_generation() {
             let x = tessera_dsl::Type::vector(dtype, &[1000, 640]);
             let k = routing::router_topk(&tessera_dsl::Type::vector(dtype, &[1000, 60]), 8, Gate::Sigmoid, true, &target).unwrap();
             tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
-            let k = routing::permute_for(&x, 4, &target).unwrap();
+            // permute: the routing's inverse, then a gather of x's rows (k = 1 index per row).
+            let k = routing::invert_positions(1000, 4).unwrap();
+            tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
+            let k = routing::gather_rows("permute", &tessera_dsl::Type::vector(DType::I32, &[4000, 1]), None, &x, &target).unwrap();
             tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
             for (t, k, e) in [(1000, 4, 64), (16384, 8, 128), (37, 1, 3), (4096, 2, 300)] {
                 let m = routing::routing_metadata(&tessera_dsl::Type::vector(DType::I32, &[t, k]), e, &target).unwrap();
@@ -255,7 +258,7 @@ fn routing_kernels_verify_on_every_generation() {
             }
             let w = tessera_dsl::Type::vector(dtype, &[1000, 4]);
             let p = tessera_dsl::Type::vector(DType::I32, &[1000, 4]);
-            let k = routing::combine_for(&w, &p, &tessera_dsl::Type::vector(dtype, &[4000, 640]), &target).unwrap();
+            let k = routing::gather_rows("combine", &p, Some(&w), &tessera_dsl::Type::vector(dtype, &[4000, 640]), &target).unwrap();
             tessera_dsl::verify::verify(&k, &target).unwrap_or_else(|e| panic!("{target}: {e}"));
         }
     }
@@ -275,15 +278,18 @@ fn libtpu_compiles_router_variants_and_ragged_tiles() {
                 let kernel = routing::router_topk(&Type::vector(dtype, &[t, e]), k, gate, normalize, &target).unwrap();
                 modules.push((format!("router_{t}x{e}_k{k}_{gate:?}_{normalize}_{dtype}"), kernel));
             }
-            // D = 640 and T = 37 / 600: partial D tiles and token tiles.
-            modules.push((format!("permute_37x640_k1_{dtype}"), routing::permute_for(&Type::vector(dtype, &[37, 640]), 1, &target).unwrap()));
+            // T = 37 (one partial tile; x padded to 38 rows as the plan pads an odd bf16 source)
+            // and 600 x k 8 (several tiles, a ragged last one).
+            modules.push((format!("invert_37x1_{dtype}"), routing::invert_positions(37, 1).unwrap()));
+            modules.push((format!("invert_600x8_{dtype}"), routing::invert_positions(600, 8).unwrap()));
+            modules.push((format!("permute_37x640_k1_{dtype}"), routing::gather_rows("permute", &Type::vector(DType::I32, &[37, 1]), None, &Type::vector(dtype, &[38, 640]), &target).unwrap()));
             if dtype == DTYPES[0] {
                 for (t, k, e) in [(37, 1, 3), (16384, 8, 128), (4096, 2, 300)] {
                     modules.push((format!("routing_metadata_{t}x{k}_e{e}"), routing::routing_metadata(&Type::vector(DType::I32, &[t, k]), e, &target).unwrap()));
                 }
             }
             let (w, p) = (Type::vector(dtype, &[600, 8]), Type::vector(DType::I32, &[600, 8]));
-            modules.push((format!("combine_600x640_k8_{dtype}"), routing::combine_for(&w, &p, &Type::vector(dtype, &[4800, 640]), &target).unwrap()));
+            modules.push((format!("combine_600x640_k8_{dtype}"), routing::gather_rows("combine", &p, Some(&w), &Type::vector(dtype, &[4800, 640]), &target).unwrap()));
         }
         let modules: Vec<(String, String)> = modules.into_iter().map(|(n, k)| (n, tessera_codegen::lower(&k, &target).unwrap().stablehlo)).collect();
         tessera_tests::oracle::assert_accepted(&modules, target.name);
@@ -291,8 +297,7 @@ fn libtpu_compiles_router_variants_and_ragged_tiles() {
 }
 
 /// A NaN or inf in x (permute), dout (permute_bwd) or y / weights (combine) reaches only
-/// the rows torch's gather / weighted sum gives it (`0 * inf` in the one-hot products must
-/// not spread it): NaN exactly where the reference is NaN, the same infinities. Two token
+/// the rows torch's gather / weighted sum gives it: NaN exactly where the reference is NaN, the same infinities. Two token
 /// tiles (T = 600 > 512), negative and zero weights, and a token whose two slots meet +inf
 /// and -inf in one column (NaN).
 #[test]

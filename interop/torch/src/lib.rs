@@ -501,6 +501,8 @@ fn host_tensor<'py>(py: Python<'py>, a: &Array, device: &Bound<'py, PyAny>) -> P
 #[pyclass(frozen, name = "Plan")]
 struct PyPlan(Arc<Plan>);
 
+/// A layout for `_tpu._layout`: none (a view), `(hkv, group, padded_tokens)` (head-major),
+/// or `(0, 0, rows)` (rows zero-padded to `rows`).
 fn layout_tuple(l: Layout) -> Option<(usize, usize, usize)> {
     match l {
         Layout::View => None,
@@ -509,6 +511,7 @@ fn layout_tuple(l: Layout) -> Option<(usize, usize, usize)> {
             group,
             padded_tokens,
         } => Some((hkv, group, padded_tokens)),
+        Layout::PadRows { rows } => Some((0, 0, rows)),
     }
 }
 

@@ -140,6 +140,8 @@ def _layout(t, layout, shape):
     if layout is None:
         return t.reshape(shape)
     hkv, group, padded = layout
+    if hkv == 0:  # rows zero-padded to `padded` (a bf16 gather source)
+        return torch.nn.functional.pad(t, (0, 0, 0, padded - t.shape[0]))
     if len(shape) == 4:  # [T, Hkv*G, D] -> [Hkv, G, Tp, D]
         tokens, _, d = t.shape
         x = t.reshape(tokens, hkv, group, d).permute(1, 2, 0, 3)

@@ -84,6 +84,15 @@ RULES = {
     "matmul_bwd": [Rule("m", partial=["dy"]), Rule("n", partial=["dx"]), Rule("k")],
     "quantized_matmul": [Rule("m"), Rule("n"), Rule("k", partial=["out"])],
     "quantized_matmul_dx": [Rule("m"), Rule("k"), Rule("n", partial=["dx"])],
+    # 4-bit weights: rows, or columns (w and its scales by n); not K, whose shards would
+    # have to fall on the 64-row nibble-plane chunks of w (divisibility is all a rule states).
+    "matmul_int4": [Rule("m"), Rule("n")],
+    "matmul_mxfp4": [Rule("m"), Rule("n")],
+    "matmul_nvfp4": [Rule("m"), Rule("n")],
+    "matmul_int4_dx": [Rule("m"), Rule("n", partial=["dx"])],
+    "matmul_mxfp4_dx": [Rule("m"), Rule("n", partial=["dx"])],
+    "matmul_nvfp4_dx": [Rule("m"), Rule("n", partial=["dx"])],
+    "int_mm": [Rule("m"), Rule("n"), Rule("k", partial=["out"])],
     # Row ops: over tokens (any leading dim), never the normalised / softmax dim.
     "softmax": [ROWS],
     "softmax_bwd": [ROWS],
