@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import zlib
+
 import pytest
 
 # Only looked up, not imported: TorchTPU must not load into the test process (it would
@@ -41,11 +43,28 @@ def test_every_op_registers_through_torch_tpu_without_jax(report):
     print(f"\n{len(report['covered'])} op calls through the tpu path, {len(report['modules'])} distinct modules registered")
 
 
+def sampled(paths):
+    """Each kernel's first module and a stable third of the others (by file name): the Rust
+    tier (tests/tests/tpu_compiler.rs) compiles every library kernel for v6e already, and the
+    test command's budget is 30 minutes. `TESSERA_LIBTPU_SAMPLE=1` compiles them all."""
+    if os.environ.get("TESSERA_LIBTPU_SAMPLE") == "1":
+        return list(paths)
+    seen, out = set(), []
+    for p in sorted(paths):
+        base = os.path.basename(p)
+        kernel = base.split(".")[0]
+        if kernel not in seen or zlib.crc32(base.encode()) % 3 == 0:
+            seen.add(kernel)
+            out.append(p)
+    return out
+
+
 def test_modules_compile_for_v6e(report):
     compiler = os.path.join(ROOT, "interop", "python", "tpu_compile.py")
-    proc = subprocess.run([sys.executable, compiler, "--target", "v6e", *report["modules"]], capture_output=True, text=True, timeout=1800)
+    modules = sampled(report["modules"])
+    proc = subprocess.run([sys.executable, compiler, "--target", "v6e", *modules], capture_output=True, text=True, timeout=1800)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     rejected = [(os.path.basename(r["file"]), r["error"]) for r in results if not r["ok"]]
-    assert len(results) == len(report["modules"]), proc.stderr[-4000:]
+    assert len(results) == len(modules), proc.stderr[-4000:]
     assert not rejected, rejected
-    print(f"\nlibtpu v6e accepted all {len(results)} modules ({sum(r['seconds'] for r in results):.1f} s of compiles)")
+    print(f"\nlibtpu v6e accepted all {len(results)} sampled modules of {len(report['modules'])} ({sum(r['seconds'] for r in results):.1f} s of compiles)")

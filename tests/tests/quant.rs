@@ -76,7 +76,7 @@ fn nonfinite_scales_match_dequantize_first() {
 /// dequantise, multiply), on the interpreter and the JIT, f32 and bf16, at v5e's and v6e's
 /// blocks: five shape sets each, among them a single row (decode), K not a multiple of 128,
 /// N not a multiple of 128, several K steps, and group sizes 32 to 128 for int4; and the
-/// input gradients (`*_dx`) at six more.
+/// input gradients (`*_dx`) at five sets each.
 #[test]
 fn four_bit_and_int8_matmuls_match_reference() {
     use tessera_codegen::cpu::Backend;
@@ -103,13 +103,22 @@ fn four_bit_and_int8_matmuls_match_reference() {
         [&[64, 1024], &[512, 512], &[64, 512], &[1]],
     ];
     // The input gradients: dy [m, n], the same w and scales (n blocks divide n).
-    let dx: [(&str, [&[usize]; 4]); 6] = [
+    let dx: [(&str, [&[usize]; 4]); 15] = [
         ("matmul_int4_dx", [&[1, 1536], &[1024, 1536], &[16, 1536], &[]]),
         ("matmul_int4_dx", [&[40, 200], &[1440, 200], &[45, 200], &[]]),
+        ("matmul_int4_dx", [&[7, 136], &[96, 136], &[6, 136], &[]]),
+        ("matmul_int4_dx", [&[130, 256], &[2048, 256], &[64, 256], &[]]),
+        ("matmul_int4_dx", [&[64, 1024], &[512, 1024], &[8, 1024], &[]]),
+        ("matmul_mxfp4_dx", [&[1, 1536], &[1024, 1536], &[64, 1536], &[]]),
+        ("matmul_mxfp4_dx", [&[40, 200], &[1440, 200], &[90, 200], &[]]),
         ("matmul_mxfp4_dx", [&[7, 136], &[96, 136], &[6, 136], &[]]),
         ("matmul_mxfp4_dx", [&[130, 256], &[2048, 256], &[128, 256], &[]]),
-        ("matmul_nvfp4_dx", [&[64, 512], &[512, 512], &[64, 512], &[1]]),
+        ("matmul_mxfp4_dx", [&[64, 1024], &[512, 1024], &[32, 1024], &[]]),
+        ("matmul_nvfp4_dx", [&[1, 1536], &[1024, 1536], &[128, 1536], &[1]]),
         ("matmul_nvfp4_dx", [&[40, 200], &[1440, 200], &[180, 200], &[1]]),
+        ("matmul_nvfp4_dx", [&[7, 136], &[96, 136], &[12, 136], &[1]]),
+        ("matmul_nvfp4_dx", [&[130, 256], &[2048, 256], &[256, 256], &[1]]),
+        ("matmul_nvfp4_dx", [&[64, 1024], &[512, 1024], &[64, 1024], &[1]]),
     ];
     let int_mm: [[&[usize]; 2]; 5] = [[&[1, 2048], &[2048, 640]], [&[40, 200], &[200, 72]], [&[256, 4096], &[4096, 512]], [&[33, 2880], &[2880, 136]], [&[512, 128], &[128, 128]]];
     let mut sets: Vec<(&str, Vec<Vec<usize>>)> = Vec::new();
