@@ -21,11 +21,12 @@ use crate::{f64s, harness};
     x = block([if transpose_lhs { bk } else { bm }, if transpose_lhs { bm } else { bk }], |i, j, kk| [if transpose_lhs { kk } else { i }, if transpose_lhs { i } else { kk }]),
     y = block([if transpose_rhs { bn } else { bk }, if transpose_rhs { bk } else { bn }], |i, j, kk| [if transpose_rhs { j } else { kk }, if transpose_rhs { kk } else { j }]),
     out = block([bm, bn], |i, j, kk| [i, j]),
-    acc = scratch([bm, bn], f32),
+    // The dot's accumulator: f32 for floats, i32 for int8 (`int_mm`).
+    acc = scratch([bm, bn], if x.dtype.is_int() { ::tessera_dsl::DType::I32 } else { ::tessera_dsl::DType::F32 }),
 )]
 pub fn matmul_kernel(x: In<_, _>, y: In<_, _>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize, k: usize, transpose_lhs: bool, transpose_rhs: bool) {
     if program_id(2) == 0 {
-        acc[..] = zeros([bm, bn], f32);
+        acc[..] = zeros([bm, bn], acc.dtype);
     }
     if transpose_lhs {
         acc[..] += dot_tn(x[..], y[..]);

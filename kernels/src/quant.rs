@@ -196,28 +196,12 @@ pub fn reference(x: &[f64], w: &[f64], scale: &[f64], m: usize, k: usize, n: usi
     out
 }
 
-/// `torch._int_mm`: int8 `a [m, k] @ b [k, n]` with exact int32 accumulation (wrapping
-/// past 2^31, as torch's). The MXU multiplies int8 natively on v5e, v5p and v6e; tpu7x has
-/// no int8 mode (libtpu still compiles it, and the verifier warns `matmul-emulated`).
-#[tpu_kernel(
-    grid = [m / bm, n / bn, k / bk],
-    semantics = [parallel, parallel, arbitrary],
-    a = block([bm, bk], |i, j, kk| [i, kk]),
-    b = block([bk, bn], |i, j, kk| [kk, j]),
-    out = block([bm, bn], |i, j, kk| [i, j]),
-    acc = scratch([bm, bn], i32),
-)]
-pub fn int_mm_kernel(a: In<m, k>, b: In<k, n>, out: Out<m, n>, acc: Scratch, bm: usize, bn: usize, bk: usize) {
-    if program_id(2) == 0 {
-        acc[..] = zeros([bm, bn], i32);
-    }
-    acc[..] += dot(a[..], b[..]);
-    if program_id(2) == num_programs(2) - 1 {
-        out[..] = acc[..];
-    }
-}
-
-/// Blocks of [`int_mm_kernel`]: `bm` up to 512 rows (int8 tiles are 32 rows), `bn` up to
+/// `torch._int_mm` (int8 `a [m, k] @ b [k, n]`, exact int32 accumulation, wrapping past
+/// 2^31 as torch's) is [`crate::matmul::matmul_kernel`] with int8 operands, whose accumulator
+/// is then i32. The MXU multiplies int8 natively on v5e, v5p and v6e; tpu7x has no int8
+/// mode (libtpu still compiles it, and the verifier warns `matmul-emulated`).
+///
+/// Its blocks: `bm` up to 512 rows (int8 tiles are 32 rows), `bn` up to
 /// 512 and `bk` up to 2048 lanes, MXU-aligned divisors, halved (bk, bn, bm) to fit 3/4 of
 /// the default scoped VMEM.
 pub fn int_mm_blocks(m: usize, k: usize, n: usize, target: &Target) -> (usize, usize, usize) {
@@ -234,7 +218,7 @@ fn plan_int_mm(c: &Call) -> Result<Plan, KernelError> {
     let (a, b) = (c.tensor("a")?.clone(), c.tensor("b")?.clone());
     let (m, k, n) = (a.shape[0], a.shape[1], b.shape[1]);
     let (bm, bk, bn) = int_mm_blocks(m, k, n, c.target);
-    let kernel = int_mm_kernel(a.clone(), b.clone(), Type::vector(DType::I32, &[m, n]), bm, bn, bk)?;
+    let kernel = crate::matmul::matmul_kernel(a.clone(), b.clone(), Type::vector(DType::I32, &[m, n]), bm, bn, bk, k, false, false)?;
     Ok(single(c, kernel, vec![c.input("a", a)?, c.input("b", b)?], &[]))
 }
 
