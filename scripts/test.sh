@@ -22,26 +22,42 @@ export CARGO_TERM_COLOR=never
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
-step "python venv: jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.52, torch 2.15.0, torch-tpu 0.2.0"
-bash scripts/setup-venv.sh
-
+# apt first (LLVM, then the venv's python3-venv if missing: never two apt-gets at once).
 step "LLVM 22 for the LLVM CPU backend (llvm-22-dev)"
 export LLVM_SYS_221_PREFIX="$(bash scripts/setup-llvm.sh)"
+
+# The venv is ~3 minutes of downloads and unpacking, the build ~6 of compiling: side by side.
+step "python venv (in the background while cargo builds): jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.52, torch 2.15.0, torch-tpu 0.2.0"
+VENV_LOG="$(mktemp)"
+bash scripts/setup-venv.sh >"$VENV_LOG" 2>&1 &
+VENV_PID=$!
+
+# The Python extension crates are built by maturin below, not linked into test binaries.
+# `llvm` adds the LLVM backend to the CLI and its instantiation of the conformance suite
+# (tests/tests/conformance.rs runs on interp, jit and llvm).
+CARGO_TEST=(cargo test --workspace --release --exclude tessera-torch --exclude tessera-example
+            --features tessera-tests/llvm,tessera-cli/llvm)
+step "cargo build of the workspace's tests (with the LLVM backend)"
+"${CARGO_TEST[@]}" --no-run 2>&1
+
+step "waiting for the python venv"
+if ! wait "$VENV_PID"; then
+    cat "$VENV_LOG"
+    echo "setup-venv.sh failed" >&2
+    exit 1
+fi
+cat "$VENV_LOG"
 
 step "cargo test (workspace, with the LLVM backend)"
 export TESSERA_TPU_ORACLE=1          # enables the tests that call the real TPU compiler
 export TESSERA_TORCH=1               # enables the comparisons with PyTorch
 export TESSERA_PYTHON="$PWD/.venv/bin/python"
-# The Python extension crates are built by maturin below, not linked into test binaries.
-# `llvm` adds the LLVM backend to the CLI and its instantiation of the conformance suite
-# (tests/tests/conformance.rs runs on interp, jit and llvm).
-cargo test --workspace --release --exclude tessera-torch --exclude tessera-example \
-    --features tessera-tests/llvm,tessera-cli/llvm 2>&1
+"${CARGO_TEST[@]}" 2>&1
 
 step "the torch example's Rust tests (its kernel and op without the Python module: no libpython to link)"
 cargo test --release -p tessera-example --no-default-features --features tessera/llvm,cli 2>&1
 
-# Sampled: the conformance suite runs every library case in both dtypes on every backend
+# Sampled: the conformance suite runs every library case in both dtypes on the JIT (LLVM all of bf16, a stable third of f32)
 # against the interpreter, op_table every op in both against its reference, and the
 # module tests (attention, gmm, routing, ...) their cases against theirs.
 step "tessera run on the JIT, sampled (every library case runs in the conformance suite)"
@@ -80,5 +96,7 @@ PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pip install --disable-pip-versi
     --no-deps --no-index --ignore-installed target/wheels/*.whl
 PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" scripts/wheel_smoke.py
 
-step "pytest tests/python (the PyTorch face, against the installed wheels)"
-PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pytest -q tests/python
+# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests hold one
+# core (torch on one thread), and files keep their order-dependent checks together.
+step "pytest tests/python (the PyTorch face, against the installed wheels; two workers)"
+PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pytest -q -n 2 --dist loadfile tests/python

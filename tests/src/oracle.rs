@@ -108,7 +108,13 @@ pub fn libtpu_version() -> String {
 /// `TESSERA_LIBTPU_SAMPLE` (default `default_every`; `1` is every item), chosen by a hash of
 /// the name, so a rerun judges the same items and a new item is in or out for good.
 pub fn sampled(name: &str, default_every: u64) -> bool {
-    fnv1a(name.as_bytes(), 0xcbf2_9ce4_8422_2325) % sample_every(default_every) == 0
+    in_stable_sample(name, sample_every(default_every))
+}
+
+/// Whether `name` is in the stable one-in-`every` sample (a hash of the name: the same
+/// items on every run).
+pub fn in_stable_sample(name: &str, every: u64) -> bool {
+    fnv1a(name.as_bytes(), 0xcbf2_9ce4_8422_2325) % every.max(1) == 0
 }
 
 /// The sampling period of [`sampled`]: `TESSERA_LIBTPU_SAMPLE`, else `default_every`.

@@ -759,6 +759,17 @@ fn programs_are_cached_by_structure() {
     assert!(s.hits >= 1 && s.misses >= 3 && s.entries >= 3, "{s:?}");
 }
 
+/// Big random graphs (7 x 150 x 300..1000) on one backend; one test per backend, so the
+/// harness runs them side by side.
+fn big_graphs_on(backend: Backend) {
+    if !backend.available() {
+        return;
+    }
+    for seed in 0..12u64 {
+        check_graph_sized(seed, backend, true).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 #[test]
 fn random_graphs_over_several_blocks_with_a_partial_last_one() {
     let mut multi_block = 0;
@@ -767,11 +778,19 @@ fn random_graphs_over_several_blocks_with_a_partial_last_one() {
         if let Ok(p) = Program::build(&r.graph, &r.live, &Target::V5E) {
             multi_block += p.launches.iter().filter(|l| l.kernel.grid[0].extent > 1).count();
         }
-        for b in backends() {
-            check_graph_sized(seed, b, true).unwrap_or_else(|e| panic!("{e}"));
-        }
     }
     assert!(multi_block > 0, "the big shapes must take more than one block");
+    big_graphs_on(Backend::Interp);
+}
+
+#[test]
+fn big_random_graphs_on_the_jit() {
+    big_graphs_on(Backend::Jit);
+}
+
+#[test]
+fn big_random_graphs_on_llvm() {
+    big_graphs_on(Backend::Llvm);
 }
 
 /// Seeds that failed once, kept.
