@@ -7,7 +7,7 @@
 #   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x
 #      (bf16 all, f32 a stable third; TESSERA_LIBTPU_SAMPLE=1 compiles every f32 kernel too),
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair half and a
-#      stable third of the probes judged by libtpu again, about 1 min cold, the rest against
+#      stable sixth of the probes judged by libtpu again, about 1 min cold, the rest against
 #      the recorded verdicts; TESSERA_LIBTPU_SAMPLE=1 judges all of them, about 2 min; verdicts
 #      cached under target/tpu-verdicts/ by module text and libtpu version),
 #   3. the PyTorch face: builds the `tessera` wheel (abi3, maturin) and the user-kernel

@@ -8,7 +8,7 @@
 //! false rejects are the known ones below, each explained).
 //!
 //! With `TESSERA_TPU_ORACLE=1` (the libtpu tier of `scripts/test.sh`): libtpu judges every
-//! pair half and a stable third of the probes again (`TESSERA_LIBTPU_SAMPLE=1` for all of
+//! pair half and a stable sixth of the probes again (`TESSERA_LIBTPU_SAMPLE=1` for all of
 //! them, about 2 min cold; cached by module text and libtpu version under
 //! `target/tpu-verdicts/`), and the test fails loudly if any verdict moved from the recorded
 //! one, e.g. after a libtpu upgrade: re-record with `probes -- bless` and fix the rules.
@@ -111,8 +111,10 @@ fn libtpu_still_judges_the_evidence_and_the_probes_as_recorded() {
     let rec = recorded();
     let probes = probes::all();
     let halves = rulebook::halves();
-    // Every evidence half; of the probes, a stable sample (one in three by default).
-    let mut items: Vec<Item> = probes.iter().filter(|p| oracle::sampled(&p.name, 3)).map(|p| Item { name: &p.name, target: p.target, kernel: &p.kernel }).collect();
+    // Every evidence half; of the probes, a stable sample (one in six by default: libtpu is
+    // pinned, so a probe whose text did not change keeps its verdict; the sample watches for
+    // emission changes).
+    let mut items: Vec<Item> = probes.iter().filter(|p| oracle::sampled(&p.name, 6)).map(|p| Item { name: &p.name, target: p.target, kernel: &p.kernel }).collect();
     items.extend(halves.iter().map(|h| Item { name: &h.name, target: h.target, kernel: &h.kernel }));
     let now = agreement::compile(&items);
     let mut moved = Vec::new();
@@ -133,7 +135,7 @@ fn libtpu_still_judges_the_evidence_and_the_probes_as_recorded() {
         items.len(),
         started.elapsed().as_secs_f64(),
         halves.len(),
-        oracle::sample_every(3),
+        oracle::sample_every(6),
         probes.len()
     );
     assert!(moved.is_empty(), "libtpu moved {} edges (re-record with `probes -- bless`, then fix the rules):\n{}", moved.len(), moved.join("\n"));
