@@ -802,6 +802,98 @@ def test_a_kernel_the_verifier_refuses_falls_back_and_says_why():
     assert "vmem-budget" in s["fallbacks"][0] and "tpu7x" in s["fallbacks"][0], s["fallbacks"]
 
 
+@pytest.fixture
+def mapped_library_ops(monkeypatch):
+    """The list of `map_library_ops` results, one per graph the tessera backend compiles."""
+    from tessera import _compile
+
+    mapped = []
+    real = _compile.map_library_ops
+    monkeypatch.setattr(_compile, "map_library_ops", lambda gm: mapped.append(real(gm)) or mapped[-1])
+    return mapped
+
+
+def _grouped_mlp(x, w1, w2t, offs):
+    """Two grouped matmuls as an MoE expert MLP: the second weight stored `[g, n, k]` and read
+    transposed, as transformers' experts hold it."""
+    h = torch._grouped_mm(x, w1, offs).relu()
+    return torch._grouped_mm(h, w2t.transpose(-2, -1), offs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offs", [[10, 30, 30, 64], [0, 20, 41, 50], [64]], ids=["empty-group", "tail-rows", "one-group"])
+def test_torch_compile_maps_grouped_mm_to_gmm_and_tgmm(fresh_dynamo, mapped_library_ops, dtype, offs):
+    """torch._grouped_mm (the MoE experts' primitive) under torch.compile(backend="tessera") runs
+    tpu.gmm forward, and tpu.gmm (dx) and tpu.tgmm (dw) backward; outputs and gradients equal
+    eager's on the rows torch defines (rows past offs[-1] are unspecified in torch: the weight
+    gradients must still exclude them)."""
+    g = len(offs)
+    gen = torch.Generator().manual_seed(len(offs) + offs[-1])
+    x = torch.randn(64, 32, generator=gen).to(dtype).requires_grad_(True)
+    w1 = (torch.randn(g, 32, 48, generator=gen) * 0.2).to(dtype).requires_grad_(True)
+    w2t = (torch.randn(g, 40, 48, generator=gen) * 0.2).to(dtype).requires_grad_(True)
+    o = torch.tensor(offs, dtype=torch.int32)
+    end = offs[-1]
+
+    def run(fn):
+        for t in (x, w1, w2t):
+            t.grad = None
+        y = fn(x, w1, w2t, o)
+        # Linear in y over every row: the rows past offs[-1] get a gradient too (torch's
+        # values there are unspecified, its gradient is not), and the weight gradients must
+        # leave them out.
+        (y.float() * torch.linspace(-1, 1, 40)).sum().backward()
+        return y.detach()[:end], x.grad[:end].clone(), w1.grad.clone(), w2t.grad.clone()
+
+    want = run(_grouped_mlp)
+    got = run(torch.compile(_grouped_mlp, backend="tessera"))
+    assert mapped_library_ops == [2, 4], f"2 grouped matmuls forward, 2 x (gmm + tgmm) backward: {mapped_library_ops}"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("y", "dx", "dw1", "dw2t"), got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
+
+
+def test_torch_compile_leaves_other_grouped_mm_forms_to_aten(fresh_dynamo, mapped_library_ops):
+    """A batched (3-d x 3-d, no offsets) grouped matmul is not the MoE pattern: it stays aten."""
+    a, b = torch.randn(4, 16, 32), torch.randn(4, 32, 16)
+    f = lambda a, b: torch._grouped_mm(a, b).relu()  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, backend="tessera")(a, b), f(a, b))
+    assert mapped_library_ops == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_moe_under_torch_compile_runs_the_library_grouped_matmuls(fresh_dynamo, mapped_library_ops, dtype):
+    """A tiny transformers Mixtral with `experts_implementation="grouped_mm"` (bfloat16 calls
+    torch._grouped_mm, float32 transformers' own fallback op under torch.compile) under
+    torch.compile(backend="tessera"): logits, loss and gradients equal eager's, and every expert
+    matmul, forward and backward, is the library's gmm / tgmm."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="grouped_mm", dtype=dtype)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach().float(), {k: p.grad.float().clone() for k, p in model.named_parameters()}
+
+    want_logits, want_grads = step(model)
+    logits, grads = step(torch.compile(model, backend="tessera"))
+    layers = config.num_hidden_layers
+    # Forward: two expert matmuls a layer. Backward: bfloat16's aten op gives a gmm and a tgmm
+    # each, float32's fallback one backward op (both of them) each.
+    assert sum(mapped_library_ops) == 2 * layers + 2 * layers * (2 if dtype == torch.bfloat16 else 1), mapped_library_ops
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    scale = want_logits.abs().max()
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=tol * scale)
+    for k, g in want_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=0, atol=tol * max(g.abs().max(), 1e-6), msg=k)
+
+
 def test_torch_compile_maps_sdpa_to_flash_attention(fresh_dynamo, monkeypatch):
     """F.scaled_dot_product_attention under torch.compile(backend="tessera") runs Tessera's flash
     attention forward and backward (causal or not, a given scale, GQA); a masked SDPA stays aten."""

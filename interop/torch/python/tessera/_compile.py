@@ -9,6 +9,20 @@ traces) becomes `tpu.flash_attention_fwd` / `tpu.flash_attention_bwd`. Both are 
 logsumexp-saving flash attention, so the forward's saved `lse` is what the backward reads.
 A masked or dropout SDPA, or one on another dtype or rank, stays aten.
 
+The MoE pattern: `torch._grouped_mm` (aten `_grouped_mm`, what transformers' `grouped_mm`
+experts and torchtitan call; cumulative int32 `offs` per expert) becomes the library's grouped
+matmuls, forward and backward: `x [m, k] @ w [g, k, n]` is `tpu.gmm` (a `w` that is the
+transposed view of a `[g, n, k]` weight is read in place with `transpose_rhs`, as the
+backward's `grad @ w^T` is), and the weight gradient's `a [k, m] @ b [m, n] -> [g, k, n]` is
+`tpu.tgmm` of `a^T` (in place: `a` is the activations' transposed view).
+The group sizes are the offsets' differences, computed on the device (no value read). Rows at
+or past `offs[-1]`, which torch's grouped matmul leaves unspecified, join the last group in
+`gmm`; `tgmm` gives them a group of their own and drops it, so the weight gradient is torch's
+exactly. A bias, an `out_dtype`, other ranks or dtypes stay aten. transformers' own fallback
+(`transformers::grouped_mm_fallback` and its backward, what its `grouped_mm` experts call under
+`torch.compile` in float32) maps the same way, with the rows past `offs[-1]` zero as it gives
+them.
+
 Each call of a compiled graph is one recording: the graph's outputs (and the activations
 AOTAutograd saves for backward) are the live results at the flush when the call returns;
 intermediates are never written. New shapes (and `dynamic=True`) need nothing special: the
@@ -27,6 +41,7 @@ from tessera import fusion
 _aten = torch.ops.aten
 _SDPA = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _SDPA_BWD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_GROUPED_MM = getattr(getattr(_aten, "_grouped_mm", None), "default", None)
 
 
 def _tensor_meta(node):
@@ -49,17 +64,103 @@ def _flash_args(node, q, k, v, dropout, causal):
     return bool(causal), None if scale is None else float(scale)
 
 
+def _group_sizes(offs, rows, tail_group):
+    """torch's cumulative `offs` as int32 group sizes, on the device. Rows past `offs[-1]` join
+    the last group, or with `tail_group` are one more group (`rows - offs[-1]` of them)."""
+    offs = offs.to(torch.int32)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    if tail_group:
+        return torch.cat([offs - starts, rows - offs[-1:]])
+    return torch.cat([(offs - starts)[:-1], rows - starts[-1:]])
+
+
+def _gmm_of_grouped_mm(x, w, offs, transpose_rhs=False):
+    """`torch._grouped_mm(x [m, k], w [g, k, n], offs)` as `tpu.gmm`. A `w` that is the transposed
+    view of a `[g, n, k]` weight (transformers' layout; the backward's `grad @ w^T`) is read in
+    place with `transpose_rhs`."""
+    if not transpose_rhs and not w.is_contiguous() and w.mT.is_contiguous():
+        w, transpose_rhs = w.mT, True
+    return torch.ops.tpu.gmm(x, w, _group_sizes(offs, x.shape[0], False), transpose_rhs)
+
+
+def _tgmm_of_grouped_mm(a, grad, offs):
+    """`torch._grouped_mm(a [k, m], grad [m, n], offs) -> [g, k, n]` as `tpu.tgmm` of `a^T` (the
+    backward's `a` is the transposed view of the activations, so `a^T` is them in place); the
+    rows past `offs[-1]` are an extra group, dropped."""
+    return torch.ops.tpu.tgmm(a.t(), grad, _group_sizes(offs, a.shape[1], True))[:-1]
+
+
+def _rows_before(out, end):
+    """`out` with its rows at or past `end` (a one-element device tensor) zeroed."""
+    rows = torch.arange(out.shape[0], device=out.device, dtype=torch.int32).unsqueeze(-1)
+    return torch.where(rows < end.to(torch.int32), out, out.new_zeros(()))
+
+
+def _hf_grouped_mm(x, w, offs):
+    """transformers' `grouped_mm_fallback(x [m, k], w [g, k, n], offs)`: rows past `offs[-1]` zero."""
+    return _rows_before(_gmm_of_grouped_mm(x, w, offs, False), offs[-1:])
+
+
+def _hf_grouped_mm_backward(x, w, offs, grad):
+    """transformers' `grouped_mm_fallback_backward`: `(grad @ w[g]^T, x[rows_g]^T @ grad[rows_g])`."""
+    dx = _rows_before(_gmm_of_grouped_mm(grad, w, offs, True), offs[-1:])
+    return dx, _tgmm_of_grouped_mm(x.t(), grad, offs)
+
+
+def _hf_fallback_call(node):
+    """The library call for transformers' grouped-matmul fallback ops, or None."""
+    name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
+    if name not in ("transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward"):
+        return None
+    metas = [_tensor_meta(a) for a in node.args]
+    if len(metas) < 3 or any(m is None for m in metas):
+        return None
+    x, w, offs = metas[:3]
+    if x.dtype not in (torch.float32, torch.bfloat16) or any(m.dtype != x.dtype for m in metas[1:] if m is not offs):
+        return None
+    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
+        return None
+    return (_hf_grouped_mm if len(node.args) == 3 else _hf_grouped_mm_backward), tuple(node.args)
+
+
+def _grouped_mm_call(node):
+    """`(function, args)` computing this `_grouped_mm` node with the library, or None (see the
+    module docs for what stays aten)."""
+    a, b = node.args[0], node.args[1]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    out_dtype = node.args[4] if len(node.args) > 4 else node.kwargs.get("out_dtype")
+    ma, mb, mo, out = _tensor_meta(a), _tensor_meta(b), _tensor_meta(offs), _tensor_meta(node)
+    if offs is None or bias is not None or any(m is None for m in (ma, mb, mo, out)):
+        return None
+    if ma.dtype not in (torch.float32, torch.bfloat16) or mb.dtype != ma.dtype or out.dtype != ma.dtype:
+        return None
+    if out_dtype is not None and out_dtype != ma.dtype:
+        return None
+    if mo.dim() != 1 or mo.dtype not in (torch.int32, torch.int64) or mo.shape[0] == 0:
+        return None
+    if ma.dim() == 2 and mb.dim() == 3 and mb.shape[0] == mo.shape[0]:
+        return _gmm_of_grouped_mm, (a, b, offs)
+    if ma.dim() == 2 and mb.dim() == 2 and out.dim() == 3:
+        return _tgmm_of_grouped_mm, (a, b, offs)
+    return None
+
+
 def map_library_ops(gm: torch.fx.GraphModule) -> int:
     """Rewrites the library patterns of an aten graph in place (see the module docs); returns
     how many nodes became library ops."""
-    if _SDPA is None:
-        return 0
     tpu = torch.ops.tpu
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is _SDPA.default:
+        if node.target is _GROUPED_MM or isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "transformers":
+            call = _grouped_mm_call(node) if node.target is _GROUPED_MM else _hf_fallback_call(node)
+            if call is None:
+                continue
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(*call)
+        elif _SDPA is not None and node.target is _SDPA.default:
             q, k, v, dropout, causal = (list(node.args) + [0.0, False])[:5]
             args = _flash_args(node, q, k, v, dropout, causal)
             if args is None:
