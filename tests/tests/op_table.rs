@@ -169,7 +169,8 @@ fn shipped_tuning_table_sets_the_defaults_it_holds() {
 }
 
 /// matmul's default blocks follow the target's ridge (v6e, where HBM binds at 512 x 1024
-/// output tiles, takes 2048-row tiles once the problem has rows for two steps; the other
+/// output tiles, takes 2048-row tiles with bk 1024 once the problem has rows for two steps,
+/// raising the kernel's VMEM limit past the default scoped 32 MiB; the other
 /// generations keep (512, 1024, 1024)); given blocks win; partial m / n blocks compute the
 /// right product and a k block that does not divide k is refused.
 #[test]
@@ -182,13 +183,16 @@ fn matmul_blocks_follow_the_ridge_and_the_statics() {
         (block("@0 x:"), block("@1 y:"))
     };
     let s = |a: &str, b: &str| (a.to_string(), b.to_string());
-    assert_eq!(blocks(4096, DType::BF16, "", &Target::V6E), s("[2048,512]", "[512,1024]"));
-    assert_eq!(blocks(2048, DType::BF16, "", &Target::V6E), s("[1024,512]", "[512,1024]"));
+    assert_eq!(blocks(4096, DType::BF16, "", &Target::V6E), s("[2048,1024]", "[1024,1024]"));
+    assert_eq!(blocks(2048, DType::BF16, "", &Target::V6E), s("[1024,1024]", "[1024,1024]"));
     assert_eq!(blocks(1024, DType::BF16, "", &Target::V6E), s("[512,1024]", "[1024,1024]"));
     for t in [Target::V5E, Target::V5P, Target::TPU7X] {
         assert_eq!(blocks(4096, DType::BF16, "", &t), s("[512,1024]", "[1024,1024]"), "{}", t.name);
     }
     assert_eq!(blocks(4096, DType::BF16, "block_m=256, block_k=512, block_n=2048", &Target::V6E), s("[256,512]", "[512,2048]"));
+    let limit = |n: usize, target: &Target| op.plan_for(&op.types(&[vec![n, n], vec![n, n]], DType::BF16), &op.statics("").unwrap(), target).unwrap().launches[0].kernel.vmem_limit_bytes;
+    assert!(limit(8192, &Target::V6E).is_some_and(|b| b > 32 << 20), "the tall tile raises the limit");
+    assert_eq!(limit(8192, &Target::V5E), None, "(512, 1024, 1024) fits v5e's default scoped VMEM");
     // Partial m and n blocks against the f64 reference, on the interpreter.
     let shapes = [vec![300, 256], vec![256, 200]];
     let statics = op.statics("block_m=128, block_k=128, block_n=128").unwrap();

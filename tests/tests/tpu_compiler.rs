@@ -68,3 +68,39 @@ fn libtpu_rejects_the_broken_kernels_it_can_judge() {
         assert_eq!(!v.ok, b.libtpu_rejects.unwrap(), "{}: libtpu verdict differs from the expectation", b.name);
     }
 }
+
+/// Large matmuls on v6e take the HBM-bound rule's tall tile with bk 1024 (2048 x 1024 x 1024
+/// in bf16: 34 MiB with Mosaic's scratch, past the 32 MiB default scoped VMEM), so their
+/// kernels raise their VMEM limit; libtpu compiles them, forward and backward, in both
+/// dtypes. (The library's cases are too small to reach the rule; the static estimate at
+/// 8192^3 bf16, 92% of MXU peak, is `tessera cost matmul --target v6e --dtype bf16 --shape
+/// x=8192x8192 --shape y=8192x8192`, minutes of profiling, so not here.)
+#[test]
+fn large_matmuls_raise_their_vmem_limit_and_compile_for_v6e() {
+    if skip() {
+        return;
+    }
+    let target = Target::V6E;
+    let mut jobs: Vec<(String, String, String)> = Vec::new();
+    for (name, m) in [("matmul", 8192), ("matmul", 4096), ("matmul_bwd", 4096)] {
+        for dtype in [DType::BF16, DType::F32] {
+            let op = library().find(|op| op.name == name).unwrap();
+            let mut shapes = vec![vec![m, m], vec![m, m]];
+            if name == "matmul_bwd" {
+                shapes.push(vec![m, m]);
+            }
+            let plan = op.plan_for(&op.types(&shapes, dtype), &op.case_statics(&op.cases[0]).unwrap(), &target).unwrap();
+            for launch in plan.launches {
+                let k = &launch.kernel;
+                if name == "matmul" && m == 8192 && dtype == DType::BF16 {
+                    let limit = k.vmem_limit_bytes.expect("the tall tile raises its VMEM limit");
+                    assert!(limit > target.default_scoped_vmem_bytes && limit <= target.vmem_bytes, "{limit}");
+                }
+                tessera_dsl::verify::verify(k, &target).unwrap_or_else(|e| panic!("{name} {m} {dtype}: {e}"));
+                let lowered = tessera_codegen::lower(k, &target).unwrap();
+                jobs.push((format!("{name}-{m}-{}-{dtype}", k.name), target.name.to_string(), lowered.stablehlo));
+            }
+        }
+    }
+    oracle::assert_all_accepted(&jobs);
+}
