@@ -853,6 +853,24 @@ def test_torch_compile_maps_grouped_mm_to_gmm_and_tgmm(fresh_dynamo, mapped_libr
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=name)
 
 
+def test_torch_compile_grouped_mm_edges(fresh_dynamo, mapped_library_ops):
+    """No rows (every group empty) gives the empty product and zero weight gradients, as
+    aot_eager does; offsets that decrease or pass the rows are refused with the rule, forward
+    and backward alike (torch's own grouped matmul returns unspecified values there)."""
+    x = torch.randn(0, 32, requires_grad=True)
+    w1 = torch.randn(3, 32, 48, requires_grad=True)
+    w2t = torch.randn(3, 40, 48, requires_grad=True)
+    compiled = torch.compile(_grouped_mlp, backend="tessera")
+    y = compiled(x, w1, w2t, torch.zeros(3, dtype=torch.int32))
+    y.sum().backward()
+    assert y.shape == (0, 40) and mapped_library_ops == [2, 4]
+    assert not w1.grad.any() and not w2t.grad.any()
+    x = torch.randn(16, 32)
+    for bad in ([4, 2, 16], [4, 8, 20]):
+        with torch.no_grad(), pytest.raises(ValueError, match="group-sizes"):
+            compiled(x, w1.detach(), w2t.detach(), torch.tensor(bad, dtype=torch.int32))
+
+
 def test_torch_compile_leaves_other_grouped_mm_forms_to_aten(fresh_dynamo, mapped_library_ops):
     """A batched (3-d x 3-d, no offsets) grouped matmul is not the MoE pattern: it stays aten."""
     a, b = torch.randn(4, 16, 32), torch.randn(4, 32, 16)

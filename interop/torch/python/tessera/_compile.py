@@ -18,7 +18,9 @@ backward's `grad @ w^T` is), and the weight gradient's `a [k, m] @ b [m, n] -> [
 The group sizes are the offsets' differences, computed on the device (no value read). Rows at
 or past `offs[-1]`, which torch's grouped matmul leaves unspecified, join the last group in
 `gmm`; `tgmm` gives them a group of their own and drops it, so the weight gradient is torch's
-exactly. A bias, an `out_dtype`, other ranks or dtypes stay aten. transformers' own fallback
+exactly. No rows give the empty product (zero weight gradients); offsets that decrease or
+pass the rows are refused (`group-sizes`), where torch returns unspecified values. A bias, an
+`out_dtype`, other ranks or dtypes stay aten. transformers' own fallback
 (`transformers::grouped_mm_fallback` and its backward, what its `grouped_mm` experts call under
 `torch.compile` in float32) maps the same way, with the rows past `offs[-1]` zero as it gives
 them.
@@ -65,13 +67,16 @@ def _flash_args(node, q, k, v, dropout, causal):
 
 
 def _group_sizes(offs, rows, tail_group):
-    """torch's cumulative `offs` as int32 group sizes, on the device. Rows past `offs[-1]` join
-    the last group, or with `tail_group` are one more group (`rows - offs[-1]` of them)."""
+    """torch's cumulative `offs` as int32 group sizes, on the device (no value read). Rows
+    past `offs[-1]` join the last group, or with `tail_group` are one more group (`rows -
+    offs[-1]` of them). Offsets that decrease or pass `rows` give a negative size, which the
+    library refuses (`group-sizes`) in both forms alike."""
     offs = offs.to(torch.int32)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    tail = rows - offs[-1:]
     if tail_group:
-        return torch.cat([offs - starts, rows - offs[-1:]])
-    return torch.cat([(offs - starts)[:-1], rows - starts[-1:]])
+        return torch.cat([offs - starts, tail])
+    return torch.cat([(offs - starts)[:-1], torch.where(tail >= 0, rows - starts[-1:], tail)])
 
 
 def _gmm_of_grouped_mm(x, w, offs, transpose_rhs=False):
@@ -80,6 +85,9 @@ def _gmm_of_grouped_mm(x, w, offs, transpose_rhs=False):
     place with `transpose_rhs`."""
     if not transpose_rhs and not w.is_contiguous() and w.mT.is_contiguous():
         w, transpose_rhs = w.mT, True
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    if x.numel() == 0 or w.numel() == 0:
+        return x.new_zeros(x.shape[0], n)  # an empty product (the library refuses empty arrays)
     return torch.ops.tpu.gmm(x, w, _group_sizes(offs, x.shape[0], False), transpose_rhs)
 
 
@@ -87,6 +95,8 @@ def _tgmm_of_grouped_mm(a, grad, offs):
     """`torch._grouped_mm(a [k, m], grad [m, n], offs) -> [g, k, n]` as `tpu.tgmm` of `a^T` (the
     backward's `a` is the transposed view of the activations, so `a^T` is them in place); the
     rows past `offs[-1]` are an extra group, dropped."""
+    if a.numel() == 0 or grad.numel() == 0:
+        return a.new_zeros(offs.shape[0], a.shape[0], grad.shape[1])
     return torch.ops.tpu.tgmm(a.t(), grad, _group_sizes(offs, a.shape[1], True))[:-1]
 
 
