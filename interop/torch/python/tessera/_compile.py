@@ -164,10 +164,8 @@ def map_library_ops(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is _GROUPED_MM or isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "transformers":
-            call = _grouped_mm_call(node) if node.target is _GROUPED_MM else _hf_fallback_call(node)
-            if call is None:
-                continue
+        call = _grouped_mm_call(node) if node.target is _GROUPED_MM else _hf_fallback_call(node)
+        if call is not None:
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(*call)
         elif _SDPA is not None and node.target is _SDPA.default:
