@@ -426,6 +426,87 @@ fn view_cases() -> Vec<Case> {
     out
 }
 
+/// Matmuls sharing an operand (rule 13), each with the kernels the rule gives:
+/// - a SwiGLU MLP (`silu(x @ w1^T) * (x @ w3^T) @ w2^T`, the projections' outputs live as
+///   autograd keeps them): gate and up share `x`, one kernel with their epilogue, then down;
+/// - q / k / v projections with the head split's copy between them (`k` and `v` join `q`'s
+///   kernel across it, as HF's attention records them);
+/// - weight gradients `g1^T @ x`, `g2^T @ x` sharing `x` (b), over several `k` blocks, with a bias;
+/// - a second product whose operand the first kernel computes (`(x * 2) @ w` after `x @ w`,
+///   `x * 2` in the first's epilogue): not ready before that kernel ends, so it stays apart.
+fn sibling_cases() -> Vec<(Case, usize)> {
+    let mut out = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(13);
+        let (m, d, f) = (40, 64, 96);
+        let mut c = Case::new(format!("swiglu siblings {dtype}"));
+        let x = c.input(dtype, &[2, m / 2, d], &mut rng);
+        let ws: Vec<NodeId> = [[f, d], [f, d], [d, f]].iter().map(|s| c.input(dtype, s, &mut rng)).collect();
+        let wt: Vec<NodeId> = ws.iter().map(|&w| c.graph.transpose(w).unwrap()).collect();
+        let a = c.graph.matmul(x, wt[0], None).unwrap();
+        let s = c.graph.unary(Unary::Silu, a).unwrap();
+        let b = c.graph.matmul(x, wt[1], None).unwrap();
+        let h = c.graph.binary(Binary::Mul, Operand::Node(s), Operand::Node(b)).unwrap();
+        let y = c.graph.matmul(h, wt[2], None).unwrap();
+        c.live = vec![y, a, b, h];
+        out.push((c, 2));
+
+        let mut c = Case::new(format!("qkv siblings across the head split {dtype}"));
+        let (bsz, seq, heads, hd) = (2, 16, 2, 32);
+        let x = c.input(dtype, &[bsz, seq, heads * hd], &mut rng);
+        let mut outs = Vec::new();
+        for _ in 0..3 {
+            let w = c.input(dtype, &[heads * hd, heads * hd], &mut rng);
+            let wt = c.graph.transpose(w).unwrap();
+            let p = c.graph.matmul(x, wt, None).unwrap();
+            // [b, s, h, hd] -> [b, h, s, hd]: a copy kernel between the projections.
+            let split = c.graph.strided(p, &[bsz, heads, seq, hd], &[seq * heads * hd, hd, heads * hd, 1], 0).unwrap();
+            outs.push(c.graph.binary(Binary::Mul, Operand::Node(split), Operand::Scalar(0.5)).unwrap());
+        }
+        c.live = outs;
+        // One projection kernel, then per head split a copy and a row kernel.
+        out.push((c, 7));
+
+        let mut c = Case::new(format!("weight-gradient siblings over k blocks {dtype}"));
+        let (tokens, n_out, n_in) = (1536, 64, 128);
+        let x = c.input(dtype, &[tokens, n_in], &mut rng);
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let g = c.input(dtype, &[tokens, n_out], &mut rng);
+            let gt = c.graph.transpose(g).unwrap();
+            let bias = c.input(dtype, &[n_in], &mut rng);
+            let dw = c.graph.matmul(gt, x, Some(bias)).unwrap();
+            outs.push(c.graph.unary(Unary::Neg, dw).unwrap());
+        }
+        c.live = outs;
+        out.push((c, 1));
+
+        let mut c = Case::new(format!("an operand computed after the first product {dtype}"));
+        let x = c.input(dtype, &[32, 64], &mut rng);
+        let w = c.input(dtype, &[64, 64], &mut rng);
+        let y1 = c.graph.matmul(x, w, None).unwrap();
+        let x2 = c.graph.binary(Binary::Mul, Operand::Node(x), Operand::Scalar(2.0)).unwrap();
+        let y2 = c.graph.matmul(x2, w, None).unwrap();
+        let z = c.graph.binary(Binary::Add, Operand::Node(y1), Operand::Node(y2)).unwrap();
+        c.live = vec![z];
+        // `x * 2` joins the first product's epilogue, so the second product starts a kernel.
+        out.push((c, 2));
+    }
+    out
+}
+
+#[test]
+fn matmuls_sharing_an_operand_are_one_kernel() {
+    for (c, kernels) in sibling_cases() {
+        let p = c.check();
+        assert_eq!(p.launches.len(), kernels, "{}\n{}", c.name, p.describe());
+        let joined: usize = p.partitioning.parts.iter().map(|part| part.siblings.len()).sum();
+        let matmuls = c.graph.nodes.iter().filter(|n| matches!(n.op, NodeOp::Matmul { .. })).count();
+        let anchors = p.partitioning.parts.iter().filter(|part| part.anchor.is_some_and(|a| matches!(c.graph.node(a).op, NodeOp::Matmul { .. }))).count();
+        assert_eq!(anchors + joined, matmuls, "{}: every matmul is an anchor or a sibling", c.name);
+    }
+}
+
 #[test]
 fn hf_rope_reads_cos_periodically_and_fuses_its_cat() {
     for c in view_cases().into_iter().filter(|c| c.name.starts_with("hf rope")) {
@@ -463,6 +544,7 @@ fn refusals_name_the_op_operand_and_rule() {
 fn every_case() -> Vec<(String, Graph, Vec<NodeId>)> {
     let mut all: Vec<(String, Graph, Vec<NodeId>)> = (0..24).map(random_matmul).map(|c| (c.name, c.graph, c.live)).collect();
     all.extend(view_cases().into_iter().map(|c| (c.name, c.graph, c.live)));
+    all.extend(sibling_cases().into_iter().map(|(c, _)| (c.name, c.graph, c.live)));
     all
 }
 

@@ -14,6 +14,8 @@
 //! lane dim; `bk`, `bn` 128) up to (256, 512, 512), else the whole dim; halved while the
 //! verifier refuses the kernel for VMEM. The epilogue runs in the output block's space
 //! `[bm, bn]`: an epilogue read is `[bm or 1, bn or 1]` at block `(row block or 0, j or 0)`.
+//! Sibling matmuls (rule 13) are more dots in the same grid steps: the shared operand's block
+//! is loaded once, each product has its own accumulator, and the epilogue sees them all.
 //!
 //! **Copies.** A [`Gather`] copies one slab `[L, d]` per step (`L` the result's
 //! second-to-last dim) when the source dim it walks can be blocked that way (block-aligned
@@ -28,7 +30,7 @@ use tessera_dsl::{ds, BlockSpec, CmpOp, DType, Index, IndexExpr, IndexOp, Kernel
 
 use super::generate::{memory_dtype, Gen};
 use super::graph::{Gather, Graph, NodeId, NodeOp, Operand};
-use super::planner::Partition;
+use super::planner::{Partition, Shared};
 use super::sublanes;
 use crate::blocks::fit_vmem_limit;
 
@@ -161,7 +163,6 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         _ => IndexExpr::Bin(IndexOp::Div, Box::new(IndexExpr::Grid(0)), Box::new(IndexExpr::Const(rep as i64))),
     };
     let (gi, gj, gk) = (IndexExpr::Grid(1), IndexExpr::Grid(2), IndexExpr::Grid(3));
-    let dt_a = memory_dtype(g.node(p.reads[0].storage).dtype);
     let a_spec = if ta {
         (vec![d.batch_a, d.k, d.m], BlockSpec { block_shape: vec![None, Some(bk), Some(bm)], index_map: vec![bidx(d.batch_a, repeat[0]), gk.clone(), gi.clone()] })
     } else {
@@ -172,12 +173,37 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
     } else {
         (vec![d.batch_b, d.k, d.n], BlockSpec { block_shape: vec![None, Some(bk), Some(bn)], index_map: vec![bidx(d.batch_b, repeat[1]), gk.clone(), gj.clone()] })
     };
-    let a_ref = b.input(&format!("a_n{}", p.reads[0].storage), dt_a, &a_spec.0, a_spec.1);
-    let b_ref = b.input(&format!("b_n{}", p.reads[1].storage), memory_dtype(g.node(p.reads[1].storage).dtype), &b_spec.0, b_spec.1);
-    let bias_ref = (node.args.len() == 3).then(|| {
-        let r = p.reads[2];
-        b.input(&format!("bias_n{}", r.storage), memory_dtype(g.node(r.storage).dtype), &[1, d.n], BlockSpec { block_shape: vec![Some(1), Some(bn)], index_map: vec![IndexExpr::Const(0), gj.clone()] })
-    });
+    // The anchor's operands, then each sibling's own (rule 13): `[a, b, bias?]`, then
+    // `[b or a, bias?]` per sibling, the shared one read once.
+    enum Role {
+        A,
+        B,
+        Bias,
+    }
+    let input = |b: &mut KernelBuilder, role: Role, read: usize| {
+        let r = p.reads[read];
+        let dt = memory_dtype(g.node(r.storage).dtype);
+        match role {
+            Role::A => b.input(&format!("a_n{}", r.storage), dt, &a_spec.0, a_spec.1.clone()),
+            Role::B => b.input(&format!("b_n{}", r.storage), dt, &b_spec.0, b_spec.1.clone()),
+            Role::Bias => b.input(&format!("bias_n{}", r.storage), dt, &[1, d.n], BlockSpec { block_shape: vec![Some(1), Some(bn)], index_map: vec![IndexExpr::Const(0), gj.clone()] }),
+        }
+    };
+    let bias = node.args.len() == 3;
+    let a0 = input(&mut b, Role::A, 0);
+    let b0 = input(&mut b, Role::B, 1);
+    let mut products = vec![(id, a0, b0, bias.then(|| input(&mut b, Role::Bias, 2)))];
+    let mut at = 2 + usize::from(bias);
+    for &sib in &p.siblings {
+        let own = input(&mut b, if p.shared == Shared::A { Role::B } else { Role::A }, at);
+        let bias_ref = bias.then(|| input(&mut b, Role::Bias, at + 1));
+        at += 1 + usize::from(bias);
+        products.push(match p.shared {
+            Shared::A => (sib, a0, own, bias_ref),
+            Shared::B => (sib, own, b0, bias_ref),
+        });
+    }
+    debug_assert_eq!(at, p.anchor_reads);
     // Epilogue operands and results in the output space: `[batch, m, n or 1]` blocks
     // `[bm, bn or 1]` (the batch squeezed, so `m` need not be a multiple of the sublanes), or
     // one row `[1, n or 1]`.
@@ -205,20 +231,27 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         let (shape, spec) = space(r, c);
         out_refs.push((o, b.output(&format!("out_n{o}"), memory_dtype(g.node(o).dtype), &shape, spec)));
     }
-    let acc = (nk > 1).then(|| b.scratch("acc", DType::F32, &[bm, bn], MemorySpace::Vmem));
-    let av = b.load(a_ref, &[Index::Full, Index::Full]);
-    let bv = b.load(b_ref, &[Index::Full, Index::Full]);
-    let dot = b.dot(av, bv, ta, tb);
+    let accs: Vec<_> = (0..products.len()).filter(|_| nk > 1).map(|i| b.scratch(&format!("acc{i}"), DType::F32, &[bm, bn], MemorySpace::Vmem)).collect();
+    let mut dots = Vec::new();
+    let mut loaded_operands: HashMap<tessera_dsl::RefId, Value> = HashMap::new();
+    for &(_, a_ref, b_ref, _) in &products {
+        let mut load = |b: &mut KernelBuilder, r| *loaded_operands.entry(r).or_insert_with(|| b.load(r, &[Index::Full, Index::Full]));
+        let av = load(&mut b, a_ref);
+        let bv = load(&mut b, b_ref);
+        dots.push(b.dot(av, bv, ta, tb));
+    }
     let mut gen = Gen { g, p, b, vals: HashMap::new(), loaded: HashMap::new(), bm, bn, acc: HashMap::new(), cat: HashMap::new() };
-    let epilogue = move |gen: &mut Gen<'_>, v: Value| {
-        let mut v = v;
-        if let Some(bias) = bias_ref {
-            let bv = gen.b.load(bias, &[Index::Full, Index::Full]);
-            let bv = if node.dtype == DType::BF16 { gen.b.cast(bv, DType::F32) } else { bv };
-            v = gen.b.add(v, bv);
+    let epilogue = move |gen: &mut Gen<'_>, values: Vec<Value>| {
+        for (&(mm, _, _, bias_ref), v) in products.iter().zip(values) {
+            let mut v = v;
+            if let Some(bias) = bias_ref {
+                let bv = gen.b.load(bias, &[Index::Full, Index::Full]);
+                let bv = if node.dtype == DType::BF16 { gen.b.cast(bv, DType::F32) } else { bv };
+                v = gen.b.add(v, bv);
+            }
+            let v = gen.round(v, node.dtype);
+            gen.vals.insert(mm, v);
         }
-        let v = gen.round(v, node.dtype);
-        gen.vals.insert(id, v);
         for (r, rid) in &epi_refs {
             let x = gen.b.load(*rid, &[Index::Full, Index::Full]);
             let x = match g.node(r.storage).dtype {
@@ -228,7 +261,7 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
             };
             gen.loaded.insert(*r, x);
         }
-        for &n in &p.nodes[1..] {
+        for &n in p.nodes[1..].iter().filter(|n| !p.siblings.contains(n)) {
             gen.node(n);
         }
         for (o, r) in &out_refs {
@@ -244,21 +277,26 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
             gen.b.store(*r, &[Index::Full, Index::Full], v);
         }
     };
-    match acc {
-        None => epilogue(&mut gen, dot),
-        Some(acc) => {
-            let pid = gen.b.program_id(3);
-            let first = gen.b.cmp(CmpOp::Eq, pid, 0);
-            gen.b.when(first, |b| b.store(acc, &[Index::Full, Index::Full], 0.0));
+    if accs.is_empty() {
+        epilogue(&mut gen, dots);
+    } else {
+        let pid = gen.b.program_id(3);
+        let first = gen.b.cmp(CmpOp::Eq, pid, 0);
+        gen.b.when(first, |b| {
+            for &acc in &accs {
+                b.store(acc, &[Index::Full, Index::Full], 0.0);
+            }
+        });
+        for (&acc, &dot) in accs.iter().zip(&dots) {
             let old = gen.b.load(acc, &[Index::Full, Index::Full]);
             let new = gen.b.add(old, dot);
             gen.b.store(acc, &[Index::Full, Index::Full], new);
-            let last = gen.b.cmp(CmpOp::Eq, pid, (nk - 1) as i64);
-            when(&mut gen, last, |gen| {
-                let v = gen.b.load(acc, &[Index::Full, Index::Full]);
-                epilogue(gen, v)
-            });
         }
+        let last = gen.b.cmp(CmpOp::Eq, pid, (nk - 1) as i64);
+        when(&mut gen, last, |gen| {
+            let values = accs.iter().map(|&acc| gen.b.load(acc, &[Index::Full, Index::Full])).collect();
+            epilogue(gen, values)
+        });
     }
     gen.b.finish()
 }

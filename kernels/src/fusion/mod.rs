@@ -90,13 +90,25 @@
 //!     in the kernel's row space. A piece the open kernel computes ends the kernel (it must
 //!     be stored first). So RoPE's `q * cos + rotate_half(q) * sin` is one kernel.
 //!
+//! 13. **Matmuls sharing an operand are one kernel** (horizontal fusion): a matmul of the
+//!     same kind (transposes, batch, bias or not) and output shape as a recent anchor (up
+//!     to [`planner::SIBLING_REACH`] kernels back), one operand the same memory in the same
+//!     shape and the other alike, joins that anchor's kernel as a sibling when both its
+//!     operands are ready before that kernel runs. The shared block is read once per grid
+//!     step and the epilogue sees every product: a SwiGLU MLP's gate and up projections and
+//!     `silu(gate) * up` are one kernel, `k` and `v` join `q`'s across the head split's copy
+//!     (when GQA makes `q` wider, `k` and `v` still pair), and the backward's weight
+//!     gradients `g1^T @ x`, `g2^T @ x` pair on `x`. Products of different shapes do not pair
+//!     (one grid walks them all), nor a linear's `dx = g @ w` with its `dw = g^T @ x`.
+//!
 //! Cases that deliberately do not fuse (the open kernel ends, the node starts the next):
 //! a matmul or copy after anything (each starts a kernel); a `cat` of a piece the open
 //! kernel computes; anything after a copy kernel (it
 //! reads the copy from memory); into a matmul epilogue: a row op over a tiled `n` (more
 //! than 512 columns: a block would see part of its row), a column sum, an `expand`, a
 //! periodic read other than one batch's `[m, n]`, a column window (read from memory by the
-//! next row kernel instead), and a second matmul (the anchor's inputs are whole tensors);
+//! next row kernel instead), and a second matmul (the anchor's inputs are whole tensors; a
+//! sibling, rule 13, is computed beside the anchor, not from its epilogue);
 //! reading a column sum the open kernel computes;
 //! a row op over a different row length than the kernel's (`x.sum(-1)` then a row op over
 //! a `[m, 1]` column); a node whose values do not broadcast with the kernel's row space

@@ -63,9 +63,63 @@ pub struct Partition {
     /// Why the previous partition ended here (for dumps and stats).
     pub cut: String,
     /// The matmul or copy node this kernel is built around (its first node), if any: then
-    /// `reads[..anchor_reads]` are its operands in order, each read whole.
+    /// `reads[..anchor_reads]` are its operands in order, each read whole, followed by each
+    /// sibling's own operands.
     pub anchor: Option<NodeId>,
     pub anchor_reads: usize,
+    /// Matmuls that share one operand with the anchor ([`Shared`]) and compute over the
+    /// same output space, in the kernel's nodes too (rule 13).
+    pub siblings: Vec<NodeId>,
+    /// Which operand the anchor and its siblings share.
+    pub shared: Shared,
+}
+
+/// The operand sibling matmuls share: `a` (`x @ w1`, `x @ w3`: the gate and up projections)
+/// or `b` (`g1^T @ x`, `g2^T @ x`: their weight gradients).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Shared {
+    #[default]
+    A,
+    B,
+}
+
+/// Whether matmul `id` can join anchor partition `part` (number `at`) as a sibling: the
+/// same kind of product over the same output space, one operand the same memory in the
+/// same shape as the anchor's, the other of the same shape and dtype, and both ready when
+/// the partition runs (an anchor reads its operands whole from memory, so neither may be
+/// computed by it or after it).
+fn sibling(g: &Graph, part: &Partition, id: NodeId, assigned: &[Option<usize>], at: usize) -> Option<Shared> {
+    let anchor = part.anchor?;
+    let (x, y) = (g.node(anchor), g.node(id));
+    if !matches!(x.op, NodeOp::Matmul { .. }) || x.op != y.op || x.shape != y.shape || x.dtype != y.dtype || x.args.len() != y.args.len() || part.nodes.len() + 1 > MAX_NODES {
+        return None;
+    }
+    let operand = |n: &super::graph::Node, i: usize| match n.args[i] {
+        Operand::Node(o) => Some(o),
+        Operand::Scalar(_) => None,
+    };
+    let same = |i: usize| -> Option<bool> {
+        let (a, b) = (operand(x, i)?, operand(y, i)?);
+        Some(g.storage(a) == g.storage(b) && g.node(a).shape == g.node(b).shape)
+    };
+    let alike = |i: usize| -> Option<bool> {
+        let (a, b) = (g.node(operand(x, i)?), g.node(operand(y, i)?));
+        Some(a.shape == b.shape && a.dtype == b.dtype)
+    };
+    let shared = match (same(0)?, same(1)?) {
+        (true, false) if alike(1)? => Shared::A,
+        (false, true) if alike(0)? => Shared::B,
+        _ => return None,
+    };
+    if part.siblings.first().is_some_and(|_| part.shared != shared) {
+        return None;
+    }
+    // The operands are ready when partition `at` runs: graph inputs, or computed before it.
+    let ready = y.args.iter().all(|a| match *a {
+        Operand::Node(o) => [g.storage(o), g.same_rows_source(o)].iter().all(|&s| assigned[s].is_none_or(|q| q < at)),
+        Operand::Scalar(_) => true,
+    });
+    ready.then_some(shared)
 }
 
 /// Whether `op` is an anchor: a matmul, or a copy that moves elements between rows
@@ -73,6 +127,10 @@ pub struct Partition {
 pub fn is_anchor(op: &NodeOp) -> bool {
     matches!(op, NodeOp::Matmul { .. } | NodeOp::Transpose | NodeOp::Gather(_))
 }
+
+/// How many kernels back a matmul looks for a sibling to join (rule 13): q, k and v
+/// projections are a few copies apart (each head split is a transpose kernel).
+pub const SIBLING_REACH: usize = 8;
 
 /// A row op joins a matmul's epilogue only when the matmul's columns are one block (the
 /// generator then takes `bn = n`): a row op over a tiled `n` would see part of its row.
@@ -235,6 +293,32 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let is_row = matches!(node.op, NodeOp::Row(_));
             let is_col = matches!(node.op, NodeOp::ColSum);
             let anchor = part.anchor.map(|a| &g.node(a).op);
+            // Rule 13: a matmul sharing an operand with a recent kernel's anchor joins it.
+            if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().find_map(|q| {
+                let shared = sibling(g, &parts[q], id, &assigned, q)?;
+                let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| i != usize::from(shared == Shared::B)).filter_map(|(_, a)| match *a {
+                    Operand::Node(o) => {
+                        let (rows, cols) = g.node(o).layout();
+                        Some(Read { storage: g.storage(o), rows, cols, window: None, piece: false })
+                    }
+                    Operand::Scalar(_) => None,
+                }).collect();
+                let distinct: BTreeSet<Read> = parts[q].reads.iter().chain(&own).copied().collect();
+                (distinct.len() <= MAX_READS).then_some((q, shared, own))
+            }) {
+                let part = &mut parts[q];
+                let at = part.anchor_reads;
+                part.reads.splice(at..at, own.iter().copied());
+                part.anchor_reads += own.len();
+                part.nodes.push(id);
+                part.siblings.push(id);
+                part.shared = shared;
+                if q == p {
+                    layouts.push(node.layout());
+                }
+                assigned[id] = Some(q);
+                continue;
+            }
             cut = if is_anchor(&node.op) {
                 Some(format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" }))
             } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
@@ -308,7 +392,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             row_op_cols = None;
             col_sum_rows = None;
             let anchor_reads = reads.len();
-            parts.push(Partition { nodes: vec![id], rows, cols, reads, outputs: Vec::new(), has_row_op: false, has_col_sum: false, cut: cut.unwrap_or_else(|| "start".into()), anchor: Some(id), anchor_reads });
+            parts.push(Partition { nodes: vec![id], rows, cols, reads, outputs: Vec::new(), has_row_op: false, has_col_sum: false, cut: cut.unwrap_or_else(|| "start".into()), anchor: Some(id), anchor_reads, siblings: Vec::new(), shared: Shared::A });
             assigned[id] = Some(parts.len() - 1);
             continue;
         }
@@ -322,7 +406,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| r.piece || read_fits(r.space(), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
-        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0 });
+        parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0, siblings: Vec::new(), shared: Shared::A });
         assigned[id] = Some(parts.len() - 1);
     }
     sink_into_consumers(g, live, &mut parts, &mut assigned);
