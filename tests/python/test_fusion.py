@@ -751,6 +751,134 @@ def test_a_module_whose_calls_churn_steps_aside(monkeypatch):
     assert _get_current_dispatch_mode() is None
 
 
+# ---- aliases made outside the dispatcher ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda y: torch.nn.Parameter(y), id="nn.Parameter"),
+    pytest.param(lambda y: y.as_subclass(torch.Tensor), id="as_subclass"),
+    pytest.param(lambda y: torch.Tensor._make_subclass(torch.Tensor, y), id="_make_subclass"),
+])
+def test_an_alias_of_a_pending_tensor_made_without_the_dispatcher_reads_its_value(make):
+    """`nn.Parameter(x * 0.5)` and friends hold the placeholder's memory through a new tensor
+    object the mode never sees made; the placeholder itself dies at once. Its value is still
+    written (the memory is held), and an op reading the alias flushes first."""
+    x = torch.randn(4, 8)
+    with tessera.set_eager_mode(DEFER):
+        alias = make(x * 0.5)  # the placeholder `x * 0.5` dies here
+        z = (x + alias.detach()) * 2
+    torch.testing.assert_close(alias.detach(), x * 0.5)
+    torch.testing.assert_close(z, (x + x * 0.5) * 2)
+    assert not fusion.stats()["fallbacks"], fusion.stats()
+
+
+def test_module_init_deepcopy_and_to_dtype_inside_the_mode():
+    """A module built inside the mode (its parameter computed by an op), `copy.deepcopy` of a
+    module, and `module.to(torch.bfloat16)` (`param.data = param.to(...)`: the parameter's
+    memory is swapped to the placeholder's, outside the dispatcher) give eager's weights."""
+    import copy
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(8) * 0.5)
+
+        def forward(self, x):
+            return x * self.scale
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16)
+    w = lin.weight.detach().clone()
+    x = torch.randn(3, 8)
+    with tessera.set_eager_mode(DEFER):
+        m = Scaled()
+        y = m(x)
+        twin = copy.deepcopy(lin)
+        lin.to(torch.bfloat16)
+        wb = lin.weight.detach().clone()
+        pending = x * 3
+        snapshot = copy.deepcopy(pending)  # a deepcopy of a pending tensor reads its value
+    torch.testing.assert_close(y, x * 0.5)
+    torch.testing.assert_close(twin.weight.detach(), w, rtol=0, atol=0)
+    assert wb.dtype == torch.bfloat16 and torch.equal(wb, w.bfloat16())
+    torch.testing.assert_close(snapshot, x * 3)
+    assert not fusion.stats()["fallbacks"], fusion.stats()
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["kernels", "eager replay"])
+def test_an_input_whose_memory_is_swapped_after_it_was_read_keeps_the_value_read(replay, monkeypatch):
+    """`p.data = t` swaps a recorded input's memory without an op the mode sees: the pending
+    op still reads the memory it read when recorded, as eager did, and a later op reads the
+    new memory; in the kernels and in the eager replay of a program that cannot be built."""
+    if replay:
+        def refuse(self, *a, **k):
+            raise ValueError("error[vmem-budget]: kernel `fused0`: refused for this test")
+
+        monkeypatch.setattr(tessera._native.FusionGraph, "run", refuse, raising=False)
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    with tessera.set_eager_mode(DEFER):
+        y = p * 2
+        p.data = torch.zeros(2, 3)
+        z = p + 1
+    torch.testing.assert_close(y, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(z, torch.ones(2, 3))
+    assert bool(fusion.stats()["fallbacks"]) == replay
+
+
+def test_raw_storage_and_dlpack_of_a_pending_tensor_flush():
+    import numpy as np
+
+    x = torch.arange(8.0)
+    with tessera.set_eager_mode(DEFER):
+        y = x * 2
+        via_dlpack = np.from_dlpack(y).copy()
+        z = x * 3
+        raw = torch.frombuffer(bytearray(bytes(z.untyped_storage())), dtype=torch.float32)
+    np.testing.assert_array_equal(via_dlpack, (x * 2).numpy())
+    torch.testing.assert_close(raw, x * 3)
+
+
+def test_out_of_range_dims_and_uncastable_in_place_results_raise_as_eager():
+    x = torch.randn(3, 4)
+    with tessera.set_eager_mode(DEFER):
+        y = x * 1
+        for f in (lambda: y.sum(5), lambda: y.amax(2), lambda: y.mean(-3), lambda: torch.log_softmax(y, 3), lambda: y.sum((0, 3))):
+            with pytest.raises(IndexError):
+                f()
+        scalar = torch.tensor(2.0) * 1
+        assert scalar.sum(-1).item() == 2.0 and scalar.sum(0).item() == 2.0
+        b = torch.ones(4, dtype=torch.bool) & torch.ones(4, dtype=torch.bool)
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            b.mul_(torch.full((4,), 0.5))
+
+
+def test_a_mode_stepped_aside_does_not_come_back_above_a_mode_entered_meanwhile(monkeypatch):
+    """Aside (a churning module), the user enters another dispatch mode and calls a module
+    that does not churn: the mode stays aside there (pushed above the user's mode, leaving the
+    user's `with` would pop it instead), and comes back at the next call once that mode is gone."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(fusion, "_variants", {})
+    monkeypatch.setenv("TESSERA_FUSION_SHAPES", "1")
+    m, other = RowNorm(), torch.nn.Identity()
+    with tessera.set_eager_mode(DEFER):
+        for n in range(1, 4):
+            m(torch.randn(2, n)).sum().item()
+        m(torch.randn(2, 5))
+        assert fusion.stats()["stepped_aside"] >= 1
+        with Passthrough():
+            other(torch.randn(2, 3))
+            assert [type(x).__name__ for x in _get_current_dispatch_mode_stack()] == ["Passthrough"]
+        assert _get_current_dispatch_mode_stack() == []
+        other(torch.randn(2, 3))
+        assert [type(x).__name__ for x in _get_current_dispatch_mode_stack()] == ["_DeferMode"]
+    assert _get_current_dispatch_mode_stack() == []
+
+
 # ---- bad input: eager, with the reason ------------------------------------------------------------
 
 
@@ -948,3 +1076,61 @@ def test_torch_compile_maps_sdpa_to_flash_attention(fresh_dynamo, monkeypatch):
     mask = torch.rand(64, 64) < 0.5
     torch.testing.assert_close(torch.compile(attn, backend="tessera")(q, q, q, False, None, mask), attn(q, q, q, False, None, mask), rtol=1e-5, atol=1e-5)
     assert mapped == [0], "a masked SDPA stays aten"
+
+
+def test_torch_compile_results_keep_eager_memory_layouts(fresh_dynamo):
+    """AOTAutograd's graphs rely on eager's result layouts (a `reshape` of a transposed result
+    traced as a `view`): SDPA's output over transposed q/k/v (mapped to flash attention), a
+    pointwise op of a transposed tensor (a generated kernel), and a masked SDPA (aten) reading
+    one, forward and backward, and the layouts the caller sees are eager's."""
+    import torch.nn.functional as F
+
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+
+    def heads(x):
+        return x.view(2, 8, 4, 16).transpose(1, 2)
+
+    cases = {
+        "flash": lambda x: F.scaled_dot_product_attention(heads(x), heads(x * 2), heads(x), is_causal=True).transpose(1, 2).contiguous().reshape(2, 8, 64),
+        "flash output": lambda x: F.scaled_dot_product_attention(heads(x), heads(x), heads(x)),
+        "pointwise": lambda x: (x.transpose(-1, -2) * 2).transpose(-1, -2).reshape(-1),
+        "pointwise output": lambda x: x.transpose(-1, -2).exp(),
+        "masked sdpa of a fused q": lambda x: F.scaled_dot_product_attention(heads(x) * 2, heads(x), heads(x), attn_mask=mask).transpose(1, 2).reshape(2, 8, 64),
+        "as_strided": lambda x: (x[0].t() * 2).as_strided((3, 3), (1, 8)),
+    }
+    for name, f in cases.items():
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        want = f(x)
+        want.square().sum().backward()
+        gx, x.grad = x.grad.clone(), None
+        got = torch.compile(f, backend="tessera")(x)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=name)
+        assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+        torch.testing.assert_close(x.grad, gx, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_torch_compile_runs_a_transformers_llama_with_its_default_sdpa_attention(fresh_dynamo, attn):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: the masked SDPA stays aten and reads the fused RoPE's q
+
+    def step(m, **kw):
+        model.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids, **kw)
+        out.loss.backward()
+        return out.logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    compiled = torch.compile(model, backend="tessera")
+    for kw in ({}, {"attention_mask": mask}):
+        want_logits, want_grads = step(model, **kw)
+        logits, grads = step(compiled, **kw)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-3, atol=1e-5, msg=k)

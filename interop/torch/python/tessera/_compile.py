@@ -25,6 +25,11 @@ pass the rows are refused (`group-sizes`), where torch returns unspecified value
 `torch.compile` in float32) maps the same way, with the rows past `offs[-1]` zero as it gives
 them.
 
+Results keep eager's memory layout: where eager's result of an op is a transposed layout (SDPA's
+output over transposed q/k/v, a pointwise op of a transposed tensor) and the generated kernel or
+library op gave a contiguous one, it is copied into that layout at run time
+(`match_eager_layouts`), since AOTAutograd's graphs rely on it (a `reshape` traced as a `view`).
+
 Each call of a compiled graph is one recording: the graph's outputs (and the activations
 AOTAutograd saves for backward) are the live results at the flush when the call returns;
 intermediates are never written. New shapes (and `dynamic=True`) need nothing special: the
@@ -193,8 +198,77 @@ def map_library_ops(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def _hint(n):
+    return n.node.hint if isinstance(n, torch.SymInt) and n.node.hint is not None else int(n)
+
+
+def _memory_order(val):
+    """The dims of eager's result `val` from outermost to innermost in memory, when it is a
+    dense permutation of a contiguous tensor (a transposed layout) other than the contiguous
+    one; else None."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.layout != torch.strided:
+        return None
+    try:
+        shape, stride = [_hint(n) for n in val.shape], [_hint(n) for n in val.stride()]
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    if not _laid_out(shape, stride, order):
+        return None
+    big = [d for d in order if shape[d] != 1]
+    return None if big == sorted(big) else order
+
+
+def _laid_out(shape, stride, order):
+    """Whether `stride` is the dense layout of `shape` with dims in memory order `order`
+    (the strides of size-1 dims do not matter)."""
+    expect = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expect:
+            return False
+        expect *= shape[d]
+    return True
+
+
+def _in_eager_layout(x, order):
+    """`x` in eager's memory order `order`: a result of a generated kernel or a library op is
+    contiguous, where eager's kept its input's transposed layout (SDPA's output over
+    transposed q, a pointwise op of a transposed tensor), and AOTAutograd's graph relies on
+    it (a `reshape` traced as a `view`). A copy in that order, then the permuted view."""
+    if not isinstance(x, torch.Tensor) or x.dim() != len(order) or _laid_out(list(x.shape), list(x.stride()), order):
+        return x
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return x.permute(order).contiguous().permute(inverse)
+
+
+def match_eager_layouts(gm: torch.fx.GraphModule) -> int:
+    """After every node whose eager result has a transposed layout (its `val` metadata), the
+    same layout at run time ([`_in_eager_layout`]: a no-op when the value already has it, as
+    an op left to aten gives it). Views follow their base and are left alone. Returns how many
+    nodes were guarded."""
+    guarded = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            continue
+        order = _memory_order(node.meta.get("val"))
+        if order is None:
+            continue
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(_in_eager_layout, (node, order))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        guarded += 1
+    if guarded:
+        gm.recompile()
+    return guarded
+
+
 def _deferred(gm: torch.fx.GraphModule, example_inputs):
     map_library_ops(gm)
+    match_eager_layouts(gm)
 
     def run(*args):
         with fusion.set_eager_mode(fusion.EagerMode.DEFER_AND_FUSE):

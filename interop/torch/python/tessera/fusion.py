@@ -50,7 +50,20 @@ base is contiguous (a weight's `t()`) is recorded as its base and the view, so a
 it in place (an expand of such a base, a broadcast read in place);
 in-place ops are deferred only on a pending tensor with no other live alias (its memory is
 then written by the kernel), otherwise they flush and run eagerly. Autograd runs above the
-mode, so backward ops are recorded and fused too.
+mode, so backward ops are recorded and fused too. A recording holds its placeholders' storages,
+so an alias made without the dispatcher (`nn.Parameter(x * 2)`, `as_subclass`, `p.data = y`,
+`module.to(dtype)`, `copy.deepcopy` of a module) is seen: its memory is written at the flush
+(whoever holds it), and an op, reader, `untyped_storage()`, `__dlpack__` or `__deepcopy__` on
+it flushes first. An input is read from the memory it had when recorded (`p.data = t`
+afterwards does not change what the recorded op read).
+
+What the mode cannot see: a write to an input through memory torch does not track (a numpy
+array or DLPack capsule of it) after an op read it and before the flush (the flush reads the
+new values; call `flush()` first); a pending tensor used by another thread (the dispatch mode is
+per thread: flush before handing tensors over); and `torch.utils.dlpack.to_dlpack` of a pending
+tensor (`t.__dlpack__()` and `np.from_dlpack` flush). The sign of a zero can differ from
+eager's where torch's kernels themselves differ by path: a row sum of -0.0 values is -0.0 here
+(eager's reductions start at +0.0), `clamp(-0.0, min=0)` is +0.0 (eager keeps -0.0).
 
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
@@ -179,18 +192,27 @@ class _Unsupported(Exception):
 
 
 class _Group:
-    """Tensors sharing one placeholder's memory: its current value is node `root`."""
+    """Tensors sharing one placeholder's memory: its current value is node `root`.
 
-    __slots__ = ("root", "shape", "dtype", "members")
+    The group holds the placeholder's storage, so a flush can tell whether anybody else still
+    does (its use count), whatever tensor object that is: a view, or an alias made without
+    the dispatcher (`nn.Parameter(t)`, `as_subclass`, `p.data = t`, `module.to(dtype)`)."""
 
-    def __init__(self, root, shape, dtype):
+    __slots__ = ("root", "shape", "dtype", "members", "storage")
+
+    def __init__(self, root, shape, dtype, storage):
         self.root = root
         self.shape = shape
         self.dtype = dtype
         self.members = []  # weakrefs; [0] is the placeholder that owns the memory
+        self.storage = storage
 
     def alive(self):
         return [t for t in (r() for r in self.members) if t is not None]
+
+    def held(self):
+        """Whether a tensor (or autograd's saved one) besides the group holds the memory."""
+        return torch._C._storage_Use_Count(self.storage._cdata) > 1
 
 
 class _State:
@@ -198,11 +220,14 @@ class _State:
         self.graph = _native.FusionGraph()
         self.pending = {}  # id(tensor) -> (weakref, node, group)
         self.inputs = []  # real tensors, in graph-input order
-        self.input_nodes = {}  # id(real tensor) -> node
+        self.input_memory = []  # per input: (storage, dtype, offset, shape, strides) when recorded
+        self.input_nodes = {}  # id(real tensor) -> (node, index) of its latest recording
+        self.input_node_ids = []  # node of each input
         self.input_storages = set()  # data_ptr of the inputs' storages
         self.strided_inputs = {}  # id(real strided view) -> (weakref, node)
         self.slice_grads = {}  # node of a slice_backward -> (start, end, gradient node)
         self.groups = []
+        self.storages = {}  # the placeholders' storages (their `_cdata`) -> group
         self.records = []  # (func, args, kwargs, out_node, target_node) for the eager replay
         self.ops = 0
         self.max_ops = _max_ops()
@@ -214,14 +239,22 @@ class _State:
             return e
         return None
 
+    def stray(self, t):
+        """Whether `t` is not a recorded tensor but holds a placeholder's memory (an alias
+        made without the dispatcher): its value exists only after a flush."""
+        return bool(self.storages) and self.entry(t) is None and _untyped_storage(t)._cdata in self.storages
+
 
 _state = _State()
 _flush_count = 0
 
 
+_untyped_storage = torch.Tensor.untyped_storage  # (the mode wraps the method; see _install)
+
+
 def _storage_ptr(t):
     try:
-        return t.untyped_storage().data_ptr()
+        return _untyped_storage(t).data_ptr()
     except Exception:
         return None
 
@@ -245,16 +278,25 @@ def _node_of(t, st):
         if node is not None:
             return node
     n = st.input_nodes.get(id(t))
-    if n is not None and st.inputs[n[1]] is t:
+    if n is not None and st.inputs[n[1]] is t and _same_memory(t, st.input_memory[n[1]]):
         return n[0]
     try:
         node = st.graph.input(_DTYPES[t.dtype], list(t.shape))
     except ValueError as err:
         raise _Unsupported(_rule_of(err)) from None
     st.input_nodes[id(t)] = (node, len(st.inputs))
+    st.input_node_ids.append(node)
     st.inputs.append(t)
+    st.input_memory.append((_untyped_storage(t), t.dtype, t.storage_offset(), t.shape, t.stride()))
     st.input_storages.add(_storage_ptr(t))
     return node
+
+
+def _same_memory(t, memory):
+    """Whether `t` still views the memory it viewed when recorded as an input (`p.data = ..`
+    swaps it without an op the mode sees: then it is a new input)."""
+    storage, dtype, offset, shape, stride = memory
+    return _untyped_storage(t)._cdata == storage._cdata and t.dtype == dtype and t.storage_offset() == offset and t.shape == shape and t.stride() == stride
 
 
 def _same_device(t, st):
@@ -379,13 +421,19 @@ def _leading_scalar_tensor(args, st):
     return args
 
 
+def _dims_in_range(dims, rank):
+    """Whether every dim is one of a rank-`rank` tensor's (else torch raises: the op runs
+    eagerly so that it does)."""
+    return all(-rank <= d < rank for d in ([dims] if isinstance(dims, int) else dims))
+
+
 def _last_dim(dims, rank):
     if dims is None:
         return False
     if isinstance(dims, int):
         dims = [dims]
     dims = list(dims)
-    return len(dims) == 1 and rank >= 1 and dims[0] % rank == rank - 1
+    return len(dims) == 1 and rank >= 1 and _dims_in_range(dims, rank) and dims[0] % rank == rank - 1
 
 
 def _sum_inner_dims(x, dims, keepdim, st, op):
@@ -396,6 +444,8 @@ def _sum_inner_dims(x, dims, keepdim, st, op):
     rounding, as torch's sum): a matmul kernel, not a flush. Other dim sets are refused
     (`sum-dim`)."""
     rank = x.dim()
+    if rank == 0 or not _dims_in_range(dims, rank):
+        raise _Unsupported("sum-dim")
     ds = sorted({d % rank for d in ([dims] if isinstance(dims, int) else dims)})
     lo, hi = ds[0], ds[-1]
     if ds != list(range(lo, hi + 1)) or hi >= rank - 1:
@@ -573,7 +623,7 @@ def _record(func, name, args, kwargs, st):
             if rank != 1:
                 n = op("view", "view", [n, [x.numel()]])[0]
             return op("row", _ROW[name], [n, keepdim])
-        if name == "sum" and rank >= 2 and sorted(d % rank for d in ([dims] if isinstance(dims, int) else dims)) == list(range(rank - 1)):
+        if name == "sum" and rank >= 2 and _dims_in_range(dims, rank) and sorted(d % rank for d in ([dims] if isinstance(dims, int) else dims)) == list(range(rank - 1)):
             # Over every dim but the last: a column sum (bias and norm-weight gradients).
             return op("colsum", "sum", [_node_of(x, st), keepdim])
         if name == "sum" and not _last_dim(dims, rank):
@@ -737,6 +787,9 @@ class _DeferMode(TorchDispatchMode):
         st = _state
         name, base, inplace, mutable = _op_info(func)
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        if st.storages and any(st.stray(t) for t in tensors):
+            _flush("alias-of-pending")  # an alias of a placeholder made outside the dispatcher
+            st = _state
         pending = [t for t in tensors if st.entry(t) is not None]
 
         if func is aten._local_scalar_dense.default:
@@ -770,9 +823,10 @@ class _DeferMode(TorchDispatchMode):
     def _result(self, func, args, kwargs, node, shape, dtype, st):
         # Inside __torch_dispatch__ the mode is off already: a plain allocation.
         out = _fusion_device.placeholder(shape, _TORCH_DTYPES[dtype], st.device)
-        grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype])
+        grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype], _untyped_storage(out))
         grp.members.append(weakref.ref(out))
         st.groups.append(grp)
+        st.storages[grp.storage._cdata] = grp
         st.pending[id(out)] = (weakref.ref(out), node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
         _count_op(st, func)
@@ -819,6 +873,8 @@ class _DeferMode(TorchDispatchMode):
                 node, shape, dtype = st.graph.op("cast", "to", [_node_of(src, st), _DTYPES.get(target.dtype, "?")])
             else:
                 node, shape, dtype = _record(func, base, args, kwargs, st)
+                if not torch.can_cast(_TORCH_DTYPES[dtype], target.dtype):
+                    raise _Unsupported("inplace-cast")  # torch refuses it: eagerly, it raises
                 if _TORCH_DTYPES[dtype] != target.dtype:
                     node, shape, dtype = st.graph.op("cast", "to", [node, _DTYPES[target.dtype]])
             if tuple(shape) != tuple(target.shape):
@@ -953,16 +1009,28 @@ def _no_dispatch():
 
 
 def _storage_tensor(grp):
-    """A contiguous tensor over the group's memory, of the root's shape."""
+    """A contiguous tensor over the group's memory, of the root's shape; None when nobody
+    but the group holds the memory (nobody can read the value: it is never written)."""
     owner = grp.members[0]()
     if owner is not None:
         return owner
-    alive = grp.alive()
-    if not alive:
+    if not grp.held():
         return None
-    t = torch.empty(0, dtype=grp.dtype, device=alive[0].device)
-    t.set_(alive[0].untyped_storage(), 0, grp.shape)
+    t = torch.empty(0, dtype=grp.dtype, device=grp.storage.device)
+    t.set_(grp.storage, 0, grp.shape)
     return t
+
+
+def _input_tensors(st):
+    """The inputs as recorded: an input whose memory was swapped since (`p.data = ...`, not
+    an op the mode sees) is read from the memory the recorded op read, as eager did."""
+    out = []
+    for t, memory in zip(st.inputs, st.input_memory):
+        if not _same_memory(t, memory):
+            storage, dtype, offset, shape, stride = memory
+            t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        out.append(t)
+    return out
 
 
 def _flush(cause):
@@ -984,6 +1052,7 @@ def _flush(cause):
             live.append(grp.root)
             dsts.append(dst)
             outs.append(dst.view(torch.int8) if dst.dtype == torch.bool else dst)
+        st.inputs = _input_tensors(st)
         ins = [t.view(torch.int8) if t.dtype == torch.bool and t.is_contiguous() else (t.contiguous().view(torch.int8) if t.dtype == torch.bool else t) for t in st.inputs]
         dump = None
         d = os.environ.get("TESSERA_DUMP_FUSION")
@@ -1024,9 +1093,7 @@ def _run_graph(st, live, ins, outs, dump):
 
 def _replay(st, live, dsts):
     """Runs the recorded ops eagerly (a program that could not be built) into the live memory."""
-    env = {}
-    for n, k in st.input_nodes.values():
-        env[n] = st.inputs[k]
+    env = dict(zip(st.input_node_ids, st.inputs))
 
     def sub(a):
         if isinstance(a, _NodeRef):
@@ -1066,6 +1133,7 @@ class _Aside:
         self.active = False  # the dispatch mode is popped
         self.depth = 0  # module calls in progress (only the outermost one decides)
         self.churn_events = 0
+        self.stack_depth = 0  # the dispatch mode stack's depth when the mode stepped aside
 
 
 _aside = _Aside()
@@ -1080,11 +1148,14 @@ def _step_aside():
     _flush("step-aside")
     _mode_obj.__exit__(None, None, None)
     _aside.active = True
+    _aside.stack_depth = torch._C._len_torch_dispatch_stack()
     _stats["stepped_aside"] += 1
 
 
 def _step_back():
-    if _aside.active:
+    # Only onto the stack it left: pushed above a mode the user entered meanwhile, leaving
+    # that mode's `with` would pop ours instead (it comes back once that mode is gone).
+    if _aside.active and torch._C._len_torch_dispatch_stack() == _aside.stack_depth:
         _aside.active = False
         _mode_obj.__enter__()
 
@@ -1120,13 +1191,9 @@ def _wrap_reader(name, cause):
     orig = getattr(torch.Tensor, name)
 
     def reader(self, *a, **k):
-        if _state.entry(self) is not None or (_state.records and self._base is not None and _state.entry(self._base) is not None):
+        # A pending tensor, or any tensor over a placeholder's memory (a view, an alias).
+        if _state.storages and _untyped_storage(self)._cdata in _state.storages:
             _flush(cause)
-        elif _state.records:
-            # A view of a pending tensor made eagerly, or any alias: be safe.
-            p = _storage_ptr(self)
-            if any(_storage_ptr(t) == p for g in _state.groups for t in g.alive()):
-                _flush(cause)
         return orig(self, *a, **k)
 
     reader.__name__ = name
@@ -1148,7 +1215,8 @@ def _install():
     for name, cause in (("tolist", "tolist"), ("numpy", "numpy"), ("__repr__", "repr"), ("__format__", "format"),
                         ("__array__", "numpy"), ("item", "item"), ("__bool__", "bool"), ("__int__", "int"),
                         ("__float__", "float"), ("__index__", "int"), ("data_ptr", "data_ptr"),
-                        ("__reduce_ex__", "pickle")):
+                        ("__reduce_ex__", "pickle"), ("__deepcopy__", "deepcopy"), ("__dlpack__", "dlpack"),
+                        ("untyped_storage", "storage"), ("_typed_storage", "storage")):
         orig, new = _wrap_reader(name, cause)
         _saved[("t", name)] = orig if name in torch.Tensor.__dict__ else None
         setattr(torch.Tensor, name, new)
