@@ -403,14 +403,22 @@ pub fn check_sizes(op: &str, group_sizes: &Array, m: usize) -> Result<Vec<i32>, 
     Ok(sizes)
 }
 
-/// Blocks are positive and the in-kernel contraction block (`gmm`'s `tk`) divides its dim.
-/// Errors name the op's static `tiling` (what sets explicit blocks).
-fn check_blocks(op: &str, blocks: GmmBlocks, contraction: Option<(&str, usize, usize)>) -> Result<(), KernelError> {
+/// Blocks are positive, the in-kernel contraction block (`gmm`'s `tk`) divides its dim, and
+/// each block is a multiple of the block tile (rows for `tm`, columns for `tk` and `tn`, as
+/// the `[tm, tk]`, `[tk, tn]` and `[tm, tn]` windows take them) or its whole dim of
+/// `[m, k, n]`. Errors name the op's static `tiling` (what sets explicit blocks).
+fn check_blocks(op: &str, blocks: GmmBlocks, [m, k, n]: [usize; 3], (sub, lane): (usize, usize), contraction: Option<(&str, usize, usize)>) -> Result<(), KernelError> {
     if blocks.tm == 0 || blocks.tk == 0 || blocks.tn == 0 {
         return Err(err(op, "argument `tiling`", "block-shape", format!("{} has a zero block", tiling(blocks)), "use positive block sizes [tm, tk, tn]"));
     }
     if let Some((name, dim, block)) = contraction.filter(|&(_, dim, block)| dim % block != 0) {
         return Err(err(op, "argument `tiling`", "block-shape", format!("{}: the contraction dim {name} = {dim} is not a multiple of tk = {block}", tiling(blocks)), format!("use a tk that divides {dim} (a partial contraction block would add undefined values), or tiling=None for the defaults")));
+    }
+    for (name, block, dim, tile) in [("tm", blocks.tm, m, sub), ("tk", blocks.tk, k, lane), ("tn", blocks.tn, n, lane)] {
+        if !block.is_multiple_of(tile) && block != dim {
+            let d = &name[1..];
+            return Err(err(op, "argument `tiling`", "block-tiling", format!("{}: {name} = {block} is neither a multiple of {tile} nor {d} = {dim}", tiling(blocks)), format!("use a {name} that is a multiple of {tile}, or {dim}; or tiling=None for the defaults")));
+        }
     }
     Ok(())
 }
@@ -430,7 +438,7 @@ pub fn build_gmm(lhs: &Type, rhs: &Type, group_sizes: &Type, transpose_rhs: bool
         let layout = if transpose_rhs { "[g, n, k]" } else { "[g, k, n]" };
         return Err(err("gmm", "operand `rhs`", "operand-shape", format!("`rhs` {:?} does not match `lhs` {:?} and {g} groups", rhs.shape, lhs.shape), format!("pass rhs as {layout} with g = len(group_sizes) and k = lhs.shape[1]")));
     }
-    check_blocks("gmm", blocks, Some(("k", k, blocks.tk)))?;
+    check_blocks("gmm", blocks, [m, k, n], target.block_tile(lhs.dtype), Some(("k", k, blocks.tk)))?;
     let md = meta_types(visit_capacity(m, g, blocks.tm), 4);
     let out = Type::vector(lhs.dtype, &[m, n]);
     let GmmBlocks { tm, tk, tn } = blocks;
@@ -444,8 +452,8 @@ pub fn build_tgmm(lhs: &Type, grad: &Type, group_sizes: &Type, blocks: GmmBlocks
     if grad.shape[0] != m {
         return Err(err("tgmm", "operand `grad`", "operand-shape", format!("`grad` has {} rows, `lhs` {m}", grad.shape[0]), "pass lhs [m, k] and grad [m, n] with the same rows"));
     }
-    check_blocks("tgmm", blocks, None)?;
     let (k, n) = (lhs.shape[1], grad.shape[1]);
+    check_blocks("tgmm", blocks, [m, k, n], target.block_tile(lhs.dtype), None)?;
     let md = meta_types(visit_capacity(m, g, blocks.tm), 6);
     let out = Type::vector(lhs.dtype, &[g, k, n]);
     let GmmBlocks { tm, tk, tn } = blocks;

@@ -122,8 +122,32 @@ fn plan_matmul(c: &Call) -> Result<Plan, KernelError> {
     if !k.is_multiple_of(bk) {
         return Err(c.err("argument `block_k`", "option-value", format!("block_k = {bk} does not divide k = {k}"), "pass a block_k that divides x's columns, or leave it unset"));
     }
+    let (sub, lane) = c.target.block_tile(x.dtype);
+    for (name, block, dim, tile) in [("block_m", bm, m, sub), ("block_k", bk, k, lane), ("block_n", bn, n, lane)] {
+        check_block(c, name, block, dim, tile)?;
+    }
     let kernel = crate::blocks::fit_vmem_limit(matmul_kernel(x.clone(), y.clone(), Type::vector(x.dtype, &[m, n]), bm, bn, bk, k, false, false)?, c.target);
     Ok(single(c, kernel, vec![c.input("x", x)?, c.input("y", y)?], &[]))
+}
+
+/// A given block static (`block_m` of `m` rows, ...) as the kernel's windows take it: a
+/// multiple of the block tile (8 rows, 128 columns), or the whole dim; at most the dim
+/// rounded up to the tile (a larger block only computes padding, and takes its VMEM).
+fn check_block(c: &Call, name: &str, block: usize, dim: usize, tile: usize) -> Result<(), KernelError> {
+    let most = dim.next_multiple_of(tile);
+    if c.usize_opt(name)?.is_none() || block == dim || (block.is_multiple_of(tile) && block <= most) {
+        return Ok(());
+    }
+    let dim_name = &name[name.len() - 1..];
+    let (rule, why) = if block.is_multiple_of(tile) { ("block-shape", format!("larger than {dim_name} = {dim}")) } else { ("block-tiling", format!("neither a multiple of {tile} nor {dim_name} = {dim}")) };
+    let help = if most == dim {
+        format!("use a multiple of {tile} up to {dim}")
+    } else if most == tile {
+        format!("use {dim} or {tile}")
+    } else {
+        format!("use a multiple of {tile} up to {most}, or {dim}")
+    };
+    Err(c.err(format!("argument `{name}`"), rule, format!("{name} = {block} is {why}"), format!("{help}; or leave {name} unset for the default blocks")))
 }
 
 /// `dx = dout @ y^T`, `dy = x^T @ dout`: two launches reading every operand in place.

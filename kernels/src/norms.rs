@@ -350,17 +350,24 @@ fn plan_layernorm_bwd(c: &Call) -> Result<Plan, KernelError> {
     let eps = eps(c, LAYERNORM_EPS);
     let ins = [c.input("x", x.clone())?, c.input("weight", w.clone())?, c.input("dy", x.clone())?];
     let (dx_ty, w_ty) = (Type::vector(x.dtype, &c.tensor("x")?.shape), c.tensor("weight")?.clone());
+    // dbias has the bias's shape ([d] or [1, d], whichever weight's is) when it is given.
+    let b_ty = if c.given("bias") {
+        c.row_vector("bias", x.shape[1])?;
+        Type::vector(w_ty.dtype, &c.tensor("bias")?.shape)
+    } else {
+        w_ty.clone()
+    };
     let tiles = row_tiles(&x, BWD_STREAMS, c.target);
     if !tiles.whole_rows(x.shape[1]) {
         // The apply pass also streams dw and db, and keeps their f32 sums: [1, bn] rows
         // that pad to whole sublane tiles, so they count as two more streams.
         let mut launches = Vec::new();
         let bwd = wide_rows::layernorm_bwd_launches(&mut launches, &x, ins, &w, eps, row_tiles(&x, BWD_STREAMS + 2, c.target), c.op)?;
-        let results = vec![result(bwd, 0, dx_ty), result(bwd, 1, w_ty.clone()), result(bwd, 2, w_ty)];
+        let results = vec![result(bwd, 0, dx_ty), result(bwd, 1, w_ty), result(bwd, 2, b_ty)];
         return Ok(Plan::new(c.op, c.target, launches, results));
     }
     let kernel = layernorm_bwd_kernel(x.clone(), w.clone(), x.clone(), x.clone(), w.clone(), w.clone(), tiles.bm, eps)?;
-    let shapes = [Some(dx_ty.shape), Some(w_ty.shape.clone()), Some(w_ty.shape)];
+    let shapes = [Some(dx_ty.shape), Some(w_ty.shape), Some(b_ty.shape)];
     Ok(single(c, kernel, ins.into(), &shapes))
 }
 
@@ -476,12 +483,12 @@ pub const OPS: &[Op] = &[
     Op {
         name: "layernorm", doc: "LayerNorm over the last dim, (x - mean) / sqrt(var + eps) * weight + bias (biased variance)", schema: "(Tensor x, Tensor weight, Tensor bias, float eps=1e-05) -> Tensor", plan: plan_layernorm, reference: Some(ref_layernorm),
         inputs: &[rows("x"), WEIGHT, Input { name: "bias", dims: "[1?, d]", kind: Kind::Float }], outputs: &[like("out", "x")],
-        backward: Some(Backward { op: "layernorm_bwd", args: "x, weight, d_out, eps", grads: &["x", "weight", "bias"] }),
+        backward: Some(Backward { op: "layernorm_bwd", args: "x, weight, d_out, eps, bias", grads: &["x", "weight", "bias"] }),
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[300_000]] }], ..Op::EMPTY
     },
     Op {
-        name: "layernorm_bwd", doc: "(dx, dweight, dbias) of layernorm: dx per row; dweight and dbias summed over rows in f32 VMEM scratch along the (arbitrary) row axis", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-05) -> (Tensor, Tensor, Tensor)", plan: plan_layernorm_bwd, reference: Some(ref_layernorm_bwd),
-        inputs: &[rows("x"), WEIGHT, rows("dy")], outputs: &[like("dx", "x"), like("dweight", "weight"), like("dbias", "weight")],
+        name: "layernorm_bwd", doc: "(dx, dweight, dbias) of layernorm: dx per row; dweight and dbias summed over rows in f32 VMEM scratch along the (arbitrary) row axis; dbias has bias's shape when bias is given (only its shape is read), else weight's", schema: "(Tensor x, Tensor weight, Tensor dy, float eps=1e-05, Tensor? bias=None) -> (Tensor, Tensor, Tensor)", plan: plan_layernorm_bwd, reference: Some(ref_layernorm_bwd),
+        inputs: &[rows("x"), WEIGHT, rows("dy"), Input { name: "bias", dims: "[1?, d]", kind: Kind::Float }], outputs: &[like("dx", "x"), like("dweight", "weight"), Output { name: "dbias", shape: "bias | weight", dtype: "weight" }],
         cases: &[Case { name: "default", statics: "", shapes: &[&[1024, 1024], &[1024], &[1024, 1024]] }, Case { name: "alt", statics: "", shapes: &[&[300, 640], &[640], &[300, 640]] }, Case { name: "wide", statics: "", shapes: &[&[6, 300_000], &[300_000], &[6, 300_000]] }], ..Op::EMPTY
     },
     Op {

@@ -79,7 +79,8 @@ pub struct Input {
 #[derive(Clone, Copy, Debug)]
 pub struct Output {
     pub name: &'static str,
-    /// `x` (x's shape), or `[item, ...]` with items `*x` (all of x's dims), `*x[a:b]`,
+    /// `x` (x's shape), `x | y` (x's shape, y's when optional x is not given), or
+    /// `[item, ...]` with items `*x` (all of x's dims), `*x[a:b]`,
     /// `x.i` (dim i, negative from the end), an integer static's name, an integer,
     /// products `a * b`, a quotient by an integer `a / 128` (rounded down) and `flag ? a : b`
     /// on a bool static.
@@ -687,7 +688,10 @@ pub fn eval_shape(expr: &str, names: &[&str], inputs: &[Option<Type>], statics: 
     };
     let expr = expr.trim();
     let Some(inner) = expr.strip_prefix('[').and_then(|e| e.strip_suffix(']')) else {
-        return Ok(tensor(expr)?.shape.clone());
+        // `x | y`: the first given of the names.
+        let names: Vec<&str> = expr.split('|').map(str::trim).collect();
+        let given = names.iter().copied().find(|&n| tensor(n).is_ok()).unwrap_or(names[0]);
+        return Ok(tensor(given)?.shape.clone());
     };
     let mut out = Vec::new();
     for item in split_top(inner) {
@@ -787,6 +791,10 @@ mod tests {
         assert_eq!(eval_shape("a", &names, &inputs, &st).unwrap(), vec![4, 5, 6]);
         assert_eq!(eval_shape("[*a[:2], b.0 * b.1, k]", &names, &inputs, &st).unwrap(), vec![4, 5, 21, 2]);
         assert_eq!(eval_shape("[a.-1, t ? b.0 : b.1]", &names, &inputs, &st).unwrap(), vec![6, 7]);
+        let (some, none) = ([inputs[0].clone(), inputs[1].clone(), None], ["a", "b", "c"]);
+        assert_eq!(eval_shape("c | b", &none, &some, &st).unwrap(), vec![7, 3]);
+        assert_eq!(eval_shape("b | a", &none, &some, &st).unwrap(), vec![7, 3]);
+        assert!(eval_shape("c", &none, &some, &st).is_err());
         assert_eq!(eval_dtype("b", &names, &inputs).unwrap(), DType::I32);
         assert_eq!(eval_dtype("f32", &names, &inputs).unwrap(), DType::F32);
     }

@@ -276,8 +276,13 @@ pub(crate) fn kv_scales(c: &Call) -> Result<KvScales, KernelError> {
         (a, b) if a == b => a,
         _ => return Err(c.err("input `k_token_scales`", "kv-scales", "only one of k_token_scales and v_token_scales is given", "pass both per-token scale tensors or neither")),
     };
-    let scale = |name: &str| c.statics.f64(name).map_or(1.0, |s| s as f32);
-    Ok(KvScales { k_scale: scale("k_scale"), v_scale: scale("v_scale"), per_token })
+    // A NaN or infinite scale (or one beyond f32) makes every score or output NaN.
+    let scale = |name: &str| match c.statics.f64(name) {
+        None => Ok(1.0),
+        Some(s) if (s as f32).is_finite() => Ok(s as f32),
+        Some(s) => Err(c.err(format!("argument `{name}`"), "option-value", format!("{name} = {s}"), format!("pass a finite {name} (the cache's per-tensor dequantisation scale; default 1)"))),
+    };
+    Ok(KvScales { k_scale: scale("k_scale")?, v_scale: scale("v_scale")?, per_token })
 }
 
 /// The given per-token scale tensors' types (none without per-token scales).

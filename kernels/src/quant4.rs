@@ -146,13 +146,18 @@ fn e8m0_to_f32(e: Value) -> Value {
 }
 
 /// Blocks of [`matmul_4bit_kernel`]: `bm`, `bn` up to 512 (partial edge blocks), `bk` the
-/// largest multiple of 128 up to 1024 that divides `k` and gives a scale block of whole
-/// sublane tiles (8 rows of f32, 16 of bf16, 32 of the byte formats), else all of `k`;
-/// then halved (bk, bn, bm) until the windows fit 3/4 of the default scoped VMEM.
+/// largest multiple of 128 up to 1024 (or up to the smallest such step, for large groups)
+/// that divides `k` and holds whole groups making a scale block of whole sublane tiles (8
+/// rows of f32, 16 of bf16, 32 of the byte formats), else all of `k` (the scale block then
+/// all of the scale's rows); then halved (bk, bn, bm) until the windows fit 3/4 of the
+/// default scoped VMEM.
 pub fn blocks(m: usize, k: usize, n: usize, g: usize, x: DType, scale: DType, dx: bool, target: &Target) -> (usize, usize, usize) {
     let scale_rows = target.native_tile(scale).0;
-    let fits = |bk: usize| k % bk == 0 && bk % 128 == 0 && (bk / g) % scale_rows == 0;
-    let mut bk = (1..=1024 / 128).rev().map(|i| i * 128).find(|&bk| bk <= k && fits(bk)).unwrap_or(k);
+    // A K step of whole groups whose scale rows are whole tiles: a multiple of 128 and of
+    // `g * scale_rows` (a step shorter than a group would have a scale block of 0 rows).
+    let step = lcm(128, g * scale_rows);
+    let fits = |bk: usize| k % bk == 0 && bk % step == 0;
+    let mut bk = (1..=step.max(1024) / step).rev().map(|i| i * step).find(|&bk| bk <= k && fits(bk)).unwrap_or(k);
     // The forward's n blocks may be partial (garbage columns only reach garbage outputs);
     // `dx` contracts over n, so its n blocks divide n.
     let (mut bm, mut bn) = (m.min(512), if dx { crate::blocks::pick_block(n, 512, 128) } else { n.min(512) });
@@ -211,6 +216,16 @@ pub fn matmul_4bit(c: &Call, format: Format, dx: bool) -> Result<(Kernel, [Type;
 }
 
 type Result<T> = std::result::Result<T, KernelError>;
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
+}
 
 /// The plan of the forward (`dx` false) or the input gradient: one launch, the global scale
 /// an input for NVFP4 and a host 1.0 for the others.

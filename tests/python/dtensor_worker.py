@@ -416,6 +416,15 @@ def case_collectives(mesh, rank, world):
         torch.library.opcheck(op, args)
     compiled = torch.compile(lambda x, w: F.relu(tdist.all_gather_matmul(x, w)).sum(0), backend="aot_eager", fullgraph=True)
     close(compiled(x.detach(), w.detach()), F.relu(xs @ w.detach()).sum(0), "all_gather_matmul under torch.compile(fullgraph=True)")
+    # A dim out of range is torch's IndexError on every rank (never a wrap onto another dim).
+    for f in (tdist.all_gather, tdist.reduce_scatter):
+        for d in (2, 5, -3):
+            try:
+                f(torch.zeros(4 * world, 3), d)
+            except IndexError as e:
+                assert "Dimension out of range" in str(e) and f.__name__ in str(e), e
+            else:
+                raise AssertionError(f"{f.__name__} with dim {d} of a 2-D tensor did not raise")
     # Ranks that disagree on shapes: every rank raises the same error.
     try:
         tdist.all_gather(torch.zeros(2 + (rank == 1), 3), 0)

@@ -80,6 +80,17 @@ def test_collective_kernels_refuse_bad_groups_by_name():
         _native.run_collective("ragged_all_to_all", [meta + [torch.randn(4, 8)], meta + [torch.randn(4, 8)]], 0, "v6e", out_rows=4)
 
 
+def test_collective_helpers_need_a_process_group():
+    """Before init_process_group, the helpers' default group is refused by name (was an
+    AttributeError on the world group's None)."""
+    import tessera.distributed as tdist
+
+    assert not torch.distributed.is_initialized()
+    for f in (tdist.all_gather, tdist.reduce_scatter):
+        with pytest.raises(ValueError, match=f"tessera.distributed.{f.__name__}: the default process group has not been initialized"):
+            f(torch.randn(4, 8))
+
+
 def _parse_statics(text):
     """A case's statics, `"transpose_rhs=True num_experts=7"` (only bools and ints matter here)."""
     out = {}

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 tessera = pytest.importorskip("tessera")
+from tessera._autograd import LSE_GRADIENTS  # noqa: E402
 tpu = torch.ops.tpu
 
 F32, BF16, I32, I8 = torch.float32, torch.bfloat16, torch.int32, torch.int8
@@ -35,7 +36,7 @@ FLOATS = (F32, BF16)
 TOL = {F32: 1e-5, BF16: 2e-2, E4M3: 0.0, E5M2: 0.0}
 
 # Differentiable ops, from the op table's declared backwards: which arguments get gradients,
-# which outputs carry them (lse, expert ids and group sizes do not).
+# which outputs carry them (expert ids and group sizes do not; lse does, through a composite).
 def _differentiable():
     from tessera._ops import SPECS
 
@@ -52,11 +53,17 @@ def _differentiable():
         elif bwd_op == "composite":
             outs[name] = tuple(i for i, (_, _, dtype) in enumerate(spec.outputs) if dtype != "i32")
         else:
-            outs[name] = tuple(i for i, (o, _, _) in enumerate(spec.outputs) if "d_" + o in bwd_args)
+            # lse carries a gradient where a composite adds it (tessera._autograd.LSE_GRADIENTS).
+            outs[name] = tuple(i for i, (o, _, _) in enumerate(spec.outputs) if "d_" + o in bwd_args or (o == "lse" and name in LSE_GRADIENTS))
     return args, outs
 
 
 DIFF_ARGS, DIFF_OUTS = _differentiable()
+
+
+def diff_outs(op, kwargs):
+    """The outputs of a call of `op` a gradient may flow into (None: all)."""
+    return DIFF_OUTS.get(op)
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -149,7 +156,8 @@ def ref_rmsnorm_residual(x, residual, weight, eps=1e-6):
 
 
 def ref_layernorm(x, weight, bias, eps=1e-5):
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    # weight and bias are [n] or [1, n] each (their gradients keep those shapes).
+    return F.layer_norm(x, (x.shape[-1],), weight.reshape(-1), bias.reshape(-1), eps)
 
 
 def ref_rmsnorm_bwd(x, weight, dy, eps=1e-6):
@@ -568,6 +576,12 @@ def _(r, dt):
     return (r.randn(2, 8, 128, dtype=dt), r.randn(128, dtype=dt), r.randn(128, dtype=dt)), {"eps": 1e-3}
 
 
+@sample("layernorm", "weight_and_bias_of_other_ranks")
+def _(r, dt):
+    # weight [n] and bias [1, n]: each gradient has its input's shape.
+    return (r.randn(6, 128, dtype=dt), r.randn(128, dtype=dt), r.randn(1, 128, dtype=dt)), {}
+
+
 @sample("rmsnorm_bwd", "rows")
 def _(r, dt):
     return (r.randn(16, 128, dtype=dt), r.randn(128, dtype=dt), r.randn(16, 128, dtype=dt)), {}
@@ -704,6 +718,13 @@ def _(r, dt):
 def _(r, dt):
     w, s = tessera.quant4.quantize_int4(r.randn(200, 192, scale=0.05), group_size=32)
     return (r.randn(1, 192, dtype=dt), w, s), {}
+
+
+@sample("matmul_int4", "group_256_two_groups")
+def _(r, dt):
+    # Groups longer than the kernel's usual 128-row K step (scale [2, n]).
+    w, s = tessera.quant4.quantize_int4(r.randn(48, 512, scale=0.05), group_size=256, scale_dtype=dt)
+    return (r.randn(6, 512, dtype=dt), w, s), {}
 
 
 @sample("matmul_mxfp4", "two_k_steps")
@@ -1266,7 +1287,7 @@ def test_gradients(op, name, dtype, expanded):
     args, kwargs = build(op, name, dtype, requires_grad=True)
     diff = DIFF_ARGS[op]
     outs = as_tuple(getattr(tpu, op)(*args, **kwargs))
-    out_idx = DIFF_OUTS.get(op, range(len(outs)))
+    out_idx = diff_outs(op, kwargs) or range(len(outs))
     r = Rng(99)
     if expanded:
         cotangents = [r.randn(outs[i].shape[-1], dtype=torch.float64).expand(outs[i].shape) for i in out_idx]
@@ -1317,6 +1338,54 @@ def declared_backward(op, args, kwargs, outs, cotangents):
         for name in targets:
             by_input[spec.arg_names.index(name)] = result
     return [by_input[i] for i in DIFF_ARGS[op]]
+
+
+def check_lse_gradients(device, compiled):
+    """A gradient into lse (a z-loss on cross-entropy's, merging partial attentions on flash
+    attention's) reaches the inputs as torch's logsumexp gives it (f64 references)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 300)
+    labels = torch.tensor([1, 2, -100, 4, 299, 0], dtype=I32)
+
+    def ce(logits):
+        loss, lse = tpu.cross_entropy(logits.to(device), labels.to(device))
+        return (loss + 0.1 * lse ** 2).sum()
+
+    xr = x.double().requires_grad_()
+    want_ce = torch.autograd.grad((F.cross_entropy(xr, labels.long(), reduction="none") + 0.1 * torch.logsumexp(xr, -1) ** 2).sum(), xr)[0]
+    q = torch.randn(1, 4, 40, 16)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+
+    def attn(q, k, v):
+        o, lse = tpu.flash_attention_fwd(q.to(device), k.to(device), v.to(device), causal=True, window_left=7)
+        return (o * o).sum() + (lse * torch.arange(40, dtype=torch.float32, device=device)).sum()
+
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    s = qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) / 4
+    rows, cols = torch.arange(40).unsqueeze(1), torch.arange(40)
+    s = s.masked_fill(~((cols <= rows) & (rows - cols <= 7)), float("-inf"))
+    o_ref = torch.softmax(s, -1) @ vr.repeat_interleave(2, 1)
+    want_attn = torch.autograd.grad((o_ref * o_ref).sum() + (torch.logsumexp(s, -1) * torch.arange(40)).sum(), (qr, kr, vr))
+    f, g = (torch.compile(ce, backend="aot_eager"), torch.compile(attn, backend="aot_eager")) if compiled else (ce, attn)
+    xa = x.clone().requires_grad_()
+    got = torch.autograd.grad(f(xa), xa)[0]
+    torch.testing.assert_close(got.double(), want_ce, rtol=1e-5, atol=1e-6, msg="cross_entropy")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    for got, want in zip(torch.autograd.grad(g(*leaves), leaves), want_attn):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg="flash attention")
+    # With a soft cap (a torch composite): s = cap * tanh(raw / cap).
+    qr = q.double().requires_grad_()
+    s = 3.0 * torch.tanh(qr @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4 / 3.0)
+    want = torch.autograd.grad((torch.logsumexp(s, -1) * torch.arange(40)).sum(), qr)[0]
+    qc = q.clone().requires_grad_()
+    o, lse = tpu.flash_attention_fwd(qc.to(device), k.to(device), v.to(device), soft_cap=3.0)
+    got = torch.autograd.grad((lse * torch.arange(40, dtype=torch.float32, device=device)).sum(), qc)[0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg="flash attention, soft cap")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lse_gradients(compiled, fresh_dynamo):
+    check_lse_gradients("cpu", compiled)
 
 
 # int_mm takes no float tensor (nothing can require grad), so it has no backprop to refuse.
@@ -1522,6 +1591,11 @@ ERRORS = {
     "paged_heads": (lambda: tpu.paged_attention(torch.randn(2, 3, 128), torch.randn(2, 8, 16, 128), torch.randn(2, 8, 16, 128), torch.ones(2, dtype=I32), torch.zeros(2, 2, dtype=I32)), ["paged_attention", "operand-shape", "multiple of Hkv"]),
     "ragged_window": (lambda: tpu.ragged_paged_attention(torch.randn(16, 2, 128), *[torch.randn(2, 8, 16, 128)] * 2, torch.ones(2, dtype=I32), torch.zeros(2, 2, dtype=I32), i32(0, 1, 2), i32(2), 1.0, 0), ["ragged_paged_attention", "sliding_window", "option-value"]),
     "matmul_float64": (lambda: tpu.matmul(torch.randn(8, 64, dtype=torch.float64), torch.randn(64, 16, dtype=torch.float64)), ["matmul", "`x`", "float64"]),
+    "matmul_block_n": (lambda: tpu.matmul(torch.randn(100, 256), torch.randn(256, 100), block_n=1), ["kernel `matmul`", "argument `block_n`", "block-tiling", "use 100 or 128"]),
+    "matmul_block_m_huge": (lambda: tpu.matmul(torch.randn(100, 256), torch.randn(256, 100), block_m=1 << 20), ["kernel `matmul`", "argument `block_m`", "block-shape", "up to 104, or 100"]),
+    "gmm_tiling": (lambda: tpu.gmm(torch.randn(20, 16), torch.randn(3, 16, 200), i32(5, 10, 5), tiling=[8, 16, 8]), ["kernel `gmm`", "argument `tiling`", "block-tiling", "tn = 8", "multiple of 128, or 200"]),
+    "paged_k_scale_nan": (lambda: tpu.paged_attention(torch.randn(2, 4, 64), *[torch.ones(2, 4, 16, 64, dtype=I8)] * 2, i32(5, 3), i32([0, 1], [2, 3]), k_scale=math.nan), ["paged_attention", "argument `k_scale`", "option-value", "finite k_scale"]),
+    "ragged_v_scale_inf": (lambda: tpu.ragged_paged_attention(torch.randn(8, 4, 64), *[torch.ones(2, 4, 16, 64, dtype=I8)] * 2, i32(5, 3), i32([0, 1], [2, 3]), i32(0, 5, 8), i32(2), v_scale=-math.inf), ["ragged_paged_attention", "argument `v_scale`", "option-value", "finite v_scale"]),
 }
 
 

@@ -76,7 +76,7 @@ GRAD_CASES = [(op, name) for op, name, dt in CASES if dt == torch.float32 and op
 def test_gradients_on_tpu_match_cpu(launches, op, name):
     args, kwargs = test_ops.build(op, name, torch.float32, requires_grad=True)
     diff = test_ops.DIFF_ARGS[op]
-    outs = test_ops.DIFF_OUTS.get(op)
+    outs = test_ops.diff_outs(op, kwargs)
 
     def grads(call_args):
         results = test_ops.as_tuple(getattr(torch.ops.tpu, op)(*call_args, **{k: to_tpu(v) if call_args is not args else v for k, v in kwargs.items()}))
@@ -90,3 +90,34 @@ def test_gradients_on_tpu_match_cpu(launches, op, name):
         assert g.device.type == "tpu"
         err = test_ops.rel_err(g.cpu().double(), w.double())
         assert err <= 1e-5, f"{op}/{name}: gradient of argument {i} differs on tpu by {err:.2e}"
+
+
+def test_lse_gradients_on_tpu(launches):
+    test_ops.check_lse_gradients("tpu", compiled=False)
+
+
+def test_mixed_devices_are_refused(launches):
+    """A call mixing `tpu` and CPU tensors reaches the tpu kernel whichever comes first: it
+    is refused as the fake kernel refuses it under torch.compile (was: run, the result on the
+    first tensor's device, then a backward failing inside autograd)."""
+    T = torch.ops.tpu
+    x, w = torch.randn(6, 8), torch.randn(8)
+    q = torch.randn(1, 2, 8, 16)
+    calls = [
+        (lambda: T.rmsnorm(x.to("tpu"), w), "kernel `rmsnorm`, input `weight`: a tensor on cpu, `x` is on tpu:0"),
+        (lambda: T.rmsnorm(x, w.to("tpu")), "kernel `rmsnorm`, input `weight`: a tensor on tpu:0, `x` is on cpu"),
+        (lambda: T.rmsnorm(x.to("tpu").requires_grad_(), w.clone().requires_grad_()), "kernel `rmsnorm`, input `weight`"),
+        (lambda: T.matmul(x.to("tpu"), torch.randn(8, 3)), "kernel `matmul`, input `y`"),
+        (lambda: T.flash_attention(q.to("tpu"), q, q), "kernel `flash_attention_fwd`, input `k`"),
+    ]
+    for call, needle in calls:
+        with pytest.raises(ValueError, match=r"error\[operand-device\]") as info:
+            call()
+        assert needle in str(info.value), str(info.value)
+
+
+def test_unsupported_dtype_names_the_kernel_and_input(launches):
+    """On `tpu` as on the CPU: the op, the operand and the rule (was a bare "unsupported dtype")."""
+    for dev in ("cpu", "tpu"):
+        with pytest.raises(ValueError, match=r"error\[operand-dtype\]: kernel `rmsnorm`, input `x`: tensors of float16 are not supported"):
+            torch.ops.tpu.rmsnorm(torch.randn(3, 8, device=dev).half(), torch.ones(8, device=dev).half())

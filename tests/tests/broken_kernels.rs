@@ -55,3 +55,19 @@ fn builder_errors_carry_the_source_location() {
     assert_eq!(err.rule, "dtype-mismatch");
     assert!(err.to_string().contains("kernels/src/mine.rs:12:5"), "{err}");
 }
+
+#[test]
+fn tiling_help_never_suggests_a_block_breaking_its_rule() {
+    // A [8, 1] block of an [8, 100] array: the next multiple of 128 passes the array, so the
+    // help leads with the full dim (was "use a multiple of 128 (e.g. 100) or 100").
+    let mut b = KernelBuilder::new("narrow_lane_block");
+    b.grid(&[(100, Semantics::Parallel)]);
+    let spec = || BlockSpec { block_shape: vec![Some(8), Some(1)], index_map: vec![I::Const(0), I::Grid(0)] };
+    let x = b.input("x", DType::F32, &[8, 100], spec());
+    let o = b.output("out", DType::F32, &[8, 100], spec());
+    let v = b.load(x, &[]);
+    b.store(o, &[], v);
+    let err = verify::verify(&b.finish().unwrap(), &Target::V5E).unwrap_err();
+    assert_eq!(err.rule, "block-tiling", "{err}");
+    assert_eq!(err.help, "use the full dim 100 (or 128, a multiple of 128 that pads past it)", "{err}");
+}

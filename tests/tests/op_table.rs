@@ -205,4 +205,14 @@ fn matmul_blocks_follow_the_ridge_and_the_statics() {
     assert_eq!((e.rule, e.subject.as_str()), ("option-value", "argument `block_k`"), "{e}");
     assert!(e.to_string().contains("does not divide k = 256"), "{e}");
     assert_eq!(err("block_m=0").rule, "option-value");
+    // A block the windows cannot take names the op's argument (was the verifier's
+    // `matmul_kernel`, input `y`); one far past its dim is refused up front (was a VMEM
+    // value-size error).
+    let e = err("block_n=1");
+    assert_eq!((e.kernel.as_str(), e.rule, e.subject.as_str()), ("matmul", "block-tiling", "argument `block_n`"), "{e}");
+    assert!(e.to_string().contains("use a multiple of 128 up to 256, or 200"), "{e}");
+    let e = err("block_m=1048576");
+    assert_eq!((e.rule, e.subject.as_str()), ("block-shape", "argument `block_m`"), "{e}");
+    assert!(e.to_string().contains("larger than m = 300") && e.to_string().contains("up to 304, or 300"), "{e}");
+    assert!(op.plan_for(&op.types(&shapes, DType::F32), &op.statics("block_m=304, block_n=200").unwrap(), &Target::V6E).is_ok());
 }

@@ -75,18 +75,23 @@ fn nonfinite_scales_match_dequantize_first() {
 /// The 4-bit weight matmuls (`quant4`) and `int_mm` against their f64 references (decode,
 /// dequantise, multiply), on the interpreter and the JIT, f32 and bf16, at v5e's and v6e's
 /// blocks: five shape sets each, among them a single row (decode), K not a multiple of 128,
-/// N not a multiple of 128, several K steps, and group sizes 32 to 128 for int4; and the
-/// input gradients (`*_dx`) at five sets each.
+/// N not a multiple of 128, several K steps, and group sizes 32 to 128 for int4, then int4
+/// groups longer than the 128-row K step (256 for all of K = 256, two and eight of them, and
+/// 192); and the input gradients (`*_dx`) at five sets each (int4's also at those groups).
 #[test]
 fn four_bit_and_int8_matmuls_match_reference() {
     use tessera_codegen::cpu::Backend;
     // (op, shapes): x [m, k], w [k/2, n], scale [k/g, n] (+ global scale [1]).
-    let int4: [[&[usize]; 3]; 5] = [
+    let int4: [[&[usize]; 3]; 9] = [
         [&[1, 2048], &[1024, 1536], &[16, 1536]],
         [&[40, 2880], &[1440, 200], &[45, 200]],
         [&[7, 192], &[96, 136], &[6, 136]],
         [&[130, 4096], &[2048, 256], &[64, 256]],
         [&[64, 1024], &[512, 512], &[8, 512]],
+        [&[4, 256], &[128, 16], &[1, 16]],
+        [&[5, 512], &[256, 136], &[2, 136]],
+        [&[8, 2048], &[1024, 128], &[8, 128]],
+        [&[3, 384], &[192, 128], &[2, 128]],
     ];
     let mx: [[&[usize]; 3]; 5] = [
         [&[1, 2048], &[1024, 1536], &[64, 1536]],
@@ -103,7 +108,10 @@ fn four_bit_and_int8_matmuls_match_reference() {
         [&[64, 1024], &[512, 512], &[64, 512], &[1]],
     ];
     // The input gradients: dy [m, n], the same w and scales (n blocks divide n).
-    let dx: [(&str, [&[usize]; 4]); 15] = [
+    let dx: [(&str, [&[usize]; 4]); 18] = [
+        ("matmul_int4_dx", [&[4, 16], &[128, 16], &[1, 16], &[]]),
+        ("matmul_int4_dx", [&[5, 256], &[256, 256], &[2, 256], &[]]),
+        ("matmul_int4_dx", [&[3, 128], &[192, 128], &[2, 128], &[]]),
         ("matmul_int4_dx", [&[1, 1536], &[1024, 1536], &[16, 1536], &[]]),
         ("matmul_int4_dx", [&[40, 200], &[1440, 200], &[45, 200], &[]]),
         ("matmul_int4_dx", [&[7, 136], &[96, 136], &[6, 136], &[]]),

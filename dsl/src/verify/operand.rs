@@ -113,12 +113,11 @@ impl Verifier<'_> {
             let (n, full) = (b.window()[0], r.shape[0]);
             let tile = self.t.block_tile_1d(r.dtype);
             if n % tile != 0 && n != full {
-                let suggestion = n.div_ceil(tile) * tile;
                 return Err(self.err(
                     subject,
                     "block-tiling-1d",
                     format!("rank-1 block [{n}] of {}: neither a multiple of {tile} (128 x 32 / {} bits) nor the full dim {full}", r.dtype, r.dtype.bits()),
-                    format!("use a multiple of {tile} (e.g. {suggestion}) or {full}"),
+                    tiling_help(n, tile, full),
                 ));
             }
             return Ok(());
@@ -130,13 +129,11 @@ impl Verifier<'_> {
             let squeezed_ok = blk.is_none() && d + 2 < rank;
             if tile > 1 && n % tile != 0 && n != full && !squeezed_ok {
                 let which = if d + 1 == rank { "last" } else { "second-to-last" };
-                let suggestion = n.div_ceil(tile) * tile;
-                let suggestion = if suggestion > full { full } else { suggestion };
                 return Err(self.err(
                     subject,
                     "block-tiling",
                     format!("block {:?}: the {which} dim is {n}, which is neither a multiple of {tile} ({} tiling on {}) nor the full dim {full}", b.window(), r.dtype, self.t),
-                    format!("use a multiple of {tile} (e.g. {suggestion}) or {full}"),
+                    tiling_help(n, tile, full),
                 ));
             }
         }
@@ -283,5 +280,16 @@ impl Verifier<'_> {
                 return Ok(());
             }
         }
+    }
+}
+
+/// The help of a block dim `n` that is neither a multiple of `tile` nor the full dim `full`:
+/// the next multiple of the tile, or (when that passes the array) the full dim first.
+fn tiling_help(n: usize, tile: usize, full: usize) -> String {
+    let up = n.div_ceil(tile) * tile;
+    if up > full {
+        format!("use the full dim {full} (or {up}, a multiple of {tile} that pads past it)")
+    } else {
+        format!("use a multiple of {tile} (e.g. {up}) or {full}")
     }
 }

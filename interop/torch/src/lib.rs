@@ -640,17 +640,20 @@ fn make_plan(
 ) -> PyResult<PyPlan> {
     let target = target_named(target)?;
     let op = op_named(name)?;
+    let names = tensor_names(op);
     let types = inputs
         .into_iter()
-        .map(|i| {
-            i.map(|(dtype, shape)| {
-                plan::dtype_from_torch(&dtype)
-                    .map(|d| Type::vector(d, &shape))
-                    .ok_or_else(|| {
-                        PyValueError::new_err(format!("tessera: unsupported dtype {dtype}"))
+        .enumerate()
+        .map(|(i, input)| {
+            input
+                .map(|(dtype, shape)| {
+                    plan::dtype_from_torch(&dtype).map(|d| Type::vector(d, &shape)).ok_or_else(|| {
+                        // As the CPU path's bridge names it (`tensor.rs`).
+                        let r = Refused { rule: "operand-dtype", message: format!("tensors of {dtype} are not supported"), help: "pass float32, bfloat16, int32, int8 or bool tensors (index tensors may be int64)".into() };
+                        refusal(op.name, names.get(i).copied(), i, r)
                     })
-            })
-            .transpose()
+                })
+                .transpose()
         })
         .collect::<PyResult<Vec<_>>>()?;
     Ok(PyPlan(plan_for(op, &statics_of(op, statics)?, &types, &target)?))

@@ -6,7 +6,9 @@ gradient flowing into an output) and which forward inputs its results are the gr
 of. `register` turns that into `torch.library.register_autograd` for every op, so the
 backward runs as `torch.ops.tpu.*` calls on whatever device the forward ran on and
 `torch.compile` traces it like any op. Outputs whose gradient the backward does not take
-(`lse`, expert ids, group sizes) are marked non-differentiable.
+(expert ids, group sizes) are marked non-differentiable. The `lse` of flash attention and of
+cross-entropy is differentiable: its gradient (a z-loss, merging partial attentions) is added
+by a composite of library ops (`LSE_GRADIENTS`), run only when one flows.
 
 Two ops declare a `composite` backward: a torch composite of other ops, written below
 (`COMPOSITES`), until they get backward kernels of their own.
@@ -71,6 +73,70 @@ COMPOSITES = {
 }
 
 
+def _flash_lse_gradient(env, d_lse):
+    """q's and k's gradients through `lse = logsumexp(s)`, `s = scale * q k^T` (masked):
+    `dq = scale * d_lse * (P @ K)` and `dk = scale * P^T @ (d_lse * q)`, i.e. the forward
+    with k as the values and the backward's dv of `do = d_lse * q` (summed over a GQA group's
+    heads). Extra launches, only when a gradient flows into lse (a z-loss, merging partial
+    attentions). With a soft cap the weights' derivative carries `1 - tanh^2`, which no
+    kernel computes: a torch composite then ([`_capped_lse_gradient`])."""
+    q, k = env["q"], env["k"]
+    if env["soft_cap"] is not None:
+        return _capped_lse_gradient(env, d_lse)
+    scale = env["sm_scale"] if env["sm_scale"] is not None else q.shape[-1] ** -0.5
+    statics = (env["causal"], env["sm_scale"], None, env["q_segment_ids"], env["kv_segment_ids"], env["window_left"], env["window_right"])
+    d = d_lse.reshape(q.shape[:3]).unsqueeze(-1).float()
+    pk = tpu.flash_attention_fwd(q, k, k, *statics)[0]
+    dq = (scale * d * pk.float()).to(q.dtype)
+    dv_of = tpu.flash_attention_bwd(q, k, env["v"], env["o"], env["lse"], (d * q.float()).to(q.dtype), *statics)[2]
+    return {"q": dq, "k": (scale * dv_of.float()).to(k.dtype)}
+
+
+def _capped_lse_gradient(env, d_lse):
+    """The lse gradient of soft-capped attention in f32 torch ops over the whole `[sq, skv]`
+    score matrix per head (memory the kernels never hold): `ds = p * d_lse * (1 - (s /
+    cap)^2)` for the visible pairs (causal, window, segment ids as the kernels mask them)."""
+    q, k, cap = env["q"], env["k"], env["soft_cap"]
+    b, h, sq, dim = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    scale = env["sm_scale"] if env["sm_scale"] is not None else dim ** -0.5
+    kr = k.float().repeat_interleave(h // hkv, 1)
+    s = cap * torch.tanh(scale * (q.float() @ kr.transpose(-1, -2)) / cap)
+    rows, cols = torch.arange(sq, device=q.device).unsqueeze(1), torch.arange(skv, device=q.device)
+    keep = torch.ones(sq, skv, dtype=torch.bool, device=q.device)
+    if env["causal"]:
+        keep &= cols <= rows
+    if env["window_left"] is not None:
+        keep &= rows - cols <= env["window_left"]
+    if env["window_right"] is not None:
+        keep &= cols - rows <= env["window_right"]
+    keep = keep.expand(b, 1, sq, skv)
+    if env["q_segment_ids"] is not None:
+        keep = keep & (env["q_segment_ids"].reshape(b, 1, sq, 1) == env["kv_segment_ids"].reshape(b, 1, 1, skv))
+    lse = env["lse"].float().reshape(b, h, sq, 1)
+    p = torch.where(keep & (lse > float("-inf")), torch.exp(s - lse), 0.0)
+    ds = p * d_lse.float().reshape(b, h, sq, 1) * (1 - (s / cap) ** 2) * scale
+    dq = ds @ kr
+    dk = (ds.transpose(-1, -2) @ q.float()).reshape(b, hkv, h // hkv, skv, dim).sum(2)
+    return {"q": dq.to(q.dtype), "k": dk.to(k.dtype)}
+
+
+def _cross_entropy_lse_gradient(env, d_lse):
+    """logits' gradient through `lse = logsumexp(logits)`: `softmax * d_lse`, every row
+    (an ignored row's lse is its logsumexp too), in f32."""
+    logits, lse = env["logits"], env["lse"]
+    p = torch.exp(logits.float() - lse.float().reshape(-1, 1))
+    return {"logits": (p * d_lse.float().reshape(-1, 1)).to(logits.dtype)}
+
+
+# Ops whose declared backward does not take a gradient into their `lse` output: it is added
+# by these composites when one flows (the output stays differentiable).
+LSE_GRADIENTS = {
+    "flash_attention_fwd": _flash_lse_gradient,
+    "cross_entropy": _cross_entropy_lse_gradient,
+}
+
+
 def _zeros_factory(out):
     """Makes the zero gradient of output `out` when none flows into it: a DTensor's with
     its mesh and placements (a plain tensor would not mix with the DTensor arguments)."""
@@ -94,20 +160,28 @@ def _declared(spec):
     input_index = {n: i for i, n in enumerate(names)}
     backward_fn = getattr(tpu, bwd_op)
 
+    lse_gradient = LSE_GRADIENTS.get(spec.name)
+    differentiable = flowing | ({"lse"} if lse_gradient else set())
+    # The lse composite reads every argument of the op.
+    saved = tensor_args + [a for a in names if lse_gradient and a in spec.tensor_names and a not in tensor_args]
+    kept = static_args + [a for a in names if lse_gradient and a not in spec.tensor_names and a not in static_args]
+
     def setup(ctx, inputs, output):
         inputs = tuple(inputs) + spec.defaults[len(inputs):]
         out = spec.as_tuple(output)
         env = dict(zip(names, inputs))
         env.update(zip(outputs, out))
-        ctx.save_for_backward(*[env[a] for a in tensor_args])
-        ctx.statics = {a: env[a] for a in static_args}
+        ctx.save_for_backward(*[env[a] for a in saved])
+        ctx.statics = {a: env[a] for a in kept}
         ctx.out_zeros = [_zeros_factory(o) for o in out]
-        nondiff = [o for name, o in zip(outputs, out) if name not in flowing or not o.is_floating_point()]
+        nondiff = [o for name, o in zip(outputs, out) if name not in differentiable or not o.is_floating_point()]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
+        if lse_gradient:
+            ctx.set_materialize_grads(False)  # no gradient into lse: None, not zeros
 
     def backward(ctx, *grad_outputs):
-        env = dict(zip(tensor_args, ctx.saved_tensors))
+        env = dict(zip(saved, ctx.saved_tensors))
         env.update(ctx.statics)
         for name, g, zeros in zip(outputs, grad_outputs, ctx.out_zeros):
             env["d_" + name] = g if g is not None else zeros()
@@ -115,7 +189,10 @@ def _declared(spec):
 
         results = SPECS[bwd_op].as_tuple(backward_fn(*[env[a] for a in args]))
         grads_in = [None] * len(names)
-        for result, targets in zip(results, grads):
+        extra = {}
+        if lse_gradient and grad_outputs[outputs.index("lse")] is not None:
+            extra = lse_gradient(env, grad_outputs[outputs.index("lse")])
+        for result, targets in list(zip(results, grads)) + [(g, [name]) for name, g in extra.items()]:
             for name in targets:
                 i = input_index[name]
                 grads_in[i] = result if grads_in[i] is None else grads_in[i] + result

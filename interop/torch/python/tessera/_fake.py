@@ -7,9 +7,10 @@ each op's output shapes without running it. A native test checks every expressio
 the real plans' result types, and `torch.library.opcheck` checks the fakes against the real
 kernels.
 
-Shape expressions: `x` (x's shape), or `[item, ...]` with items `*x` (all of x's dims),
-`*x[a:b]`, `x.i` (dim i, negative from the end), an integer static's name, an integer, a
-product `a * b` and `flag ? a : b` on a bool static. Dtype expressions: an input's name or
+Shape expressions: `x` (x's shape), `x | y` (x's shape, y's when optional x is None), or
+`[item, ...]` with items `*x` (all of x's dims), `*x[a:b]`, `x.i` (dim i, negative from
+the end), an integer static's name, an integer, a product `a * b` and `flag ? a : b` on a
+bool static. Dtype expressions: an input's name or
 a dtype (`f32`, `bf16`, `i32`, `i8`, `bool`).
 """
 
@@ -61,7 +62,8 @@ def shape_of(expr, env):
     """The shape of `expr` (see the module docs); `env` maps names to tensors and statics."""
     expr = expr.strip()
     if not expr.startswith("["):
-        return tuple(env[expr].shape)
+        names = [n.strip() for n in expr.split("|")]
+        return tuple(next((env[n] for n in names if env[n] is not None), env[names[0]]).shape)
     dims = []
     for item in _split(expr[1:-1]):
         if item.startswith("*"):
@@ -80,6 +82,20 @@ def dtype_of(expr, env):
     return _DTYPES[expr] if expr in _DTYPES else env[expr].dtype
 
 
+def check_one_device(op, tensors):
+    """Raises `error[operand-device]` unless the `(name, tensor)` pairs of a call (Nones
+    skipped) are all on one device. Returns the first tensor."""
+    tensors = [(n, t) for n, t in tensors if t is not None]
+    first_name, like = tensors[0]
+    for n, t in tensors[1:]:
+        if t.device != like.device:
+            raise ValueError(
+                f"error[operand-device]: kernel `{op}`, input `{n}`: a tensor on {t.device}, "
+                f"`{first_name}` is on {like.device}\n  help: pass every tensor on one device"
+            )
+    return like
+
+
 def make_fake(spec):
     """The fake kernel of an op (`spec` is the op's `OpSpec`)."""
     outputs, names, defaults = spec.outputs, spec.arg_names, spec.defaults
@@ -87,16 +103,9 @@ def make_fake(spec):
     def fake(*args):
         args = args + defaults[len(args):]
         env = dict(zip(names, args))
-        tensors = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
         # The Meta kernel also runs when only *some* inputs are meta: results on the first
         # tensor's device would be uninitialised CPU memory. One device per call.
-        first_name, like = tensors[0]
-        for n, t in tensors[1:]:
-            if t.device != like.device:
-                raise ValueError(
-                    f"error[operand-device]: kernel `{spec.name}`, input `{n}`: a tensor on {t.device}, "
-                    f"`{first_name}` is on {like.device}\n  help: pass every tensor on one device"
-                )
+        like = check_one_device(spec.name, [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)])
         results = []
         for _, shape, dtype in outputs:
             results.append(like.new_empty(shape_of(shape, env), dtype=dtype_of(dtype, env)))

@@ -163,10 +163,13 @@ def _cpu_kernel(spec, slot):
 
 
 def _tpu_kernel(spec):
-    from tessera import _tpu
+    from tessera import _fake, _tpu
 
     def tpu_impl(*args):
         tensors, statics = spec.split(args)
+        # The dispatcher picks this kernel when any tensor is on `tpu`: the others (a CPU
+        # tensor) are refused, as the fake kernel refuses them under torch.compile.
+        _fake.check_one_device(spec.name, zip(spec.tensor_names, tensors))
         return spec.pack(_tpu.run_plan(spec.native, spec.name, statics, tensors, _target))
 
     tpu_impl.__name__ = f"tessera_{spec.name}_tpu"

@@ -43,8 +43,24 @@ def _group(group_name):
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def _name(group):
-    return (group if group is not None else dist.group.WORLD).group_name
+def _name(op, group):
+    """`group`'s name (default: the world's, which needs `init_process_group` first)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError(
+                f"tessera.distributed.{op}: the default process group has not been initialized; "
+                "call torch.distributed.init_process_group first, or pass group="
+            )
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def _dim(op, x, dim):
+    """`dim` of `x` in `0..x.dim()` (a negative one counts from the end), as torch ops take it;
+    out of range: torch's IndexError, never a wrap onto another dim."""
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"tessera {op}: Dimension out of range (expected to be in range of [{-x.dim()}, {x.dim() - 1}], but got {dim})")
+    return dim % x.dim()
 
 
 def _device(op, **tensors):
@@ -122,7 +138,7 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     group = _group(group_name)
     if x.dim() == 0:
         raise ValueError("tessera all_gather: `x` is 0-dim; gather tensors of at least one dim")
-    d = dim % x.dim()
+    d = _dim("all_gather", x, dim)
     rows = x.cpu().movedim(d, 0)
     flat = rows.reshape(rows.shape[0], -1)
     (out,) = _native.run_collective("all_gather", [[o[0]] for o in _operands("all_gather", [flat], group)], group.rank(), get_target())
@@ -132,7 +148,7 @@ def _all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 @_all_gather.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim % x.dim()] *= _group(group_name).size()
+    shape[_dim("all_gather", x, dim)] *= _group(group_name).size()
     return x.new_empty(shape)
 
 
@@ -142,12 +158,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     _check_dtype("reduce_scatter", "x", x, (torch.float32, torch.bfloat16))
     group = _group(group_name)
     n = group.size()
-    if x.dim() == 0 or x.shape[dim % x.dim()] % n:
+    if x.dim() == 0:
+        raise ValueError("tessera reduce_scatter: `x` is 0-dim; scatter tensors of at least one dim")
+    d = _dim("reduce_scatter", x, dim)
+    if x.shape[d] % n:
         raise ValueError(
             f"tessera reduce_scatter: `x` {list(x.shape)} has no dim {dim} divisible by the group's {n} ranks; "
             f"pad dim {dim} to a multiple of {n}"
         )
-    d = dim % x.dim()
     rows = x.cpu().movedim(d, 0)
     chunks = rows.reshape(n, rows.shape[0] // n, -1)
     (out,) = _native.run_collective("reduce_scatter", [[o[0]] for o in _operands("reduce_scatter", [chunks], group)], group.rank(), get_target())
@@ -157,7 +175,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 @_reduce_scatter.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim % x.dim()] //= _group(group_name).size()
+    shape[_dim("reduce_scatter", x, dim)] //= _group(group_name).size()
     return x.new_empty(shape)
 
 
@@ -339,22 +357,22 @@ _ragged_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_ctx)
 
 def all_gather(x, dim=0, group=None):
     """`torch.ops.tpu.all_gather` over `group` (a process group; default the world)."""
-    return torch.ops.tpu.all_gather(x, dim, _name(group))
+    return torch.ops.tpu.all_gather(x, dim, _name("all_gather", group))
 
 
 def reduce_scatter(x, dim=0, group=None):
     """`torch.ops.tpu.reduce_scatter` over `group` (default the world)."""
-    return torch.ops.tpu.reduce_scatter(x, dim, _name(group))
+    return torch.ops.tpu.reduce_scatter(x, dim, _name("reduce_scatter", group))
 
 
 def all_gather_matmul(x, w, group=None):
     """`torch.ops.tpu.all_gather_matmul` over `group` (default the world)."""
-    return torch.ops.tpu.all_gather_matmul(x, w, _name(group))
+    return torch.ops.tpu.all_gather_matmul(x, w, _name("all_gather_matmul", group))
 
 
 def ragged_all_to_all(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, group=None):
     """`torch.ops.tpu.ragged_all_to_all` over `group` (default the world)."""
-    return torch.ops.tpu.ragged_all_to_all(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, _name(group))
+    return torch.ops.tpu.ragged_all_to_all(x, output, input_offsets, send_sizes, output_offsets, recv_sizes, _name("ragged_all_to_all", group))
 
 
 __all__ = ["all_gather", "reduce_scatter", "all_gather_matmul", "ragged_all_to_all"]

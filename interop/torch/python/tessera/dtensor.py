@@ -182,7 +182,9 @@ def _output_sources(expr, tensor_dims, statics):
     input dim `(name, position)` it is, or None (a product, a static, an integer)."""
     expr = expr.strip()
     if not expr.startswith("["):
-        return [(expr, p) for p in range(len(tensor_dims[expr]))]
+        # `x | y`: the first given (tensor_dims holds the given inputs).
+        name = next((n for n in map(str.strip, expr.split("|")) if n in tensor_dims), expr)
+        return [(name, p) for p in range(len(tensor_dims[name]))]
     from tessera._fake import _split
 
     out = []
