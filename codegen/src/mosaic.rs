@@ -31,7 +31,6 @@ const OVERFLOW: &str = "overflowFlags = #arith.overflow<none>";
 
 /// Emits the Mosaic kernel module for `kernel` (assumed verified for `target`).
 pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
-    check_supported(kernel, target)?;
     let mut t = Text::new();
     t.line("\"builtin.module\"() ({");
     t.indent();
@@ -44,21 +43,6 @@ pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
     t.dedent();
     t.line(&format!("}}) {{stable_mosaic.version = {STABLE_MOSAIC_VERSION} : i64}} : () -> ()"));
     Ok(t.finish())
-}
-
-/// Rejects what this emitter cannot express, with a message that says what to change.
-fn check_supported(k: &Kernel, target: &Target) -> Result<(), CodegenError> {
-    for r in &k.refs {
-        if r.dtype == DType::Bool {
-            return Err(CodegenError::unsupported(
-                k,
-                target,
-                format!("{} `{}` of dtype bool", r.kind.name(), r.name),
-                "Mosaic has no i1 memrefs; store masks as i32 (cast with .cast(i32)) or i8",
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Inputs and outputs in order, numbered as Pallas numbers its window params.

@@ -110,6 +110,10 @@ rules! {
         "semantic: libtpu compiles an index map that runs past the array (broken kernel grid_overruns_array); on a device it reads or writes out of bounds";
     "index-map-division", Semantic, [V], SAME, "an index map never divides by zero",
         "semantic: the map is evaluated per grid step; libtpu cannot know the values";
+    "memory-dtype", Semantic, [V], SAME, "arrays in memory (inputs, outputs, scratch) are not bool: masks are values, stored as int8 or int32",
+        "semantic: the Mosaic emitter has no i1 memref form (Pallas stores bool refs as int32 too); the CPU backends refuse what no TPU lowering takes, so a CPU result is reproducible";
+    "kernel-name", Semantic, [V], SAME, "a kernel's name is an identifier (ASCII letters, digits, `_`, not starting with a digit)",
+        "semantic: the name is an MLIR symbol and the stem of emitted files; `../x` would write outside the output directory, an empty name a hidden file";
     "output-coverage", Semantic, [V], SAME, "the grid writes every block of every output",
         "semantic: libtpu compiles a grid that leaves output blocks unwritten (broken kernel output_not_covered); they hold garbage";
     "reduction-axis-semantics", Semantic, [V], SAME, "a grid dim the output's index map ignores (a reduction axis) is `arbitrary`",
@@ -188,6 +192,8 @@ rules! {
     // ---- performance warnings (verify/warn.rs) ----
     "block-native-tiling", Warning, [V], SAME, "a packed dtype's block rows are a multiple of its native tile (16 bf16, 32 int8) or the whole dim",
         "warning: libtpu compiles int8 blocks of 8, 16, 24 rows and bf16 blocks of 8, 24 rows (probes tiling-rows/*, all four generations); vregs are then partly empty";
+    "input-unread", Semantic, [V], SAME, "the grid reads an input's last block along every dim (static index maps); a warning, not an error",
+        "semantic (a warning): legal, and libtpu compiles it, but a grid of `k / bk` steps for a `k` that is not a multiple of `bk` silently drops the end of a contraction";
     "matmul-emulated", Warning, [V], "tpu7x: int8 x int8 (its MXU has fp8, not int8); v5e/v5p/v6e: fp8 x fp8 (their MXUs have no fp8 mode)", "a dot's dtype is native to the generation's MXU",
         "warning: libtpu 0.0.52 compiles int8 x int8 for tpu7x (probe op-dtype/dot-i8@tpu7x) and fp8 x fp8 (both formats, and fp8 x bf16) on all four (pair fp8-op's inside kernel and probe op-dtype/dot-fp8-*); compile-only cannot tell whether it is emulated";
 

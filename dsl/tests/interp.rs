@@ -356,16 +356,19 @@ fn nan_semantics_of_max_min_and_compares() {
     let y = b.input("y", DType::F32, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
     let mx = b.output("mx", DType::F32, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
     let mn = b.output("mn", DType::F32, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
-    let ne = b.output("ne", DType::Bool, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
-    let lt = b.output("lt", DType::Bool, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
+    // Masks are stored as i32 (no bool memory: Mosaic has no i1 memrefs).
+    let ne = b.output("ne", DType::I32, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
+    let lt = b.output("lt", DType::I32, &[1, 4], spec(&[1, 4], vec![0.into(), 0.into()]));
     let (xv, yv) = (b.load(x, &[]), b.load(y, &[]));
     let v = b.max(xv, yv);
     b.store(mx, &[], v);
     let v = b.min(xv, yv);
     b.store(mn, &[], v);
     let v = b.cmp(CmpOp::Ne, xv, yv);
+    let v = b.cast(v, DType::I32);
     b.store(ne, &[], v);
     let v = b.cmp(CmpOp::Lt, xv, yv);
+    let v = b.cast(v, DType::I32);
     b.store(lt, &[], v);
     let kern = b.finish().unwrap();
     let xs = Array::from_f32(&[1, 4], vec![f32::NAN, 1.0, 2.0, f32::NAN]);
@@ -375,8 +378,8 @@ fn nan_semantics_of_max_min_and_compares() {
     assert!(mx[0].is_nan() && mx[1].is_nan() && mx[2] == 3.0 && mx[3].is_nan());
     assert!(mn[0].is_nan() && mn[1].is_nan() && mn[2] == 2.0 && mn[3].is_nan());
     // IEEE: `ne` is true when either side is NaN; every other comparison is false.
-    assert_eq!(out[2].as_bool().unwrap(), &[true, true, true, true]);
-    assert_eq!(out[3].as_bool().unwrap(), &[false, false, true, false]);
+    assert_eq!(out[2].as_i32().unwrap(), &[1, 1, 1, 1]);
+    assert_eq!(out[3].as_i32().unwrap(), &[0, 0, 1, 0]);
 }
 
 /// out block i = x block perm[i] (a gather driven by scalar prefetch).

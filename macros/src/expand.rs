@@ -108,7 +108,7 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
 
     let ref_infos: HashMap<String, RefInfo> = refs
         .iter()
-        .map(|r| (r.name.to_string(), RefInfo { var: format_ident!("__ref_{}", r.name), ty_var: format_ident!("__ty_{}", r.name) }))
+        .map(|r| (r.name.to_string(), RefInfo { var: format_ident!("__tessera_ref_{}", r.name), ty_var: format_ident!("__tessera_ty_{}", r.name) }))
         .collect();
     let lowerer = Lowerer::new(&ref_infos, statics.iter().chain(&dim_names).map(|i| i.to_string()));
 
@@ -117,9 +117,9 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
     let mut decls = declare_refs(&attr, &refs, &lowerer, &mut errors);
     for (d, n) in attr.grid_dynamic.iter().enumerate() {
         if let Some(n) = n {
-            let var = format_ident!("__ref_{}", n);
+            let var = format_ident!("__tessera_ref_{}", n);
             decls.extend(crate::lower::at(n.span()));
-            decls.extend(quote!(__b.grid_extent_from(#d, #var);));
+            decls.extend(quote!(__tessera_b.grid_extent_from(#d, #var);));
         }
     }
     let (body, body_errors) = lowerer.lower_body(&func.block);
@@ -159,8 +159,8 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
     let const_doc = format!(" The signature of the `{name}` kernel, for listings.");
     let name_str = name.to_string();
     let kernel_name = match &attr.name {
-        Some(e) => quote_spanned!(e.span()=> #[allow(non_snake_case)] let __KERNEL: &'static str = #e;),
-        None => quote!(const __KERNEL: &str = #name_str;),
+        Some(e) => quote_spanned!(e.span()=> #[allow(non_snake_case)] let __tessera_KERNEL: &'static str = #e;),
+        None => quote!(const __tessera_KERNEL: &str = #name_str;),
     };
     Ok(quote! {
         #(#attrs)*
@@ -170,13 +170,13 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
         #vis fn #name(#(#inputs),*) -> ::core::result::Result<::tessera_dsl::Kernel, ::tessera_dsl::KernelError> {
             #kernel_name
             #shapes
-            let mut __builder = ::tessera_dsl::KernelBuilder::new(__KERNEL);
+            let mut __tessera_builder = ::tessera_dsl::KernelBuilder::new(__tessera_KERNEL);
             // The body (its branches and fragments too) appends through `&mut KernelBuilder`.
-            let __b = &mut __builder;
+            let __tessera_b = &mut __tessera_builder;
             #grid
             #decls
             #body
-            __builder.finish()
+            __tessera_builder.finish()
         }
 
         #[doc = #const_doc]
@@ -186,7 +186,7 @@ pub fn expand(attr: KernelAttr, func: ItemFn) -> syn::Result<TokenStream> {
 
 /// `return Err(KernelError::new(..))` for an operand-level error found at build time.
 fn fail(subject: &str, rule: &str, message: TokenStream, help: &str) -> TokenStream {
-    quote!(return ::core::result::Result::Err(::tessera_dsl::KernelError::new(__KERNEL, #subject, #rule, #message, #help));)
+    quote!(return ::core::result::Result::Err(::tessera_dsl::KernelError::new(__tessera_KERNEL, #subject, #rule, #message, #help));)
 }
 
 /// Binds each operand's `Type` and every dim name (as a `usize`), checking ranks,
@@ -195,7 +195,7 @@ fn bind_shapes(refs: &[&RefParam], statics: &[Ident]) -> TokenStream {
     let mut out = TokenStream::new();
     let mut bound: HashMap<String, String> = HashMap::new();
     for r in refs.iter().filter(|r| r.kind != RefKind::Scratch) {
-        let (name, ty) = (&r.name, format_ident!("__ty_{}", r.name));
+        let (name, ty) = (&r.name, format_ident!("__tessera_ty_{}", r.name));
         let subject = r.subject();
         let rank = r.dims.len();
         let decl = r.decl_text();
@@ -246,18 +246,18 @@ fn grid_and_blocks(attr: &KernelAttr, refs: &[&RefParam]) -> TokenStream {
     let mut out = TokenStream::new();
     for (key, spec) in &attr.blocks {
         let Some(r) = refs.iter().find(|r| &r.name == key) else { continue };
-        let var = format_ident!("__blk_{}", key);
+        let var = format_ident!("__tessera_blk_{}", key);
         let dims = spec.shape.iter().map(|d| match d {
             None => quote!(::core::option::Option::None),
             Some(e) => quote_spanned!(e.span()=> ::core::option::Option::Some::<usize>(#e)),
         });
         let subject = r.subject();
-        let msg = quote!(::std::format!("block dim {} of {} is 0", __d, #subject));
+        let msg = quote!(::std::format!("block dim {} of {} is 0", __tessera_d, #subject));
         let e = fail(&subject, "grid-extent", msg, "block sizes must be positive");
         out.extend(quote! {
             let #var: ::std::vec::Vec<::core::option::Option<usize>> = ::std::vec![#(#dims),*];
-            for (__d, __e) in #var.iter().enumerate() {
-                if *__e == ::core::option::Option::Some(0) { #e }
+            for (__tessera_d, __tessera_e) in #var.iter().enumerate() {
+                if *__tessera_e == ::core::option::Option::Some(0) { #e }
             }
         });
     }
@@ -274,23 +274,23 @@ fn grid_and_blocks(attr: &KernelAttr, refs: &[&RefParam]) -> TokenStream {
     });
     let idx = 0..n;
     let texts = quote!(<[&str; #n]>::from([#(#texts),*]));
-    let e = fail("grid", "grid-extent", quote!(::std::format!("grid dim {} (`{}`) has extent 0", __d, #texts[__d])), "make each grid extent at least 1 (is an operand smaller than its block?)");
+    let e = fail("grid", "grid-extent", quote!(::std::format!("grid dim {} (`{}`) has extent 0", __tessera_d, #texts[__tessera_d])), "make each grid extent at least 1 (is an operand smaller than its block?)");
     out.extend(quote! {
-        let __grid: [usize; #n] = [#(#extents),*];
-        for (__d, &__e) in __grid.iter().enumerate() {
-            if __e == 0 { #e }
+        let __tessera_grid: [usize; #n] = [#(#extents),*];
+        for (__tessera_d, &__tessera_e) in __tessera_grid.iter().enumerate() {
+            if __tessera_e == 0 { #e }
         }
-        __b.grid(&[#((__grid[#idx], #sems)),*]);
+        __tessera_b.grid(&[#((__tessera_grid[#idx], #sems)),*]);
     });
     if let Some(v) = &attr.vmem_limit_bytes {
-        out.extend(quote_spanned!(v.span()=> __b.vmem_limit_bytes(::core::convert::identity::<usize>(#v));));
+        out.extend(quote_spanned!(v.span()=> __tessera_b.vmem_limit_bytes(::core::convert::identity::<usize>(#v));));
     }
     if let Some(mesh) = &attr.mesh {
         let axes = mesh.elems.iter();
         let id = attr.collective_id.clone().map_or(quote!(0u32), |e| quote!(#e));
         out.extend(quote_spanned!(mesh.span()=> {
-            let __axes: ::std::vec::Vec<(&str, usize)> = ::std::vec![#(#axes),*];
-            __b.mesh(&__axes, ::core::convert::identity::<u32>(#id));
+            let __tessera_axes: ::std::vec::Vec<(&str, usize)> = ::std::vec![#(#axes),*];
+            __tessera_b.mesh(&__tessera_axes, ::core::convert::identity::<u32>(#id));
         }));
     }
     out
@@ -299,18 +299,18 @@ fn grid_and_blocks(attr: &KernelAttr, refs: &[&RefParam]) -> TokenStream {
 /// Declares the refs with the builder in signature order; index maps are lowered here.
 fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors: &mut Errors) -> TokenStream {
     let mut out = TokenStream::new();
-    let prefetch: HashMap<String, Ident> = refs.iter().filter(|r| r.kind == RefKind::Prefetch).map(|r| (r.name.to_string(), format_ident!("__ref_{}", r.name))).collect();
+    let prefetch: HashMap<String, Ident> = refs.iter().filter(|r| r.kind == RefKind::Prefetch).map(|r| (r.name.to_string(), format_ident!("__tessera_ref_{}", r.name))).collect();
     for r in refs {
-        let (var, ty, name) = (format_ident!("__ref_{}", r.name), format_ident!("__ty_{}", r.name), r.name.to_string());
+        let (var, ty, name) = (format_ident!("__tessera_ref_{}", r.name), format_ident!("__tessera_ty_{}", r.name), r.name.to_string());
         // The operand's source location is the attribute argument that declared it (its
         // name there), else its parameter: verifier errors about it point at that.
         let declared = attr.blocks.iter().map(|(k, _)| k).chain(attr.scratch.iter().map(|(k, _)| k)).find(|k| *k == &r.name).unwrap_or(&r.name);
         out.extend(crate::lower::at(declared.span()));
         let decl = match (r.kind, r.place) {
-            (RefKind::Prefetch, _) => quote!(__b.prefetch(#name, &#ty.shape)),
-            (RefKind::Input, Place::Smem) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),
-            (RefKind::Input, Place::Any) => quote!(__b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
-            (RefKind::Output, Place::Any) => quote!(__b.unblocked(::tessera_dsl::RefKind::Output, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
+            (RefKind::Prefetch, _) => quote!(__tessera_b.prefetch(#name, &#ty.shape)),
+            (RefKind::Input, Place::Smem) => quote!(__tessera_b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Smem)),
+            (RefKind::Input, Place::Any) => quote!(__tessera_b.unblocked(::tessera_dsl::RefKind::Input, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
+            (RefKind::Output, Place::Any) => quote!(__tessera_b.unblocked(::tessera_dsl::RefKind::Output, #name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::Any)),
             (RefKind::Input | RefKind::Output, _) => {
                 let Some((_, spec)) = attr.blocks.iter().find(|(k, _)| k == &r.name) else { continue };
                 if spec.shape.len() != r.dims.len() {
@@ -323,9 +323,9 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
                         continue;
                     }
                 };
-                let blk = format_ident!("__blk_{}", r.name);
+                let blk = format_ident!("__tessera_blk_{}", r.name);
                 let f = if r.kind == RefKind::Input { quote!(input) } else { quote!(output) };
-                quote!(__b.#f(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::BlockSpec { block_shape: #blk, index_map: #map }))
+                quote!(__tessera_b.#f(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::BlockSpec { block_shape: #blk, index_map: #map }))
             }
             (RefKind::Scratch, _) => {
                 let Some((_, s)) = attr.scratch.iter().find(|(k, _)| k == &r.name) else { continue };
@@ -333,7 +333,7 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
                     let n = &s.shape[0];
                     let f = if s.memory == ScratchMemory::Semaphore { quote!(semaphores) } else { quote!(regular_semaphores) };
                     out.extend(quote!(let #ty = ::tessera_dsl::Type::vector(::tessera_dsl::DType::I32, &[#n]);));
-                    out.extend(quote!(let #var: ::tessera_dsl::RefId = __b.#f(#name, #ty.shape[0]);));
+                    out.extend(quote!(let #var: ::tessera_dsl::RefId = __tessera_b.#f(#name, #ty.shape[0]);));
                     continue;
                 }
                 let Some(dtype) = &s.dtype else { continue };
@@ -347,7 +347,7 @@ fn declare_refs(attr: &KernelAttr, refs: &[&RefParam], lowerer: &Lowerer, errors
                 let dims = &s.shape;
                 let mem = if s.memory == ScratchMemory::Smem { quote!(Smem) } else { quote!(Vmem) };
                 out.extend(quote!(let #ty = ::tessera_dsl::Type::vector(#dtype, &[#(#dims),*]);));
-                quote!(__b.scratch(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::#mem))
+                quote!(__tessera_b.scratch(#name, #ty.dtype, &#ty.shape, ::tessera_dsl::MemorySpace::#mem))
             }
         };
         out.extend(quote!(let #var: ::tessera_dsl::RefId = #decl;));

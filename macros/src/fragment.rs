@@ -7,7 +7,7 @@
 //! #[tpu_fn]
 //! fn scores(q: Value, k: Value, scale: f32) -> Value { dot_t(q, k) * scale }
 //! // expands to
-//! fn scores(__b: &mut KernelBuilder, q: Value, k: Value, scale: f32) -> Value
+//! fn scores(__tessera_b: &mut KernelBuilder, q: Value, k: Value, scale: f32) -> Value
 //! ```
 //!
 //! A kernel calls it like any function, `let s = scores(q[..], k[..], sm_scale);`, with at
@@ -62,7 +62,7 @@ pub fn expand(func: ItemFn) -> syn::Result<TokenStream> {
     Ok(quote! {
         #(#attrs)*
         #[allow(clippy::too_many_arguments)]
-        #vis fn #name(__b: &mut ::tessera_dsl::KernelBuilder, #(#params),*) #ret {
+        #vis fn #name(__tessera_b: &mut ::tessera_dsl::KernelBuilder, #(#params),*) #ret {
             #body
         }
     })

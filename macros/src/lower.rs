@@ -4,7 +4,7 @@
 //! parameters, dims, `r.dtype`, `r.shape`, ...) and emitted verbatim, or *dynamic* (it
 //! mentions an IR value, a ref access or a builtin such as `program_id`) and turned into
 //! builder calls that produce a `::tessera_dsl::Value`. Builder calls are never nested
-//! as arguments of one another (that would borrow `__b` mutably twice); each operand is
+//! as arguments of one another (that would borrow `__tessera_b` mutably twice); each operand is
 //! bound to a temporary first.
 
 use std::collections::HashMap;
@@ -126,10 +126,10 @@ fn err<T>(tokens: impl ToTokens, msg: impl std::fmt::Display) -> syn::Result<T> 
     Err(syn::Error::new_spanned(tokens, msg))
 }
 
-/// `__b.at(file!(), line!(), column!())` carrying `span`, so the IR records the user's line.
+/// `__tessera_b.at(file!(), line!(), column!())` carrying `span`, so the IR records the user's line.
 pub(crate) fn at(span: Span) -> TokenStream {
     let loc = quote_spanned!(span=> ::core::file!(), ::core::line!(), ::core::column!());
-    quote!(__b.at(#loc);)
+    quote!(__tessera_b.at(#loc);)
 }
 
 impl<'a> Lowerer<'a> {
@@ -169,7 +169,7 @@ impl<'a> Lowerer<'a> {
                 Expr::Tuple(tu) if tu.elems.len() == n => {
                     let vals = tu.elems.iter().map(|e| self.value(e)).collect::<syn::Result<Vec<_>>>();
                     vals.map(|v| {
-                        let names: Vec<Ident> = (0..n).map(|i| format_ident!("__r{i}")).collect();
+                        let names: Vec<Ident> = (0..n).map(|i| format_ident!("__tessera_r{i}")).collect();
                         quote!({ #(let #names = #v;)* (#(#names),*) })
                     })
                 }
@@ -334,7 +334,7 @@ impl<'a> Lowerer<'a> {
             self.dyn_value(e)
         } else {
             let a = self.arg(e)?;
-            Ok(quote!({ let __a = #a; __b.lift(__a, ::core::option::Option::None) }))
+            Ok(quote!({ let __tessera_a = #a; __tessera_b.lift(__tessera_a, ::core::option::Option::None) }))
         }
     }
 
@@ -358,7 +358,7 @@ impl<'a> Lowerer<'a> {
                     _ => return err(u.op, "references and dereferences are not supported in kernel bodies; IR values are used by value"),
                 };
                 let x = self.value(&u.expr)?;
-                Ok(quote!({ let __x = #x; __b.unary(::tessera_dsl::UnaryOp::#op, __x) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.unary(::tessera_dsl::UnaryOp::#op, __tessera_x) }))
             }
             Expr::MethodCall(m) => self.method(m),
             Expr::Call(c) => self.call(c),
@@ -400,10 +400,10 @@ impl<'a> Lowerer<'a> {
         let l = self.arg(&b.left)?;
         let r = self.arg(&b.right)?;
         let call = match k {
-            K::Bin(op) => quote!(__b.binary(::tessera_dsl::BinaryOp::#op, __l, __r)),
-            K::Cmp(op) => quote!(__b.cmp(::tessera_dsl::CmpOp::#op, __l, __r)),
+            K::Bin(op) => quote!(__tessera_b.binary(::tessera_dsl::BinaryOp::#op, __tessera_l, __tessera_r)),
+            K::Cmp(op) => quote!(__tessera_b.cmp(::tessera_dsl::CmpOp::#op, __tessera_l, __tessera_r)),
         };
-        Ok(quote!({ let __l = #l; let __r = #r; #call }))
+        Ok(quote!({ let __tessera_l = #l; let __tessera_r = #r; #call }))
     }
 
     fn method(&mut self, m: &syn::ExprMethodCall) -> syn::Result<TokenStream> {
@@ -419,7 +419,7 @@ impl<'a> Lowerer<'a> {
             arity(0)?;
             let op = format_ident!("{}", op);
             let x = self.value(&m.receiver)?;
-            return Ok(quote!({ let __x = #x; __b.unary(::tessera_dsl::UnaryOp::#op, __x) }));
+            return Ok(quote!({ let __tessera_x = #x; __tessera_b.unary(::tessera_dsl::UnaryOp::#op, __tessera_x) }));
         }
         match name.as_str() {
             "max" | "min" | "pow" | "shr_logical" => {
@@ -432,51 +432,51 @@ impl<'a> Lowerer<'a> {
                 });
                 let l = self.arg(&m.receiver)?;
                 let r = self.arg(args[0])?;
-                Ok(quote!({ let __l = #l; let __r = #r; __b.binary(::tessera_dsl::BinaryOp::#op, __l, __r) }))
+                Ok(quote!({ let __tessera_l = #l; let __tessera_r = #r; __tessera_b.binary(::tessera_dsl::BinaryOp::#op, __tessera_l, __tessera_r) }))
             }
             "cast" => {
                 arity(1)?;
                 let x = self.value(&m.receiver)?;
                 let d = self.dtype(args[0])?;
-                Ok(quote!({ let __x = #x; __b.cast(__x, #d) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.cast(__tessera_x, #d) }))
             }
             "bitcast" => {
                 arity(1)?;
                 let x = self.value(&m.receiver)?;
                 let d = self.dtype(args[0])?;
-                Ok(quote!({ let __x = #x; __b.bitcast(__x, #d) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.bitcast(__tessera_x, #d) }))
             }
             "sum" | "reduce_max" | "reduce_min" => {
                 arity(1)?;
                 let op = format_ident!("{}", if name == "sum" { "Sum" } else if name == "reduce_max" { "Max" } else { "Min" });
                 let x = self.value(&m.receiver)?;
                 let axis = self.static_usize(args[0], "a reduction axis")?;
-                Ok(quote!({ let __x = #x; __b.reduce(::tessera_dsl::ReduceOp::#op, __x, #axis) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.reduce(::tessera_dsl::ReduceOp::#op, __tessera_x, #axis) }))
             }
             "cumsum" => {
                 arity(1)?;
                 let x = self.value(&m.receiver)?;
                 let axis = self.static_usize(args[0], "a cumsum axis")?;
-                Ok(quote!({ let __x = #x; __b.cumsum(__x, #axis) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.cumsum(__tessera_x, #axis) }))
             }
             "argmax" | "argmin" => {
                 arity(1)?;
                 let f = format_ident!("{}", name);
                 let x = self.value(&m.receiver)?;
                 let axis = self.static_usize(args[0], "an argmax/argmin axis")?;
-                Ok(quote!({ let __x = #x; __b.#f(__x, #axis) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.#f(__tessera_x, #axis) }))
             }
             "t" => {
                 arity(0)?;
                 let x = self.value(&m.receiver)?;
-                Ok(quote!({ let __x = #x; __b.transpose(__x) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.transpose(__tessera_x) }))
             }
             "reshape" | "broadcast_to" => {
                 arity(1)?;
                 let x = self.value(&m.receiver)?;
                 let s = self.shape(args[0])?;
                 let f = format_ident!("{}", if name == "reshape" { "reshape" } else { "broadcast" });
-                Ok(quote!({ let __x = #x; __b.#f(__x, #s) }))
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.#f(__tessera_x, #s) }))
             }
             _ => err(&m.method, format!("unknown method `.{name}()` on an IR value; {METHODS_HELP}")),
         }
@@ -521,12 +521,12 @@ impl<'a> Lowerer<'a> {
                 // dot_t = a @ b.T, dot_tn = a.T @ b: the transposed operand is expressed by
                 // its contracting dim, not by a separate transpose.
                 let (tl, tr) = (name == "dot_tn", name == "dot_t");
-                Ok(quote!({ let __l = #a; let __r = #b; __b.dot(__l, __r, #tl, #tr) }))
+                Ok(quote!({ let __tessera_l = #a; let __tessera_r = #b; __tessera_b.dot(__tessera_l, __tessera_r, #tl, #tr) }))
             }
             "select" => {
                 let cond = self.value(args[0])?;
                 let (a, b) = (self.arg(args[1])?, self.arg(args[2])?);
-                Ok(quote!({ let __c = #cond; let __l = #a; let __r = #b; __b.select(__c, __l, __r) }))
+                Ok(quote!({ let __tessera_c = #cond; let __tessera_l = #a; let __tessera_r = #b; __tessera_b.select(__tessera_c, __tessera_l, __tessera_r) }))
             }
             "concat" => {
                 // `concat([a, b, ..], axis)`, or `concat([x; n], axis)` (`jnp.tile` along `axis`).
@@ -539,40 +539,40 @@ impl<'a> Lowerer<'a> {
                     Expr::Repeat(r) => {
                         let v = self.value(&r.expr)?;
                         let n = self.static_usize(&r.len, "the number of repeats")?;
-                        quote!({ let __v = #v; ::std::vec![__v; #n] })
+                        quote!({ let __tessera_v = #v; ::std::vec![__tessera_v; #n] })
                     }
                     e => return err(e, "`concat` takes an array of values, `[a, b]`, or a repeat, `[x; n]`, then the axis"),
                 };
-                Ok(quote!({ let __p: ::std::vec::Vec<::tessera_dsl::Value> = #parts; __b.concat(&__p, #axis) }))
+                Ok(quote!({ let __tessera_p: ::std::vec::Vec<::tessera_dsl::Value> = #parts; __tessera_b.concat(&__tessera_p, #axis) }))
             }
             "iota" => {
                 let s = self.shape(args[0])?;
                 let d = self.static_usize(args[1], "the iota dim")?;
-                Ok(quote!(__b.iota(::tessera_dsl::DType::I32, #s, #d)))
+                Ok(quote!(__tessera_b.iota(::tessera_dsl::DType::I32, #s, #d)))
             }
             "zeros" => {
                 let (s, d) = (self.shape(args[0])?, self.dtype(args[1])?);
-                Ok(quote!(__b.zeros(#s, #d)))
+                Ok(quote!(__tessera_b.zeros(#s, #d)))
             }
             "full" => {
                 let (s, d) = (self.shape(args[0])?, self.dtype(args[1])?);
                 let v = self.arg(args[2])?;
-                Ok(quote!({ let __v = #v; __b.full(#s, #d, __v) }))
+                Ok(quote!({ let __tessera_v = #v; __tessera_b.full(#s, #d, __tessera_v) }))
             }
             "program_id" | "num_programs" => {
                 let axis = self.static_usize(args[0], "a grid axis")?;
                 let f = format_ident!("{}", name);
-                Ok(quote!(__b.#f(#axis)))
+                Ok(quote!(__tessera_b.#f(#axis)))
             }
             "sigmoid" => {
                 // 1 / (1 + exp(-x)); the literals take x's dtype.
                 let x = self.value(args[0])?;
                 Ok(quote!({
-                    let __x = #x;
-                    let __n = __b.unary(::tessera_dsl::UnaryOp::Neg, __x);
-                    let __e = __b.unary(::tessera_dsl::UnaryOp::Exp, __n);
-                    let __d = __b.binary(::tessera_dsl::BinaryOp::Add, ::tessera_dsl::Arg::Float(1.0), __e);
-                    __b.binary(::tessera_dsl::BinaryOp::Div, ::tessera_dsl::Arg::Float(1.0), __d)
+                    let __tessera_x = #x;
+                    let __tessera_n = __tessera_b.unary(::tessera_dsl::UnaryOp::Neg, __tessera_x);
+                    let __tessera_e = __tessera_b.unary(::tessera_dsl::UnaryOp::Exp, __tessera_n);
+                    let __tessera_d = __tessera_b.binary(::tessera_dsl::BinaryOp::Add, ::tessera_dsl::Arg::Float(1.0), __tessera_e);
+                    __tessera_b.binary(::tessera_dsl::BinaryOp::Div, ::tessera_dsl::Arg::Float(1.0), __tessera_d)
                 }))
             }
             "dma_start" | "dma_wait" => {
@@ -585,28 +585,28 @@ impl<'a> Lowerer<'a> {
                 let i = self.arg(&sem_ix.index)?;
                 let f = format_ident!("{}", name);
                 Ok(quote!({
-                    let __src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
-                    let __dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
-                    let __s = #i;
-                    __b.#f(#src, &__src, #dst, &__dst, #sem, __s)
+                    let __tessera_src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
+                    let __tessera_dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
+                    let __tessera_s = #i;
+                    __tessera_b.#f(#src, &__tessera_src, #dst, &__tessera_dst, #sem, __tessera_s)
                 }))
             }
-            "device_id" => Ok(quote!(__b.device_id())),
+            "device_id" => Ok(quote!(__tessera_b.device_id())),
             "mesh_device" => {
                 let mut lets = TokenStream::new();
                 let mut passed = Vec::new();
                 for (k, a) in args.iter().enumerate() {
-                    let t = format_ident!("__c{k}");
+                    let t = format_ident!("__tessera_c{k}");
                     let v = self.arg(a)?;
                     lets.extend(quote!(let #t: ::tessera_dsl::Arg = ::std::convert::Into::into(#v);));
                     passed.push(t);
                 }
-                Ok(quote!({ #lets __b.mesh_device(&[#(#passed),*]) }))
+                Ok(quote!({ #lets __tessera_b.mesh_device(&[#(#passed),*]) }))
             }
             "axis_index" | "axis_size" => {
                 let axis = self.require_static(args[0], "a mesh axis name")?;
                 let f = format_ident!("{}", name);
-                Ok(quote!(__b.#f(#axis)))
+                Ok(quote!(__tessera_b.#f(#axis)))
             }
             "remote_copy_start" | "remote_copy_wait_send" | "remote_copy_wait_recv" => {
                 let (src, src_idx) = self.dma_side(args[0])?;
@@ -617,19 +617,19 @@ impl<'a> Lowerer<'a> {
                 let device = self.arg(args[4])?;
                 let f = format_ident!("{}", name);
                 Ok(quote!({
-                    let __src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
-                    let __dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
-                    let __si: ::tessera_dsl::Arg = ::std::convert::Into::into(#send_i);
-                    let __ri: ::tessera_dsl::Arg = ::std::convert::Into::into(#recv_i);
-                    let __dev: ::tessera_dsl::Arg = ::std::convert::Into::into(#device);
-                    __b.#f(&::tessera_dsl::RemoteCopy { src: #src, src_index: &__src, dst: #dst, dst_index: &__dst, send_sem: (#send, __si), recv_sem: (#recv, __ri), device: __dev })
+                    let __tessera_src: ::std::vec::Vec<::tessera_dsl::Index> = #src_idx;
+                    let __tessera_dst: ::std::vec::Vec<::tessera_dsl::Index> = #dst_idx;
+                    let __tessera_si: ::tessera_dsl::Arg = ::std::convert::Into::into(#send_i);
+                    let __tessera_ri: ::tessera_dsl::Arg = ::std::convert::Into::into(#recv_i);
+                    let __tessera_dev: ::tessera_dsl::Arg = ::std::convert::Into::into(#device);
+                    __tessera_b.#f(&::tessera_dsl::RemoteCopy { src: #src, src_index: &__tessera_src, dst: #dst, dst_index: &__tessera_dst, send_sem: (#send, __tessera_si), recv_sem: (#recv, __tessera_ri), device: __tessera_dev })
                 }))
             }
             "semaphore_signal" | "semaphore_wait" => {
                 let sem = self.counting_semaphore(args[0])?;
                 let amount = self.arg(args[1])?;
                 if name == "semaphore_wait" {
-                    return Ok(quote!({ let __s = #sem; let __a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); __b.semaphore_wait(__s, __a) }));
+                    return Ok(quote!({ let __tessera_s = #sem; let __tessera_a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); __tessera_b.semaphore_wait(__tessera_s, __tessera_a) }));
                 }
                 let device = match args.get(2) {
                     Some(d) => {
@@ -638,7 +638,7 @@ impl<'a> Lowerer<'a> {
                     }
                     None => quote!(::core::option::Option::None),
                 };
-                Ok(quote!({ let __s = #sem; let __a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); let __d = #device; __b.semaphore_signal(__s, __a, __d) }))
+                Ok(quote!({ let __tessera_s = #sem; let __tessera_a: ::tessera_dsl::Arg = ::std::convert::Into::into(#amount); let __tessera_d = #device; __tessera_b.semaphore_signal(__tessera_s, __tessera_a, __tessera_d) }))
             }
             "barrier_semaphore" => err(c, "`barrier_semaphore()` names the barrier only as the semaphore of semaphore_signal / semaphore_wait"),
             "pipe_in" | "pipe_out" => {
@@ -647,26 +647,26 @@ impl<'a> Lowerer<'a> {
                     return err(c, format!("`{name}` is only valid directly in the body of a `for i in pipeline(steps) {{ .. }}` loop"));
                 };
                 if name == "pipe_in" {
-                    Ok(quote!(__b.pipe_load(&__blocks[#k])))
+                    Ok(quote!(__tessera_b.pipe_load(&__tessera_blocks[#k])))
                 } else {
                     let v = self.arg(args[3])?;
-                    Ok(quote!({ let __v = #v; __b.pipe_store(&__blocks[#k], __v) }))
+                    Ok(quote!({ let __tessera_v = #v; __tessera_b.pipe_store(&__tessera_blocks[#k], __tessera_v) }))
                 }
             }
             "prng_seed" => {
                 let mut lets = TokenStream::new();
                 let mut passed = Vec::new();
                 for (k, a) in args.iter().enumerate() {
-                    let t = format_ident!("__s{k}");
+                    let t = format_ident!("__tessera_s{k}");
                     let v = self.arg(a)?;
                     lets.extend(quote!(let #t: ::tessera_dsl::Arg = ::std::convert::Into::into(#v);));
                     passed.push(t);
                 }
-                Ok(quote_spanned!(c.span()=> { #lets __b.prng_seed(&[#(#passed),*]) }))
+                Ok(quote_spanned!(c.span()=> { #lets __tessera_b.prng_seed(&[#(#passed),*]) }))
             }
             "prng_random_bits" => {
                 let s = self.shape(args[0])?;
-                Ok(quote!(__b.prng_random_bits(#s)))
+                Ok(quote!(__tessera_b.prng_random_bits(#s)))
             }
             "ds" => err(c, "`ds(start, len)` is a slice and only valid inside a ref index, e.g. `x[(.., ds(i * 8, 8))]`"),
             "max" | "min" | "pow" | "exp" | "log" | "tanh" | "erf" | "sqrt" | "rsqrt" | "abs" | "log1p" | "expm1" | "sin" | "cos" | "floor" | "ceil" | "round" | "sign" => {
@@ -679,12 +679,12 @@ impl<'a> Lowerer<'a> {
                 let mut lets = TokenStream::new();
                 let mut passed = Vec::new();
                 for (k, a) in args.iter().enumerate() {
-                    let t = format_ident!("__f{k}");
+                    let t = format_ident!("__tessera_f{k}");
                     let v = if self.is_dynamic(a) { self.value(a)? } else { self.static_expr(a)?.to_token_stream() };
                     lets.extend(quote!(let #t = #v;));
                     passed.push(t);
                 }
-                Ok(quote_spanned!(f.span()=> { #lets #f(__b, #(#passed),*) }))
+                Ok(quote_spanned!(f.span()=> { #lets #f(__tessera_b, #(#passed),*) }))
             }
         }
     }
@@ -701,7 +701,7 @@ impl<'a> Lowerer<'a> {
         let mut lets = TokenStream::new();
         let mut names = Vec::new();
         for (n, d) in dims.into_iter().enumerate() {
-            let v = format_ident!("__i{}", n);
+            let v = format_ident!("__tessera_i{}", n);
             let ix = match strip(d) {
                 Expr::Range(r) if r.start.is_none() && r.end.is_none() => quote!(::tessera_dsl::Index::Full),
                 Expr::Range(r) => {
@@ -713,7 +713,7 @@ impl<'a> Lowerer<'a> {
                         Some(s) => self.require_static(s, "a range bound (use `ds(start, len)` for dynamic starts)")?.into_token_stream(),
                         None => quote!(0),
                     };
-                    quote!({ let __s: usize = #start; let __e: usize = #end; ::tessera_dsl::ds(__s, __e - __s) })
+                    quote!({ let __tessera_s: usize = #start; let __tessera_e: usize = #end; ::tessera_dsl::ds(__tessera_s, __tessera_e - __tessera_s) })
                 }
                 Expr::Call(c) if ident_of(&c.func).is_some_and(|f| f == "ds") => {
                     if c.args.len() != 2 && c.args.len() != 3 {
@@ -723,9 +723,9 @@ impl<'a> Lowerer<'a> {
                     let len = self.static_usize(&c.args[1], "a slice length")?;
                     if c.args.len() == 3 {
                         let stride = self.static_usize(&c.args[2], "a slice stride")?;
-                        quote_spanned!(c.span()=> { let __s = #start; ::tessera_dsl::ds_strided(__s, #len, #stride) })
+                        quote_spanned!(c.span()=> { let __tessera_s = #start; ::tessera_dsl::ds_strided(__tessera_s, #len, #stride) })
                     } else {
-                        quote!({ let __s = #start; ::tessera_dsl::ds(__s, #len) })
+                        quote!({ let __tessera_s = #start; ::tessera_dsl::ds(__tessera_s, #len) })
                     }
                 }
                 // `(a..b).step_by(s)`: the elements a, a + s, .. below b (static bounds).
@@ -744,17 +744,17 @@ impl<'a> Lowerer<'a> {
                     };
                     let stride = self.static_usize(&m.args[0], "a step_by stride")?;
                     quote_spanned!(m.span()=> {
-                        let __s: usize = #start;
-                        let __e: usize = #end;
-                        let __k: usize = #stride;
+                        let __tessera_s: usize = #start;
+                        let __tessera_e: usize = #end;
+                        let __tessera_k: usize = #stride;
                         // A zero step is refused by the builder (`slice-stride`).
-                        let __n: usize = if __k == 0 { 1 } else { __e.saturating_sub(__s).div_ceil(__k) };
-                        ::tessera_dsl::ds_strided(__s, __n, __k)
+                        let __tessera_n: usize = if __tessera_k == 0 { 1 } else { __tessera_e.saturating_sub(__tessera_s).div_ceil(__tessera_k) };
+                        ::tessera_dsl::ds_strided(__tessera_s, __tessera_n, __tessera_k)
                     })
                 }
                 single => {
                     let start = self.arg(single)?;
-                    quote!({ let __s = #start; ::tessera_dsl::ds(__s, 1) })
+                    quote!({ let __tessera_s = #start; ::tessera_dsl::ds(__tessera_s, 1) })
                 }
             };
             lets.extend(quote!(let #v: ::tessera_dsl::Index = #ix;));
@@ -806,7 +806,7 @@ impl<'a> Lowerer<'a> {
     fn load(&mut self, ix: &ExprIndex) -> syn::Result<TokenStream> {
         let (r, lets, idx) = self.ref_access(ix)?;
         let var = &r.var;
-        Ok(quote!({ #lets __b.load(#var, &[#(#idx),*]) }))
+        Ok(quote!({ #lets __tessera_b.load(#var, &[#(#idx),*]) }))
     }
 
     // ---- statements --------------------------------------------------------------------
@@ -962,13 +962,13 @@ impl<'a> Lowerer<'a> {
                 let v = match op {
                     Some((op, _)) => {
                         let r = self.arg(rhs)?;
-                        quote!({ let __r = #r; __b.binary(::tessera_dsl::BinaryOp::#op, #name, __r) })
+                        quote!({ let __tessera_r = #r; __tessera_b.binary(::tessera_dsl::BinaryOp::#op, #name, __tessera_r) })
                     }
                     None if self.is_dynamic(rhs) => self.value(rhs)?,
                     None => {
                         // A static value assigned to an IR variable takes the variable's dtype.
                         let s = self.arg(rhs)?;
-                        quote!({ let __a = #s; let __d = __b.ty(#name).dtype; __b.lift(__a, ::core::option::Option::Some(__d)) })
+                        quote!({ let __tessera_a = #s; let __tessera_d = __tessera_b.ty(#name).dtype; __tessera_b.lift(__tessera_a, ::core::option::Option::Some(__tessera_d)) })
                     }
                 };
                 Ok(quote!(#name = #v;))
@@ -1006,13 +1006,13 @@ impl<'a> Lowerer<'a> {
         let var = &r.var;
         let v = self.arg(rhs)?;
         Ok(match op {
-            None => quote!({ #lets let __v = #v; __b.store(#var, &[#(#idx),*], __v); }),
+            None => quote!({ #lets let __tessera_v = #v; __tessera_b.store(#var, &[#(#idx),*], __tessera_v); }),
             Some(op) => quote!({
                 #lets
-                let __old = __b.load(#var, &[#(#idx),*]);
-                let __v = #v;
-                let __new = __b.binary(::tessera_dsl::BinaryOp::#op, __old, __v);
-                __b.store(#var, &[#(#idx),*], __new);
+                let __tessera_old = __tessera_b.load(#var, &[#(#idx),*]);
+                let __tessera_v = #v;
+                let __tessera_new = __tessera_b.binary(::tessera_dsl::BinaryOp::#op, __tessera_old, __tessera_v);
+                __tessera_b.store(#var, &[#(#idx),*], __tessera_new);
             }),
         })
     }
@@ -1067,7 +1067,7 @@ impl<'a> Lowerer<'a> {
                 })
             })?;
             let body = if want_value {
-                quote!(let __y = #inner; #restore ::std::vec![__y, #(#carries),*])
+                quote!(let __tessera_y = #inner; #restore ::std::vec![__tessera_y, #(#carries),*])
             } else {
                 quote!(#inner #restore ::std::vec![#(#carries),*])
             };
@@ -1076,7 +1076,7 @@ impl<'a> Lowerer<'a> {
     }
 
     /// An `if`: a Rust `if` when the condition is static (build-time specialisation),
-    /// `__b.if_else` when it is dynamic. With `want_value`, evaluates to the `Value` of
+    /// `__tessera_b.if_else` when it is dynamic. With `want_value`, evaluates to the `Value` of
     /// the taken branch.
     fn if_expr(&mut self, i: &ExprIf, want_value: bool) -> syn::Result<TokenStream> {
         if want_value && i.else_branch.is_none() {
@@ -1132,22 +1132,22 @@ impl<'a> Lowerer<'a> {
         let off = usize::from(want_value);
         let assign_back = carries.iter().enumerate().map(|(k, c)| {
             let k = k + off;
-            quote!(#c = __res[#k];)
+            quote!(#c = __tessera_res[#k];)
         });
-        let result = want_value.then(|| quote!(__res[0]));
+        let result = want_value.then(|| quote!(__tessera_res[0]));
         Ok(quote!({
-            let __cond = #cond;
-            let __res = __b.if_else(
-                __cond,
-                |__b: &mut ::tessera_dsl::KernelBuilder| #then,
-                |__b: &mut ::tessera_dsl::KernelBuilder| #otherwise,
+            let __tessera_cond = #cond;
+            let __tessera_res = __tessera_b.if_else(
+                __tessera_cond,
+                |__tessera_b: &mut ::tessera_dsl::KernelBuilder| #then,
+                |__tessera_b: &mut ::tessera_dsl::KernelBuilder| #otherwise,
             );
             #(#assign_back)*
             #result
         }))
     }
 
-    /// `for i in lo..hi { .. }` / `for i in (lo..hi).step_by(s) { .. }` -> `__b.for_range`,
+    /// `for i in lo..hi { .. }` / `for i in (lo..hi).step_by(s) { .. }` -> `__tessera_b.for_range`,
     /// carrying the outer IR variables the body assigns.
     fn for_loop(&mut self, f: &syn::ExprForLoop) -> syn::Result<TokenStream> {
         if let Some(l) = &f.label {
@@ -1177,7 +1177,7 @@ impl<'a> Lowerer<'a> {
         };
         let iv = match &*f.pat {
             Pat::Ident(pi) if pi.by_ref.is_none() && pi.mutability.is_none() && pi.subpat.is_none() => pi.ident.clone(),
-            Pat::Wild(w) => Ident::new("__iv", w.span()),
+            Pat::Wild(w) => Ident::new("__tessera_iv", w.span()),
             p => return err(p, "the loop variable is a plain name (or `_`)"),
         };
         let (lo, hi) = (self.arg(lo)?, self.arg(hi)?);
@@ -1190,27 +1190,27 @@ impl<'a> Lowerer<'a> {
                 l.declare(c, Var::Ir { mutable: true });
             }
             let stmts = l.scoped(|l| l.stmts(&f.body.stmts));
-            let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __c[#k];));
+            let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __tessera_c[#k];));
             quote!({ #(#copies)* { #stmts } #restore ::std::vec![#(#carries),*] })
         });
         self.dyn_depth -= 1;
-        let assign_back = carries.iter().enumerate().map(|(k, c)| quote!(#c = __res[#k];));
+        let assign_back = carries.iter().enumerate().map(|(k, c)| quote!(#c = __tessera_res[#k];));
         Ok(quote!({
-            let __lo = #lo;
-            let __hi = #hi;
-            let __res = __b.for_range(
-                __lo,
-                __hi,
+            let __tessera_lo = #lo;
+            let __tessera_hi = #hi;
+            let __tessera_res = __tessera_b.for_range(
+                __tessera_lo,
+                __tessera_hi,
                 #step,
                 &[#(#carries),*],
-                |__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __c: &[::tessera_dsl::Value]| #body,
+                |__tessera_b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __tessera_c: &[::tessera_dsl::Value]| #body,
             );
             #(#assign_back)*
         }))
     }
 
     /// `for i in pipeline(steps) { .. pipe_in(x, [block], [idx]) .. pipe_out(o, [block],
-    /// [idx], v) .. }` -> `__b.emit_pipeline` (Pallas `pltpu.emit_pipeline`): every
+    /// [idx], v) .. }` -> `__tessera_b.emit_pipeline` (Pallas `pltpu.emit_pipeline`): every
     /// operand named by a `pipe_in` / `pipe_out` in the body is streamed in sub-blocks of
     /// `block` at block indices `idx` (over `i` and values from outside the loop), double
     /// buffered; `pipe_in` reads the current sub-block, `pipe_out` writes it.
@@ -1221,7 +1221,7 @@ impl<'a> Lowerer<'a> {
         let steps = self.static_usize(&c.args[0], "a pipeline's step count")?;
         let iv = match &*f.pat {
             Pat::Ident(pi) if pi.by_ref.is_none() && pi.mutability.is_none() && pi.subpat.is_none() => pi.ident.clone(),
-            Pat::Wild(w) => Ident::new("__iv", w.span()),
+            Pat::Wild(w) => Ident::new("__tessera_iv", w.span()),
             p => return err(p, "the loop variable is a plain name (or `_`)"),
         };
         // The pipelined operands, in order of first use.
@@ -1257,12 +1257,12 @@ impl<'a> Lowerer<'a> {
                 elems.iter().map(|e| l.arg(e)).collect::<syn::Result<Vec<_>>>()
             })?;
             let lets: Vec<TokenStream> = lowered.iter().enumerate().map(|(k, t)| {
-                let n = format_ident!("__x{k}");
+                let n = format_ident!("__tessera_x{k}");
                 quote!(let #n = ::tessera_dsl::Arg::from(#t);)
             }).collect();
-            let names = (0..lowered.len()).map(|k| format_ident!("__x{k}"));
-            pipes.push(quote!(::tessera_dsl::Pipe::new(#var, #shape, &|__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value| -> ::std::vec::Vec<::tessera_dsl::Arg> {
-                let _ = &__b;
+            let names = (0..lowered.len()).map(|k| format_ident!("__tessera_x{k}"));
+            pipes.push(quote!(::tessera_dsl::Pipe::new(#var, #shape, &|__tessera_b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value| -> ::std::vec::Vec<::tessera_dsl::Arg> {
+                let _ = &__tessera_b;
                 #(#lets)*
                 ::std::vec![#(#names),*]
             })));
@@ -1279,20 +1279,20 @@ impl<'a> Lowerer<'a> {
                 l.declare(c, Var::Ir { mutable: true });
             }
             let stmts = l.scoped(|l| l.stmts(&f.body.stmts));
-            let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __c[#k];));
+            let copies = carries.iter().enumerate().map(|(k, c)| quote!(#[allow(unused_mut)] let mut #c = __tessera_c[#k];));
             // The step may be used only by the index maps.
             quote!({ let _ = #iv; #(#copies)* { #stmts } #restore ::std::vec![#(#carries),*] })
         });
         self.pipelines.pop();
         self.dyn_depth -= 1;
-        let assign_back = carries.iter().enumerate().map(|(k, c)| quote!(#c = __res[#k];));
+        let assign_back = carries.iter().enumerate().map(|(k, c)| quote!(#c = __tessera_res[#k];));
         Ok(quote!({
-            let __res = __b.emit_pipeline(
+            let __tessera_res = __tessera_b.emit_pipeline(
                 #name,
                 #steps,
                 &[#(#pipes),*],
                 &[#(#carries),*],
-                |__b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __blocks: &[::tessera_dsl::PipeBlock], __c: &[::tessera_dsl::Value]| #body,
+                |__tessera_b: &mut ::tessera_dsl::KernelBuilder, #iv: ::tessera_dsl::Value, __tessera_blocks: &[::tessera_dsl::PipeBlock], __tessera_c: &[::tessera_dsl::Value]| #body,
             );
             #(#assign_back)*
         }))

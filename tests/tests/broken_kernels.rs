@@ -71,3 +71,67 @@ fn tiling_help_never_suggests_a_block_breaking_its_rule() {
     assert_eq!(err.rule, "block-tiling", "{err}");
     assert_eq!(err.help, "use the full dim 100 (or 128, a multiple of 128 that pads past it)", "{err}");
 }
+
+/// A contraction whose grid drops the input's last block (`k / bk` steps, `k` not a multiple
+/// of `bk`) verifies (it is legal) but warns `input-unread`; no library kernel at any of its
+/// cases and dtypes leaves an input's end unread.
+#[test]
+fn an_input_whose_end_no_step_reads_warns_and_no_library_kernel_does() {
+    let (k, bk) = (500, 128);
+    let mut b = KernelBuilder::new("truncated_sum");
+    b.grid(&[(k / bk, Semantics::Arbitrary)]);
+    let x = b.input("x", DType::F32, &[8, k], BlockSpec { block_shape: vec![Some(8), Some(bk)], index_map: vec![I::Const(0), I::Grid(0)] });
+    let o = b.output("o", DType::F32, &[8, 128], BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![I::Const(0), I::Const(0)] });
+    let v = b.load(x, &[Index::Full, Index::Full]);
+    b.store(o, &[Index::Full, Index::Full], v);
+    let kernel = b.finish().unwrap();
+    verify::verify(&kernel, &Target::V5E).unwrap();
+    let w = verify::warnings(&kernel, &Target::V5E);
+    assert!(w.iter().any(|w| w.rule == "input-unread" && w.subject == "input `x`" && w.help.contains("500.div_ceil(128)")), "{w:?}");
+
+    let mut checked = 0;
+    for op in tessera_kernels::library() {
+        let schema = op.parsed().unwrap();
+        for case in op.cases {
+            for dtype in [DType::F32, DType::BF16] {
+                let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
+                let statics = tessera_kernels::Statics::parse(&schema, case.statics).unwrap();
+                let Ok(plan) = op.plan_for(&op.types(&shapes, dtype), &statics, &Target::V6E) else { continue };
+                for l in &plan.launches {
+                    let unread: Vec<_> = verify::warnings(&l.kernel, &Target::V6E).into_iter().filter(|w| w.rule == "input-unread").collect();
+                    assert!(unread.is_empty(), "{} case {} {dtype}: {unread:?}", op.name, case.name);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "{checked}");
+    eprintln!("{checked} library kernels checked");
+}
+
+/// A bool array in memory (Mosaic has no i1 memrefs) and a kernel name that is not an
+/// identifier (it names MLIR symbols and emitted files: `../x` would write outside the
+/// output dir) are refused by the verifier, so the CPU backends refuse them too.
+#[test]
+fn bool_memory_and_bad_kernel_names_are_refused_before_lowering() {
+    let kernel = |name: &str, out: DType| {
+        let mut b = KernelBuilder::new(name);
+        b.grid(&[(1, Semantics::Parallel)]);
+        let spec = || BlockSpec { block_shape: vec![Some(8), Some(128)], index_map: vec![I::Const(0), I::Const(0)] };
+        let x = b.input("x", DType::F32, &[8, 128], spec());
+        let o = b.output("out", out, &[8, 128], spec());
+        let v = b.load(x, &[Index::Full, Index::Full]);
+        let v = if out == DType::Bool { b.cmp(CmpOp::Gt, v, 0.0) } else { v };
+        b.store(o, &[Index::Full, Index::Full], v);
+        b.finish().unwrap()
+    };
+    let e = verify::verify(&kernel("positive", DType::Bool), &Target::V5E).unwrap_err();
+    assert_eq!((e.rule, e.kernel.as_str()), ("memory-dtype", "positive"), "{e}");
+    assert!(e.to_string().contains("output `out`") && e.to_string().contains("help: "), "{e}");
+    assert!(verify::runnable(&kernel("positive", DType::Bool)).is_err());
+    for name in ["../escaped", "", "a b", "9lives", "x\"y"] {
+        let e = verify::verify(&kernel(name, DType::F32), &Target::V5E).unwrap_err();
+        assert_eq!(e.rule, "kernel-name", "{name:?}: {e}");
+    }
+    verify::verify(&kernel("ok_name_2", DType::F32), &Target::V5E).unwrap();
+}

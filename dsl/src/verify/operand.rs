@@ -38,6 +38,10 @@ impl Verifier<'_> {
             return Err(self.err(&subject, "shape-overflow", format!("shape {:?} of {} has more bytes than a 64-bit count holds", r.shape, r.dtype), "check the shape: its element count overflows"));
         };
         let _ = bytes; // the total is checked by `hbm`
+        if r.dtype == DType::Bool {
+            // Masks are values in a kernel, not memory: Mosaic has no i1 memrefs.
+            return Err(self.err(&subject, "memory-dtype", format!("an array of {} in {}", r.dtype, r.memory.name()), "store masks as int8 or int32 (`mask.cast(i32)`) and compare on load"));
+        }
         if r.kind == RefKind::Prefetch && (r.dtype != DType::I32 || r.memory != MemorySpace::Smem) {
             return Err(self.err(&subject, "prefetch-dtype", format!("scalar prefetch is {} in {}", r.dtype, r.memory.name()), "scalar-prefetch operands are int32 arrays in SMEM"));
         }
@@ -177,7 +181,7 @@ impl Verifier<'_> {
 
     /// All block indices an index map produces over the grid, when that is cheap to know
     /// statically (no prefetch reads, grid of at most 2^20 steps).
-    fn visited_blocks(&self, b: &BlockSpec) -> Result<Option<Vec<Vec<i64>>>> {
+    pub(super) fn visited_blocks(&self, b: &BlockSpec) -> Result<Option<Vec<Vec<i64>>>> {
         let mut uses_prefetch = false;
         for e in &b.index_map {
             e.for_each_leaf(&mut |l| uses_prefetch |= matches!(l, IndexExpr::Prefetch { .. }));

@@ -12,6 +12,11 @@ impl Verifier<'_> {
     pub(super) fn structure(&self) -> Result<()> {
         let k = self.k;
         let bad = |what: String| Err(self.err("IR", "malformed-ir", what, "build kernels with KernelBuilder (or keep hand edits consistent)"));
+        // The name becomes an MLIR symbol and the stem of emitted files (`<dir>/<target>/<name>.*`).
+        let ident = k.name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_') && k.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ident {
+            return Err(self.err("name", "kernel-name", format!("the kernel is named {:?}", k.name), "name kernels like Rust identifiers: ASCII letters, digits and `_`, not starting with a digit"));
+        }
         if k.body.index() >= k.blocks.len() {
             return bad(format!("the body is block {} of {}", k.body.index(), k.blocks.len()));
         }
