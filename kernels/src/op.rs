@@ -489,7 +489,9 @@ impl Statics {
         Ok(out)
     }
 
-    /// The statics of `schema` from `name=value, ...` (the others take their defaults).
+    /// The statics of `schema` from `name=value, ...` (the others take their defaults). A
+    /// name assigned again overrides its earlier value (a case's statics, then overrides);
+    /// a caller taking a user's text that should refuse a repeat checks [`Statics::assignments`].
     pub fn parse(schema: &Schema, assignments: &str) -> Result<Statics, String> {
         let mut values: Vec<Option<Static>> = schema.statics().map(|_| None).collect();
         for a in split_top(assignments) {
@@ -510,6 +512,12 @@ impl Statics {
             });
         }
         Statics::from_values(schema, out)
+    }
+
+    /// The `(name, value)` pairs of `name=value, ...` in order, trimmed, repeats included
+    /// (an item without `=` is left out: [`Statics::parse`] refuses it).
+    pub fn assignments(assignments: &str) -> Vec<(&str, &str)> {
+        split_top(assignments).into_iter().filter_map(|a| a.split_once('=')).map(|(n, v)| (n.trim(), v.trim())).collect()
     }
 
     /// The value of `name` (`Static::None` for a name the schema does not have).
@@ -779,6 +787,10 @@ mod tests {
         assert_eq!(st.str("gate"), "softmax");
         assert_eq!(st.ints("tiling"), Some(&[128, 256, 512][..]));
         assert!(Statics::parse(&s, "nope=1").is_err());
+        // A later assignment overrides an earlier one (a case's statics, then overrides);
+        // `assignments` lists each, for callers that refuse a repeat.
+        assert_eq!(Statics::parse(&s, "k=3, k=4").unwrap().i64("k"), Some(4));
+        assert_eq!(Statics::assignments(" k=3, tiling=[1, 2], gate=\"a,b\", ,k = 4"), vec![("k", "3"), ("tiling", "[1, 2]"), ("gate", "\"a,b\""), ("k", "4")]);
         assert!(Statics::from_values(&s, vec![Static::Str("x".into())]).is_err());
     }
 

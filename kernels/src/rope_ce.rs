@@ -357,6 +357,11 @@ fn plan_rope(c: &Call) -> Result<Plan, KernelError> {
     let w = rope_chunk(h * dh, dh);
     let args = vec![c.input(name, Type::vector(x.dtype, &[t, h * dh]))?, column(c, "position_ids", t)?, host(0, Type::vector(DType::F32, &[9, w]))];
     let theta = c.statics.f64("theta").unwrap_or(ROPE_THETA);
+    // The frequencies are theta^(-2i/dh): a base of 0 or below makes them infinite or NaN
+    // (and every output with them); a NaN or infinite one is no base at all.
+    if !(theta > 0.0 && theta.is_finite()) {
+        return Err(c.err("argument `theta`", "option-value", format!("theta = {theta}: the rotary base must be a finite positive number"), format!("pass a finite positive theta (default {ROPE_THETA})")));
+    }
     Ok(single(c, kernel, args, &[Some(x.shape.clone())]).with_host(vec![rope_freqs(dh, w, theta, interleaved)]))
 }
 

@@ -554,6 +554,54 @@ fn cli_shape_overrides_are_used_or_rejected() {
     assert!(code == 0 && stdout.contains("6x40,6,6x1,6") && stdout.contains(" ok"), "{stdout}\n{stderr}");
 }
 
+/// Bad arguments are refused before anything prints (stdout stays empty): a static given
+/// twice (no silent last-wins), an unknown case, a shape the op refuses.
+#[test]
+fn cli_arguments_are_checked_before_output() {
+    let cases: [(&[&str], &[&str]); 5] = [
+        (&["run", "matmul", "--statics", "block_m=8,block_m=16"], &["`block_m` is given twice", "block_m=8", "block_m=16"]),
+        (&["emit", "matmul", "--statics", "block_m=8, block_n=128, block_m=8", "--out", "/tmp/tessera-op-contract-unused"], &["`block_m` is given twice"]),
+        (&["run", "softmax", "--case", "nope"], &["no case `nope`"]),
+        (&["run", "cross_entropy", "--shape", "logits=15x22", "--shape", "labels=2x15"], &["`labels`", "operand-rank"]),
+        (&["run", "--all", "--case", "nope"], &["no op has a case `nope`"]),
+    ];
+    for (args, needles) in cases {
+        cli_rejects(args, needles);
+        let (_, stdout, _) = cli(args);
+        assert!(stdout.is_empty(), "`tessera {}` printed before refusing:\n{stdout}", args.join(" "));
+    }
+}
+
+/// The help says what each command takes: the op is any op of the binary (not only the
+/// library's), and `tune` (one op at a time) does not offer `--all`.
+#[test]
+fn cli_help_matches_the_commands() {
+    for cmd in ["run", "emit", "check", "cost", "tune"] {
+        let (code, stdout, stderr) = cli(&[cmd, "--help"]);
+        assert_eq!(code, 0, "{stdout}\n{stderr}");
+        assert!(stdout.contains("Op name (see `list`)") && !stdout.contains("Library op name"), "`{cmd} --help`:\n{stdout}");
+        assert_eq!(stdout.contains("--all"), cmd != "tune", "`{cmd} --help`:\n{stdout}");
+    }
+    cli_rejects(&["tune", "--all"], &["tune one op at a time"]);
+}
+
+/// `--all --case NAME` takes that case of each op that has it, saying how many ops it
+/// skipped (not stopping at the first op without it).
+#[test]
+fn cli_all_with_a_case_skips_the_ops_without_it() {
+    let dir = std::env::temp_dir().join(format!("tessera-op-contract-alt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, stdout, stderr) = cli(&["emit", "--all", "--case", "alt", "--out", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stderr.contains("--case `alt`: skipped ") && stderr.contains("which have no case `alt`"), "{stderr}");
+    let with_alt = library().filter(|op| op.alias_of.is_none() && op.case("alt").is_some()).count();
+    let files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    assert!(files.iter().all(|f| f.contains("_alt")), "{files:?}");
+    let ops: std::collections::BTreeSet<&str> = files.iter().filter_map(|f| f.split("_alt").next()).collect();
+    assert_eq!(ops.len(), with_alt, "one op per alt case: {ops:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn cli_absurd_shapes_are_errors_not_crashes() {
     cli_rejects(&["run", "softmax", "--shape", "x=18446744073709551615x2"], &["shape-overflow", "`x`"]);

@@ -202,6 +202,22 @@ fn rope_public_functions() {
     assert_eq!(e.rule, "operand-shape");
 }
 
+/// A rotary base of 0, below 0, NaN or inf would make NaN (or meaningless) angles: an
+/// `option-value` error naming `theta`, forward and backward, before anything runs.
+#[test]
+fn rope_theta_must_be_finite_and_positive() {
+    let x = Array::from_f32(&[4, 2, 64], vec![0.5; 4 * 2 * 64]);
+    let pos = Array::from_i32(&[4], vec![0, 1, 2, 3]);
+    for theta in [0.0, -0.0, -10000.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        for (name, result) in [("rope", rope_ce::rope(&Interpreter, &x, &pos, theta, false, &Target::V5E)), ("rope_bwd", rope_ce::rope_bwd(&Interpreter, &x, &pos, theta, true, &Target::V5E))] {
+            let e = result.err().unwrap_or_else(|| panic!("{name} theta={theta}: accepted"));
+            assert_eq!((e.kernel.as_str(), e.rule, e.subject.as_str()), (name, "option-value", "argument `theta`"), "{e}");
+            assert!(e.to_string().contains("finite positive"), "{e}");
+        }
+    }
+    // A small positive base is a base (every angle is the position).
+    assert!(rope_ce::rope(&Interpreter, &x, &pos, 1.0, false, &Target::V5E).is_ok());
+}
 
 /// The in-kernel angles hold for any i32 position, far past what a plain f32
 /// `position * inv_freq` gets right: negative, 2^17, 2^24 + 3, the i32 extremes, against

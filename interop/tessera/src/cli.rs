@@ -74,10 +74,15 @@ enum Cmd {
     /// (`tessera_kernels::tune`), pruned by the plan builder and the verifier (tiling, VMEM),
     /// ranked by libtpu's static cost (the `cost` figures). `--save` writes the run as JSON
     /// (op, case, dtype, shapes, statics, libtpu version, every candidate's figures) so it
-    /// can be reproduced and compared.
+    /// can be reproduced and compared. Tunes one named op at a time.
     Tune {
+        /// Op name (see `list`): this binary's or the library's.
+        kernel: Option<String>,
+        /// Not an option of `tune` (hidden): taken only to refuse it with the reason.
+        #[arg(long, hide = true)]
+        all: bool,
         #[command(flatten)]
-        select: Select,
+        opts: CaseOpts,
         #[arg(long, default_value = "v6e")]
         target: String,
         /// Write (or update) this JSON table with the run.
@@ -91,13 +96,21 @@ enum Cmd {
 
 #[derive(Args)]
 struct Select {
-    /// Library op name (see `tessera list`).
+    /// Op name (see `list`): this binary's or the library's.
     kernel: Option<String>,
-    /// Every library op (each of its cases, except the `alt` shape sets).
+    /// Every op (each of its cases, except the `alt` shape sets; with `--case`, that case
+    /// of each op that has it).
     #[arg(long, conflicts_with = "kernel")]
     all: bool,
-    /// One case of the op (see `tessera list`); default: every case of a named op but
-    /// the `alt` shape sets.
+    #[command(flatten)]
+    opts: CaseOpts,
+}
+
+/// The case, statics, shapes and dtype of a selection (`tune` takes them for its one op).
+#[derive(Args)]
+struct CaseOpts {
+    /// One case of the op (see `list`); default: every case of a named op but the `alt`
+    /// shape sets.
     #[arg(long)]
     case: Option<String>,
     /// Override static arguments, e.g. `--statics "causal=True, soft_cap=30.0"`.
@@ -149,7 +162,10 @@ pub fn main(own: &'static [Op]) -> ExitCode {
         Cmd::Run { select, seed, target, backend } => run(&t, &select, seed, &target, &backend),
         Cmd::Check { select, targets } => check(&t, &select, &targets),
         Cmd::Cost { select, targets } => cost(&t, &select, &targets),
-        Cmd::Tune { select, target, save, batch } => tune(&t, &select, &target, save.as_deref(), batch),
+        Cmd::Tune { kernel, all, opts, target, save, batch } => match kernel {
+            Some(kernel) if !all => tune(&t, &Select { kernel: Some(kernel), all: false, opts }, &target, save.as_deref(), batch),
+            _ => Err("tune one op at a time: name it (`tune flash_attention_fwd --case causal`)".into()),
+        },
         Cmd::Table { dtype, ops } => if ops { op_table(&t) } else { table(&t, &dtype) },
     });
     match result {
@@ -210,12 +226,40 @@ fn is_alt(c: &Case) -> bool {
     c.name.ends_with("alt")
 }
 
-fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
-    let ops: Vec<&'static Op> = match (&s.kernel, s.all) {
+/// The op whose cases `op` runs: the op it is an alias of, or itself.
+fn source(t: &Table, op: &'static Op) -> &'static Op {
+    op.alias_of.and_then(|(of, _)| t.find(of)).unwrap_or(op)
+}
+
+/// The op cases `sel` names, its arguments checked (each `--shape` and `--statics` used as
+/// given or refused) before any command prints. With `--all --case NAME` the ops without
+/// that case are skipped (said on stderr); none having it is an error.
+fn selection(t: &Table, sel: &Select) -> CliResult<Vec<Selected>> {
+    let s = &sel.opts;
+    let mut ops: Vec<&'static Op> = match (&sel.kernel, sel.all) {
         (Some(name), _) => vec![t.find(name).ok_or_else(|| format!("unknown op `{name}`; `list` shows the ops"))?],
         (None, true) => t.ops.iter().copied().filter(|op| op.alias_of.is_none()).collect(),
         (None, false) => return Err("name an op or pass --all".into()),
     };
+    if let (true, Some(case)) = (sel.all, &s.case) {
+        let every = ops.len();
+        ops.retain(|op| source(t, op).case(case).is_some());
+        if ops.is_empty() {
+            return Err(format!("--case `{case}`: no op has a case `{case}` (`list` shows each op's cases)"));
+        }
+        if ops.len() < every {
+            eprintln!("--case `{case}`: skipped {} of {every} ops, which have no case `{case}`", every - ops.len());
+        }
+    }
+    // Each static once: a repeat would silently take the last value.
+    if let Some(extra) = &s.statics {
+        let given = Statics::assignments(extra);
+        for (i, (name, value)) in given.iter().enumerate() {
+            if let Some((_, first)) = given[..i].iter().find(|(n, _)| n == name) {
+                return Err(format!("--statics `{extra}`: `{name}` is given twice (`{name}={first}`, then `{name}={value}`); give each static argument once"));
+            }
+        }
+    }
     // Every --shape is used as given or refused: parsed once, one per input name, and
     // (with --all) naming an input of some op.
     let mut specs: Vec<(&str, &str, Vec<usize>)> = Vec::new();
@@ -226,14 +270,14 @@ fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
         if let Some((_, first, _)) = specs.iter().find(|(n, _, _)| *n == name) {
             return Err(format!("--shape `{spec}`: `{name}` already has a shape (`{first}`); give each input one --shape"));
         }
-        if s.all && !ops.iter().any(|op| op.inputs.iter().any(|i| i.name == name)) {
+        if sel.all && !ops.iter().any(|op| op.inputs.iter().any(|i| i.name == name)) {
             return Err(format!("--shape `{spec}`: no selected op has an input `{name}`"));
         }
         specs.push((name, spec.as_str(), parsed));
     }
     let mut out = Vec::new();
     for op in ops {
-        let source = op.alias_of.and_then(|(of, _)| t.find(of)).unwrap_or(op);
+        let source = source(t, op);
         let cases: Vec<&'static Case> = match &s.case {
             Some(name) => vec![source.case(name).ok_or_else(|| format!("`{}` has no case `{name}` (cases: {})", op.name, source.cases.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")))?],
             None => source.cases.iter().filter(|c| !is_alt(c)).collect(),
@@ -249,7 +293,7 @@ fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
                 match op.inputs.iter().position(|i| i.name == *name) {
                     Some(i) if i < shapes.len() => shapes[i] = parsed.clone(),
                     Some(_) => return Err(format!("--shape `{spec}`: case `{}` of `{}` does not pass `{name}`", case.name, op.name)),
-                    None if s.all => {} // another op's input
+                    None if sel.all => {} // another op's input
                     None => return Err(format!("--shape `{spec}`: `{}` has no input `{name}` (inputs: {})", op.name, op.inputs.iter().map(|i| i.name).collect::<Vec<_>>().join(", "))),
                 }
             }
@@ -260,6 +304,7 @@ fn selection(t: &Table, s: &Select) -> CliResult<Vec<Selected>> {
 }
 
 fn dtype(s: &Select) -> CliResult<DType> {
+    let s = &s.opts;
     match DType::parse(&s.dtype) {
         Some(d @ (DType::F32 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2)) => Ok(d),
         _ => Err(format!("--dtype `{}`: the library kernels take f32 or bf16 (float8_e4m3fn or float8_e5m2 for the ops whose operands may be fp8, such as scaled_mm_blockwise)", s.dtype)),
@@ -344,11 +389,16 @@ fn run(t: &Table, s: &Select, seed: u64, target_name: &str, backend_name: &str) 
     let dtype = dtype(s)?;
     let backend = Backend::parse(backend_name).ok_or_else(|| format!("--backend `{backend_name}`: choose interp, jit or llvm"))?;
     let exec = crate::executor(backend).map_err(|e| format!("--backend {backend}: {e}"))?;
+    // Every case selected and planned (its shapes and statics checked) before the first
+    // line of the table, so a bad argument prints nothing but its error.
+    let selected = selection(t, s)?;
+    for sel in &selected {
+        build_and_warn(sel, dtype, &target)?;
+    }
     let mut all_ok = true;
     println!("backend: {backend}");
     println!("{:<40} {:<40} {:<5} {:>12} {:>10} {:>10} {:>10} {:>10}  result", "op", "shapes", "dtype", "grid", "max err", "tolerance", "ms", "compile ms");
-    for sel in selection(t, s)? {
-        build_and_warn(&sel, dtype, &target)?;
+    for sel in selected {
         let before = cpu::cache_stats();
         let r = harness::run_case(sel.op, &sel.statics, &sel.shapes, dtype, &target, seed, exec).map_err(|e| e.to_string())?;
         let after = cpu::cache_stats();
@@ -381,7 +431,7 @@ fn run(t: &Table, s: &Select, seed: u64, target_name: &str, backend_name: &str) 
 }
 
 fn table(t: &Table, dtype_name: &str) -> CliResult<bool> {
-    let select = Select { kernel: None, all: true, case: None, statics: None, shapes: vec![], dtype: dtype_name.to_string() };
+    let select = Select { kernel: None, all: true, opts: CaseOpts { case: None, statics: None, shapes: vec![], dtype: dtype_name.to_string() } };
     let dtype = dtype(&select)?;
     println!("| kernel | default inputs ({dtype_name}) | {} |", Target::ALL.map(|t| format!("{t}: grid, VMEM MiB, GFLOP")).join(" | "));
     println!("|---|---|{}", "---|".repeat(Target::ALL.len()));
@@ -414,12 +464,13 @@ fn op_table(t: &Table) -> CliResult<bool> {
 
 fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let dtype = dtype(s)?;
+    let targets: Vec<Target> = targets.iter().map(|n| target(n)).collect::<CliResult<_>>()?;
+    let selected = selection(t, s)?;
     let mut all_ok = true;
-    for name in targets {
-        let target = target(name)?;
+    for target in targets {
         let mut kernels = Vec::new();
-        for sel in selection(t, s)? {
-            kernels.extend(build_and_warn(&sel, dtype, &target)?);
+        for sel in &selected {
+            kernels.extend(build_and_warn(sel, dtype, &target)?);
         }
         for v in crate::tpu_compile(&kernels, &target).map_err(|e| e.to_string())? {
             all_ok &= v.ok;
@@ -436,11 +487,12 @@ fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
 fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let dtype = dtype(s)?;
     let targets: Vec<Target> = targets.iter().map(|n| target(n)).collect::<CliResult<_>>()?;
+    let selected = selection(t, s)?;
     let mut per_target = Vec::new();
     for target in &targets {
         let mut kernels = Vec::new();
-        for sel in selection(t, s)? {
-            kernels.extend(build_and_warn(&sel, dtype, target)?);
+        for sel in &selected {
+            kernels.extend(build_and_warn(sel, dtype, target)?);
         }
         per_target.push(kernels);
     }
@@ -494,9 +546,6 @@ struct Figures {
 fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: usize) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
-    if s.all {
-        return Err("tune one op at a time: name it (`tessera tune flash_attention_fwd --case causal`)".into());
-    }
     let mut entries = Vec::new();
     for sel in selection(t, s)? {
         let knobs = sel.op.knobs;
