@@ -572,6 +572,18 @@ fn cli_arguments_are_checked_before_output() {
     }
 }
 
+/// A reader that closes the pipe early (`tessera list | head -1`) ends the CLI quietly (the
+/// default SIGPIPE action), not with a panic on the next `println!`.
+#[test]
+fn cli_output_into_a_closed_pipe_is_not_a_panic() {
+    let mut child = std::process::Command::new(tessera()).arg("list").env("RUST_BACKTRACE", "0").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("run the CLI");
+    // The read end closes before the CLI has written anything: its first write hits a closed pipe.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 /// The help says what each command takes: the op is any op of the binary (not only the
 /// library's), and `tune` (one op at a time) does not offer `--all`.
 #[test]

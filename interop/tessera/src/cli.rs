@@ -155,6 +155,14 @@ impl Table {
 /// the library alone) beside the library's ops. Exit codes: 0 all good; 1 a kernel failed
 /// (numerics off, or libtpu rejected it); 2 bad usage or a kernel the verifier rejected.
 pub fn main(own: &'static [Op]) -> ExitCode {
+    // Rust ignores SIGPIPE, so a reader that closes early (`tessera emit --all | head`) made
+    // every `println!` after it panic; a command-line tool is killed by it quietly instead.
+    #[cfg(unix)]
+    // SAFETY: `signal` with SIG_DFL installs no handler code; it runs before the CLI starts
+    // any thread, and only changes what a write to a closed pipe does to this process.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = Table::new(own).and_then(|t| match cli.command {
         Cmd::List => list(&t),
