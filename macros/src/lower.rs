@@ -298,6 +298,15 @@ impl<'a> Lowerer<'a> {
     }
 
     pub fn dtype(&self, e: &Expr) -> syn::Result<TokenStream> {
+        // A dtype name of another framework (`f16`, `float32`) would reach rustc as a type
+        // name ("`f16` is unstable"): name the dtypes a kernel has instead.
+        if let Some(i) = ident_of(e).filter(|i| self.lookup(&i.to_string()).is_none()) {
+            const OTHER: &[&str] = &["f16", "f64", "i16", "i64", "u8", "u16", "u32", "u64", "half", "float", "double", "float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8"];
+            if OTHER.contains(&i.to_string().as_str()) {
+                let names: Vec<&str> = DTYPES.iter().map(|(n, _)| *n).collect();
+                return err(e, format!("`{i}` is not a dtype of Tessera kernels; use one of {}", names.join(", ")));
+            }
+        }
         let s = self.require_static(e, "a dtype")?;
         Ok(quote_spanned!(e.span()=> ::core::convert::identity::<::tessera_dsl::DType>(#s)))
     }

@@ -385,3 +385,19 @@ mod fragments {
         }
     }
 }
+
+/// A user's names may be anything a Rust name may be: a static and a local called like the
+/// macro's own internals once were (`__b`, `__x`) build and compute as written.
+#[tpu_kernel(grid = [1], x = block([8, 128], |i| [0, 0]), out = block([8, 128], |i| [0, 0]))]
+pub fn user_names(x: In<8, 128>, out: Out<8, 128>, __b: f32) {
+    let __x = x[..] * __b;
+    out[..] = __x;
+}
+
+#[test]
+fn user_names_that_look_internal_build() {
+    let k = user_names(f32s(&[8, 128]), f32s(&[8, 128]), 2.0).unwrap();
+    let x = tessera_dsl::interp::Array::from_f32(&[8, 128], (0..1024).map(|i| i as f32).collect());
+    let out = tessera_dsl::interp::run(&k, &[&x]).unwrap();
+    assert_eq!(out[0].as_f32().unwrap()[5], 10.0);
+}
