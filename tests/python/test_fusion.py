@@ -825,6 +825,24 @@ def test_an_input_whose_memory_is_swapped_after_it_was_read_keeps_the_value_read
     assert bool(fusion.stats()["fallbacks"]) == replay
 
 
+def test_a_pending_tensor_rebound_to_other_memory_is_that_memory():
+    """`a.data = z` while `a` is pending: `a` is `z`'s memory now (eager's), so `a * 3`
+    reads z, and the pending value is not written into z. Sparse tensors (no storage to
+    look up) pass through the mode's alias checks."""
+    x, z = torch.ones(4), torch.full((4,), 5.0)
+    sparse = torch.eye(4).to_sparse()
+    with tessera.set_eager_mode(DEFER):
+        a = x * 1
+        a.data = z
+        d = a * 3
+        s = torch.sparse.mm(sparse, x.reshape(4, 1) * 2)
+        r = repr(sparse * 3)
+    torch.testing.assert_close(d, torch.full((4,), 15.0))
+    torch.testing.assert_close(z, torch.full((4,), 5.0))
+    torch.testing.assert_close(s, x.reshape(4, 1) * 2)
+    assert r.startswith("tensor(indices=")
+
+
 def test_raw_storage_and_dlpack_of_a_pending_tensor_flush():
     import numpy as np
 

@@ -199,7 +199,9 @@ class _Group:
 
     The group holds the placeholder's storage, so a flush can tell whether anybody else still
     does (its use count), whatever tensor object that is: a view, or an alias made without
-    the dispatcher (`nn.Parameter(t)`, `as_subclass`, `p.data = t`, `module.to(dtype)`)."""
+    the dispatcher (`nn.Parameter(t)`, `as_subclass`, `p.data = t`, `module.to(dtype)`).
+    When the placeholder dies with nobody else holding the memory, the group lets it go
+    ([`_Group.owner_died`]): an intermediate's memory is freed (and reused) at once, as eager's."""
 
     __slots__ = ("root", "shape", "dtype", "members", "storage")
 
@@ -215,7 +217,20 @@ class _Group:
 
     def held(self):
         """Whether a tensor (or autograd's saved one) besides the group holds the memory."""
-        return torch._C._storage_Use_Count(self.storage._cdata) > 1
+        return self.storage is not None and torch._C._storage_Use_Count(self.storage._cdata) > 1
+
+    def owner_died(self, storages):
+        """The weakref callback of the placeholder: it runs while the dying tensor still holds
+        the storage (one use) beside the group (one): more uses are an alias, kept for the
+        flush; else the storage is dropped (from `storages`, the recording's registry, too)."""
+
+        def callback(_ref):
+            s = self.storage
+            if s is not None and torch._C._storage_Use_Count(s._cdata) <= 2:
+                storages.pop(s._cdata, None)
+                self.storage = None
+
+        return callback
 
 
 class _State:
@@ -237,15 +252,14 @@ class _State:
         self.device = None  # the recorded tensors' device type: "cpu" or "tpu"
 
     def entry(self, t):
+        """`(weakref, node, group)` of a pending tensor; None for any other, and for a pending
+        tensor rebound since to other memory (`a.data = z`: it is `z`'s now)."""
         e = self.pending.get(id(t))
         if e is not None and e[0]() is t:
-            return e
+            s = e[2].storage
+            if s is not None and _untyped_storage(t)._cdata == s._cdata:
+                return e
         return None
-
-    def stray(self, t):
-        """Whether `t` is not a recorded tensor but holds a placeholder's memory (an alias
-        made without the dispatcher): its value exists only after a flush."""
-        return bool(self.storages) and self.entry(t) is None and _untyped_storage(t)._cdata in self.storages
 
 
 _state = _State()
@@ -253,6 +267,15 @@ _flush_count = 0
 
 
 _untyped_storage = torch.Tensor.untyped_storage  # (the mode wraps the method; see _install)
+
+
+def _storage_key(t):
+    """The identity of `t`'s storage (its StorageImpl), or None for a tensor without one
+    (sparse, nested, a subclass that refuses `untyped_storage`)."""
+    try:
+        return _untyped_storage(t)._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
 
 
 def _storage_ptr(t):
@@ -790,10 +813,15 @@ class _DeferMode(TorchDispatchMode):
         st = _state
         name, base, inplace, mutable = _op_info(func)
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
-        if st.storages and any(st.stray(t) for t in tensors):
-            _flush("alias-of-pending")  # an alias of a placeholder made outside the dispatcher
-            st = _state
-        pending = [t for t in tensors if st.entry(t) is not None]
+        pending = []
+        for t in tensors:
+            if st.entry(t) is not None:
+                pending.append(t)
+            elif st.storages and _storage_key(t) in st.storages:
+                # An alias of a placeholder made outside the dispatcher: its value first.
+                _flush("alias-of-pending")
+                st, pending = _state, []
+                break
 
         if func is aten._local_scalar_dense.default:
             if pending:
@@ -827,10 +855,11 @@ class _DeferMode(TorchDispatchMode):
         # Inside __torch_dispatch__ the mode is off already: a plain allocation.
         out = _fusion_device.placeholder(shape, _TORCH_DTYPES[dtype], st.device)
         grp = _Group(node, tuple(shape), _TORCH_DTYPES[dtype], _untyped_storage(out))
-        grp.members.append(weakref.ref(out))
+        owner = weakref.ref(out, grp.owner_died(st.storages))
+        grp.members.append(owner)
         st.groups.append(grp)
         st.storages[grp.storage._cdata] = grp
-        st.pending[id(out)] = (weakref.ref(out), node, grp)
+        st.pending[id(out)] = (owner, node, grp)
         st.records.append((func, _template(args, st), _template(kwargs, st), node, None))
         _count_op(st, func)
         return out
@@ -1015,7 +1044,7 @@ def _storage_tensor(grp):
     """A contiguous tensor over the group's memory, of the root's shape; None when nobody
     but the group holds the memory (nobody can read the value: it is never written)."""
     owner = grp.members[0]()
-    if owner is not None:
+    if owner is not None and grp.storage is not None and _storage_key(owner) == grp.storage._cdata:
         return owner
     if not grp.held():
         return None
@@ -1195,7 +1224,7 @@ def _wrap_reader(name, cause):
 
     def reader(self, *a, **k):
         # A pending tensor, or any tensor over a placeholder's memory (a view, an alias).
-        if _state.storages and _untyped_storage(self)._cdata in _state.storages:
+        if _state.storages and _storage_key(self) in _state.storages:
             _flush(cause)
         return orig(self, *a, **k)
 
