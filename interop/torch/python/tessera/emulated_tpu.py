@@ -35,6 +35,10 @@ Behaviour to know about (all process-wide, and enable() cannot be undone):
   ``native_layer_norm``), so results match the CPU to rounding, not bitwise.
 * Backward passes run on the thread that started them (see enable()).
 * No autocast for ``tpu``; sparse/nested views are rejected by the fallback.
+* ``module.to("tpu")`` gives each parameter a new ``Parameter`` (torch does so for a
+  device whose tensors cannot take a CPU tensor's data in place, as for XLA), so weights
+  tied before the move are two parameters after it: tie them again
+  (``model.tie_weights()`` in transformers), as on torch_xla.
 
 The compiled library is cached in ``$TESSERA_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/tessera``, else ``~/.cache/tessera``, in a directory keyed by

@@ -61,7 +61,10 @@ What the mode cannot see: a write to an input through memory torch does not trac
 array or DLPack capsule of it) after an op read it and before the flush (the flush reads the
 new values; call `flush()` first); a pending tensor used by another thread (the dispatch mode is
 per thread: flush before handing tensors over); and `torch.utils.dlpack.to_dlpack` of a pending
-tensor (`t.__dlpack__()` and `np.from_dlpack` flush). A result is contiguous where
+tensor (`t.__dlpack__()` and `np.from_dlpack` flush). `torch.utils.swap_tensors` of a
+tensor the recording holds a weak reference to refuses the swap (torch's own rule), and so
+does `nn.Module.to` with `torch.__future__.set_swap_module_params_on_conversion(True)` inside
+the mode. A result is contiguous where
 eager's may keep a transposed input's layout (`x.t() * 2` has strides `(1, rows)` in eager):
 values and views are equal, but a `.view` that only eager's strides allow raises here (use
 `reshape`; under `torch.compile` the backend restores eager's layouts). The sign of a zero can differ from
