@@ -41,6 +41,12 @@ pub fn read_of(g: &Graph, o: NodeId) -> Read {
         let (rows, cols) = g.node(src).layout();
         return Read { storage: g.storage(src), rows, cols, window: Some((start, g.node(o).layout().1)), piece: false };
     }
+    whole_read(g, o)
+}
+
+/// Node `o`'s memory read whole in its own layout (an anchor's operand, or a value a row
+/// kernel reads as it is stored).
+fn whole_read(g: &Graph, o: NodeId) -> Read {
     let (rows, cols) = g.node(o).layout();
     Read { storage: g.storage(o), rows, cols, window: None, piece: false }
 }
@@ -276,12 +282,11 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 }
                 continue;
             }
-            let storage = g.storage(o);
-            if cur.is_some() && assigned[storage] == cur {
+            let r = whole_read(g, o);
+            if cur.is_some() && assigned[r.storage] == cur {
                 needs_stored = Some(o);
             }
-            let (rows, cols) = g.node(o).layout();
-            reads.push(Read { storage, rows, cols, window: None, piece: false });
+            reads.push(r);
         }
         let mut cut = None;
         if let Some(p) = cur {
@@ -294,13 +299,11 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let is_col = matches!(node.op, NodeOp::ColSum);
             let anchor = part.anchor.map(|a| &g.node(a).op);
             // Rule 13: a matmul sharing an operand with a recent kernel's anchor joins it.
-            if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().find_map(|q| {
+            let is_matmul = matches!(node.op, NodeOp::Matmul { .. });
+            if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().filter(|_| is_matmul).find_map(|q| {
                 let shared = sibling(g, &parts[q], id, &assigned, q)?;
                 let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| i != usize::from(shared == Shared::B)).filter_map(|(_, a)| match *a {
-                    Operand::Node(o) => {
-                        let (rows, cols) = g.node(o).layout();
-                        Some(Read { storage: g.storage(o), rows, cols, window: None, piece: false })
-                    }
+                    Operand::Node(o) => Some(whole_read(g, o)),
                     Operand::Scalar(_) => None,
                 }).collect();
                 let distinct: BTreeSet<Read> = parts[q].reads.iter().chain(&own).copied().collect();
@@ -377,8 +380,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let r = if matches!(node.op, NodeOp::CatCols) {
                 cat_read_of(g, o)
             } else if anchored && !reads_windows(&node.op) {
-                let (rows, cols) = g.node(o).layout();
-                Read { storage: g.storage(o), rows, cols, window: None, piece: false }
+                whole_read(g, o)
             } else {
                 read_of(g, o)
             };

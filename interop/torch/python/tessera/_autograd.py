@@ -189,9 +189,8 @@ def _declared(spec):
 
         results = SPECS[bwd_op].as_tuple(backward_fn(*[env[a] for a in args]))
         grads_in = [None] * len(names)
-        extra = {}
-        if lse_gradient and grad_outputs[outputs.index("lse")] is not None:
-            extra = lse_gradient(env, grad_outputs[outputs.index("lse")])
+        d_lse = grad_outputs[outputs.index("lse")] if lse_gradient else None
+        extra = lse_gradient(env, d_lse) if d_lse is not None else {}
         for result, targets in list(zip(results, grads)) + [(g, [name]) for name, g in extra.items()]:
             for name in targets:
                 i = input_index[name]
