@@ -773,6 +773,95 @@ def test_the_mode_hooks_are_installed_once_and_inert_outside_it():
     assert s["ops_deferred"] == s["ops_eager"] == s["flushes"] == s["stepped_aside"] == 0, s
 
 
+def test_inference_mode_sees_the_ops_no_grad_sees():
+    """Under `torch.inference_mode()` composite ops (`reshape`, `linear`, `softmax`, `flatten`,
+    `matmul`, ...) reach the mode undecomposed; a `reshape` that must copy was taken for a view
+    of the placeholder's unwritten memory (garbage, silently). They are decomposed as autograd
+    would: the same values and the same kernels as under `no_grad`."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 4, 8), torch.randn(6, 8), torch.randn(6)
+
+    def f():
+        a = (x * 2).transpose(1, 2).reshape(3, -1) + 1
+        c = torch.nn.functional.linear(x, w, b).softmax(-1).flatten(1)
+        d = torch.matmul(x, x.mT).reshape_as(x.new_empty(3, 16)) * 0.5
+        e = torch.nn.functional.layer_norm(x, (8,)).narrow(-1, 0, 4).square()
+        return a, c, d, e
+
+    want = f()
+    got = {}
+    for ctx in (torch.no_grad, torch.inference_mode):
+        fusion.reset_stats()
+        with ctx(), tessera.set_eager_mode(DEFER):
+            out = f()
+        got[ctx.__name__] = fusion.stats()["kernels_launched"]
+        for o, w_ in zip(out, want):
+            torch.testing.assert_close(o, w_, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx.__name__}: {m}")
+    assert got["inference_mode"] == got["no_grad"] > 0, got
+
+
+def test_found_by_a_random_graph_probe():
+    """Cases a random op-graph fuzzer found: each gave a wrong value or shape, crashed, or fell
+    back where it need not."""
+    x = torch.tensor([1.0, -2.0])
+    with tessera.set_eager_mode(DEFER):
+        bits = (x * 2).view(torch.int32) + 1  # a reinterpretation of the bits, not a shape view
+        zero_d = torch.tensor(1.5).sum(dim=None, keepdim=True) + 1  # a 0-d tensor stays 0-d
+    assert torch.equal(bits, (x * 2).view(torch.int32) + 1) and bits.dtype == torch.int32
+    assert zero_d.shape == torch.Size([]) and zero_d.item() == 2.5
+    with pytest.raises(RuntimeError, match="appears multiple times"):
+        with tessera.set_eager_mode(DEFER):
+            (torch.ones(3, 4) * 2).sum((0, 0)).tolist()
+
+    # A batched product of a transposed view with a row sum, and an unrelated 0-d result in
+    # the same flush: the 0-d value joined the epilogue, whose parallel grid then wrote its
+    # one block from every step (the verifier refused the kernel: a fallback).
+    torch.manual_seed(0)
+    a, w, s = torch.randn(5, 8, 4), torch.randn(129, 8), torch.tensor(0.07)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        y = (a.mT @ w.t()).sum(-1)
+        z = s * 2
+    torch.testing.assert_close(y, (a.mT @ w.t()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert z.item() == pytest.approx(0.14) and not fusion.stats()["fallbacks"], fusion.stats()
+
+    # Rows with no aligned divisor used to be one block of all of them (VMEM overflow past
+    # ~73k rows): now blocks of aligned rows with a partial last one.
+    big, wt, bias = torch.randn(100003, 2), torch.randn(7, 2), torch.randn(7)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        out = torch.nn.functional.linear(big, wt, bias).relu()
+    torch.testing.assert_close(out, torch.nn.functional.linear(big, wt, bias).relu(), rtol=1e-5, atol=1e-5)
+    assert fusion.stats()["kernels_launched"] == 1 and not fusion.stats()["fallbacks"], fusion.stats()
+
+
+def test_an_inplace_op_reading_its_target_replays_and_a_failed_exit_flush_leaves_the_mode(monkeypatch):
+    """`y.add_(y)` recorded the target's second use as the op's own result, so a replay (a
+    churned shape, a fallback) raised KeyError, and the raise at the exit flush left the mode
+    on the dispatch stack for the rest of the process."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    monkeypatch.setattr(fusion, "_variants", {})
+    monkeypatch.setenv("TESSERA_FUSION_SHAPES", "1")
+    fusion.reset_stats()
+    for n in (3, 4, 5):  # the second and third shapes churn: replayed per op
+        with tessera.set_eager_mode(DEFER):
+            y = torch.ones(n) * 2
+            y.add_(y)
+            y.mul_(y)
+        assert torch.equal(y, torch.full((n,), 16.0))
+    assert fusion.stats()["shape_churn"] >= 2
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(fusion, "_state", fusion._State())  # (the records it leaves are dropped after)
+    monkeypatch.setattr(fusion, "_flush", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        with tessera.set_eager_mode(DEFER):
+            torch.ones(2) * 2
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT and _get_current_dispatch_mode() is None
+
+
 # ---- aliases made outside the dispatcher ------------------------------------------------------------
 
 

@@ -127,8 +127,10 @@ fn matmul(g: &Graph, p: &Partition, name: &str, ta: bool, tb: bool, repeat: [usi
                     bk /= 2;
                 } else if halve(bn, d.n, lane) && !p.has_row_op {
                     bn /= 2;
-                } else if halve(bm, d.m, align_m) {
-                    bm /= 2;
+                } else if (bm / 2 / align_m * align_m).max(align_m) < bm {
+                    // A row block that does not divide m leaves a partial last block: its rows
+                    // past the end are padding, computed per row and never stored.
+                    bm = (bm / 2 / align_m * align_m).max(align_m);
                 } else {
                     return Err(e);
                 }
@@ -155,8 +157,7 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
     let node = g.node(id).clone();
     let mut b = KernelBuilder::new(name);
     let nk = d.k / bk;
-    let mb = d.m / bm;
-    b.grid(&[(d.batch, Semantics::Parallel), (mb, Semantics::Parallel), (d.n / bn, Semantics::Parallel), (nk, Semantics::Arbitrary)]);
+    let mb = d.m.div_ceil(bm);
     let bidx = |shared: usize, rep: usize| match (shared, rep) {
         (1, _) => IndexExpr::Const(0),
         (_, 1) => IndexExpr::Grid(0),
@@ -226,11 +227,19 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         epi_refs.push((*r, rid));
     }
     let mut out_refs = Vec::new();
+    // A grid dim that some result's block does not move along (a 0-d or one-row value of the
+    // epilogue) writes that block at every step along it: those steps run in order.
+    let mut revisited = [false; 3];
     for &o in &p.outputs {
         let (r, c) = g.node(o).layout();
         let (shape, spec) = space(r, c);
+        for (dim, seen) in revisited.iter_mut().enumerate() {
+            *seen |= !spec.index_map.iter().any(|e| matches!(e, IndexExpr::Grid(i) if *i == dim));
+        }
         out_refs.push((o, b.output(&format!("out_n{o}"), memory_dtype(g.node(o).dtype), &shape, spec)));
     }
+    let sem = |dim: usize| if revisited[dim] { Semantics::Arbitrary } else { Semantics::Parallel };
+    b.grid(&[(d.batch, sem(0)), (mb, sem(1)), (d.n / bn, sem(2)), (nk, Semantics::Arbitrary)]);
     let accs: Vec<_> = (0..products.len()).filter(|_| nk > 1).map(|i| b.scratch(&format!("acc{i}"), DType::F32, &[bm, bn], MemorySpace::Vmem)).collect();
     let mut dots = Vec::new();
     let mut loaded_operands: HashMap<tessera_dsl::RefId, Value> = HashMap::new();

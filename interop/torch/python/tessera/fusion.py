@@ -67,7 +67,10 @@ does `nn.Module.to` with `torch.__future__.set_swap_module_params_on_conversion(
 the mode. A result is contiguous where
 eager's may keep a transposed input's layout (`x.t() * 2` has strides `(1, rows)` in eager):
 values and views are equal, but a `.view` that only eager's strides allow raises here (use
-`reshape`; under `torch.compile` the backend restores eager's layouts). The sign of a zero can differ from
+`reshape`), and `contiguous()`, `reshape` or `flatten` of such a result, which copy in eager,
+are views here: an in-place write through one changes the other (`y = x.t() * 1; z =
+y.contiguous(); z.zero_()` zeroes `y` too; clone first). Under `torch.compile` the backend
+restores eager's layouts. The sign of a zero can differ from
 eager's where torch's kernels themselves differ by path: a row sum of -0.0 values is -0.0 here
 (eager's reductions start at +0.0), `clamp(-0.0, min=0)` is +0.0 (eager keeps -0.0).
 
@@ -455,9 +458,10 @@ def _leading_scalar_tensor(args, st):
 
 
 def _dims_in_range(dims, rank):
-    """Whether every dim is one of a rank-`rank` tensor's (else torch raises: the op runs
-    eagerly so that it does)."""
-    return all(-rank <= d < rank for d in ([dims] if isinstance(dims, int) else dims))
+    """Whether every dim is one of a rank-`rank` tensor's, each once (else torch raises: the
+    op runs eagerly so that it does)."""
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return all(-rank <= d < rank for d in dims) and len({d % rank for d in dims}) == len(dims)
 
 
 def _last_dim(dims, rank):
@@ -650,7 +654,7 @@ def _record(func, name, args, kwargs, st):
             raise _Unsupported("fusion-dtype")
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
             # Over every element: the row op of the flattened tensor.
-            if keepdim and rank > 1:
+            if keepdim and rank != 1:  # (a 0-d tensor's stays 0-d: eagerly)
                 raise _Unsupported(f"{name}-keepdim-all")
             n = _node_of(x, st)
             if rank != 1:
@@ -802,23 +806,33 @@ _OP_INFO: dict = {}
 
 
 def _op_info(func):
-    """(name, base name, in place, mutable) of an aten overload, read from its schema once
-    (reading `_schema` costs ~3 us, a third of recording an op)."""
+    """(name, base name, in place, mutable, composite) of an aten overload, read from its
+    schema once (reading `_schema` costs ~3 us, a third of recording an op)."""
     info = _OP_INFO.get(func)
     if info is None:
         schema = func._schema
         name = schema.name.split("::")[-1]  # "add", "add_", "_softmax", ...
         first = schema.arguments[0] if schema.arguments else None
         inplace = name.endswith("_") and not name.startswith("_") and first is not None and first.alias_info is not None and first.alias_info.is_write
-        info = _OP_INFO[func] = (name, name[:-1] if inplace else name, inplace, schema.is_mutable)
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+        info = _OP_INFO[func] = (name, name[:-1] if inplace else name, inplace, schema.is_mutable, composite)
     return info
 
 
 class _DeferMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name, base, inplace, mutable, composite = _op_info(func)
+        if composite:
+            # Under `torch.inference_mode()` composite ops (`reshape`, `linear`, `softmax`,
+            # ...) reach the mode whole, where autograd would have decomposed them: decompose
+            # them here, so the mode sees the ops it sees everywhere else (a `reshape` that
+            # must copy is a `clone`, not a view of the placeholder's memory).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         st = _state
-        name, base, inplace, mutable = _op_info(func)
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         pending = []
         for t in tensors:
@@ -872,6 +886,8 @@ class _DeferMode(TorchDispatchMode):
         return out
 
     def _view(self, func, base, args, kwargs, st):
+        if func is aten.view.dtype:
+            raise _Unsupported("view-dtype")  # a reinterpretation of the bits: eagerly
         x = args[0]
         e = st.entry(x)
         out = func(*args, **kwargs)  # the real view of the placeholder (the mode is off here)
@@ -922,9 +938,10 @@ class _DeferMode(TorchDispatchMode):
             return self._eager(func, args, kwargs, _rule_of(err), pending, cause=f"eager-op:{name}")
         except _Unsupported as why:
             return self._eager(func, args, kwargs, str(why), pending, cause=f"eager-op:{name}")
+        # The template first: every use of the target in the op (`y.add_(y)`) is its value before.
+        st.records.append((func, _template(args, st), _template(kwargs, st), node, e[1]))
         grp.root = node
         st.pending[id(target)] = (e[0], node, grp)
-        st.records.append((func, _template(args, st, before=e[1]), _template(kwargs, st), node, e[1]))
         _count_op(st, func)
         return target
 
@@ -1012,18 +1029,13 @@ class _NodeRef:
         self.node = node
 
 
-def _template(obj, st, before=None):
-    """`obj` with pending tensors and graph inputs replaced by their nodes (for the replay);
-    `before`: the node of args[0] before an in-place op."""
-    first = [True]
+def _template(obj, st):
+    """`obj` with pending tensors and graph inputs replaced by their nodes (for the replay)."""
 
     def sub(a):
         if isinstance(a, torch.Tensor):
             e = st.entry(a)
             if e is not None:
-                if before is not None and first[0]:
-                    first[0] = False
-                    return _NodeRef(before)
                 return _NodeRef(e[1])
             n = st.input_nodes.get(id(a))
             if n is not None and st.inputs[n[1]] is a:
@@ -1299,11 +1311,14 @@ def set_eager_mode(mode: EagerMode) -> _ModeGuard:
         _mode_obj.__enter__()
         _install()
     else:
-        _flush("exit")
-        m, _mode_obj = _mode_obj, None
-        if m is not None and not _aside.active:
-            m.__exit__(None, None, None)
-        _aside.active = False
+        try:
+            _flush("exit")
+        finally:  # a flush that raises still leaves the mode
+            m, _mode_obj = _mode_obj, None
+            if m is not None and not _aside.active:
+                m.__exit__(None, None, None)
+            _aside.active = False
+            _current = mode
     _current = mode
     return _ModeGuard(previous)
 
