@@ -834,6 +834,14 @@ def test_found_by_a_random_graph_probe():
     torch.testing.assert_close(out, torch.nn.functional.linear(big, wt, bias).relu(), rtol=1e-5, atol=1e-5)
     assert fusion.stats()["kernels_launched"] == 1 and not fusion.stats()["fallbacks"], fusion.stats()
 
+    # `vector @ matrix` ends in `squeeze_` of the product, which flushed every time.
+    v, m = torch.randn(8), torch.randn(8, 4)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        r = (v @ m).relu() + 1
+    torch.testing.assert_close(r, (v @ m).relu() + 1)
+    assert fusion.stats()["flush_causes"] == {"exit": 1} and fusion.stats()["kernels_launched"] == 1, fusion.stats()
+
 
 def test_an_inplace_op_reading_its_target_replays_and_a_failed_exit_flush_leaves_the_mode(monkeypatch):
     """`y.add_(y)` recorded the target's second use as the op's own result, so a replay (a

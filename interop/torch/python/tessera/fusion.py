@@ -814,7 +814,10 @@ def _op_info(func):
         name = schema.name.split("::")[-1]  # "add", "add_", "_softmax", ...
         first = schema.arguments[0] if schema.arguments else None
         inplace = name.endswith("_") and not name.startswith("_") and first is not None and first.alias_info is not None and first.alias_info.is_write
-        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        # Only a decomposition (`reshape`, `linear`): ops with kernels of their own (`silu_backward`
+        # has both) are taken whole, as outside inference mode.
+        composite = has(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd) and not has(func.name(), torch._C.DispatchKey.CPU)
         info = _OP_INFO[func] = (name, name[:-1] if inplace else name, inplace, schema.is_mutable, composite)
     return info
 
@@ -920,6 +923,16 @@ class _DeferMode(TorchDispatchMode):
         grp = e[2]
         if len(grp.alive()) != 1 or grp.members[0]() is not target:
             return self._eager(func, args, kwargs, f"inplace-alias:{name}", pending, cause=f"inplace-alias:{name}")
+        if base in ("squeeze", "unsqueeze"):
+            # `x1d @ w` ends in `squeeze_` of the product: a view of the same memory, in place.
+            record = (func, _template(args, st), _template(kwargs, st))
+            func(*args, **kwargs)  # the placeholder's sizes (its memory is untouched)
+            node = st.graph.op("view", "view", [e[1], list(target.shape)])[0]
+            st.records.append(record + (node, e[1]))
+            grp.root = node
+            st.pending[id(target)] = (e[0], node, grp)
+            _count_op(st, func)
+            return target
         try:
             if name == "copy_":
                 src = args[1]
@@ -937,7 +950,8 @@ class _DeferMode(TorchDispatchMode):
         except ValueError as err:
             return self._eager(func, args, kwargs, _rule_of(err), pending, cause=f"eager-op:{name}")
         except _Unsupported as why:
-            return self._eager(func, args, kwargs, str(why), pending, cause=f"eager-op:{name}")
+            reason = f"op:{name}" if str(why) == base else str(why)
+            return self._eager(func, args, kwargs, reason, pending, cause=f"eager-op:{name}")
         # The template first: every use of the target in the op (`y.add_(y)`) is its value before.
         st.records.append((func, _template(args, st), _template(kwargs, st), node, e[1]))
         grp.root = node
