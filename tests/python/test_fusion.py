@@ -870,6 +870,33 @@ def test_an_inplace_op_reading_its_target_replays_and_a_failed_exit_flush_leaves
     assert tessera.get_eager_mode() is tessera.EagerMode.STRICT and _get_current_dispatch_mode() is None
 
 
+def test_decode_like_churn_is_seen_through_shape_derived_offsets_and_replays_exactly(monkeypatch):
+    """Found on transformers' `generate()` (batch 2, left padding, no cache): the last position's
+    slice `h[:, -1, :]` put a shape-derived `col_start` in the structure, so every step was a new
+    structure (a program compiled per token, never churn); and the per-op replay of a churned
+    step ran eager's `x * 2` of a transposed `x` (eager keeps that layout) into a `view` recorded
+    against a contiguous placeholder: RuntimeError."""
+    monkeypatch.setattr(fusion, "_variants", {})
+    fusion.reset_stats()
+    w = torch.randn(64, 64)
+    ins = [(torch.randn(2, s, 64), torch.randn(2, s, 4, 16).transpose(1, 2)) for s in range(4, 16)]
+    outs = []
+    with tessera.set_eager_mode(DEFER):
+        for a, x in ins:
+            got = (torch.tanh(a @ w)[:, -1, :] * 2).sum()
+            float(got)  # a flush per step, as generate's token read
+            y = x * 2
+            z = y @ y.transpose(-1, -2)
+            float(z[0, 0, 0, 0])
+            outs.append((got, z))
+    for (a, x), (got, z) in zip(ins, outs):
+        torch.testing.assert_close(got, (torch.tanh(a @ w)[:, -1, :] * 2).sum())
+        torch.testing.assert_close(z, (x * 2) @ (x * 2).transpose(-1, -2), rtol=1e-5, atol=1e-4)
+    s = fusion.stats()
+    # Two structures, 12 shapes each: 8 compiled, 4 churned, per structure.
+    assert s["shape_churn"] == 8 and s["cache_misses"] == 16, s
+
+
 # ---- aliases made outside the dispatcher ------------------------------------------------------------
 
 

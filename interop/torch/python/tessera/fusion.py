@@ -142,7 +142,8 @@ def _churning(graph_text: str, live) -> bool:
     `TESSERA_FUSION_SHAPES` (8) compiled ones: then it runs per op instead (decode loops whose
     lengths grow every step would otherwise compile a program per step)."""
     full = f"{graph_text}|{live}"
-    shapeless = re.sub(r"\[[0-9, ]*\]", "[]", full)
+    # Shapes and the numbers derived from them (a gather's `col_start` of `x[:, -1]`).
+    shapeless = re.sub(r"(?<=: )[0-9]+\b", "#", re.sub(r"\[[0-9, ]*\]", "[]", full))
     seen = _variants.setdefault(shapeless, set())
     if len(_variants) > _VARIANT_KEYS:
         _variants.pop(next(iter(_variants)))
@@ -1176,7 +1177,13 @@ def _replay(st, live, dsts):
             func(*a, **kw)
             env[node] = a[0]
         else:
-            env[node] = func(*a, **kw)
+            out = func(*a, **kw)
+            # The ops were recorded against contiguous placeholders (views and `as_strided`
+            # included): give their replay the same layouts (eager's `x * 2` of a transposed
+            # `x` keeps its layout, where a recorded `view` would then fail).
+            if isinstance(out, torch.Tensor) and _op_info(func)[1] not in _VIEWS and not out.is_contiguous():
+                out = out.contiguous()
+            env[node] = out
     for n, dst in zip(live, dsts):
         dst.data.copy_(env[n].reshape(dst.shape))
 
