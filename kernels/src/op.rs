@@ -204,8 +204,27 @@ impl Op {
     /// Block statics left unset take a tuning table's blocks when one holds this exact call
     /// ([`crate::tune::tuned_statics`]).
     pub fn plan_for(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
-        let tuned = crate::tune::tuned_statics(self, inputs, statics, target.name)?.map(|best| self.statics(&format!("{statics}, {best}"))).transpose()?;
-        let mut plan = self.unchecked_plan(inputs, tuned.as_ref().unwrap_or(statics), target)?;
+        let entry = crate::tune::tuned_entry(self, inputs, statics, target.name)?;
+        // A table's blocks that cannot run (a hand-edited entry) say where they came from.
+        let from_table = |mut e: KernelError| {
+            if let Some(t) = &entry {
+                e.message = format!("{} (blocks `{}` from the tuning table {})", e.message, t.best, t.source);
+            }
+            e
+        };
+        let tuned = entry.as_ref().map(|t| self.statics(&format!("{statics}, {}", t.best))).transpose().map_err(from_table)?;
+        let plan = self.plan_by_rule(inputs, tuned.as_ref().unwrap_or(statics), target).map_err(from_table)?;
+        if entry.is_some() {
+            // Verified here, so that an error names the table, not only the kernel.
+            plan.launches.iter().try_for_each(|l| tessera_dsl::verify::verify(&l.kernel, target)).map_err(from_table)?;
+        }
+        Ok(plan)
+    }
+
+    /// [`Self::plan_for`] with the op's own block rule for unset blocks, never a tuning
+    /// table's (the tuner's baseline).
+    pub fn plan_by_rule(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
+        let mut plan = self.unchecked_plan(inputs, statics, target)?;
         self.check_results(&plan, target)?;
         plan.inputs = inputs.to_vec();
         plan.input_names = self.inputs.iter().map(|i| i.name).collect();

@@ -3,7 +3,9 @@
 //! for attention blocks, power-of-two page counts for paged attention, gmm's `(tm, tk, tn)`
 //! tilings); a user's op declares its own the same way. The tuner enumerates the product of
 //! an op's knobs, lets the plan builder and the verifier prune what cannot run (tiling rules,
-//! VMEM with the calibrated margin), and ranks the survivors by libtpu's static cost.
+//! VMEM with the calibrated margin), and ranks the survivors by libtpu's static cost beside
+//! the op's own block rule (the baseline: when it wins, the entry's `best` is null, so a call
+//! keeps the rule's blocks; ties go to the knob values).
 //!
 //! A knob names an int static of the op's schema (a test holds every library knob to that);
 //! an op with no knobs has nothing to tune (its blocks follow from the shapes).
@@ -16,7 +18,9 @@
 //! statics (the tuned knobs left unset, any knob the run fixed given) are exactly an entry's
 //! takes that entry's best blocks ([`Op::plan_for`]); any other call keeps the op's own defaults. Exact
 //! keys, as serving stacks' tuned block tables are: a shape the table does not hold is never
-//! guessed from a neighbour.
+//! guessed from a neighbour. `--save` replaces an entry of the same key (statics included).
+//! An entry sets only the op's knobs: a `best` naming another static (`causal=False`) is
+//! refused at the lookup (`tuning-table`), and blocks that do not verify name the table.
 //!
 //! Where entries come from, first match wins:
 //! 1. tables added at run time, the latest first: [`add_table`] (a user crate embedding its
@@ -92,12 +96,14 @@ pub struct Tuned {
     /// The call's statics with the knobs unset (`Statics`' display).
     pub statics: String,
     pub best: String,
+    /// The table it came from (its path, `TESSERA_TUNING_TABLES: path`, or the shipped one).
+    pub source: String,
 }
 
 /// The shipped table's entries.
 pub fn table() -> &'static [Tuned] {
     static TABLE: OnceLock<Vec<Tuned>> = OnceLock::new();
-    TABLE.get_or_init(|| parse(include_str!("../tuned.json")).expect("kernels/tuned.json is a format-1 tuning table"))
+    TABLE.get_or_init(|| parse(include_str!("../tuned.json"), "kernels/tuned.json").expect("kernels/tuned.json is a format-1 tuning table"))
 }
 
 /// Tables added at run time, in the order they were added.
@@ -117,7 +123,7 @@ pub fn generation() -> u64 {
 /// how many entries have a best candidate (entries whose every candidate failed are kept
 /// out: they set nothing).
 pub fn add_table(text: &str, source: &str) -> Result<usize, KernelError> {
-    let entries = parse(text).map_err(|m| KernelError::new("tessera tune", source, "tuning-table", format!("not a tuning table: {m}"), "pass a file `tessera tune --save FILE` wrote (format 1)"))?;
+    let entries = parse(text, source).map_err(|m| KernelError::new("tessera tune", source, "tuning-table", format!("not a tuning table: {m}"), "pass a file `tessera tune --save FILE` wrote (format 1)"))?;
     let n = entries.len();
     let mut added = ADDED.write().unwrap_or_else(|e| e.into_inner());
     // Latest first: prepend.
@@ -143,7 +149,7 @@ fn env_tables() -> Result<&'static [Tuned], KernelError> {
         for path in std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()) {
             let bad = |m: String| KernelError::new("tessera tune", format!("TESSERA_TUNING_TABLES: {}", path.display()), "tuning-table", m, "list files `tessera tune --save FILE` wrote, separated by `:`, or unset TESSERA_TUNING_TABLES");
             let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot read the tuning table: {e}")))?;
-            out.extend(parse(&text).map_err(|m| bad(format!("not a tuning table: {m}")))?);
+            out.extend(parse(&text, &format!("TESSERA_TUNING_TABLES: {}", path.display())).map_err(|m| bad(format!("not a tuning table: {m}")))?);
         }
         Ok(out)
     })
@@ -152,7 +158,7 @@ fn env_tables() -> Result<&'static [Tuned], KernelError> {
 }
 
 /// The entries of a format-1 table with a best candidate.
-fn parse(text: &str) -> Result<Vec<Tuned>, String> {
+fn parse(text: &str, source: &str) -> Result<Vec<Tuned>, String> {
     let doc: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
     if doc["format"] != 1 {
         return Err(format!("format {} (this tessera reads format 1)", doc["format"]));
@@ -163,7 +169,7 @@ fn parse(text: &str) -> Result<Vec<Tuned>, String> {
         .iter()
         .filter_map(|e| {
             let shapes = e["shapes"].as_object()?.iter().map(|(n, s)| Some((n.clone(), s.as_array()?.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>()?))).collect::<Option<Vec<_>>>()?;
-            Some(Tuned { op: str_of(&e["op"])?, target: str_of(&e["target"])?, dtype: str_of(&e["dtype"])?, shapes, statics: str_of(&e["statics"])?, best: str_of(&e["best"])? })
+            Some(Tuned { op: str_of(&e["op"])?, target: str_of(&e["target"])?, dtype: str_of(&e["dtype"])?, shapes, statics: str_of(&e["statics"])?, best: str_of(&e["best"])?, source: source.to_string() })
         })
         .collect())
 }
@@ -174,6 +180,11 @@ fn parse(text: &str) -> Result<Vec<Tuned>, String> {
 /// serves calls that give that value and leave the tuned knobs unset. An error only when
 /// `TESSERA_TUNING_TABLES` names a bad file.
 pub fn tuned_statics(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Result<Option<String>, KernelError> {
+    Ok(tuned_entry(op, inputs, statics, target)?.map(|e| e.best))
+}
+
+/// The table entry [`tuned_statics`] takes its blocks from (its `source` names the table).
+pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Result<Option<Tuned>, KernelError> {
     if op.knobs.is_empty() {
         return Ok(None);
     }
@@ -191,8 +202,25 @@ pub fn tuned_statics(op: &Op, inputs: &[Option<Type>], statics: &Statics, target
             && e.shapes.iter().all(|(name, shape)| op.inputs.iter().position(|i| i.name == name).and_then(|i| inputs.get(i)?.as_ref()).is_some_and(|t| &t.shape == shape))
     };
     let added = ADDED.read().unwrap_or_else(|e| e.into_inner());
-    if let Some(e) = added.iter().find(matches) {
-        return Ok(Some(e.best.clone()));
+    let entry = match added.iter().find(matches) {
+        Some(e) => Some(e.clone()),
+        None => env_tables()?.iter().chain(table()).find(matches).cloned(),
+    };
+    let Some(e) = entry else { return Ok(None) };
+    // A table sets blocks, nothing else: a `best` that names another static (`causal=False`,
+    // hand-edited) would change what the op computes.
+    let knobs: Vec<&str> = op.knobs.iter().map(|k| k.name).collect();
+    for part in e.best.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let key = part.split('=').next().unwrap_or("").trim();
+        if !knobs.contains(&key) {
+            return Err(KernelError::new(
+                op.name,
+                format!("tuning table {}", e.source),
+                "tuning-table",
+                format!("the entry for this call sets `{part}`, which is not one of `{name}`'s tuned blocks ({})", knobs.join(", ")),
+                "a table's `best` may set only the op's knobs: re-run `tessera tune --save` for this call, or remove the entry",
+            ));
+        }
     }
-    Ok(env_tables()?.iter().chain(table()).find(matches).map(|e| e.best.clone()))
+    Ok(Some(e))
 }

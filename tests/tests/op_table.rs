@@ -168,6 +168,36 @@ fn shipped_tuning_table_sets_the_defaults_it_holds() {
     assert_eq!(tessera_kernels::tune::tuned_statics(alias, &types, &alias.statics(&e.statics).unwrap(), &e.target).unwrap().as_deref(), Some(e.best.as_str()));
 }
 
+/// A table sets blocks and nothing else: an entry whose `best` names another static (a
+/// hand-edited `causal=False` would compute non-causal attention for a causal call) is refused
+/// when the call looks it up, and blocks a call cannot use say which table they came from.
+#[test]
+fn a_tuning_table_sets_only_blocks_and_names_itself_in_errors() {
+    let op = find("flash_attention_fwd").unwrap();
+    let entry = |seq: usize, best: &str| {
+        format!(
+            r#"{{"format": 1, "entries": [{{"op": "flash_attention_fwd", "case": "causal", "target": "v5e", "dtype": "bf16",
+               "shapes": {{"q": [1, 2, {seq}, 128], "k": [1, 2, {seq}, 128], "v": [1, 2, {seq}, 128]}},
+               "statics": "causal=True, sm_scale=None, soft_cap=None, window_left=None, window_right=None, block_q=None, block_kv=None",
+               "best": "{best}"}}]}}"#
+        )
+    };
+    // Shapes no other test plans (the table is process-wide).
+    let plan = |seq: usize| {
+        let shapes = vec![vec![1, 2, seq, 128]; 3];
+        op.plan_for(&op.types(&shapes, DType::BF16), &op.statics("causal=True").unwrap(), &Target::V5E)
+    };
+    tessera_kernels::tune::add_table(&entry(384, "block_q=128, causal=False"), "edited.json").unwrap();
+    let Err(err) = plan(384) else { panic!("an entry setting `causal` was taken") };
+    assert_eq!(err.rule, "tuning-table", "{err}");
+    assert!(err.to_string().contains("edited.json") && err.to_string().contains("causal=False"), "{err}");
+    tessera_kernels::tune::add_table(&entry(640, "block_q=100, block_kv=128"), "bad-blocks.json").unwrap();
+    let Err(err) = plan(640) else { panic!("block_q = 100 planned") };
+    assert!(err.to_string().contains("from the tuning table bad-blocks.json"), "{err}");
+    tessera_kernels::tune::add_table(&entry(896, "block_q=128, block_kv=128"), "good.json").unwrap();
+    assert!(plan(896).is_ok());
+}
+
 /// matmul's default blocks follow the target's ridge (v6e, where HBM binds at 512 x 1024
 /// output tiles, takes 2048-row tiles with bk 1024 once the problem has rows for two steps,
 /// raising the kernel's VMEM limit past the default scoped 32 MiB; the other

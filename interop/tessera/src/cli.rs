@@ -554,7 +554,11 @@ struct Figures {
 fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: usize) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
+    if let Some(path) = save {
+        read_tuning(path)?; // a table that cannot be added to fails now, not after the compiles
+    }
     let mut entries = Vec::new();
+    let mut skipped = Vec::new();
     for sel in selection(t, s)? {
         let knobs = sel.op.knobs;
         let fixed: Vec<&str> = knobs.iter().filter(|k| !matches!(sel.statics.get(k.name), tessera_kernels::Static::None)).map(|k| k.name).collect();
@@ -563,11 +567,23 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             let why = if knobs.is_empty() { "it has no block statics (its blocks follow from the shapes)".to_string() } else { format!("every knob ({}) is fixed by the case or --statics", fixed.join(", ")) };
             return Err(format!("`{}`: nothing to tune: {why}", sel.op.name));
         }
+        // The op's own block rule is the baseline: a table entry only ever replaces it with
+        // something libtpu estimates faster. A case that cannot take the shapes at all is
+        // skipped (every candidate would fail the same way).
+        let types = sel.op.types(&sel.shapes, dtype);
+        if let Err(e) = sel.op.plan_by_rule(&types, &sel.statics, &target) {
+            if !matches!(e.rule, "vmem-budget" | "block-tiling" | "block-shape") {
+                eprintln!("{}: skipped, the case cannot take these inputs: {}: {}", stem(&sel), e.rule, e.message.lines().next().unwrap_or(""));
+                skipped.push(stem(&sel));
+                continue;
+            }
+        }
         // Prune by the plan builder and the verifier (tiling, VMEM with its margin).
         let mut candidates: Vec<Candidate> = Vec::new();
         let mut survivors: Vec<(usize, Vec<Kernel>)> = Vec::new();
-        for c in all {
-            let built = sel.op.statics(&format!("{}, {c}", sel.statics)).and_then(|st| sel.op.plan_for(&sel.op.types(&sel.shapes, dtype), &st, &target)).and_then(|plan| {
+        // (The rule last: it loses ties, so a table entry is written for them.)
+        for c in all.into_iter().chain(std::iter::once(String::new())) {
+            let built = sel.op.statics(&format!("{}, {c}", sel.statics)).and_then(|st| sel.op.plan_by_rule(&types, &st, &target)).and_then(|plan| {
                 let kernels: Vec<Kernel> = plan.launches.into_iter().map(|l| l.kernel).collect();
                 kernels.iter().try_for_each(|k| tessera_dsl::verify::verify(k, &target)).map(|_| kernels)
             });
@@ -578,7 +594,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
                 }
                 Err(e) => Err(format!("pruned: {} ({})", e.rule, e.message.lines().next().unwrap_or(""))),
             };
-            candidates.push(Candidate { statics: c, outcome });
+            candidates.push(Candidate { statics: if c.is_empty() { DEFAULT_RULE.to_string() } else { c }, outcome });
         }
         eprintln!("{} on {target}: {} candidates, {} pruned by the plan and the verifier, {} to compile with libtpu", stem(&sel), candidates.len(), candidates.len() - survivors.len(), survivors.len());
         // Compile the survivors in batches (one libtpu process each), with progress.
@@ -633,10 +649,14 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
                 Err(why) => println!("{:<4} {:<44} {why}", "-", c.statics),
             }
         }
-        let best = ranked.first().filter(|c| c.outcome.is_ok()).map(|c| c.statics.clone());
+        let Some(winner) = ranked.first().filter(|c| c.outcome.is_ok()) else {
+            return Err(format!("{}: no candidate compiled (the op's own blocks included); nothing saved", stem(&sel)));
+        };
+        // The rule winning is an entry too: it replaces an older table's blocks for this call.
+        let best = (winner.statics != DEFAULT_RULE).then(|| winner.statics.clone());
         match &best {
             Some(b) => println!("best: {b}"),
-            None => println!("no candidate compiled"),
+            None => println!("best: the op's own block rule (the entry keeps it: `best` null)"),
         }
         entries.push(serde_json::json!({
             "op": sel.op.name,
@@ -652,6 +672,9 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             }).collect::<Vec<_>>(),
         }));
     }
+    if entries.is_empty() {
+        return Err(format!("no case could take these inputs ({}); nothing tuned", skipped.join(", ")));
+    }
     if let Some(path) = save {
         save_tuning(path, entries)?;
         println!("saved to {}", path.display());
@@ -659,23 +682,35 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
     Ok(true)
 }
 
+/// How the tuner names the baseline: the op's blocks with the knobs left unset.
+const DEFAULT_RULE: &str = "(the op's own block rule)";
+
+/// The table at `path`, or a new empty one when there is no file; an error for anything that
+/// is not a format-1 table (so `--save` never overwrites another file).
+fn read_tuning(path: &Path) -> CliResult<serde_json::Value> {
+    let text = match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes).map_err(|_| format!("{}: not a tuning table (not UTF-8 text); pick another --save path", path.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(serde_json::json!({"format": 1, "entries": []})),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let table = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: not a tuning table: {e}", path.display()))?;
+    if table["format"] != 1 || !table["entries"].is_array() {
+        return Err(format!("{}: tuning table format {} without an `entries` list (this tessera writes format 1)", path.display(), table["format"]));
+    }
+    Ok(table)
+}
+
 fn shapes_text(sel: &Selected) -> String {
     sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| format!("{}={}", i.name, dims(s))).collect::<Vec<_>>().join(" ")
 }
 
 /// Adds `entries` to the tuning table at `path` (created if missing), replacing any entry of
-/// the same op, case, target, dtype and shapes. The table records the tool's format and the
+/// the same op, case, target, dtype, shapes and statics. The table records the tool's format and the
 /// libtpu version the figures came from.
 fn save_tuning(path: &Path, entries: Vec<serde_json::Value>) -> CliResult<()> {
-    let mut table = match std::fs::read_to_string(path) {
-        Ok(text) => serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: not a tuning table: {e}", path.display()))?,
-        Err(_) => serde_json::json!({"format": 1, "entries": []}),
-    };
-    if table["format"] != 1 {
-        return Err(format!("{}: tuning table format {} (this tessera writes format 1)", path.display(), table["format"]));
-    }
+    let mut table = read_tuning(path)?;
     table["libtpu"] = serde_json::json!(crate::libtpu_version());
-    let key = |e: &serde_json::Value| (e["op"].clone(), e["case"].clone(), e["target"].clone(), e["dtype"].clone(), e["shapes"].clone());
+    let key = |e: &serde_json::Value| (e["op"].clone(), e["case"].clone(), e["target"].clone(), e["dtype"].clone(), e["shapes"].clone(), e["statics"].clone());
     let list = table["entries"].as_array_mut().ok_or_else(|| format!("{}: `entries` is not a list", path.display()))?;
     for e in entries {
         list.retain(|old| key(old) != key(&e));

@@ -28,7 +28,7 @@ fn tune_writes_a_table_the_op_then_uses() {
     let table: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let entry = &table["entries"][0];
     assert_eq!((entry["op"].as_str(), entry["target"].as_str(), entry["dtype"].as_str(), entry["best"].as_str()), (Some("scaled_silu"), Some("v6e"), Some("f32"), Some(best.as_str())));
-    assert_eq!(entry["candidates"].as_array().unwrap().len(), OPS[0].knobs[0].values.len(), "one candidate per block_rows value");
+    assert_eq!(entry["candidates"].as_array().unwrap().len(), OPS[0].knobs[0].values.len() + 1, "one candidate per block_rows value, and the op's own rule");
     assert!(table["libtpu"].is_string(), "the table records the compiler that ranked it");
 
     // The op plans with the table's winner once the table is loaded, not before. At this
