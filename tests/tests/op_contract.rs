@@ -597,6 +597,23 @@ fn cli_help_matches_the_commands() {
     cli_rejects(&["tune", "--all"], &["tune one op at a time"]);
 }
 
+/// `tune` refuses before compiling anything: a `--save` file that is not a tuning table (it
+/// is never overwritten), and shapes no case of the op can take (each case skipped, saying why).
+#[test]
+fn cli_tune_checks_its_inputs_before_compiling() {
+    let bad = std::env::temp_dir().join(format!("tessera-tune-bad-{}.json", std::process::id()));
+    std::fs::write(&bad, [0xffu8, 0xfe, 0x00]).unwrap();
+    cli_rejects(&["tune", "matmul", "--case", "default", "--target", "v5e", "--save", bad.to_str().unwrap()], &["not a tuning table", "not UTF-8"]);
+    assert_eq!(std::fs::read(&bad).unwrap(), [0xffu8, 0xfe, 0x00], "the file was overwritten");
+    std::fs::write(&bad, r#"{"format": 2, "entries": []}"#).unwrap();
+    cli_rejects(&["tune", "matmul", "--case", "default", "--target", "v5e", "--save", bad.to_str().unwrap()], &["format 2"]);
+    std::fs::remove_file(&bad).unwrap();
+    let qkv = ["--shape", "q=1x2x256x128", "--shape", "k=1x2x256x128", "--shape", "v=1x2x256x128"];
+    let mut args = vec!["tune", "flash_attention_fwd", "--case", "segmented", "--target", "v5e", "--dtype", "bf16"];
+    args.extend(qkv);
+    cli_rejects(&args, &["skipped, the case cannot take these inputs", "q_segment_ids", "no case could take these inputs"]);
+}
+
 /// `--all --case NAME` takes that case of each op that has it, saying how many ops it
 /// skipped (not stopping at the first op without it).
 #[test]
