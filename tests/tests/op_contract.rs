@@ -597,6 +597,26 @@ fn cli_help_matches_the_commands() {
     cli_rejects(&["tune", "--all"], &["tune one op at a time"]);
 }
 
+/// `--shape` without `--case` goes to each case of the op: a case that cannot take the shapes
+/// (flash attention's segmented case, with plain q/k/v), or that then gives the same kernels
+/// as an earlier one (rmsnorm's `wide`), is skipped saying so, not an error or a duplicate.
+#[test]
+fn cli_shapes_without_a_case_skip_the_cases_that_cannot_take_them() {
+    let dir = std::env::temp_dir().join(format!("tessera-emit-shapes-{}", std::process::id()));
+    let qkv = ["--shape", "q=1x2x256x128", "--shape", "k=1x2x256x128", "--shape", "v=1x2x256x128"];
+    let mut args = vec!["emit", "flash_attention_fwd", "--target", "v6e", "--out", dir.to_str().unwrap()];
+    args.extend(qkv);
+    let (code, stdout, stderr) = cli(&args);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stderr.contains("flash_attention_fwd_segmented: skipped, the case cannot take these inputs"), "{stderr}");
+    assert!(dir.join("flash_attention_fwd_causal.mosaic.mlir").exists() && !dir.join("flash_attention_fwd_segmented.mosaic.mlir").exists());
+    let (code, stdout, stderr) = cli(&["emit", "rmsnorm", "--target", "v6e", "--out", dir.to_str().unwrap(), "--shape", "x=64x1000", "--shape", "weight=1000"]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stderr.contains("rmsnorm_wide: skipped, the same kernels as `rmsnorm`"), "{stderr}");
+    assert!(!dir.join("rmsnorm_wide.mosaic.mlir").exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// `tune` refuses before compiling anything: a `--save` file that is not a tuning table (it
 /// is never overwritten), and shapes no case of the op can take (each case skipped, saying why).
 #[test]

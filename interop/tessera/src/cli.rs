@@ -350,6 +350,40 @@ fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String
 
 /// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
 /// stderr, for the commands that compile or run it.
+/// The kernels of every selected case. With `--shape` and no `--case` the shapes go to each
+/// case of the op: a case that cannot take them, or that then gives the same kernels as an
+/// earlier case, is skipped, saying so (an error only when no case is left).
+fn build_selected(selected: &[Selected], s: &Select, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
+    let lenient = s.opts.case.is_none() && !s.opts.shapes.is_empty();
+    let mut out: Vec<(String, Kernel)> = Vec::new();
+    let mut seen: Vec<(String, String)> = Vec::new(); // (kernels' text, stem)
+    let mut skipped = Vec::new();
+    for sel in selected {
+        let kernels = match build_and_warn(sel, dtype, target) {
+            Ok(k) => k,
+            Err(e) if lenient => {
+                eprintln!("{}: skipped, the case cannot take these inputs: {}", stem(sel), e.lines().next().unwrap_or(""));
+                skipped.push(stem(sel));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if lenient {
+            let text: String = kernels.iter().map(|(_, k)| format!("{k}")).collect();
+            if let Some((_, first)) = seen.iter().find(|(t, _)| *t == text) {
+                eprintln!("{}: skipped, the same kernels as `{first}` with these inputs", stem(sel));
+                continue;
+            }
+            seen.push((text, stem(sel)));
+        }
+        out.extend(kernels);
+    }
+    if out.is_empty() && !skipped.is_empty() {
+        return Err(format!("no case could take these inputs ({}); name one with --case", skipped.join(", ")));
+    }
+    Ok(out)
+}
+
 fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
     let kernels = build(sel, dtype, target)?;
     for (_, kernel) in &kernels {
@@ -365,10 +399,7 @@ fn emit(t: &Table, s: &Select, target_name: &str, out: &Path) -> CliResult<bool>
     let dtype = dtype(s)?;
     // An alias op (`flash_attention`) emits the kernels of the op it is an alias of (its
     // plan is that op's), under its own name.
-    let mut kernels = Vec::new();
-    for sel in selection(t, s)? {
-        kernels.extend(build_and_warn(&sel, dtype, &target)?);
-    }
+    let kernels = build_selected(&selection(t, s)?, s, dtype, &target)?;
     if kernels.is_empty() {
         return Err("the selection has no kernels to emit".into());
     }
@@ -476,10 +507,7 @@ fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let selected = selection(t, s)?;
     let mut all_ok = true;
     for target in targets {
-        let mut kernels = Vec::new();
-        for sel in &selected {
-            kernels.extend(build_and_warn(sel, dtype, &target)?);
-        }
+        let kernels = build_selected(&selected, s, dtype, &target)?;
         for v in crate::tpu_compile(&kernels, &target).map_err(|e| e.to_string())? {
             all_ok &= v.ok;
             if v.ok {
@@ -498,11 +526,13 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let selected = selection(t, s)?;
     let mut per_target = Vec::new();
     for target in &targets {
-        let mut kernels = Vec::new();
+        // Blocks a tuning table gave (not the op's rule) are named: the figures depend on them.
         for sel in &selected {
-            kernels.extend(build_and_warn(sel, dtype, target)?);
+            if let Ok(Some(e)) = tessera_kernels::tune::tuned_entry(sel.op, &sel.op.types(&sel.shapes, dtype), &sel.statics, target.name) {
+                eprintln!("{} on {}: blocks `{}` from the tuning table {}", stem(sel), target.name, e.best, e.source);
+            }
         }
-        per_target.push(kernels);
+        per_target.push(build_selected(&selected, s, dtype, target)?);
     }
     println!("libtpu's static estimate (compile-only, one TensorCore) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
     println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us");
@@ -525,8 +555,9 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             };
             let r = tessera_codegen::roofline(kernel, &p, target);
             let bound = if r.blind { format!("{} (libtpu's estimate cannot see prefetch-driven or dynamic-grid trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
-            let mib = p.vmem_bytes as f64 / (1 << 20) as f64;
-            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8.2} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
+            // No VMEM figure in the profile (libtpu did not attribute one): `-`, not 0.
+            let mib = if p.vmem_bytes == 0 { "-".to_string() } else { format!("{:.2}", p.vmem_bytes as f64 / (1 << 20) as f64) };
+            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
         }
     }
     println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));

@@ -202,7 +202,7 @@ impl Gen<'_> {
                     Binary::Maximum => b.max(x, y),
                     Binary::Minimum => b.min(x, y),
                     Binary::Pow => match (x, y) {
-                        (Arg::Val(v), Arg::Float(e)) => pow_scalar(b, v, e),
+                        (Arg::Val(v), Arg::Float(e)) => pow_scalar(b, v, e, n.dtype),
                         (x, y) => b.binary(BinaryOp::Pow, x, y),
                     },
                 }
@@ -314,14 +314,25 @@ impl Gen<'_> {
 }
 
 /// `v ** e` for a number `e`: torch computes the exponents 1, 2, 3, 0.5, -0.5, -1, -2 by
-/// multiplications, sqrt and rsqrt, not `pow`; so do we.
-fn pow_scalar(b: &mut KernelBuilder, v: Value, e: f64) -> Value {
+/// multiplications, sqrt and rsqrt, not `pow`; so do we. In bf16 torch's CPU kernel rounds
+/// the square of `x^3` and `x^-2` to bf16 before the last step: so do we (`dtype` is the
+/// result's).
+fn pow_scalar(b: &mut KernelBuilder, v: Value, e: f64, dtype: DType) -> Value {
+    let square = |b: &mut KernelBuilder| {
+        let sq = b.mul(v, v);
+        if dtype == DType::BF16 {
+            let r = b.cast(sq, DType::BF16);
+            b.cast(r, DType::F32)
+        } else {
+            sq
+        }
+    };
     if e == 1.0 {
         b.add(v, 0.0)
     } else if e == 2.0 {
         b.mul(v, v)
     } else if e == 3.0 {
-        let sq = b.mul(v, v);
+        let sq = square(b);
         b.mul(sq, v)
     } else if e == 0.5 {
         b.unary(UnaryOp::Sqrt, v)
@@ -330,7 +341,7 @@ fn pow_scalar(b: &mut KernelBuilder, v: Value, e: f64) -> Value {
     } else if e == -1.0 {
         b.div(1.0, v)
     } else if e == -2.0 {
-        let sq = b.mul(v, v);
+        let sq = square(b);
         b.div(1.0, sq)
     } else {
         b.binary(BinaryOp::Pow, v, e)
