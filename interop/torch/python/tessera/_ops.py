@@ -31,6 +31,8 @@ NAMESPACE = "tpu"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 _target = os.environ.get("TESSERA_TARGET", "v6e")
+if _target not in ("v5e", "v5p", "v6e", "tpu7x"):
+    raise ImportError(f"tessera: TESSERA_TARGET={_target!r} is not a TPU target; set it to v5e, v5p, v6e or tpu7x (or unset it: v6e)")
 
 
 # Extension modules whose CPU kernels are registered natively: they read the target

@@ -86,7 +86,13 @@ Llama ran 2.7x slower under a no-op mode). The mode comes back at the next outer
 a module that is not churning, `flush()`, or leaving the mode (a `backward()` while aside runs
 strictly too: its forward did, and its shapes churn as the forward's); `stats()["stepped_aside"]`
 counts the steps aside. Like every flush point, this
-depends only on the op sequence (and the module calls), never on timing. The mode's hooks
+depends only on the op sequence (and the module calls), never on timing. Only churn steps
+aside: recording costs ~24 us an op (`scripts/bench_recording.py`), more than an op on a
+few thousand elements costs in strict eager, so a loop over tiny tensors whose graphs keep
+their shapes (a tiny model's decode with `attn_implementation="sdpa"` and a KV cache, or a
+static cache: the growing attention is one eager op, the fused graphs around it do not
+churn) runs 5-8x slower than strict on the CPU; run such a loop under
+`set_eager_mode(STRICT)`. The mode's hooks
 (Tensor's value readers, `torch.autograd.backward` / `grad`, `nn.Module.__call__`) are
 installed at its first entry and stay for the process, one check each outside the mode:
 patching those classes on every `with` cost ~1.5 ms per `with` (CPython's attribute caches of
