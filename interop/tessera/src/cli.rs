@@ -89,8 +89,8 @@ enum Cmd {
         #[arg(long)]
         save: Option<PathBuf>,
         /// Candidates compiled per libtpu process (progress is reported per batch).
-        #[arg(long, default_value_t = 4)]
-        batch: usize,
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+        batch: u64,
     },
 }
 
@@ -171,7 +171,7 @@ pub fn main(own: &'static [Op]) -> ExitCode {
         Cmd::Check { select, targets } => check(&t, &select, &targets),
         Cmd::Cost { select, targets } => cost(&t, &select, &targets),
         Cmd::Tune { kernel, all, opts, target, save, batch } => match kernel {
-            Some(kernel) if !all => tune(&t, &Select { kernel: Some(kernel), all: false, opts }, &target, save.as_deref(), batch),
+            Some(kernel) if !all => tune(&t, &Select { kernel: Some(kernel), all: false, opts }, &target, save.as_deref(), batch as usize),
             _ => Err("tune one op at a time: name it (`tune flash_attention_fwd --case causal`)".into()),
         },
         Cmd::Table { dtype, ops } => if ops { op_table(&t) } else { table(&t, &dtype) },
@@ -631,7 +631,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
         // Compile the survivors in batches (one libtpu process each), with progress.
         let started = std::time::Instant::now();
         let mut done = 0;
-        for chunk in survivors.chunks(batch.max(1)) {
+        for chunk in survivors.chunks(batch) {
             let mut kernels = Vec::new();
             for (i, ks) in chunk {
                 kernels.extend(ks.iter().enumerate().map(|(j, k)| (format!("c{i}-{j}"), k.clone())));
