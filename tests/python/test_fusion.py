@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tessera
 from tessera import fusion
@@ -848,6 +849,65 @@ def test_found_by_a_random_graph_probe():
         r = (v @ m).relu() + 1
     torch.testing.assert_close(r, (v @ m).relu() + 1)
     assert fusion.stats()["flush_causes"] == {"exit": 1} and fusion.stats()["kernels_launched"] == 1, fusion.stats()
+
+
+def test_found_by_a_user_side_probe():
+    """Two linears sharing a weight and a bias (two checkpointed blocks sharing a layer, in
+    their recomputation) made a kernel with two operands of one name: the whole graph ran
+    eagerly (`duplicate-operand` in `fallbacks`)."""
+    torch.manual_seed(0)
+    w, b, x1, x2 = torch.randn(16, 16), torch.randn(16), torch.randn(4, 16), torch.randn(4, 16)
+    cases = {
+        "apart": lambda: (F.linear(x1, w, b), F.linear(x2, w, b)),
+        "product": lambda: (F.linear(x1, w, b) * F.linear(x2, w, b),),
+        "addmm": lambda: (torch.addmm(b, x1, w) * torch.addmm(b, x2, w),),
+    }
+    for name, f in cases.items():
+        want = f()
+        fusion.reset_stats()
+        with tessera.set_eager_mode(DEFER):
+            got = f()
+        for g, w_ in zip(got, want):
+            torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        s = fusion.stats()
+        assert not s["fallbacks"] and s["kernels_launched"] >= 1, (name, s)
+
+
+def test_settings_that_are_not_numbers_or_backends_are_errors(monkeypatch):
+    """A typo in a setting was the default in silence (`TESSERA_FUSION_MAX_OPS=abc`), and a bad
+    `TESSERA_BACKEND` a fallback at every flush: now the `with` refuses them."""
+    for name, value in (("TESSERA_FUSION_MAX_OPS", "abc"), ("TESSERA_FUSION_SHAPES", "0")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(ValueError, match=f"{name}='{value}' is not a positive integer"):
+                tessera.set_eager_mode(DEFER)
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT
+    with monkeypatch.context() as m:
+        m.setenv("TESSERA_BACKEND", "bogus")
+        with pytest.raises(ValueError, match="TESSERA_BACKEND=\"bogus\" is not a CPU backend"):
+            tessera.set_eager_mode(DEFER)
+    with tessera.set_eager_mode(DEFER):  # and the mode works after
+        y = torch.ones(3) * 2
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_compiled_modules_keep_their_own_dynamo_caches_after_the_mode(fresh_dynamo):
+    """The mode's `nn.Module.__call__` wrapper was a frame Dynamo compiled: every compiled
+    module shared its cache and its recompile limit (8), and the ninth ran uncompiled."""
+    with tessera.set_eager_mode(DEFER):
+        (torch.ones(2) * 2).sum().item()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    for i in range(11):
+        # A forward of its own code per class (as distinct model classes have).
+        cls = type(f"Scaled{i}", (torch.nn.Module,), {"forward": eval(f"lambda self, x: x * {i + 2} + 1")})
+        out = torch.compile(cls(), backend=backend)(torch.ones(2, 4))
+        assert torch.equal(out, torch.full((2, 4), i + 3.0))
+    assert len(calls) == 11, len(calls)
 
 
 def test_an_inplace_op_reading_its_target_replays_and_a_failed_exit_flush_leaves_the_mode(monkeypatch):

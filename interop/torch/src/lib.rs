@@ -675,6 +675,7 @@ pub fn init_module(m: &Bound<'_, PyModule>, ops: impl IntoIterator<Item = &'stat
     m.add_function(wrap_pyfunction!(load_tuning_table, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(set_target, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_backend_name, m)?)?;
     m.add_function(wrap_pyfunction!(register_cpu_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(init_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(call_cpu, m)?)?;
@@ -702,6 +703,14 @@ fn native_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// in builds with that feature).
 fn backend() -> PyResult<&'static dyn Executor> {
     cpu_backend().map_err(PyValueError::new_err)
+}
+
+/// The CPU backend `TESSERA_BACKEND` names (`jit` by default); an error naming the variable
+/// when it names none, or one this build lacks.
+#[pyfunction]
+fn cpu_backend_name() -> PyResult<String> {
+    backend()?;
+    Ok(std::env::var("TESSERA_BACKEND").unwrap_or_else(|_| "jit".to_string()))
 }
 
 /// [`backend`] without Python.

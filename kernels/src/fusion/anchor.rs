@@ -181,13 +181,26 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         B,
         Bias,
     }
-    let input = |b: &mut KernelBuilder, role: Role, read: usize| {
+    // Each read is its own operand (the runtime passes `p.reads` in order), so a storage two
+    // products read in the same role (two linears sharing a weight and a bias) is named by its
+    // read the second time.
+    let mut names = std::collections::HashSet::new();
+    let mut input = |b: &mut KernelBuilder, role: Role, read: usize| {
         let r = p.reads[read];
         let dt = memory_dtype(g.node(r.storage).dtype);
+        let role_name = match role {
+            Role::A => "a",
+            Role::B => "b",
+            Role::Bias => "bias",
+        };
+        let mut name = format!("{role_name}_n{}", r.storage);
+        if !names.insert(name.clone()) {
+            name = format!("{role_name}_n{}_r{read}", r.storage);
+        }
         match role {
-            Role::A => b.input(&format!("a_n{}", r.storage), dt, &a_spec.0, a_spec.1.clone()),
-            Role::B => b.input(&format!("b_n{}", r.storage), dt, &b_spec.0, b_spec.1.clone()),
-            Role::Bias => b.input(&format!("bias_n{}", r.storage), dt, &[1, d.n], BlockSpec { block_shape: vec![Some(1), Some(bn)], index_map: vec![IndexExpr::Const(0), gj.clone()] }),
+            Role::A => b.input(&name, dt, &a_spec.0, a_spec.1.clone()),
+            Role::B => b.input(&name, dt, &b_spec.0, b_spec.1.clone()),
+            Role::Bias => b.input(&name, dt, &[1, d.n], BlockSpec { block_shape: vec![Some(1), Some(bn)], index_map: vec![IndexExpr::Const(0), gj.clone()] }),
         }
     };
     let bias = node.args.len() == 3;

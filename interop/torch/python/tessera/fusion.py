@@ -67,7 +67,7 @@ does `nn.Module.to` with `torch.__future__.set_swap_module_params_on_conversion(
 the mode. A result is contiguous where
 eager's may keep a transposed input's layout (`x.t() * 2` has strides `(1, rows)` in eager):
 values and views are equal, but a `.view` that only eager's strides allow raises here (use
-`reshape`), and `contiguous()`, `reshape` or `flatten` of such a result, which copy in eager,
+`reshape`), one that eager's strides forbid succeeds here (`(x.t() * 2).view(-1)`), and `contiguous()`, `reshape` or `flatten` of such a result, which copy in eager,
 are views here: an in-place write through one changes the other (`y = x.t() * 1; z =
 y.contiguous(); z.zero_()` zeroes `y` too; clone first). Under `torch.compile` the backend
 restores eager's layouts. The sign of a zero can differ from
@@ -131,11 +131,23 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.bool: "bo
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
-def _churn_limit() -> int:
+def _env_count(name: str, default: int) -> int:
+    """A positive integer setting from the environment; a value that is not one is an error
+    (a typo silently meaning the default would hide that the setting did nothing)."""
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
     try:
-        return max(1, int(os.environ.get("TESSERA_FUSION_SHAPES", "8")))
+        value = int(text)
     except ValueError:
-        return 8
+        value = 0
+    if value < 1:
+        raise ValueError(f"tessera: {name}={text!r} is not a positive integer; set it to one (the default is {default}) or unset it")
+    return value
+
+
+def _churn_limit() -> int:
+    return _env_count("TESSERA_FUSION_SHAPES", 8)
 
 
 # Shape churn: per graph structure without its shapes, the shape variants compiled so far.
@@ -162,10 +174,7 @@ def _churning(graph_text: str, live) -> bool:
 
 
 def _max_ops() -> int:
-    try:
-        return max(1, int(os.environ.get("TESSERA_FUSION_MAX_OPS", "512")))
-    except ValueError:
-        return 512
+    return _env_count("TESSERA_FUSION_MAX_OPS", 512)
 
 
 # ---- stats ------------------------------------------------------------------------------------
@@ -1306,6 +1315,19 @@ def _install():
     torch.autograd.backward = _wrap_backward(torch.autograd.backward, "backward")
     torch.autograd.grad = _wrap_backward(torch.autograd.grad, "grad")
     torch.nn.Module.__call__ = _wrap_module_call(torch.nn.Module.__call__)
+    _not_a_compile_frame(torch.nn.Module.__call__)
+
+
+def _not_a_compile_frame(fn):
+    """Has `torch.compile` skip `fn`'s frame and compile the frames it calls, as it skips
+    torch's own `Module.__call__` to compile each `forward`: compiled, the one wrapper every
+    module's call runs would hold one Dynamo cache, and one recompile limit (8), for all of
+    them, and the ninth compiled module would silently run uncompiled."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # a torch without it: its Dynamo then traces the wrapper
+        return
+    skip_code(fn.__code__)
 
 
 _installed = False
@@ -1333,6 +1355,8 @@ def set_eager_mode(mode: EagerMode) -> _ModeGuard:
     if mode is _current:
         return _ModeGuard(previous)
     if mode is EagerMode.DEFER_AND_FUSE:
+        # The settings a flush reads, checked at the `with`, not at some later op.
+        _max_ops(), _churn_limit(), _native.cpu_backend_name()
         _loop = _LoopDetector()  # a fresh op stream
         _mode_obj = _DeferMode()
         _mode_obj.__enter__()
