@@ -204,15 +204,16 @@ impl Op {
     /// Block statics left unset take a tuning table's blocks when one holds this exact call
     /// ([`crate::tune::tuned_statics`]).
     pub fn plan_for(&self, inputs: &[Option<Type>], statics: &Statics, target: &Target) -> Result<Plan, KernelError> {
-        let entry = crate::tune::tuned_entry(self, inputs, statics, target.name)?;
+        // An entry whose `best` is null keeps the rule's blocks (and stops the lookup there).
+        let entry = crate::tune::tuned_entry(self, inputs, statics, target.name)?.and_then(|t| Some((t.best?, t.source)));
         // A table's blocks that cannot run (a hand-edited entry) say where they came from.
         let from_table = |mut e: KernelError| {
-            if let Some(t) = &entry {
-                e.message = format!("{} (blocks `{}` from the tuning table {})", e.message, t.best, t.source);
+            if let Some((best, source)) = &entry {
+                e.message = format!("{} (blocks `{best}` from the tuning table {source})", e.message);
             }
             e
         };
-        let tuned = entry.as_ref().map(|t| self.statics(&format!("{statics}, {}", t.best))).transpose().map_err(from_table)?;
+        let tuned = entry.as_ref().map(|(best, _)| self.statics(&format!("{statics}, {best}"))).transpose().map_err(from_table)?;
         let plan = self.plan_by_rule(inputs, tuned.as_ref().unwrap_or(statics), target).map_err(from_table)?;
         if entry.is_some() {
             // Verified here, so that an error names the table, not only the kernel.

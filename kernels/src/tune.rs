@@ -20,7 +20,11 @@
 //! keys, as serving stacks' tuned block tables are: a shape the table does not hold is never
 //! guessed from a neighbour. `--save` replaces an entry of the same key (statics included).
 //! An entry sets only the op's knobs: a `best` naming another static (`causal=False`) is
-//! refused at the lookup (`tuning-table`), and blocks that do not verify name the table.
+//! refused at the lookup (`tuning-table`), and blocks that do not verify name the table. An
+//! entry whose `best` is null (the op's own rule won the run) holds the call too: it keeps the
+//! rule's blocks over any later table's entry. A malformed entry (a field missing or of the
+//! wrong type, a negative dim) makes the whole table an error naming the entry, never a
+//! silently skipped line.
 //!
 //! Where entries come from, first match wins:
 //! 1. tables added at run time, the latest first: [`add_table`] (a user crate embedding its
@@ -95,7 +99,8 @@ pub struct Tuned {
     pub shapes: Vec<(String, Vec<usize>)>,
     /// The call's statics with the knobs unset (`Statics`' display).
     pub statics: String,
-    pub best: String,
+    /// The winning knobs (`name=value, ...`); `None` when the op's own block rule won.
+    pub best: Option<String>,
     /// The table it came from (its path, `TESSERA_TUNING_TABLES: path`, or the shipped one).
     pub source: String,
 }
@@ -103,7 +108,10 @@ pub struct Tuned {
 /// The shipped table's entries.
 pub fn table() -> &'static [Tuned] {
     static TABLE: OnceLock<Vec<Tuned>> = OnceLock::new();
-    TABLE.get_or_init(|| parse(include_str!("../tuned.json"), "kernels/tuned.json").expect("kernels/tuned.json is a format-1 tuning table"))
+    TABLE.get_or_init(|| {
+        let entries = parse(include_str!("../tuned.json")).expect("kernels/tuned.json is a format-1 tuning table");
+        entries.into_iter().map(|e| Tuned { source: "kernels/tuned.json".to_string(), ..e }).collect()
+    })
 }
 
 /// Tables added at run time, in the order they were added.
@@ -120,11 +128,11 @@ pub fn generation() -> u64 {
 
 /// Adds the entries of a format-1 table (the text `tessera tune --save` wrote; `source`
 /// names it in errors) ahead of every table added before and of the shipped one. Returns
-/// how many entries have a best candidate (entries whose every candidate failed are kept
-/// out: they set nothing).
+/// how many entries set blocks (the others keep the op's own rule for their call).
 pub fn add_table(text: &str, source: &str) -> Result<usize, KernelError> {
-    let entries = parse(text, source).map_err(|m| KernelError::new("tessera tune", source, "tuning-table", format!("not a tuning table: {m}"), "pass a file `tessera tune --save FILE` wrote (format 1)"))?;
-    let n = entries.len();
+    let entries = parse(text).map_err(|m| KernelError::new("tessera tune", source, "tuning-table", format!("not a tuning table: {m}"), "pass a file `tessera tune --save FILE` wrote (format 1), or fix the entry named"))?;
+    let entries: Vec<Tuned> = entries.into_iter().map(|e| Tuned { source: source.to_string(), ..e }).collect();
+    let n = entries.iter().filter(|e| e.best.is_some()).count();
     let mut added = ADDED.write().unwrap_or_else(|e| e.into_inner());
     // Latest first: prepend.
     let mut all = entries;
@@ -149,7 +157,8 @@ fn env_tables() -> Result<&'static [Tuned], KernelError> {
         for path in std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()) {
             let bad = |m: String| KernelError::new("tessera tune", format!("TESSERA_TUNING_TABLES: {}", path.display()), "tuning-table", m, "list files `tessera tune --save FILE` wrote, separated by `:`, or unset TESSERA_TUNING_TABLES");
             let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot read the tuning table: {e}")))?;
-            out.extend(parse(&text, &format!("TESSERA_TUNING_TABLES: {}", path.display())).map_err(|m| bad(format!("not a tuning table: {m}")))?);
+            let source = format!("TESSERA_TUNING_TABLES: {}", path.display());
+            out.extend(parse(&text).map_err(|m| bad(format!("not a tuning table: {m}")))?.into_iter().map(|e| Tuned { source: source.clone(), ..e }));
         }
         Ok(out)
     })
@@ -157,21 +166,29 @@ fn env_tables() -> Result<&'static [Tuned], KernelError> {
     .map_err(Clone::clone)
 }
 
-/// The entries of a format-1 table with a best candidate.
-fn parse(text: &str, source: &str) -> Result<Vec<Tuned>, String> {
+/// The entries of a format-1 table (their `source` left empty), or what is wrong with it.
+fn parse(text: &str) -> Result<Vec<Tuned>, String> {
     let doc: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
     if doc["format"] != 1 {
         return Err(format!("format {} (this tessera reads format 1)", doc["format"]));
     }
-    let str_of = |v: &serde_json::Value| v.as_str().map(str::to_string);
     let entries = doc["entries"].as_array().ok_or("no `entries` list")?;
-    Ok(entries
+    entries.iter().enumerate().map(|(i, e)| entry(e).map_err(|m| format!("entry {i}{}: {m}", e["op"].as_str().map(|op| format!(" (`{op}`)")).unwrap_or_default()))).collect()
+}
+
+/// One entry of a table.
+fn entry(e: &serde_json::Value) -> Result<Tuned, String> {
+    let text = |key: &str| e[key].as_str().map(str::to_string).ok_or_else(|| format!("`{key}` is {}, not a string", e[key]));
+    let shapes = e["shapes"].as_object().ok_or_else(|| format!("`shapes` is {}, not an object of input name to dims", e["shapes"]))?;
+    let shapes = shapes
         .iter()
-        .filter_map(|e| {
-            let shapes = e["shapes"].as_object()?.iter().map(|(n, s)| Some((n.clone(), s.as_array()?.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>()?))).collect::<Option<Vec<_>>>()?;
-            Some(Tuned { op: str_of(&e["op"])?, target: str_of(&e["target"])?, dtype: str_of(&e["dtype"])?, shapes, statics: str_of(&e["statics"])?, best: str_of(&e["best"])?, source: source.to_string() })
+        .map(|(name, dims)| {
+            let dims = dims.as_array().and_then(|d| d.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect::<Option<Vec<_>>>());
+            dims.map(|d| (name.clone(), d)).ok_or_else(|| format!("the shape of `{name}` is not a list of dims (non-negative integers)"))
         })
-        .collect())
+        .collect::<Result<Vec<_>, String>>()?;
+    let best = if e["best"].is_null() { None } else { Some(text("best")?) };
+    Ok(Tuned { op: text("op")?, target: text("target")?, dtype: text("dtype")?, shapes, statics: text("statics")?, best, source: String::new() })
 }
 
 /// The best knobs (`name=value, ...`) the tables hold for a call of `op` with these input
@@ -180,10 +197,11 @@ fn parse(text: &str, source: &str) -> Result<Vec<Tuned>, String> {
 /// serves calls that give that value and leave the tuned knobs unset. An error only when
 /// `TESSERA_TUNING_TABLES` names a bad file.
 pub fn tuned_statics(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Result<Option<String>, KernelError> {
-    Ok(tuned_entry(op, inputs, statics, target)?.map(|e| e.best))
+    Ok(tuned_entry(op, inputs, statics, target)?.and_then(|e| e.best))
 }
 
-/// The table entry [`tuned_statics`] takes its blocks from (its `source` names the table).
+/// The table entry that holds this call, the first match (its `source` names the table; its
+/// `best` is `None` when it keeps the op's own rule).
 pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: &str) -> Result<Option<Tuned>, KernelError> {
     if op.knobs.is_empty() {
         return Ok(None);
@@ -210,7 +228,7 @@ pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: 
     // A table sets blocks, nothing else: a `best` that names another static (`causal=False`,
     // hand-edited) would change what the op computes.
     let knobs: Vec<&str> = op.knobs.iter().map(|k| k.name).collect();
-    for part in e.best.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for part in e.best.iter().flat_map(|b| b.split(',')).map(str::trim).filter(|p| !p.is_empty()) {
         let key = part.split('=').next().unwrap_or("").trim();
         if !knobs.contains(&key) {
             return Err(KernelError::new(

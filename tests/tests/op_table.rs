@@ -145,11 +145,12 @@ fn shipped_tuning_table_sets_the_defaults_it_holds() {
         let given = e.shapes.len();
         let types = op.types(&shapes[..given], dtype);
         let unset = op.statics(&e.statics).unwrap();
-        let explicit = op.statics(&format!("{}, {}", e.statics, e.best)).unwrap();
+        let best = e.best.as_deref().unwrap_or_else(|| panic!("tuned.json: the {} entry on {} keeps the rule; ship only entries that set blocks", e.op, e.target));
+        let explicit = op.statics(&format!("{}, {best}", e.statics)).unwrap();
         let by_table = op.plan_for(&types, &unset, &target).unwrap_or_else(|err| panic!("{}: {err}", e.op));
         let by_hand = op.plan_for(&types, &explicit, &target).unwrap();
         let ir = |p: &tessera_kernels::Plan| p.launches.iter().map(|l| format!("{:?}", l.kernel)).collect::<Vec<_>>();
-        assert_eq!(ir(&by_table), ir(&by_hand), "{} on {}: the table's blocks ({}) are not the defaults", e.op, e.target, e.best);
+        assert_eq!(ir(&by_table), ir(&by_hand), "{} on {}: the table's blocks ({best}) are not the defaults", e.op, e.target);
         for l in &by_table.launches {
             tessera_dsl::verify::verify(&l.kernel, &target).unwrap();
         }
@@ -165,7 +166,7 @@ fn shipped_tuning_table_sets_the_defaults_it_holds() {
     let e = table.iter().find(|e| e.op == "flash_attention_fwd").unwrap();
     let shapes: Vec<Vec<usize>> = ["q", "k", "v"].iter().map(|n| e.shapes.iter().find(|(m, _)| m == n).unwrap().1.clone()).collect();
     let types = fwd.types(&shapes, DType::parse(&e.dtype).unwrap());
-    assert_eq!(tessera_kernels::tune::tuned_statics(alias, &types, &alias.statics(&e.statics).unwrap(), &e.target).unwrap().as_deref(), Some(e.best.as_str()));
+    assert_eq!(tessera_kernels::tune::tuned_statics(alias, &types, &alias.statics(&e.statics).unwrap(), &e.target).unwrap(), e.best);
 }
 
 /// A table sets blocks and nothing else: an entry whose `best` names another static (a
@@ -196,6 +197,21 @@ fn a_tuning_table_sets_only_blocks_and_names_itself_in_errors() {
     assert!(err.to_string().contains("from the tuning table bad-blocks.json"), "{err}");
     tessera_kernels::tune::add_table(&entry(896, "block_q=128, block_kv=128"), "good.json").unwrap();
     assert!(plan(896).is_ok());
+    // A null `best` (the rule won that run) holds the call against earlier tables.
+    let ir = |p: tessera_kernels::Plan| p.launches.iter().map(|l| format!("{:?}", l.kernel)).collect::<Vec<_>>();
+    let rule = ir(op.plan_by_rule(&op.types(&vec![vec![1, 2, 1152, 128]; 3], DType::BF16), &op.statics("causal=True").unwrap(), &Target::V5E).unwrap());
+    assert_eq!(tessera_kernels::tune::add_table(&entry(1152, "block_q=128, block_kv=128"), "old.json").unwrap(), 1);
+    assert_ne!(ir(plan(1152).unwrap()), rule, "the old table's 128 x 128 are not the rule's blocks");
+    let null = entry(1152, "").replace(r#""best": """#, r#""best": null"#);
+    assert_eq!(tessera_kernels::tune::add_table(&null, "new.json").unwrap(), 0, "a null entry sets no blocks");
+    assert_eq!(ir(plan(1152).unwrap()), rule);
+    // A malformed entry is an error naming it, not a line silently skipped.
+    for (edit, says) in [(r#""dtype": "bf16""#, "`dtype` is null"), (r#""k": [1, 2, 1152, 128]"#, "the shape of `k`")] {
+        let bad = entry(1152, "block_q=128, block_kv=128").replace(edit, if says.starts_with("`dtype`") { r#""dtype": null"# } else { r#""k": [1, -2, 1152, 128]"# });
+        let err = tessera_kernels::tune::add_table(&bad, "typo.json").expect_err(says);
+        assert_eq!(err.rule, "tuning-table", "{err}");
+        assert!(err.to_string().contains("typo.json") && err.to_string().contains("entry 0 (`flash_attention_fwd`)") && err.to_string().contains(says), "{err}");
+    }
 }
 
 /// matmul's default blocks follow the target's ridge (v6e, where HBM binds at 512 x 1024

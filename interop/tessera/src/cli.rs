@@ -529,7 +529,8 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
         // Blocks a tuning table gave (not the op's rule) are named: the figures depend on them.
         for sel in &selected {
             if let Ok(Some(e)) = tessera_kernels::tune::tuned_entry(sel.op, &sel.op.types(&sel.shapes, dtype), &sel.statics, target.name) {
-                eprintln!("{} on {}: blocks `{}` from the tuning table {}", stem(sel), target.name, e.best, e.source);
+                let blocks = e.best.map_or("the op's own block rule".to_string(), |b| format!("blocks `{b}`"));
+                eprintln!("{} on {}: {blocks} from the tuning table {}", stem(sel), target.name, e.source);
             }
         }
         per_target.push(build_selected(&selected, s, dtype, target)?);
