@@ -209,7 +209,8 @@ pub struct Roofline {
 pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::Target) -> Roofline {
     let est = estimate(kernel);
     let estimate_us = (profile.cycles + profile.outside_cycles) as f64 / (target.clock_ghz() * 1e3);
-    let mxu_us = est.flops as f64 / (target.core_peak_tflops() * 1e6);
+    let splits = kernel.grid.iter().any(|g| g.semantics == tessera_dsl::Semantics::Parallel && g.extent > 1);
+    let mxu_us = est.flops as f64 / (target.device_peak_tflops(splits) * 1e6);
     let hbm_us = est.bytes_accessed as f64 / (target.hbm_gbps * 1e3);
     let reads_prefetch = kernel.refs.iter().any(|r| r.kind == RefKind::Prefetch);
     let dynamic = kernel.grid.iter().any(|g| g.dynamic.is_some());

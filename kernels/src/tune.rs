@@ -188,7 +188,24 @@ fn entry(e: &serde_json::Value) -> Result<Tuned, String> {
         })
         .collect::<Result<Vec<_>, String>>()?;
     let best = if e["best"].is_null() { None } else { Some(text("best")?) };
-    Ok(Tuned { op: text("op")?, target: text("target")?, dtype: text("dtype")?, shapes, statics: text("statics")?, best, source: String::new() })
+    if let Some(best) = &best {
+        let mut names = Vec::new();
+        for part in best.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let name = part.split_once('=').map(|(n, _)| n.trim()).ok_or_else(|| format!("`best` part `{part}` is not `name=value`"))?;
+            if names.contains(&name) {
+                return Err(format!("`best` sets `{name}` twice"));
+            }
+            names.push(name);
+        }
+    }
+    let (target, dtype) = (text("target")?, text("dtype")?);
+    if tessera_dsl::Target::by_name(&target).is_none() {
+        return Err(format!("`target` {target:?} is not a TPU generation (v5e, v5p, v6e, tpu7x)"));
+    }
+    if !matches!(tessera_dsl::DType::parse(&dtype), Some(d) if d.is_float()) {
+        return Err(format!("`dtype` {dtype:?} is not a float dtype (bf16, f32)"));
+    }
+    Ok(Tuned { op: text("op")?, target, dtype, shapes, statics: text("statics")?, best, source: String::new() })
 }
 
 /// The best knobs (`name=value, ...`) the tables hold for a call of `op` with these input
@@ -209,10 +226,11 @@ pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: 
     // The run's float dtype (the CLI's `--dtype`): its first float input's.
     let Some(dtype) = op.inputs.iter().zip(inputs).find(|(i, _)| i.kind == crate::op::Kind::Float || i.kind == crate::op::Kind::AnyFloat).and_then(|(_, t)| t.as_ref()).map(|t| t.dtype.name()) else { return Ok(None) };
     let statics = statics.to_string();
-    // An alias (`flash_attention`) plans as its source op: it takes the source's entries.
+    // An alias (`flash_attention`) plans as its source op: it takes the source's entries, and
+    // an entry tuned through the alias serves both.
     let name = op.alias_of.map_or(op.name, |(of, _)| of);
     let matches = |e: &&Tuned| {
-        e.op == name
+        (e.op == name || e.op == op.name || crate::library().any(|o| o.name == e.op && o.alias_of.is_some_and(|(of, _)| of == name)))
             && e.target == target
             && e.dtype == dtype
             && e.statics == statics

@@ -205,6 +205,15 @@ fn a_tuning_table_sets_only_blocks_and_names_itself_in_errors() {
     let null = entry(1152, "").replace(r#""best": """#, r#""best": null"#);
     assert_eq!(tessera_kernels::tune::add_table(&null, "new.json").unwrap(), 0, "a null entry sets no blocks");
     assert_eq!(ir(plan(1152).unwrap()), rule);
+    // An entry tuned through the alias (`tessera tune flash_attention`) serves the op too.
+    let rule = ir(op.plan_by_rule(&op.types(&vec![vec![1, 2, 1408, 128]; 3], DType::BF16), &op.statics("causal=True").unwrap(), &Target::V5E).unwrap());
+    let by_alias = entry(1408, "block_q=128, block_kv=128").replace(r#""op": "flash_attention_fwd""#, r#""op": "flash_attention""#);
+    tessera_kernels::tune::add_table(&by_alias, "alias.json").unwrap();
+    assert_ne!(ir(plan(1408).unwrap()), rule, "the alias's entry was not taken");
+    for (edit, to, says) in [(r#""dtype": "bf16""#, r#""dtype": "bf17""#, "not a float dtype"), (r#""target": "v5e""#, r#""target": "v9""#, "not a TPU generation"), ("block_q=128, block_kv=128", "block_q=128, block_q=256", "sets `block_q` twice")] {
+        let err = tessera_kernels::tune::add_table(&entry(1408, "block_q=128, block_kv=128").replace(edit, to), "typo.json").expect_err(says);
+        assert!(err.to_string().contains(says) && err.to_string().contains("entry 0"), "{err}");
+    }
     // A malformed entry is an error naming it, not a line silently skipped.
     for (edit, says) in [(r#""dtype": "bf16""#, "`dtype` is null"), (r#""k": [1, 2, 1152, 128]"#, "the shape of `k`")] {
         let bad = entry(1152, "block_q=128, block_kv=128").replace(edit, if says.starts_with("`dtype`") { r#""dtype": null"# } else { r#""k": [1, -2, 1152, 128]"# });

@@ -102,3 +102,22 @@ fn library_kernels_cost_what_is_pinned() {
     }
     assert!(failures.is_empty(), "static cost moved outside its band (if intended, bless: see this file's docs):\n{}", failures.join("\n"));
 }
+
+/// The roofline's MXU floor is one device's: on v5p (megacore) a kernel with a `parallel`
+/// axis splits across the chip's two TensorCores, and libtpu's estimate counts both (its
+/// 4096^3 bf16 matmul estimate, 322 us, was below a one-core floor of 599 us: a time under
+/// its own floor); elsewhere, and for a kernel with nothing to split, one core's.
+#[test]
+fn the_mxu_floor_is_one_devices() {
+    let t = tessera_dsl::Type::vector(DType::BF16, &[4096, 4096]);
+    let mm = tessera_kernels::matmul::matmul_kernel(t.clone(), t.clone(), t, 512, 1024, 1024, 4096, false, false).unwrap();
+    let flops = 2.0 * 4096f64.powi(3);
+    let floor = |k: &tessera_dsl::Kernel, target: &Target| tessera_codegen::roofline(k, &StaticProfile::default(), target).mxu_us;
+    let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-3;
+    assert!(close(floor(&mm, &Target::V5P), flops / 459e6), "{}", floor(&mm, &Target::V5P));
+    assert!(close(floor(&mm, &Target::TPU7X), flops / (2310e6 / 2.0)), "{}", floor(&mm, &Target::TPU7X));
+    assert!(close(floor(&mm, &Target::V6E), flops / 920e6));
+    let mut serial = mm.clone();
+    serial.grid.iter_mut().for_each(|g| g.semantics = tessera_dsl::Semantics::Arbitrary);
+    assert!(close(floor(&serial, &Target::V5P), flops / (459e6 / 2.0)));
+}

@@ -83,6 +83,8 @@ enum Cmd {
         all: bool,
         #[command(flatten)]
         opts: CaseOpts,
+        /// The TPU generation to tune for (v5e, v5p, v6e, tpu7x); the table's entries are
+        /// per generation.
         #[arg(long, default_value = "v6e")]
         target: String,
         /// Write (or update) this JSON table with the run.
@@ -230,6 +232,18 @@ struct Selected {
 
 /// A case whose name ends in `alt` repeats another at other shapes (the libtpu tier
 /// compiles them too); `--all` and a bare op name skip them.
+/// `--target` values, each generation once (a repeated one would compile everything twice).
+fn targets_once(names: &[String]) -> CliResult<Vec<Target>> {
+    let mut out: Vec<Target> = Vec::new();
+    for name in names {
+        let t = target(name)?;
+        if !out.iter().any(|o| o.name == t.name) {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
 fn is_alt(c: &Case) -> bool {
     c.name.ends_with("alt")
 }
@@ -245,7 +259,11 @@ fn source(t: &Table, op: &'static Op) -> &'static Op {
 fn selection(t: &Table, sel: &Select) -> CliResult<Vec<Selected>> {
     let s = &sel.opts;
     let mut ops: Vec<&'static Op> = match (&sel.kernel, sel.all) {
-        (Some(name), _) => vec![t.find(name).ok_or_else(|| format!("unknown op `{name}`; `list` shows the ops"))?],
+        (Some(name), _) => vec![t.find(name).ok_or_else(|| {
+            let near: Vec<&str> = t.ops.iter().map(|op| op.name).filter(|op| strsim::damerau_levenshtein(op, name) <= 2.max(name.len() / 5) || (name.len() >= 4 && op.contains(name))).take(5).collect();
+            let hint = if near.is_empty() { String::new() } else { format!("did you mean {}? ", near.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")) };
+            format!("unknown op `{name}`; {hint}`list` shows the ops")
+        })?],
         (None, true) => t.ops.iter().copied().filter(|op| op.alias_of.is_none()).collect(),
         (None, false) => return Err("name an op or pass --all".into()),
     };
@@ -503,7 +521,7 @@ fn op_table(t: &Table) -> CliResult<bool> {
 
 fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let dtype = dtype(s)?;
-    let targets: Vec<Target> = targets.iter().map(|n| target(n)).collect::<CliResult<_>>()?;
+    let targets = targets_once(targets)?;
     let selected = selection(t, s)?;
     let mut all_ok = true;
     for target in targets {
@@ -512,6 +530,8 @@ fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             all_ok &= v.ok;
             if v.ok {
                 println!("{:<8} {:<20} {:<5} accept  ({:.2} s)", target.name, v.stem, dtype.name(), v.seconds);
+            } else if v.timed_out {
+                println!("{:<8} {:<20} {:<5} TIMEOUT {} (no verdict; TESSERA_TPU_TIMEOUT=SECONDS gives libtpu longer)", target.name, v.stem, dtype.name(), v.error);
             } else {
                 println!("{:<8} {:<20} {:<5} REJECT  {}", target.name, v.stem, dtype.name(), v.error);
             }
@@ -522,7 +542,7 @@ fn check(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
 
 fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let dtype = dtype(s)?;
-    let targets: Vec<Target> = targets.iter().map(|n| target(n)).collect::<CliResult<_>>()?;
+    let targets = targets_once(targets)?;
     let selected = selection(t, s)?;
     let mut per_target = Vec::new();
     for target in &targets {
@@ -535,13 +555,19 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
         }
         per_target.push(build_selected(&selected, s, dtype, target)?);
     }
-    println!("libtpu's static estimate (compile-only, one TensorCore) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
+    println!("libtpu's static estimate (compile-only, one device: a TensorCore, or both of a v5p chip's as one megacore device) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
     println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us");
     let mut all_ok = true;
     for (target, kernels) in targets.iter().zip(&per_target) {
         eprintln!("compiling {} kernels for {} (libtpu, with the static profile)...", kernels.len(), target.name);
         for ((_, kernel), v) in kernels.iter().zip(crate::tpu_profile(kernels, target).map_err(|e| e.to_string())?) {
             let head = format!("{:<8} {:<44} {:<5}", target.name, v.stem, dtype.name());
+            if v.timed_out {
+                // No answer in time (a loaded machine): no estimate, not a rejection.
+                let r = tessera_codegen::roofline(kernel, &Default::default(), target);
+                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): libtpu {}; TESSERA_TPU_TIMEOUT=SECONDS gives it longer", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us), v.error);
+                continue;
+            }
             if !v.ok {
                 all_ok = false;
                 println!("{head} REJECT  {}", v.error.lines().next().unwrap_or(""));
@@ -587,10 +613,13 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     if let Some(path) = save {
-        read_tuning(path)?; // a table that cannot be added to fails now, not after the compiles
+        // A table that cannot be added to, or written, fails now, not after the compiles.
+        read_tuning(path)?;
+        writable(path)?;
     }
     let mut entries = Vec::new();
     let mut skipped = Vec::new();
+    let libtpu = crate::libtpu_version();
     for sel in selection(t, s)? {
         let knobs = sel.op.knobs;
         let fixed: Vec<&str> = knobs.iter().filter(|k| !matches!(sel.statics.get(k.name), tessera_kernels::Static::None)).map(|k| k.name).collect();
@@ -644,7 +673,8 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
                 for (j, k) in ks.iter().enumerate() {
                     let Some(v) = verdicts.iter().find(|v| v.stem == format!("c{i}-{j}")) else { continue };
                     if !v.ok {
-                        rejected = Some(format!("libtpu rejects it: {}", v.error.lines().next().unwrap_or("")));
+                        let first = v.error.lines().next().unwrap_or("");
+                        rejected = Some(if v.timed_out { format!("libtpu gave no answer ({first}; TESSERA_TPU_TIMEOUT=SECONDS gives it longer)") } else { format!("libtpu rejects it: {first}") });
                         break;
                     }
                     let p = v.profile.clone().unwrap_or_default();
@@ -698,6 +728,9 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             "shapes": sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| (i.name.to_string(), serde_json::json!(s))).collect::<serde_json::Map<_, _>>(),
             "statics": sel.statics.to_string(),
             "best": best,
+            // What the figures came from, per entry (a table gathers runs over time).
+            "libtpu": libtpu,
+            "tessera": env!("CARGO_PKG_VERSION"),
             "candidates": candidates.iter().map(|c| match &c.outcome {
                 Ok(f) => serde_json::json!({"statics": c.statics, "time_us": f.time_us, "cycles": f.cycles, "bundles": f.bundles, "spills": f.spills, "vmem_bytes": f.vmem_bytes, "blind": f.blind}),
                 Err(why) => serde_json::json!({"statics": c.statics, "skipped": why}),
@@ -726,10 +759,27 @@ fn read_tuning(path: &Path) -> CliResult<serde_json::Value> {
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
     let table = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: not a tuning table: {e}", path.display()))?;
-    if table["format"] != 1 || !table["entries"].is_array() {
-        return Err(format!("{}: tuning table format {} without an `entries` list (this tessera writes format 1)", path.display(), table["format"]));
+    if table["format"] != 1 {
+        return Err(format!("{}: tuning table format {} (this tessera reads and writes format 1); pick another --save path", path.display(), table["format"]));
+    }
+    if !table["entries"].is_array() {
+        return Err(format!("{}: a format-1 tuning table without an `entries` list; pick another --save path", path.display()));
     }
     Ok(table)
+}
+
+/// Whether `--save` can write `path`: the file opened for appending (not changed) when it
+/// exists, else a probe file created and removed beside it.
+fn writable(path: &Path) -> CliResult<()> {
+    let cannot = |e: std::io::Error| format!("--save {}: cannot write the tuning table there: {e}; pick another path", path.display());
+    if path.exists() {
+        return std::fs::OpenOptions::new().append(true).open(path).map(drop).map_err(cannot);
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let probe = dir.join(format!(".tessera-tune-probe-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(cannot)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
 
 fn shapes_text(sel: &Selected) -> String {

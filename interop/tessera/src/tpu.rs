@@ -63,6 +63,19 @@ pub struct Verdict {
     /// none, with the reason in `profile_note`).
     pub profile: Option<tessera_codegen::StaticProfile>,
     pub profile_note: String,
+    /// libtpu gave no answer within the time limit (`TESSERA_TPU_TIMEOUT`): not a verdict on
+    /// the kernel (`ok` is false, `error` says so).
+    pub timed_out: bool,
+}
+
+/// Seconds libtpu may take per kernel: `TESSERA_TPU_TIMEOUT`, else `tpu_compile.py`'s default
+/// (120 s); a loaded machine may need more.
+fn timeout_arg() -> Result<Option<String>, Error> {
+    let Ok(text) = std::env::var("TESSERA_TPU_TIMEOUT") else { return Ok(None) };
+    match text.trim().parse::<f64>() {
+        Ok(s) if s > 0.0 && s.is_finite() => Ok(Some(format!("{s}"))),
+        _ => Err(Error::Tpu(format!("TESSERA_TPU_TIMEOUT={text:?} is not a positive number of seconds; set one (the default is 120) or unset it"))),
+    }
 }
 
 /// Verifies and lowers every `(stem, kernel)` for `target` and compiles the StableHLO
@@ -102,23 +115,57 @@ fn compile_in(dir: &Path, python: &Path, kernels: &[(String, Kernel)], target: &
         stems.insert(path.display().to_string(), stem.clone());
         files.push(path);
     }
-    let output = Command::new(python).env("TPU_COMPILE_PYTHON", python).arg(&script).arg("--target").arg(target.name).args(&files).args(profile.then_some("--profile")).output().map_err(|e| Error::Tpu(format!("cannot run {}: {e}", python.display())))?;
+    let timeout = timeout_arg()?;
+    let mut child = Command::new(python)
+        .env("TPU_COMPILE_PYTHON", python)
+        .arg(&script)
+        .arg("--target")
+        .arg(target.name)
+        .args(timeout.iter().flat_map(|t| ["--timeout", t.as_str()]))
+        .args(&files)
+        .args(profile.then_some("--profile"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Tpu(format!("cannot run {}: {e}", python.display())))?;
+    // stderr drained beside stdout (a full pipe would stall the child); stdout read as the
+    // verdicts come, so a long run reports progress.
+    let mut stderr = child.stderr.take().expect("piped");
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    let stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let started = std::time::Instant::now();
+    let mut reported = started;
     let mut verdicts = Vec::new();
-    for line in String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with('{')) {
-        let Ok(report) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+    for line in std::io::BufRead::lines(stdout).map_while(Result::ok).filter(|l| l.starts_with('{')) {
+        let Ok(report) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
         let Some(stem) = report.get("file").and_then(|f| f.as_str()).and_then(|f| stems.get(f)) else { continue };
+        let error = report.get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string();
         verdicts.push(Verdict {
             stem: stem.clone(),
             target: *target,
             ok: report.get("ok").and_then(|v| v.as_bool()) == Some(true),
-            error: report.get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string(),
+            timed_out: error.starts_with("timeout after"),
+            error,
             seconds: report.get("seconds").and_then(|v| v.as_f64()).unwrap_or_default(),
             profile: tessera_codegen::StaticProfile::from_report(&report),
             profile_note: report["profile"]["error"].as_str().unwrap_or(if profile { "libtpu gave no static profile for the custom call" } else { "" }).to_string(),
         });
+        // Progress on stderr for long runs (every 10 s), with an ETA from the rate so far.
+        if reported.elapsed().as_secs() >= 10 && verdicts.len() < files.len() {
+            reported = std::time::Instant::now();
+            let (done, elapsed) = (verdicts.len(), started.elapsed().as_secs_f64());
+            eprintln!("  [{done}/{}] compiled for {target} by libtpu, {elapsed:.0} s elapsed, ETA {:.0} s", files.len(), elapsed / done as f64 * (files.len() - done) as f64);
+        }
     }
+    let _ = child.wait();
+    let stderr = stderr.join().unwrap_or_default();
     if verdicts.len() != files.len() {
-        return Err(Error::Tpu(format!("tpu_compile.py reported {} of {} kernels for {target}:\n{}", verdicts.len(), files.len(), String::from_utf8_lossy(&output.stderr))));
+        let why = if stderr.trim().is_empty() { format!("{} printed nothing on stderr (is it a Python with jax and libtpu? TESSERA_PYTHON names it)", python.display()) } else { stderr };
+        return Err(Error::Tpu(format!("tpu_compile.py reported {} of {} kernels for {target}: {why}", verdicts.len(), files.len())));
     }
     Ok(verdicts)
 }
