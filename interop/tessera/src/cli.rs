@@ -381,7 +381,7 @@ fn build_selected(selected: &[Selected], s: &Select, dtype: DType, target: &Targ
             Ok(k) => k,
             Err(e) if lenient => {
                 eprintln!("{}: skipped, the case cannot take these inputs: {}", stem(sel), e.lines().next().unwrap_or(""));
-                skipped.push(stem(sel));
+                skipped.push((stem(sel), e));
                 continue;
             }
             Err(e) => return Err(e),
@@ -397,7 +397,12 @@ fn build_selected(selected: &[Selected], s: &Select, dtype: DType, target: &Targ
         out.extend(kernels);
     }
     if out.is_empty() && !skipped.is_empty() {
-        return Err(format!("no case could take these inputs ({}); name one with --case", skipped.join(", ")));
+        // One case: its own error (with its help) says what to change.
+        if let [(_, only)] = &skipped[..] {
+            return Err(only.clone());
+        }
+        let names: Vec<&str> = skipped.iter().map(|(n, _)| n.as_str()).collect();
+        return Err(format!("no case could take these inputs ({}); the first says:\n{}", names.join(", "), skipped[0].1));
     }
     Ok(out)
 }
@@ -412,12 +417,25 @@ fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Ve
     Ok(kernels)
 }
 
+/// Names, on stderr, the blocks a tuning table gives a selected call (not the op's rule):
+/// what `emit` writes and `cost` measures depends on them.
+fn say_tuned(selected: &[Selected], dtype: DType, target: &Target) {
+    for sel in selected {
+        if let Ok(Some(e)) = tessera_kernels::tune::tuned_entry(sel.op, &sel.op.types(&sel.shapes, dtype), &sel.statics, target.name) {
+            let blocks = e.best.map_or("the op's own block rule".to_string(), |b| format!("blocks `{b}`"));
+            eprintln!("{} on {}: {blocks} from the tuning table {}", stem(sel), target.name, e.source);
+        }
+    }
+}
+
 fn emit(t: &Table, s: &Select, target_name: &str, out: &Path) -> CliResult<bool> {
     let target = target(target_name)?;
     let dtype = dtype(s)?;
     // An alias op (`flash_attention`) emits the kernels of the op it is an alias of (its
     // plan is that op's), under its own name.
-    let kernels = build_selected(&selection(t, s)?, s, dtype, &target)?;
+    let selected = selection(t, s)?;
+    say_tuned(&selected, dtype, &target);
+    let kernels = build_selected(&selected, s, dtype, &target)?;
     if kernels.is_empty() {
         return Err("the selection has no kernels to emit".into());
     }
@@ -546,13 +564,7 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
     let selected = selection(t, s)?;
     let mut per_target = Vec::new();
     for target in &targets {
-        // Blocks a tuning table gave (not the op's rule) are named: the figures depend on them.
-        for sel in &selected {
-            if let Ok(Some(e)) = tessera_kernels::tune::tuned_entry(sel.op, &sel.op.types(&sel.shapes, dtype), &sel.statics, target.name) {
-                let blocks = e.best.map_or("the op's own block rule".to_string(), |b| format!("blocks `{b}`"));
-                eprintln!("{} on {}: {blocks} from the tuning table {}", stem(sel), target.name, e.source);
-            }
-        }
+        say_tuned(&selected, dtype, target);
         per_target.push(build_selected(&selected, s, dtype, target)?);
     }
     println!("libtpu's static estimate (compile-only, one device: a TensorCore, or both of a v5p chip's as one megacore device) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");

@@ -17,7 +17,8 @@ const TPU_COMPILE_PY: &str = include_str!("../../python/tpu_compile.py");
 /// The Python that runs the TPU compiler: `$TESSERA_PYTHON`, else the Tessera checkout's
 /// `.venv/bin/python` (made by `scripts/setup-venv.sh`).
 pub fn python() -> PathBuf {
-    std::env::var_os("TESSERA_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+    // Set but empty (`TESSERA_PYTHON= cmd`) is unset.
+    std::env::var_os("TESSERA_PYTHON").filter(|p| !p.is_empty()).map(PathBuf::from).unwrap_or_else(|| {
         // interop/tessera -> the checkout's root.
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).unwrap_or(Path::new("."));
         root.join(".venv/bin/python")
@@ -32,10 +33,17 @@ pub fn tpu_ready() -> Result<PathBuf, Error> {
         return Err(Error::Tpu(format!("the TPU compiler check needs Python with jax and libtpu: {} not found; create the venv with scripts/setup-venv.sh or set TESSERA_PYTHON to a Python that has them", py.display())));
     }
     let probe = "import importlib.util as u; print(' '.join(m for m in ('jax', 'jaxlib', 'libtpu') if u.find_spec(m) is None))";
-    let out = Command::new(&py).args(["-c", probe]).output().map_err(|e| Error::Tpu(format!("cannot run {}: {e}", py.display())))?;
+    let out = Command::new(&py).args(["-c", probe]).output().map_err(|e| Error::Tpu(format!("cannot run {} as Python (TESSERA_PYTHON, else the checkout's .venv/bin/python): {e}", py.display())))?;
     let missing = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() || !missing.is_empty() {
-        let what = if missing.is_empty() { String::from_utf8_lossy(&out.stderr).trim().to_string() } else { format!("it has no {missing}") };
+        let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        let what = if !missing.is_empty() {
+            format!("it has no {missing}")
+        } else if stderr.is_empty() {
+            format!("it is not a Python that runs `-c` ({}, nothing printed)", out.status)
+        } else {
+            stderr
+        };
         return Err(Error::Tpu(format!("the TPU compiler check needs jax, jaxlib and libtpu in {}: {what}; run scripts/setup-venv.sh or set TESSERA_PYTHON to a Python that has them", py.display())));
     }
     Ok(py)
