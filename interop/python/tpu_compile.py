@@ -414,14 +414,17 @@ class Pool:
             ok, err, secs, prof = w.compile(req, timeout)
         except RuntimeError as e:
             return False, str(e), 0.0, None
-        if self.profile_dir and not ok and err and err.startswith("compiler crashed"):
+        if self.profile_dir and not ok and err and err.startswith(("compiler crashed", "timeout after")):
             # libtpu's static profiler aborts on some kernels that compile without it
-            # (DESIGN.md section 9): the verdict comes from a plain compile, and the
-            # profile says why it is missing.
+            # (DESIGN.md section 9), and takes minutes on others (gmm in f32 on v6e,
+            # libtpu 0.0.52: ~170 s on a busy 2-core machine, where a plain compile takes
+            # 0.3 s): the verdict comes from a plain compile, and the profile says why it
+            # is missing.
             if self.plain is None:
                 self.plain = Pool(self.mosaic_dump)
             ok, err2, secs2, _ = self.plain.compile(target, req, timeout)
-            return ok, (err2 if not ok else None), secs + secs2, {"ops": None, "error": "libtpu's static profiler aborted: " + err}
+            why = "aborted: " + err if err.startswith("compiler crashed") else f"did not finish ({err}; TESSERA_TPU_TIMEOUT gives it longer)"
+            return ok, (err2 if not ok else None), secs + secs2, {"ops": None, "error": "libtpu's static profiler " + why}
         return ok, err, secs, prof
 
     def close(self):
