@@ -229,8 +229,9 @@ pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: 
     // An alias (`flash_attention`) plans as its source op: it takes the source's entries, and
     // an entry tuned through the alias serves both.
     let name = op.alias_of.map_or(op.name, |(of, _)| of);
+    let aliases: Vec<&str> = crate::library().filter(|o| o.alias_of.is_some_and(|(of, _)| of == name)).map(|o| o.name).collect();
     let matches = |e: &&Tuned| {
-        (e.op == name || e.op == op.name || crate::library().any(|o| o.name == e.op && o.alias_of.is_some_and(|(of, _)| of == name)))
+        (e.op == name || e.op == op.name || aliases.contains(&e.op.as_str()))
             && e.target == target
             && e.dtype == dtype
             && e.statics == statics

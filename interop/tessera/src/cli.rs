@@ -230,8 +230,6 @@ struct Selected {
     shapes: Vec<Vec<usize>>,
 }
 
-/// A case whose name ends in `alt` repeats another at other shapes (the libtpu tier
-/// compiles them too); `--all` and a bare op name skip them.
 /// `--target` values, each generation once (a repeated one would compile everything twice).
 fn targets_once(names: &[String]) -> CliResult<Vec<Target>> {
     let mut out: Vec<Target> = Vec::new();
@@ -244,6 +242,8 @@ fn targets_once(names: &[String]) -> CliResult<Vec<Target>> {
     Ok(out)
 }
 
+/// A case whose name ends in `alt` repeats another at other shapes (the libtpu tier
+/// compiles them too); `--all` and a bare op name skip them.
 fn is_alt(c: &Case) -> bool {
     c.name.ends_with("alt")
 }
@@ -366,8 +366,6 @@ fn build(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String
         .collect())
 }
 
-/// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
-/// stderr, for the commands that compile or run it.
 /// The kernels of every selected case. With `--shape` and no `--case` the shapes go to each
 /// case of the op: a case that cannot take them, or that then gives the same kernels as an
 /// earlier case, is skipped, saying so (an error only when no case is left).
@@ -407,6 +405,8 @@ fn build_selected(selected: &[Selected], s: &Select, dtype: DType, target: &Targ
     Ok(out)
 }
 
+/// [`build`], printing each kernel's performance warnings (`verify::warnings`) once, on
+/// stderr, for the commands that compile or run it.
 fn build_and_warn(sel: &Selected, dtype: DType, target: &Target) -> CliResult<Vec<(String, Kernel)>> {
     let kernels = build(sel, dtype, target)?;
     for (_, kernel) in &kernels {
@@ -574,10 +574,14 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
         eprintln!("compiling {} kernels for {} (libtpu, with the static profile)...", kernels.len(), target.name);
         for ((_, kernel), v) in kernels.iter().zip(crate::tpu_profile(kernels, target).map_err(|e| e.to_string())?) {
             let head = format!("{:<8} {:<44} {:<5}", target.name, v.stem, dtype.name());
-            if v.timed_out {
-                // No answer in time (a loaded machine): no estimate, not a rejection.
+            // A row with no estimate: the IR's model, and why.
+            let model_row = |why: &str| {
                 let r = tessera_codegen::roofline(kernel, &Default::default(), target);
-                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): libtpu {}; TESSERA_TPU_TIMEOUT=SECONDS gives it longer", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us), v.error);
+                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us));
+            };
+            if v.timed_out {
+                // No answer in time (a loaded machine): not a rejection.
+                model_row(&format!("libtpu {}; TESSERA_TPU_TIMEOUT=SECONDS gives it longer", v.error));
                 continue;
             }
             if !v.ok {
@@ -586,10 +590,8 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
                 continue;
             }
             let Some(p) = v.profile else {
-                // Accepted, but the profiler gave nothing: say so, with the IR's model.
-                let r = tessera_codegen::roofline(kernel, &Default::default(), target);
-                let why: String = v.profile_note.lines().next().unwrap_or("").chars().take(160).collect();
-                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us));
+                // Accepted, but the profiler gave nothing: say so.
+                model_row(&v.profile_note.lines().next().unwrap_or("").chars().take(160).collect::<String>());
                 continue;
             };
             let r = tessera_codegen::roofline(kernel, &p, target);
@@ -631,7 +633,6 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
     }
     let mut entries = Vec::new();
     let mut skipped = Vec::new();
-    let libtpu = crate::libtpu_version();
     for sel in selection(t, s)? {
         let knobs = sel.op.knobs;
         let fixed: Vec<&str> = knobs.iter().filter(|k| !matches!(sel.statics.get(k.name), tessera_kernels::Static::None)).map(|k| k.name).collect();
@@ -740,9 +741,6 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             "shapes": sel.op.inputs.iter().zip(&sel.shapes).map(|(i, s)| (i.name.to_string(), serde_json::json!(s))).collect::<serde_json::Map<_, _>>(),
             "statics": sel.statics.to_string(),
             "best": best,
-            // What the figures came from, per entry (a table gathers runs over time).
-            "libtpu": libtpu,
-            "tessera": env!("CARGO_PKG_VERSION"),
             "candidates": candidates.iter().map(|c| match &c.outcome {
                 Ok(f) => serde_json::json!({"statics": c.statics, "time_us": f.time_us, "cycles": f.cycles, "bundles": f.bundles, "spills": f.spills, "vmem_bytes": f.vmem_bytes, "blind": f.blind}),
                 Err(why) => serde_json::json!({"statics": c.statics, "skipped": why}),
@@ -799,11 +797,17 @@ fn shapes_text(sel: &Selected) -> String {
 }
 
 /// Adds `entries` to the tuning table at `path` (created if missing), replacing any entry of
-/// the same op, case, target, dtype, shapes and statics. The table records the tool's format and the
-/// libtpu version the figures came from.
-fn save_tuning(path: &Path, entries: Vec<serde_json::Value>) -> CliResult<()> {
+/// the same op, case, target, dtype, shapes and statics. Each new entry records the libtpu and
+/// tessera versions its figures came from (a table gathers runs over time); the table's own
+/// `libtpu` is the latest run's.
+fn save_tuning(path: &Path, mut entries: Vec<serde_json::Value>) -> CliResult<()> {
     let mut table = read_tuning(path)?;
-    table["libtpu"] = serde_json::json!(crate::libtpu_version());
+    let libtpu = serde_json::json!(crate::libtpu_version());
+    for e in &mut entries {
+        e["libtpu"] = libtpu.clone();
+        e["tessera"] = serde_json::json!(env!("CARGO_PKG_VERSION"));
+    }
+    table["libtpu"] = libtpu;
     let key = |e: &serde_json::Value| (e["op"].clone(), e["case"].clone(), e["target"].clone(), e["dtype"].clone(), e["shapes"].clone(), e["statics"].clone());
     let list = table["entries"].as_array_mut().ok_or_else(|| format!("{}: `entries` is not a list", path.display()))?;
     for e in entries {

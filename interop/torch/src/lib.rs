@@ -708,9 +708,8 @@ fn backend() -> PyResult<&'static dyn Executor> {
 /// The CPU backend `TESSERA_BACKEND` names (`jit` by default); an error naming the variable
 /// when it names none, or one this build lacks.
 #[pyfunction]
-fn cpu_backend_name() -> PyResult<String> {
-    backend()?;
-    Ok(std::env::var("TESSERA_BACKEND").unwrap_or_else(|_| "jit".to_string()))
+fn cpu_backend_name() -> PyResult<&'static str> {
+    Ok(backend()?.name())
 }
 
 /// [`backend`] without Python.

@@ -67,8 +67,8 @@ does `nn.Module.to` with `torch.__future__.set_swap_module_params_on_conversion(
 the mode. A result is contiguous where
 eager's may keep a transposed input's layout (`x.t() * 2` has strides `(1, rows)` in eager):
 values and views are equal, but a `.view` that only eager's strides allow raises here (use
-`reshape`), one that eager's strides forbid succeeds here (`(x.t() * 2).view(-1)`), and `contiguous()`, `reshape` or `flatten` of such a result, which copy in eager,
-are views here: an in-place write through one changes the other (`y = x.t() * 1; z =
+`reshape`), one that eager's strides forbid succeeds here (`(x.t() * 2).view(-1)`), and
+`contiguous()`, `reshape` or `flatten` of such a result, which copy in eager, are views here: an in-place write through one changes the other (`y = x.t() * 1; z =
 y.contiguous(); z.zero_()` zeroes `y` too; clone first). Under `torch.compile` the backend
 restores eager's layouts. The sign of a zero can differ from
 eager's where torch's kernels themselves differ by path: a row sum of -0.0 values is -0.0 here
