@@ -271,6 +271,11 @@ impl Lower<'_> {
                 let x = self.v(*x);
                 Some(self.t.op1("vector.shape_cast", &[&x], "", ty(result_ty.as_ref().unwrap())))
             }
+            Inst::Item(x) => {
+                let at = dense_array("i64", vec![0i64; self.ty(*x).rank()]);
+                let x = self.v(*x);
+                Some(self.t.op1("vector.extract", &[&x], &format!("static_position = {at}"), ty(result_ty.as_ref().unwrap())))
+            }
             Inst::Concat { axis, parts } => {
                 let parts: Vec<_> = parts.iter().map(|p| self.v(*p)).collect();
                 let refs: Vec<&_> = parts.iter().collect();

@@ -2237,6 +2237,8 @@ impl<'k, 'h> Machine<'k, 'h> {
             }
             // Row-major reshape keeps the element order; `bind` checks the count.
             Inst::Reshape(x) => self.get(*x, d)?.buf.clone(),
+            // The builder checks that `x` holds one element.
+            Inst::Item(x) => self.get(*x, d)?.buf.clone(),
             Inst::Concat { axis, parts } => {
                 let parts = parts.iter().map(|p| self.get(*p, d)).collect::<Result<Vec<_>>>()?;
                 let mixed = || self.malformed(d, "concat of parts of different kinds");

@@ -544,6 +544,10 @@ pub enum Inst {
     /// Swap the last two dims.
     Transpose(Value),
     Reshape(Value),
+    /// The one element of a 32-bit vector whose dims are all 1, as a scalar (Pallas `x[0, 0]`
+    /// of a value, `jnp.sum(x)` used in `pl.when`; Mosaic `vector.extract`, a vector-to-scalar
+    /// move in the LLO): a vector reduction that decides a branch, without a DMA to SMEM.
+    Item(Value),
     /// The parts joined along `axis` (Mosaic `tpu.concatenate`): equal dtypes and ranks,
     /// equal sizes but on `axis`. Parts repeated are `jnp.tile` (a lane-replicated `[r, 128]`
     /// column tiled to a `[r, 512]` score tile).
@@ -596,6 +600,7 @@ impl Inst {
             Inst::Dot { .. } => "dot",
             Inst::Transpose(_) => "transpose",
             Inst::Reshape(_) => "reshape",
+            Inst::Item(_) => "item",
             Inst::Concat { .. } => "concat",
             Inst::If { .. } => "if",
             Inst::For { .. } => "for",
@@ -620,7 +625,7 @@ impl Inst {
                 v.push(*value);
                 v
             }
-            Inst::Unary(_, x) | Inst::Cast(x) | Inst::Bitcast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) => vec![*x],
+            Inst::Unary(_, x) | Inst::Cast(x) | Inst::Bitcast(x) | Inst::Broadcast(x) | Inst::Transpose(x) | Inst::Reshape(x) | Inst::Item(x) => vec![*x],
             Inst::Reduce { x, .. } | Inst::Cumsum { x, .. } => vec![*x],
             Inst::Binary(_, a, b) | Inst::Cmp(_, a, b) => vec![*a, *b],
             Inst::Dot { lhs, rhs, .. } => vec![*lhs, *rhs],

@@ -74,6 +74,7 @@ impl Kernel {
                 }
                 Inst::Transpose(x) => write!(out, "transpose {x}")?,
                 Inst::Reshape(x) => write!(out, "reshape {x}")?,
+                Inst::Item(x) => write!(out, "item {x}")?,
                 Inst::Concat { axis, parts } => write!(out, "concat {} axis={axis}", parts.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", "))?,
                 Inst::If { cond, then_block, else_block } => {
                     writeln!(out, "if {cond} {{")?;

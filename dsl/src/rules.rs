@@ -232,6 +232,7 @@ rules! {
     "dot-contraction", Semantic, [B], SAME, "a dot's contracted dims are equal", "semantic: an IR type error";
     "transpose-rank", Semantic, [B], SAME, "a transpose has at least two dims", "semantic: an IR type error";
     "reshape-size", Semantic, [B], SAME, "a reshape keeps the element count", "semantic: an IR type error";
+    "item-operand", Semantic, [B], SAME, "`item` takes an f32 or i32 vector whose dims are all 1", "semantic: an IR type error; Mosaic moves one 32-bit element of a vector to a scalar register (reduce first, cast bool or bf16 to i32 or f32)";
     "bitcast-dtype", Semantic, [B], SAME, "a bitcast reads i32 bits as f32 or f32 bits as i32 (equal widths, both unpacked)", "semantic: an IR type error; the narrower pairs (bf16 <-> i16, fp8 <-> i8) have no IR dtype on one side";
     "concat-parts", Semantic, [B], SAME, "a concat joins one or more parts of one dtype and rank, equal but on the joined axis", "semantic: an IR type error";
     "concat-axis", Semantic, [B], SAME, "a concat joins along one of its parts' dims", "semantic: an IR type error";

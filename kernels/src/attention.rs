@@ -102,9 +102,10 @@
 //! ±cap, as torch's formula does). A nonfinite v value reaches exactly the
 //! (row, column) entries that see it: `p * inf` is inf, NaN where `p = 0`, and `inf -
 //! inf` is NaN. In a block without masks `p @ v` is that product itself; a masked block
-//! multiplies v with its nonfinite values zeroed and adds them back through one exact
-//! bf16 product of visibility codes ([`add_nonfinite`]), so a masked key never reaches a
-//! query that may not see it. `lse` is torch's `logsumexp` over the visible logits: NaN
+//! whose v holds a nonfinite value ([`holds_nonfinite`], a reduction moved to a scalar
+//! with `item()`) multiplies v with those values zeroed and adds them back through one
+//! exact bf16 product of visibility codes ([`add_nonfinite`]), so a masked key never
+//! reaches a query that may not see it. A finite v skips that product. `lse` is torch's `logsumexp` over the visible logits: NaN
 //! with a NaN, +inf with a +inf, -inf when they are all -inf.
 //!
 //! A query row that sees no key at all (possible with segment ids or a window), or whose visible
@@ -287,13 +288,49 @@ pub(crate) fn nonfinite_radix(keys: usize) -> f32 {
 /// Masking selects, it does not multiply by zero: in a masked block, `p @ v` would carry a
 /// nonfinite value of a v row into every query through `0 * inf`, also into the queries
 /// that may not see that key. So a masked block multiplies `v` with its nonfinite values
-/// zeroed (the first result) and carries their class in bf16 (the second: +inf 1, -inf
-/// `r`, NaN `r^2`, else 0) to [`add_nonfinite`].
+/// zeroed and carries their class ([`nonfinite_class`]) to [`add_nonfinite`].
 #[tpu_fn]
-pub(crate) fn split_nonfinite(v: Value, r: f32) -> (Value, Value) {
-    let finite = (v - v) == 0.0;
-    let class = select(finite, 0.0, select(v > 0.0, 1.0, select(v < 0.0, r, r * r)));
-    (select(finite, v, 0.0), class.cast(bf16))
+pub(crate) fn zero_nonfinite(v: Value) -> Value {
+    select((v - v) == 0.0, v, 0.0)
+}
+
+/// The class of each value of `v` in bf16: +inf 1, -inf `r`, NaN `r^2`, finite 0.
+#[tpu_fn]
+pub(crate) fn nonfinite_class(v: Value, r: f32) -> Value {
+    select((v - v) == 0.0, 0.0, select(v > 0.0, 1.0, select(v < 0.0, r, r * r))).cast(bf16)
+}
+
+/// `keep` and, if `segmented`, equal segment ids.
+#[tpu_fn]
+pub(crate) fn segment_keep(keep: Value, q_seg: Value, kv_seg: Value, segmented: bool) -> Value {
+    if segmented {
+        keep & (q_seg == kv_seg)
+    } else {
+        keep
+    }
+}
+
+/// A `[rows, cols]` block starting at row `start` with the rows at or past `end` (the
+/// array's length) zeroed: a read past the end is undefined, and a dot contracting over
+/// those rows, or a zero weight times one, would carry a NaN. A no-op when blocks tile
+/// the array.
+#[tpu_fn]
+pub(crate) fn rows_before(x: Value, start: Value, rows: usize, cols: usize, end: usize) -> Value {
+    if end.is_multiple_of(rows) {
+        x
+    } else {
+        select(iota([rows, cols], 0) + start < (end as i32), x, 0.0)
+    }
+}
+
+/// Whether the block holds a nonfinite value, a scalar for a branch: `v - v` is NaN exactly
+/// there, and a sum with a NaN is NaN (rows first: adding vregs is cheaper than reducing
+/// across lanes). A finite v (the usual case) then pays a reduction instead of
+/// [`add_nonfinite`]'s product.
+#[tpu_fn]
+pub(crate) fn holds_nonfinite(v: Value) -> Value {
+    let f = v.cast(f32);
+    (f - f).sum(0).sum(1).item() != 0.0
 }
 
 /// `acc` plus what the block's nonfinite v values give the queries that see them, as in
@@ -332,14 +369,6 @@ pub(crate) fn weights_and_ds(q: Value, k: Value, v: Value, dout: Value, lse: Val
     (p, uncap(p * (dot_t(dout, v) - di), s, soft_cap))
 }
 
-/// `k` and `v` blocks with the rows past the array's `skv` keys zeroed: the dots contract
-/// over them, and a read past the end is undefined (NaN in the interpreter; `0 * NaN` is NaN).
-#[tpu_fn]
-pub(crate) fn keys_inside(k: Value, v: Value, kv_start: Value, bk: usize, skv: usize) -> (Value, Value) {
-    let key_ok = iota([bk, 1], 0) + kv_start < (skv as i32);
-    (select(key_ok, k, 0.0), select(key_ok, v, 0.0))
-}
-
 // ---- kernels ------------------------------------------------------------------------------
 
 #[tpu_kernel(
@@ -369,37 +398,36 @@ pub fn flash_attention_fwd_kernel(
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
-        let s = logits(q[..], k[..], sm_scale, soft_cap);
         // Whether any block of this kernel can hold a pair a query may not see (static).
         let maskable = segmented || !skv.is_multiple_of(bk) || right < skv || left < sq;
         if maskable {
-            // Masking selects (Pallas masks every live block the same way); what a masked
-            // block adds is the nonfinite-v bookkeeping ([`add_nonfinite`]), under `if`.
+            // Masking selects (Pallas masks every live block the same way). A block that can
+            // cut a pair whose v value is nonfinite also does [`add_nonfinite`]'s bookkeeping.
+            // Each branch computes from the refs, so no score tile stays live across it.
             let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
             let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
-            let sm = select(keep, s, f32::NEG_INFINITY);
-            let mut vb = v[..];
-            if !skv.is_multiple_of(bk) {
-                vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
-            }
-            let r = nonfinite_radix(bk);
-            let (vf, class) = split_nonfinite(vb, r);
-            // Unmasked, `p @ v` is math attention's product itself (`p * inf`); masked, v's
-            // nonfinite values are zeroed and added back where a visible key holds them.
-            let vin = if needs_mask { vf } else { vb };
-            let (m_new, l_new, acc_new, p) = online_softmax(sm, vin, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
-            m_run[..] = m_new;
-            l_run[..] = l_new;
-            if needs_mask {
-                acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+            // (The else branch's `needs_mask` is false: only a masked block pays the reduction.)
+            let guard = if needs_mask { holds_nonfinite(rows_before(v[..], kv_start, bk, d, skv)) } else { needs_mask };
+            if guard {
+                let s = logits(q[..], k[..], sm_scale, soft_cap);
+                let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
+                let vb = rows_before(v[..], kv_start, bk, d, skv);
+                let r = nonfinite_radix(bk);
+                let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+                m_run[..] = m_new;
+                l_run[..] = l_new;
+                acc[..] = add_nonfinite(acc_new, p, keep, nonfinite_class(vb, r), r);
             } else {
+                let s = logits(q[..], k[..], sm_scale, soft_cap);
+                let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
+                let vb = rows_before(v[..], kv_start, bk, d, skv);
+                let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), vb, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+                m_run[..] = m_new;
+                l_run[..] = l_new;
                 acc[..] = acc_new;
             }
         } else {
+            let s = logits(q[..], k[..], sm_scale, soft_cap);
             let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
@@ -453,45 +481,31 @@ pub fn flash_attention_dkv_kernel(
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
-        let mut qb = q[..];
-        let mut dob = dout[..];
-        let mut lse_b = lse[..];
-        let mut di_b = di[..];
-        let mut kb = k[..];
-        let mut vb = v[..];
         let ragged_q = !sq.is_multiple_of(bq) & (i == (sq.div_ceil(bq) - 1) as i32);
         let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | ragged_q | ragged_kv;
         let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
-        // The dots below contract over q rows and kv rows: zero the undefined rows past
-        // the ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
+        // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            if !sq.is_multiple_of(bq) {
-                let row_ok = iota([bq, 1], 0) + q_start < (sq as i32);
-                qb = select(row_ok, qb, 0.0);
-                dob = select(row_ok, dob, 0.0);
-                lse_b = select(row_ok, lse_b, 0.0);
-                di_b = select(row_ok, di_b, 0.0);
-            }
-            if !skv.is_multiple_of(bk) {
-                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
-                kb = k_ok;
-                vb = v_ok;
-            }
-        }
-        let (mut p, mut ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
-        if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, true, left, right);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
+            // The dots contract over q rows and kv rows: zero the undefined rows past the
+            // ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
+            let qb = rows_before(q[..], q_start, bq, d, sq);
+            let dob = rows_before(dout[..], q_start, bq, d, sq);
+            let lse_b = rows_before(lse[..], q_start, bq, 1, sq);
+            let di_b = rows_before(di[..], q_start, bq, 1, sq);
+            let kb = rows_before(k[..], kv_start, bk, d, skv);
+            let vb = rows_before(v[..], kv_start, bk, d, skv);
+            let (p, ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
+            let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, true, left, right), q_seg[..], kv_seg[..], segmented);
             // Select both: `p * (dp - di)` would carry a NaN of dp, di or s into pairs
             // that do not see each other (0 * NaN).
-            p = select(keep, p, 0.0);
-            ds = select(keep, ds, 0.0);
+            dv_acc[..] += dot_tn(select(keep, p, 0.0).cast(v.dtype), dob);
+            dk_acc[..] += dot_tn((select(keep, ds, 0.0) * sm_scale).cast(q.dtype), qb);
+        } else {
+            let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
+            dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
+            dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), q[..]);
         }
-        dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
-        dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
     }
     if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
         dk[..] = dk_acc[..].cast(dk.dtype);
@@ -523,28 +537,20 @@ pub fn flash_attention_dq_kernel(
     }
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
-        let mut kb = k[..];
-        let mut vb = v[..];
         let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
         let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
-        // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
-        // past Sq are independent here and their writes are dropped.)
+        // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            if !skv.is_multiple_of(bk) {
-                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
-                kb = k_ok;
-                vb = v_ok;
-            }
+            // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
+            // past Sq are independent here and their writes are dropped.)
+            let kb = rows_before(k[..], kv_start, bk, d, skv);
+            let (_p, ds) = weights_and_ds(q[..], kb, rows_before(v[..], kv_start, bk, d, skv), dout[..], lse[..], di[..], sm_scale, soft_cap);
+            let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
+            dq_acc[..] += dot((select(keep, ds, 0.0) * sm_scale).cast(k.dtype), kb);
+        } else {
+            let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
+            dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);
         }
-        let (_p, mut ds) = weights_and_ds(q[..], kb, vb, dout[..], lse[..], di[..], sm_scale, soft_cap);
-        if needs_mask {
-            let mut keep = visible(q_start, kv_start, bq, bk, sq, skv, false, left, right);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
-            ds = select(keep, ds, 0.0);
-        }
-        dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
     }
     if j == num_programs(3) - 1 {
         dq[..] = dq_acc[..].cast(dq.dtype);

@@ -8,7 +8,7 @@
 //! torch dequantizes first (`x @ (w * scale)^T`, also `_weight_int8pack_mm`), so for an inf
 //! scale each term is `x * (w * inf)`: NaN where `x * w = 0`, and the sum is NaN unless all
 //! terms share one sign. Each (i, j) block checks its scales at the first K step (a VPU
-//! reduce, brought to SMEM by a one-word VMEM -> SMEM copy so a scalar `if` can use it);
+//! reduce moved to a scalar with `item()` and kept in SMEM so a scalar `if` can use it);
 //! only blocks holding a nonfinite scale also accumulate `sign(x) @ sign(w)^T` (exact
 //! ±1 / 0 in bf16) for those columns and finish them as ±inf when `|sum| = k`, else NaN.
 //! Other blocks run the plain product. (The cost estimate counts the costlier branch.)
@@ -31,22 +31,18 @@ use crate::plan::{single, Plan};
     scale = block([1, bn], |i, j, kk| [0, j]),
     out = block([bm, bn], |i, j, kk| [i, j]),
     acc = scratch([bm, bn], f32),
-    flag_v = scratch([1, 1], i32),
     flag = scratch_smem([1, 1], i32),
-    sem = semaphores(1),
 )]
 #[rustfmt::skip]
 pub fn quantized_matmul_kernel(
-    x: In<m, k>, w: In<n, k>, scale: In<1, n>, out: Out<m, n>, acc: Scratch, flag_v: Scratch, flag: Scratch, sem: Scratch,
+    x: In<m, k>, w: In<n, k>, scale: In<1, n>, out: Out<m, n>, acc: Scratch, flag: Scratch,
     bm: usize, bn: usize, bk: usize,
 ) {
     if program_id(2) == 0 {
         acc[..] = zeros([bm, bn], f32);
-        // Whether this column block has a nonfinite scale, as a scalar (VMEM -> SMEM copy).
+        // Whether this column block has a nonfinite scale, kept in SMEM for the k steps.
         let s = scale[..];
-        flag_v[..] = select((s - s) != 0.0, 1, 0).reduce_max(1);
-        dma_start(flag_v, flag, sem[0]);
-        dma_wait(flag_v, flag, sem[0]);
+        flag[(0, 0)] = select((s - s) != 0.0, 1, 0).reduce_max(1).item();
     }
     if flag[(0, 0)] == 0 {
         acc[..] += dot_t(x[..], w[..].cast(x.dtype));

@@ -49,9 +49,10 @@
 //! sequence is masked (its weights are exactly 0 and its running max unchanged), so each
 //! row only ever accumulates its own sequence. A kv block that every row of the q block
 //! sees whole (all rows in the sequence, inside the causal reach and the window: long
-//! prefills) runs without masks; any other multiplies v with its nonfinite values zeroed
-//! and adds them back for the rows that see them through one exact bf16 product of
-//! visibility codes (`attention::add_nonfinite`), since a zero weight times an inf is NaN.
+//! prefills) runs without masks; any other whose pages hold a nonfinite v value
+//! (`attention::holds_nonfinite`) multiplies v with those values zeroed and adds them back
+//! for the rows that see them through one exact bf16 product of visibility codes
+//! (`attention::add_nonfinite`), since a zero weight times an inf is NaN.
 //!
 //! # Cost
 //!
@@ -76,7 +77,7 @@ use tessera_dsl::interp::{Array, Data};
 use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::tpu_kernel;
 
-use crate::attention::{add_nonfinite, nonfinite_radix, split_nonfinite};
+use crate::attention::{add_nonfinite, holds_nonfinite, nonfinite_class, nonfinite_radix, zero_nonfinite};
 use crate::harness;
 use crate::op::{Call, Case, Input, Kind, Op, Output};
 use crate::plan::{Launch, Layout, Operand, Plan, Source};
@@ -204,11 +205,11 @@ pub fn ragged_paged_attention_kernel(
                     let alpha = (m - m_new).exp();
                     l = alpha * l + p.sum(1);
                     // A masked key's value (another token's, or cache rows past kv_len, which
-                    // hold whatever the pages do) must not meet a zero weight: nonfinite
-                    // values enter as 0 and come back only for the rows that see them.
+                    // hold whatever the pages do) must not meet a zero weight: if the pages
+                    // hold a nonfinite value, it enters as 0 and comes back only for the rows
+                    // that see it.
                     let r = nonfinite_radix(bs);
-                    let (vf, class) = split_nonfinite(v, r);
-                    acc = add_nonfinite(alpha * acc + dot(p.cast(q.dtype), vf), p, visible, class, r);
+                    acc = if holds_nonfinite(v) { add_nonfinite(alpha * acc + dot(p.cast(q.dtype), zero_nonfinite(v)), p, visible, nonfinite_class(v, r), r) } else { alpha * acc + dot(p.cast(q.dtype), v) };
                     m = m_new;
                 }
             }

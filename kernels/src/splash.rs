@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    add_nonfinite, cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, keys_inside, logits, nonfinite_radix, online_softmax, segment_operands, split_nonfinite, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
+    add_nonfinite, cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, holds_nonfinite, logits, nonfinite_class, nonfinite_radix, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, zero_nonfinite, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -112,26 +112,30 @@ pub fn splash_attention_fwd_kernel(
         let kv_block = info[(0, mh, i, j)];
         let q_start = i * (bq as i32);
         let kv_start = kv_block * (bk as i32);
-        let s = logits(q[..], k[..], sm_scale, soft_cap);
         let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
-        if needs_mask {
-            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
-            let sm = select(keep, s, f32::NEG_INFINITY);
-            let mut vb = v[..];
-            if !skv.is_multiple_of(bk) {
-                vb = select(iota([bk, d], 0) + kv_start < (skv as i32), vb, 0.0);
-            }
+        // A masked block whose v holds a nonfinite value also does [`add_nonfinite`]'s
+        // bookkeeping (the reduction is paid by masked blocks only). Each branch computes
+        // from the refs, so no score tile stays live across it.
+        let guard = if needs_mask { holds_nonfinite(rows_before(v[..], kv_start, bk, d, skv)) } else { needs_mask };
+        if guard {
+            let s = logits(q[..], k[..], sm_scale, soft_cap);
+            let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
+            let vb = rows_before(v[..], kv_start, bk, d, skv);
             let r = nonfinite_radix(bk);
-            let (vf, class) = split_nonfinite(vb, r);
-            let (m_new, l_new, acc_new, p) = online_softmax(sm, vf, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
-            acc[..] = add_nonfinite(acc_new, p, keep, class, r);
+            acc[..] = add_nonfinite(acc_new, p, keep, nonfinite_class(vb, r), r);
+        } else if needs_mask {
+            let s = logits(q[..], k[..], sm_scale, soft_cap);
+            let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
+            let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            m_run[..] = m_new;
+            l_run[..] = l_new;
+            acc[..] = acc_new;
         } else {
+            let s = logits(q[..], k[..], sm_scale, soft_cap);
             let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
@@ -179,41 +183,26 @@ pub fn splash_attention_dkv_kernel(
         let q_block = info[(0, mh, j, t)];
         let q_start = q_block * (bq as i32);
         let kv_start = j * (bk as i32);
-        let mut qb = q[..];
-        let mut dob = dout[..];
-        let mut lse_b = lse[..];
-        let mut di_b = di[..];
-        let mut kb = k[..];
-        let mut vb = v[..];
         let ragged_q = !sq.is_multiple_of(bq) & (q_block == (sq.div_ceil(bq) - 1) as i32);
         let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | (kind == PARTIAL) | ragged_q | ragged_kv;
-        // The dots contract over q rows and kv rows: zero the undefined rows past the ends.
+        // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            if !sq.is_multiple_of(bq) {
-                let row_ok = iota([bq, 1], 0) + q_start < (sq as i32);
-                qb = select(row_ok, qb, 0.0);
-                dob = select(row_ok, dob, 0.0);
-                lse_b = select(row_ok, lse_b, 0.0);
-                di_b = select(row_ok, di_b, 0.0);
-            }
-            if !skv.is_multiple_of(bk) {
-                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
-                kb = k_ok;
-                vb = v_ok;
-            }
+            // The dots contract over q rows and kv rows: zero the undefined rows past the ends.
+            let qb = rows_before(q[..], q_start, bq, d, sq);
+            let dob = rows_before(dout[..], q_start, bq, d, sq);
+            let lse_b = rows_before(lse[..], q_start, bq, 1, sq);
+            let di_b = rows_before(di[..], q_start, bq, 1, sq);
+            let kb = rows_before(k[..], kv_start, bk, d, skv);
+            let (p, ds) = weights_and_ds(qb, kb, rows_before(v[..], kv_start, bk, d, skv), dob, lse_b, di_b, sm_scale, soft_cap);
+            let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, true), q_seg[..], kv_seg[..], segmented);
+            dv_acc[..] += dot_tn(select(keep, p, 0.0).cast(v.dtype), dob);
+            dk_acc[..] += dot_tn((select(keep, ds, 0.0) * sm_scale).cast(q.dtype), qb);
+        } else {
+            let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
+            dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
+            dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), q[..]);
         }
-        let (mut p, mut ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
-        if needs_mask {
-            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, true);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
-            p = select(keep, p, 0.0);
-            ds = select(keep, ds, 0.0);
-        }
-        dv_acc[..] += dot_tn(p.cast(v.dtype), dob);
-        dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), qb);
     }
     if (g == num_programs(3) - 1) & (t == num_programs(4) - 1) {
         dk[..] = dk_acc[..].cast(dk.dtype);
@@ -252,26 +241,18 @@ pub fn splash_attention_dq_kernel(
         let kv_block = info[(0, mh, i, j)];
         let q_start = i * (bq as i32);
         let kv_start = kv_block * (bk as i32);
-        let mut kb = k[..];
-        let mut vb = v[..];
         let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
+        // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            if !skv.is_multiple_of(bk) {
-                let (k_ok, v_ok) = keys_inside(kb, vb, kv_start, bk, skv);
-                kb = k_ok;
-                vb = v_ok;
-            }
+            let kb = rows_before(k[..], kv_start, bk, d, skv);
+            let (_p, ds) = weights_and_ds(q[..], kb, rows_before(v[..], kv_start, bk, d, skv), dout[..], lse[..], di[..], sm_scale, soft_cap);
+            let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
+            dq_acc[..] += dot((select(keep, ds, 0.0) * sm_scale).cast(k.dtype), kb);
+        } else {
+            let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
+            dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);
         }
-        let (_p, mut ds) = weights_and_ds(q[..], kb, vb, dout[..], lse[..], di[..], sm_scale, soft_cap);
-        if needs_mask {
-            let mut keep = keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false);
-            if segmented {
-                keep = keep & (q_seg[..] == kv_seg[..]);
-            }
-            ds = select(keep, ds, 0.0);
-        }
-        dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), kb);
     }
     if j == num_programs(3) - 1 {
         dq[..] = dq_acc[..].cast(dq.dtype);

@@ -82,7 +82,7 @@ const UNARY_METHODS: &[(&str, &str)] = &[
     ("sign", "Sign"),
 ];
 const METHODS_HELP: &str = "supported methods on IR values: exp, log, tanh, erf, sqrt, rsqrt, abs, log1p, expm1, sin, cos, floor, ceil, round, sign, \
-max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), cumsum(axis), t(), reshape([dims]), broadcast_to([dims])";
+max(b), min(b), pow(b), shr_logical(n), cast(dtype), sum(axis), reduce_max(axis), reduce_min(axis), argmax(axis), argmin(axis), cumsum(axis), t(), reshape([dims]), broadcast_to([dims]), item()";
 const BUILTINS_HELP: &str = "builtin functions: dot(a, b), dot_t(a, b), dot_tn(a, b), select(cond, a, b), concat([a, b], axis) or concat([x; n], axis), iota([dims], dim), zeros([dims], dtype), \
 full([dims], dtype, value), program_id(axis), num_programs(axis), sigmoid(x), dma_start(src[..], dst[..], sem[i]), dma_wait(src[..], dst[..], sem[i]), \
 prng_seed(seed, ..) (one or two i32 scalars), prng_random_bits([dims]); in a kernel with a `mesh`: device_id(), axis_index(\"x\"), \
@@ -474,6 +474,11 @@ impl<'a> Lowerer<'a> {
                 let x = self.value(&m.receiver)?;
                 let axis = self.static_usize(args[0], "an argmax/argmin axis")?;
                 Ok(quote!({ let __tessera_x = #x; __tessera_b.#f(__tessera_x, #axis) }))
+            }
+            "item" => {
+                arity(0)?;
+                let x = self.value(&m.receiver)?;
+                Ok(quote!({ let __tessera_x = #x; __tessera_b.item(__tessera_x) }))
             }
             "t" => {
                 arity(0)?;

@@ -1,6 +1,7 @@
 //! Tessera's kernels beside the Pallas kernels shipped in JAX, judged by libtpu's static
 //! estimate at the same shapes and blocks (issue 14):
-//! `TESSERA_PYTHON=.venv/bin/python cargo run --release -p tessera-tests --example tpu_vs_pallas [-- v5e v6e]`.
+//! `TESSERA_PYTHON=.venv/bin/python cargo run --release -p tessera-tests --example tpu_vs_pallas [-- v5e v6e] [--only TEXT]`
+//! (`--only` keeps the pairs whose name contains TEXT, e.g. `--only "fwd causal"`).
 //! Tessera's side through `tpu_compile.py --profile` (tests/src/oracle.rs), Pallas's through
 //! `scripts/pallas_cost.py`; both read with the same parser. Prints cycles (the custom call,
 //! plus what XLA adds around it) and the ratio Tessera / Pallas, with the geometric mean.
@@ -66,12 +67,17 @@ fn total(p: &StaticProfile) -> u64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let only = args.iter().position(|a| a == "--only").map(|at| {
+        let text = args.get(at + 1).cloned().unwrap_or_else(|| panic!("--only needs the text a pair's name must contain"));
+        args.drain(at..at + 2);
+        text
+    });
     let targets: Vec<Target> = if args.is_empty() { vec![Target::V5E, Target::V6E] } else { args.iter().map(|a| Target::by_name(a).unwrap_or_else(|| panic!("unknown target {a}"))).collect() };
     println!("| target | kernel | Tessera cycles (+outside) | Pallas cycles (+outside) | Tessera / Pallas |");
     println!("|---|---|---|---|---|");
     for target in targets {
-        let pairs = pairs(&target);
+        let pairs: Vec<Pair> = pairs(&target).into_iter().filter(|p| only.as_ref().is_none_or(|t| p.name.contains(t.as_str()))).collect();
         let modules: Vec<(String, String)> = pairs.iter().flat_map(|p| p.kernels.iter().enumerate().map(move |(i, k)| (format!("{}#{i}", p.name), tessera_codegen::lower(k, &target).unwrap().stablehlo))).collect();
         let ours = oracle::profile(&modules, target.name);
         let out = Command::new(oracle::python()).arg(oracle::repo().join("scripts/pallas_cost.py")).arg("--target").arg(target.name).args(pairs.iter().map(|p| &p.pallas)).output().expect("run scripts/pallas_cost.py");

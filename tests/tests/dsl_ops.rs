@@ -406,6 +406,66 @@ fn concat_joins_parts_on_every_backend() {
     assert_eq!(e.rule, "concat-parts", "{e}");
 }
 
+/// `item()`: a block reduced to one element decides a branch (as flash attention asks
+/// whether a v block holds a nonfinite value), in i32 and in f32.
+#[tpu_kernel(grid = [r / 8], x = block([8, c], |i| [i, 0]), (out, total) = block([8, c], |i| [i, 0]))]
+fn item_branch(x: In<r, c>, out: Out<r, c>, total: Out<r, c>) {
+    let v = x[..];
+    let nans = select(v != v, 1, 0).sum(1).sum(0).item();
+    let sum = v.sum(1).sum(0).item();
+    total[..] = full([8, c], f32, 0.0) + sum;
+    if nans > 0 {
+        out[..] = full([8, c], f32, -1.0);
+    } else {
+        out[..] = v * 2.0;
+    }
+}
+
+#[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 128], || [0, 0]))]
+fn item_of_a_block(x: In<8, 128>, out: Out<8, 128>) {
+    let s = x[..].item();
+    out[..] = full([8, 128], f32, 0.0) + s;
+}
+
+#[tpu_kernel(x = block([8, 128], || [0, 0]), out = block([8, 128], || [0, 0]))]
+fn item_of_bools(x: In<8, 128>, out: Out<8, 128>) {
+    let any = (x[..] > 0.0).reduce_max(1).reduce_max(0).item();
+    if any {
+        out[..] = x[..];
+    }
+}
+
+#[test]
+fn item_moves_a_reduced_block_to_a_scalar_on_every_backend() {
+    let (r, c) = (32, 128);
+    // Block 1 holds a NaN, block 3 an inf (not a NaN: no branch), the rest are finite.
+    let mut xs: Vec<f32> = (0..r * c).map(|e| ((e * 37) % 101) as f32 / 64.0 - 0.75).collect();
+    xs[8 * c + 5] = f32::NAN;
+    xs[24 * c + 17] = f32::INFINITY;
+    let k = item_branch(ty(DType::F32, &[r, c]), ty(DType::F32, &[r, c]), ty(DType::F32, &[r, c])).unwrap();
+    let out = run_all(&k, &[&Array::from_f32(&[r, c], xs.clone())]);
+    let (got, totals) = (out[0].to_f64_vec(), out[1].to_f64_vec());
+    for blk in 0..r / 8 {
+        let block = &xs[blk * 8 * c..(blk + 1) * 8 * c];
+        let has_nan = block.iter().any(|x| x.is_nan());
+        let sum: f64 = block.iter().map(|&x| x as f64).sum();
+        for e in blk * 8 * c..(blk + 1) * 8 * c {
+            let want = if has_nan { -1.0 } else { xs[e] as f64 * 2.0 };
+            assert_eq!(got[e], want, "block {blk} element {e}");
+            if has_nan {
+                assert!(totals[e].is_nan(), "block {blk}: a sum with a NaN is NaN");
+            } else if sum.is_infinite() {
+                assert_eq!(totals[e], sum, "block {blk}");
+            } else {
+                assert!((totals[e] - sum).abs() <= 1e-3 * (1.0 + sum.abs()), "block {blk}: sum {} vs {sum}", totals[e]);
+            }
+        }
+    }
+    let f = ty(DType::F32, &[8, 128]);
+    expect_err(item_of_a_block(f.clone(), f.clone()), "item-operand", &["item", "f32[8,128]", "one f32 or i32 element", "reduce"]);
+    expect_err(item_of_bools(f.clone(), f), "item-operand", &["item", "bool", "cast"]);
+}
+
 /// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the kernels above, in every dtype they were
 /// run in, verify and compile for v5e, v6e and tpu7x.
 #[test]
@@ -434,6 +494,7 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
         let (r, c) = (16, 256);
         kernels.push(arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap());
     }
+    kernels.push(item_branch(ty(DType::F32, &[32, 256]), ty(DType::F32, &[32, 256]), ty(DType::F32, &[32, 256])).unwrap());
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
         tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);
     }

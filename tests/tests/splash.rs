@@ -288,3 +288,38 @@ fn libtpu_compiles_large_blocks() {
     }
     tessera_tests::oracle::assert_all_accepted(&jobs);
 }
+
+/// A NaN or inf in v reaches exactly the (row, column) entries whose query sees that key, as
+/// math attention over the visible keys gives it (`p * inf`, NaN with `inf - inf`), never a
+/// query the mask hides it from, including queries in the same partial block. Keys in
+/// partial, full and ragged blocks, a causal and a window mask, on every CPU backend.
+#[test]
+fn nonfinite_v_reaches_only_the_queries_that_see_it() {
+    use tessera_tests::nonfinite::compare;
+    let shape: Shape = (1, 2, 1, 130, 300, 32);
+    let (sq, skv, d) = (shape.3, shape.4, shape.5);
+    let kv_at = |key: usize, e: usize| key * d + e;
+    // key 20: in a partial block of the causal diagonal; key 5: in a full block for the later
+    // query blocks; key 290: in the ragged last kv block (seen by no query when causal).
+    let injections = [(kv_at(20, 5), f32::NAN), (kv_at(20, 5), f32::INFINITY), (kv_at(5, 3), f32::NEG_INFINITY), (kv_at(290, 8), f32::NAN)];
+    let window = mask("local 40", 1, |_, r, c| c <= r && r - c <= 40);
+    for m in [mask("causal", 1, |_, r, c| c <= r), window] {
+        for dtype in [DType::F32, DType::BF16] {
+            let p = problem(shape, dtype, &m, false, None, (BQ, BK), 91);
+            for &(at, val) in &injections {
+                let mut v = p.v.to_f32_vec();
+                v[at] = val;
+                let v = Array::from_f32_in(dtype, &p.v.shape, v);
+                let (o_ref, _) = reference::forward(&p.cfg, &p.q.to_f64_vec(), &p.k.to_f64_vec(), &v.to_f64_vec());
+                let seen = (0..sq).any(|r| (m.visible)(0, r, at / d));
+                assert_eq!(o_ref.iter().any(|x| !x.is_finite()), seen, "{val} at v[{at}]: the reference");
+                for be in tessera_tests::backends::all() {
+                    let (o, _) = splash::splash_attention(be.executor(), &p.q, &p.k, &v, &p.info, None, &params(d, None), &Target::V5E).unwrap();
+                    if let Err(why) = compare(&o, &o_ref, tol(dtype, false)) {
+                        panic!("{val} at v[{at}], {} {dtype} {sq}x{skv} on {be:?}: {why}", m.name);
+                    }
+                }
+            }
+        }
+    }
+}

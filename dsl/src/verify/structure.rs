@@ -86,6 +86,9 @@ impl Verifier<'_> {
                 Inst::Bitcast(x) if !matches!((k.ty(*x).dtype, d.results.first().map(|&r| k.ty(r).dtype)), (DType::I32, Some(DType::F32)) | (DType::F32, Some(DType::I32))) => {
                     return bad(format!("{} bitcasts {} to another dtype than i32 <-> f32", name(), k.ty(*x)))
                 }
+                Inst::Item(x) if k.ty(*x).is_scalar() || k.ty(*x).num_elements() != 1 || !matches!(k.ty(*x).dtype, DType::F32 | DType::I32) || d.results.first().map(|&r| k.ty(r)) != Some(&crate::types::Type::scalar(k.ty(*x).dtype)) => {
+                    return bad(format!("{} takes the item of {}; `item` moves the one element of an f32 or i32 vector to a scalar", name(), k.ty(*x)))
+                }
                 Inst::Unary(op @ (UnaryOp::Log1p | UnaryOp::Expm1 | UnaryOp::Sin | UnaryOp::Cos | UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Sign), x) if !k.ty(*x).dtype.is_float() => {
                     return bad(format!("{} applies `{}` to {}, a float op", name(), op.name(), k.ty(*x)))
                 }

@@ -1265,6 +1265,11 @@ impl<'a, 'b> Lower<'a, 'b> {
                 let xv = self.scalar(*x)?;
                 self.b.ins().bitcast(if dt == DType::F32 { F32 } else { I32 }, MemFlagsData::new(), xv)
             }
+            Inst::Item(x) => {
+                let off = self.ensure_slot(*x)?;
+                let addr = self.slot_addr(off);
+                self.load_scalar_at(addr, 0, k.ty(*x).dtype, true)
+            }
             _ => return unsupported(format!("a scalar `{}`", d.inst.name())),
         })
     }
