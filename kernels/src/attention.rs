@@ -333,6 +333,17 @@ pub(crate) fn holds_nonfinite(v: Value) -> Value {
     (f - f).sum(0).sum(1).item() != 0.0
 }
 
+/// One kv step of a masked block whose v holds a nonfinite value: the online softmax over
+/// v with those values zeroed, then [`add_nonfinite`] adds them back where a visible key
+/// holds them. `(m, l, acc)` after the step.
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn guarded_step(s: Value, keep: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value) {
+    let r = nonfinite_radix(bk);
+    let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(v), m_old, l_old, acc_old, v_dtype, lanes, bk, d);
+    (m_new, l_new, add_nonfinite(acc_new, p, keep, nonfinite_class(v, r), r))
+}
+
 /// `acc` plus what the block's nonfinite v values give the queries that see them, as in
 /// math attention over the visible keys: `p * inf` is inf for `p > 0` and NaN for `p = 0`,
 /// `inf - inf` and NaN are NaN. One exact bf16 product counts, per (query, column), the
@@ -411,17 +422,14 @@ pub fn flash_attention_fwd_kernel(
             if guard {
                 let s = logits(q[..], k[..], sm_scale, soft_cap);
                 let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
-                let vb = rows_before(v[..], kv_start, bk, d, skv);
-                let r = nonfinite_radix(bk);
-                let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+                let (m_new, l_new, acc_new) = guarded_step(s, keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
                 m_run[..] = m_new;
                 l_run[..] = l_new;
-                acc[..] = add_nonfinite(acc_new, p, keep, nonfinite_class(vb, r), r);
+                acc[..] = acc_new;
             } else {
                 let s = logits(q[..], k[..], sm_scale, soft_cap);
                 let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
-                let vb = rows_before(v[..], kv_start, bk, d, skv);
-                let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), vb, m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+                let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
                 m_run[..] = m_new;
                 l_run[..] = l_new;
                 acc[..] = acc_new;

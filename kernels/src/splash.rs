@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    add_nonfinite, cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, holds_nonfinite, logits, nonfinite_class, nonfinite_radix, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, zero_nonfinite, AttentionParams, SegmentIds,
+    cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -121,12 +121,10 @@ pub fn splash_attention_fwd_kernel(
         if guard {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
-            let vb = rows_before(v[..], kv_start, bk, d, skv);
-            let r = nonfinite_radix(bk);
-            let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            let (m_new, l_new, acc_new) = guarded_step(s, keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
-            acc[..] = add_nonfinite(acc_new, p, keep, nonfinite_class(vb, r), r);
+            acc[..] = acc_new;
         } else if needs_mask {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
