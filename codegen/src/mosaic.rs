@@ -687,6 +687,16 @@ impl Lower<'_> {
     }
 
     fn binary(&mut self, op: BinaryOp, a: Value, b: Value) -> Ssa {
+        if op == BinaryOp::Pow && self.ty(a).is_scalar() {
+            // Mosaic legalizes no scalar `math.powf`: one vreg of it, then element 0.
+            let dtype = self.ty(a).dtype;
+            let vreg = Type::vector(dtype, &[8, 128]);
+            let (av, bv) = (self.v(a), self.v(b));
+            let va = self.t.op1("vector.broadcast", &[&av], "", ty(&vreg));
+            let vb = self.t.op1("vector.broadcast", &[&bv], "", ty(&vreg));
+            let p = self.arith2("math.powf", &va, &vb);
+            return self.t.op1("vector.extract", &[&p], &format!("static_position = {}", dense_array("i64", [0, 0])), ty(&Type::scalar(dtype)));
+        }
         let float = self.ty(a).dtype.is_float();
         let name = match (op, float) {
             (BinaryOp::Add, true) => "arith.addf",
@@ -873,6 +883,13 @@ impl Lower<'_> {
             xv = self.t.op1("vector.shape_cast", &[&xv], "", ty(&t));
             axis = 1;
         }
+        // A bool max / min (any / all) reduces its 0 / 1 extension in i32 (Mosaic has no i1
+        // reduction) and compares back.
+        let bool_in = t.dtype == DType::Bool;
+        if bool_in {
+            t = Type::vector(DType::I32, &t.shape);
+            xv = self.t.op1("arith.extui", &[&xv], "", ty(&t));
+        }
         let float = t.dtype.is_float();
         let mut dropped = t.shape.clone();
         dropped.remove(axis);
@@ -888,8 +905,13 @@ impl Lower<'_> {
         let acc = self.constant(init, &acc_t);
         let attrs = format!("kind = #vector.kind<{kind}>, reduction_dims = {}", dense_array("i64", [axis as i64]));
         let red = self.t.op1("vector.multi_reduction", &[&xv, &acc], &attrs, ty(&acc_t));
-        let kept = if rank1 { vec![1] } else { t.shape.iter().enumerate().map(|(d, &n)| if d == axis { 1 } else { n }).collect() };
-        self.t.op1("vector.shape_cast", &[&red], "", vector_ty(t.dtype, &kept))
+        let kept: Vec<usize> = if rank1 { vec![1] } else { t.shape.iter().enumerate().map(|(d, &n)| if d == axis { 1 } else { n }).collect() };
+        let out = self.t.op1("vector.shape_cast", &[&red], "", vector_ty(t.dtype, &kept));
+        if !bool_in {
+            return out;
+        }
+        let zero = self.constant(Scalar::Int(0), &Type::vector(DType::I32, &kept));
+        self.t.op1("arith.cmpi", &[&out, &zero], "predicate = 1 : i64", vector_ty(DType::Bool, &kept))
     }
 
     /// `tpu.matmul` with explicit dimension numbers; a transposed operand is expressed by

@@ -1091,13 +1091,21 @@ impl KernelBuilder {
         self.push1(Inst::Reshape(x), Type::vector(t.dtype, shape))
     }
 
-    /// The scalar held by `x`, a vector of one f32 or i32 element (`r.sum(1).sum(0).item()`).
+    /// The scalar held by `x`, a vector of one f32 or i32 element (`r.sum(0).sum(1).item()`).
     pub fn item(&mut self, x: Value) -> Value {
         let t = self.ty(x).clone();
         let dtype_ok = matches!(t.dtype, DType::F32 | DType::I32);
-        if t.is_scalar() || t.num_elements() != 1 || !dtype_ok {
-            let got = if t.is_scalar() { format!("the scalar {t}") } else { t.to_string() };
-            self.fail("instruction `item`", "item-operand", format!("`item` of {got}: it takes a vector of one f32 or i32 element"), "reduce the value to one element first (`.sum(0)` per dim) and cast bool or bf16 to i32 or f32");
+        let help = if t.is_scalar() {
+            Some("it is a scalar already: drop the `.item()`")
+        } else if !dtype_ok {
+            Some("cast to f32 or i32 before reducing (`.cast(i32)` counts bools), then reduce to one element")
+        } else if t.num_elements() != 1 {
+            Some("reduce the value to one element first, one axis at a time (`.sum(0).sum(1)`, `.reduce_max(..)`)")
+        } else {
+            None
+        };
+        if let Some(help) = help {
+            self.fail("instruction `item`", "item-operand", format!("`item` of {t}: it takes a vector of one f32 or i32 element"), help);
             return self.poison(Type::scalar(if dtype_ok { t.dtype } else { DType::I32 }));
         }
         self.push1(Inst::Item(x), Type::scalar(t.dtype))

@@ -140,7 +140,7 @@ rules! {
         "pair fp8-op: an fp8 -> f32 -> fp8 cast round trip accepted, an fp8 add rejected (`failed to legalize operation 'arith.addf'`); probes op-dtype/fp8-*: fp8 compares `Target does not support this comparison`, fp8 max reductions `Unsupported element type for the selected reduction`, negations `failed to legalize arith.subf`, scalar fp8 adds (an SMEM table) likewise, on v5e, v5p, v6e and tpu7x alike; fp8 reshapes, selects, transposes, 8-row blocks and SMEM scalar loads compile";
     "vector-op-dtype", Tpu, [V], SAME, "int8 vectors take no arithmetic (add, sub, mul, div, rem, min, max, neg, abs, min/max-selects; bitwise ops, shifts, compares, selects and casts are fine); bf16 vectors take no `rem`",
         "pair vector-op-dtype: int8 xor accepted, int8 add rejected (`Only vector<i16> and vector<i32> are supported`); int8 max: `failed to legalize arith.maxsi`; bf16 rem: `failed to legalize arith.remf` (probe op-all/rem-bf16), f32 rem compiles; pair int8-shift: an int8 shift compiles, an int8 mul is rejected (probes op-more/*-i8 shift every way)";
-    "reduce-dtype", Tpu, [V], SAME, "reductions take 32-bit and 16-bit vectors, not int8",
+    "reduce-dtype", Tpu, [V], SAME, "reductions take 32-bit and 16-bit vectors, not int8; bools take max and min (any, all), not sum",
         "pair reduce-dtype: an i32 row sum accepted, an int8 row sum rejected (`Unsupported element type for the selected reduction`)";
     "vector-offset-align", Tpu, [V], SAME, "a dynamic offset of a vector load or store is provably aligned: last dim to 128, second-to-last to 8 (int8: 32; 32-bit types in a ref one lane tile wide or one row: any), rank 1 to 128 * (32 / bits)",
         "pair vector-offset-align: a bf16 load at row program_id * 8 accepted, at program_id * 3 rejected (E2003 `cannot statically prove that index in dimension 0 is a multiple of 8`); lanes at program_id * 128 accepted, * 64 rejected";
@@ -232,7 +232,7 @@ rules! {
     "dot-contraction", Semantic, [B], SAME, "a dot's contracted dims are equal", "semantic: an IR type error";
     "transpose-rank", Semantic, [B], SAME, "a transpose has at least two dims", "semantic: an IR type error";
     "reshape-size", Semantic, [B], SAME, "a reshape keeps the element count", "semantic: an IR type error";
-    "item-operand", Semantic, [B], SAME, "`item` takes an f32 or i32 vector whose dims are all 1", "semantic: an IR type error; Mosaic moves one 32-bit element of a vector to a scalar register (reduce first, cast bool or bf16 to i32 or f32)";
+    "item-operand", Semantic, [B], SAME, "`item` takes an f32 or i32 vector whose dims are all 1", "semantic: an IR type error; Mosaic moves one 32-bit element of a vector to a scalar register (cast bool, bf16 or int8 to i32 or f32 before reducing)";
     "bitcast-dtype", Semantic, [B], SAME, "a bitcast reads i32 bits as f32 or f32 bits as i32 (equal widths, both unpacked)", "semantic: an IR type error; the narrower pairs (bf16 <-> i16, fp8 <-> i8) have no IR dtype on one side";
     "concat-parts", Semantic, [B], SAME, "a concat joins one or more parts of one dtype and rank, equal but on the joined axis", "semantic: an IR type error";
     "concat-axis", Semantic, [B], SAME, "a concat joins along one of its parts' dims", "semantic: an IR type error";

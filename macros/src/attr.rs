@@ -10,7 +10,7 @@ use syn::{Expr, ExprArray, ExprClosure, Ident, Token};
 
 /// The parsed attribute.
 pub struct KernelAttr {
-    /// Grid extents (Rust `usize` expressions); empty = a single program instance.
+    /// Grid extents (Rust `usize` expressions); empty = no grid (the verifier's `grid-rank`).
     pub grid: Vec<Expr>,
     /// Span of the `grid = [...]` array, for arity errors.
     pub grid_span: Span,

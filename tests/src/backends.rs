@@ -18,7 +18,8 @@ pub fn all() -> Vec<Backend> {
 }
 
 /// Runs `k` on every backend: the interpreter's outputs, after checking that each compiled
-/// backend gives the same bits and compiled it (no fallback to the interpreter).
+/// backend gives the same bits, every NaN counting as one (arithmetic's NaN payloads and
+/// signs are unspecified, `dsl/README.md`), and compiled it (no fallback to the interpreter).
 pub fn run_all(k: &Kernel, inputs: &[&Array]) -> Vec<Array> {
     let want = exec::run(Backend::Interp.executor(), k, inputs).unwrap_or_else(|e| panic!("interp: {e}"));
     for be in all().into_iter().skip(1) {

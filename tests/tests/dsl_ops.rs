@@ -435,6 +435,50 @@ fn item_of_bools(x: In<8, 128>, out: Out<8, 128>) {
     }
 }
 
+/// Bool reductions are any (`reduce_max`) and all (`reduce_min`), also down to a scalar, and
+/// a scalar `pow` of one (Mosaic lowers neither directly; found by a user-side probe).
+#[tpu_kernel(grid = [r / 8], x = block([8, c], |i| [i, 0]), (any_row, all_row) = block([8, 1], |i| [i, 0]), powed = block([8, c], |i| [i, 0]))]
+fn bool_reductions(x: In<r, c>, any_row: Out<r, 1>, all_row: Out<r, 1>, powed: Out<r, c>) {
+    let pos = x[..] > 0.0;
+    any_row[..] = select(pos.reduce_max(1), 1, 0);
+    all_row[..] = select(pos.reduce_min(1), 1, 0);
+    let n = select(pos, 1, 0).sum(0).sum(1).item();
+    let half = n.cast(f32).pow(0.5);
+    if pos.reduce_max(1).reduce_max(0).cast(i32).item() > 0 {
+        powed[..] = full([8, c], f32, 0.0) + half;
+    } else {
+        powed[..] = full([8, c], f32, -1.0);
+    }
+}
+
+#[tpu_kernel(grid = [1], x = block([8, 128], |i| [0, 0]), out = block([8, 1], |i| [0, 0]))]
+fn bool_sum(x: In<8, 128>, out: Out<8, 1>) {
+    out[..] = (x[..] > 0.0).sum(1).cast(i32);
+}
+
+#[test]
+fn bools_reduce_as_any_and_all_on_every_backend() {
+    let (r, c) = (24, 128);
+    // Rows 0..8: mixed; 8..16: all positive; 16..24: none positive.
+    let xs: Vec<f32> = (0..r * c).map(|e| match e / (8 * c) { 0 => if e % 3 == 0 { 1.0 } else { -1.0 }, 1 => 2.0, _ => -0.0 }).collect();
+    let k = bool_reductions(ty(DType::F32, &[r, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1]), ty(DType::F32, &[r, c])).unwrap();
+    let out = run_all(&k, &[&Array::from_f32(&[r, c], xs.clone())]);
+    let (any, all, powed) = (out[0].to_f64_vec(), out[1].to_f64_vec(), out[2].to_f64_vec());
+    for row in 0..r {
+        let vals = &xs[row * c..(row + 1) * c];
+        assert_eq!(any[row], f64::from(u8::from(vals.iter().any(|&v| v > 0.0))), "any of row {row}");
+        assert_eq!(all[row], f64::from(u8::from(vals.iter().all(|&v| v > 0.0))), "all of row {row}");
+    }
+    for blk in 0..r / 8 {
+        let n = xs[blk * 8 * c..(blk + 1) * 8 * c].iter().filter(|&&v| v > 0.0).count();
+        let want = if n > 0 { (n as f32).powf(0.5) as f64 } else { -1.0 };
+        assert!((powed[blk * 8 * c] - want).abs() <= 1e-6 * want.abs(), "block {blk}: {} vs {want}", powed[blk * 8 * c]);
+    }
+    let e = tessera_dsl::verify::verify(&bool_sum(ty(DType::F32, &[8, 128]), ty(DType::I32, &[8, 1])).unwrap(), &tessera_dsl::Target::V5E).unwrap_err();
+    assert_eq!(e.rule, "reduce-dtype", "{e}");
+    assert!(e.to_string().contains("cast(i32)"), "{e}");
+}
+
 #[test]
 fn item_moves_a_reduced_block_to_a_scalar_on_every_backend() {
     let (r, c) = (32, 128);
@@ -462,8 +506,8 @@ fn item_moves_a_reduced_block_to_a_scalar_on_every_backend() {
         }
     }
     let f = ty(DType::F32, &[8, 128]);
-    expect_err(item_of_a_block(f.clone(), f.clone()), "item-operand", &["item", "f32[8,128]", "one f32 or i32 element", "reduce"]);
-    expect_err(item_of_bools(f.clone(), f), "item-operand", &["item", "bool", "cast"]);
+    expect_err(item_of_a_block(f.clone(), f.clone()), "item-operand", &["item", "f32[8,128]", "one f32 or i32 element", "reduce the value to one element first"]);
+    expect_err(item_of_bools(f.clone(), f), "item-operand", &["item", "bool", "cast to f32 or i32 before reducing"]);
 }
 
 /// The libtpu tier (`TESSERA_TPU_ORACLE=1`): the kernels above, in every dtype they were
@@ -494,6 +538,7 @@ fn libtpu_compiles_the_new_ops_for_v5e_v6e_tpu7x() {
         let (r, c) = (16, 256);
         kernels.push(arg_reduce(ty(dtype, &[r, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[1, c]), ty(DType::I32, &[r, 1]), ty(DType::I32, &[r, 1])).unwrap());
     }
+    kernels.push(bool_reductions(ty(DType::F32, &[24, 128]), ty(DType::I32, &[24, 1]), ty(DType::I32, &[24, 1]), ty(DType::F32, &[24, 128])).unwrap());
     kernels.push(item_branch(ty(DType::F32, &[32, 256]), ty(DType::F32, &[32, 256]), ty(DType::F32, &[32, 256])).unwrap());
     for target in [Target::V5E, Target::V6E, Target::TPU7X] {
         tessera_tests::backends::assert_libtpu_accepts(&kernels, &target);

@@ -56,6 +56,14 @@ impl Verifier<'_> {
             }
             Inst::Reduce { op, x, .. } => {
                 let t = self.k.ty(*x);
+                if t.dtype == DType::Bool && *op == ReduceOp::Sum {
+                    return Err(self.err(
+                        format!("instruction `{}`", op.name()),
+                        "reduce-dtype",
+                        format!("a sum of a bool vector {t} (bools take max and min, any and all)"),
+                        "count with .cast(i32) first, then sum",
+                    ));
+                }
                 if t.dtype == DType::I8 && !t.is_scalar() {
                     return Err(self.err(
                         format!("instruction `{}`", op.name()),
