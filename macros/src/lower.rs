@@ -417,6 +417,9 @@ impl<'a> Lowerer<'a> {
 
     fn method(&mut self, m: &syn::ExprMethodCall) -> syn::Result<TokenStream> {
         let name = m.method.to_string();
+        if let Some(t) = &m.turbofish {
+            return err(t, format!("`.{name}()` on an IR value takes no generic arguments; a dtype is an argument, as in `.cast(i32)`"));
+        }
         let args: Vec<&Expr> = m.args.iter().collect();
         let arity = |n: usize| -> syn::Result<()> {
             if args.len() != n {
