@@ -324,13 +324,12 @@ pub(crate) fn rows_before(x: Value, start: Value, rows: usize, cols: usize, end:
 }
 
 /// Whether the block holds a nonfinite value, a scalar for a branch: `v - v` is NaN exactly
-/// there, and a sum with a NaN is NaN (rows first: adding vregs is cheaper than reducing
-/// across lanes). A finite v (the usual case) then pays a reduction instead of
-/// [`add_nonfinite`]'s product.
+/// there, and a sum with a NaN is NaN (rows first and in v's dtype: adding vregs is cheaper
+/// than reducing across lanes, and a bf16 sum of zeros is exact). A finite v (the usual case)
+/// then pays a reduction instead of [`add_nonfinite`]'s product.
 #[tpu_fn]
 pub(crate) fn holds_nonfinite(v: Value) -> Value {
-    let f = v.cast(f32);
-    (f - f).sum(0).sum(1).item() != 0.0
+    (v - v).sum(0).cast(f32).sum(1).item() != 0.0
 }
 
 /// One kv step of a masked block whose v holds a nonfinite value: the online softmax over
