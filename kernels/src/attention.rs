@@ -379,6 +379,34 @@ pub(crate) fn weights_and_ds(q: Value, k: Value, v: Value, dout: Value, lse: Val
     (p, uncap(p * (dot_t(dout, v) - di), s, soft_cap))
 }
 
+/// The dk and dv increments of a masked dkv block (flash and splash attention), over the
+/// pairs `keep` admits. The dots contract over q rows and kv rows, so the undefined rows
+/// past the ends are zeroed first (masking p alone leaves 0 * NaN); both p and ds are
+/// selected, since `p * (dp - di)` would carry a NaN of dp, di or s into pairs that do not
+/// see each other.
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn masked_dkv_step(q: Value, k: Value, v: Value, dout: Value, lse: Value, di: Value, keep: Value, q_start: Value, kv_start: Value, dtype: DType, bq: usize, bk: usize, d: usize, sq: usize, skv: usize, sm_scale: f32, soft_cap: f32) -> (Value, Value) {
+    let qb = rows_before(q, q_start, bq, d, sq);
+    let dob = rows_before(dout, q_start, bq, d, sq);
+    let kb = rows_before(k, kv_start, bk, d, skv);
+    let vb = rows_before(v, kv_start, bk, d, skv);
+    let (p, ds) = weights_and_ds(qb, kb, vb, dob, rows_before(lse, q_start, bq, 1, sq), rows_before(di, q_start, bq, 1, sq), sm_scale, soft_cap);
+    let dv = dot_tn(select(keep, p, 0.0).cast(dtype), dob);
+    (dot_tn((select(keep, ds, 0.0) * sm_scale).cast(dtype), qb), dv)
+}
+
+/// The dq increment of a masked dq block (flash and splash attention), over the pairs
+/// `keep` admits. `ds @ k` contracts over kv rows: the undefined rows past the end are
+/// zeroed (rows past Sq are independent here, and their writes are dropped).
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn masked_dq_step(q: Value, k: Value, v: Value, dout: Value, lse: Value, di: Value, keep: Value, kv_start: Value, dtype: DType, bk: usize, d: usize, skv: usize, sm_scale: f32, soft_cap: f32) -> Value {
+    let kb = rows_before(k, kv_start, bk, d, skv);
+    let (_p, ds) = weights_and_ds(q, kb, rows_before(v, kv_start, bk, d, skv), dout, lse, di, sm_scale, soft_cap);
+    dot((select(keep, ds, 0.0) * sm_scale).cast(dtype), kb)
+}
+
 // ---- kernels ------------------------------------------------------------------------------
 
 #[tpu_kernel(
@@ -494,20 +522,10 @@ pub fn flash_attention_dkv_kernel(
         let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            // The dots contract over q rows and kv rows: zero the undefined rows past the
-            // ends so that no NaN reaches a sum (masking p alone leaves 0 * NaN).
-            let qb = rows_before(q[..], q_start, bq, d, sq);
-            let dob = rows_before(dout[..], q_start, bq, d, sq);
-            let lse_b = rows_before(lse[..], q_start, bq, 1, sq);
-            let di_b = rows_before(di[..], q_start, bq, 1, sq);
-            let kb = rows_before(k[..], kv_start, bk, d, skv);
-            let vb = rows_before(v[..], kv_start, bk, d, skv);
-            let (p, ds) = weights_and_ds(qb, kb, vb, dob, lse_b, di_b, sm_scale, soft_cap);
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, true, left, right), q_seg[..], kv_seg[..], segmented);
-            // Select both: `p * (dp - di)` would carry a NaN of dp, di or s into pairs
-            // that do not see each other (0 * NaN).
-            dv_acc[..] += dot_tn(select(keep, p, 0.0).cast(v.dtype), dob);
-            dk_acc[..] += dot_tn((select(keep, ds, 0.0) * sm_scale).cast(q.dtype), qb);
+            let (dk_inc, dv_inc) = masked_dkv_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, q_start, kv_start, q.dtype, bq, bk, d, sq, skv, sm_scale, soft_cap);
+            dv_acc[..] += dv_inc;
+            dk_acc[..] += dk_inc;
         } else {
             let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
             dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
@@ -548,12 +566,8 @@ pub fn flash_attention_dq_kernel(
         let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            // `ds @ k` contracts over kv rows: zero the undefined rows past the end. (Rows
-            // past Sq are independent here and their writes are dropped.)
-            let kb = rows_before(k[..], kv_start, bk, d, skv);
-            let (_p, ds) = weights_and_ds(q[..], kb, rows_before(v[..], kv_start, bk, d, skv), dout[..], lse[..], di[..], sm_scale, soft_cap);
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
-            dq_acc[..] += dot((select(keep, ds, 0.0) * sm_scale).cast(k.dtype), kb);
+            dq_acc[..] += masked_dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, kv_start, q.dtype, bk, d, skv, sm_scale, soft_cap);
         } else {
             let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
             dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);

@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
+    cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -186,16 +186,10 @@ pub fn splash_attention_dkv_kernel(
         let needs_mask = segmented | (kind == PARTIAL) | ragged_q | ragged_kv;
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            // The dots contract over q rows and kv rows: zero the undefined rows past the ends.
-            let qb = rows_before(q[..], q_start, bq, d, sq);
-            let dob = rows_before(dout[..], q_start, bq, d, sq);
-            let lse_b = rows_before(lse[..], q_start, bq, 1, sq);
-            let di_b = rows_before(di[..], q_start, bq, 1, sq);
-            let kb = rows_before(k[..], kv_start, bk, d, skv);
-            let (p, ds) = weights_and_ds(qb, kb, rows_before(v[..], kv_start, bk, d, skv), dob, lse_b, di_b, sm_scale, soft_cap);
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, true), q_seg[..], kv_seg[..], segmented);
-            dv_acc[..] += dot_tn(select(keep, p, 0.0).cast(v.dtype), dob);
-            dk_acc[..] += dot_tn((select(keep, ds, 0.0) * sm_scale).cast(q.dtype), qb);
+            let (dk_inc, dv_inc) = masked_dkv_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, q_start, kv_start, q.dtype, bq, bk, d, sq, skv, sm_scale, soft_cap);
+            dv_acc[..] += dv_inc;
+            dk_acc[..] += dk_inc;
         } else {
             let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
             dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
@@ -243,10 +237,8 @@ pub fn splash_attention_dq_kernel(
         let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
-            let kb = rows_before(k[..], kv_start, bk, d, skv);
-            let (_p, ds) = weights_and_ds(q[..], kb, rows_before(v[..], kv_start, bk, d, skv), dout[..], lse[..], di[..], sm_scale, soft_cap);
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
-            dq_acc[..] += dot((select(keep, ds, 0.0) * sm_scale).cast(k.dtype), kb);
+            dq_acc[..] += masked_dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, kv_start, q.dtype, bk, d, skv, sm_scale, soft_cap);
         } else {
             let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
             dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);
