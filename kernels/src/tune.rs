@@ -34,7 +34,7 @@
 
 use std::sync::{OnceLock, RwLock};
 
-use tessera_dsl::{KernelError, Type};
+use tessera_dsl::{Kernel, KernelError, Type};
 
 use crate::op::{Op, Statics};
 
@@ -86,6 +86,35 @@ pub fn candidates(op: &Op, fixed: &[&str]) -> Vec<String> {
         out = out.iter().flat_map(|prefix| k.values.iter().map(move |v| if prefix.is_empty() { format!("{}={v}", k.name) } else { format!("{prefix}, {}={v}", k.name) })).collect();
     }
     out
+}
+
+/// Whether the launches `a` only pad what `b`'s cover: the same kernels with the same grids,
+/// every block of `a` at least `b`'s, and wherever they differ `b`'s block already spans
+/// the whole array dim (so `a` runs the same steps over the same data and computes more
+/// padding). The tuner prunes such an `a` (`block_cols=2048` over 1024 columns beside
+/// `block_cols=1024`) instead of spending a libtpu compile on it. A block larger than
+/// its array that changes the grid (1024 rows over 1000, one step instead of two) is not
+/// pruned.
+pub fn pads_only(a: &[Kernel], b: &[Kernel]) -> bool {
+    let mut differs = false;
+    let same_shape = a.len() == b.len()
+        && a.iter().zip(b).all(|(ka, kb)| {
+            let grids = ka.grid.len() == kb.grid.len() && ka.grid.iter().zip(&kb.grid).all(|(x, y)| x.extent == y.extent);
+            grids
+                && ka.name == kb.name
+                && ka.refs.len() == kb.refs.len()
+                && ka.refs.iter().zip(&kb.refs).all(|(ra, rb)| match (&ra.block, &rb.block) {
+                    (None, None) => true,
+                    (Some(ba), Some(bb)) if ra.shape == rb.shape && ba.block_shape.len() == bb.block_shape.len() => {
+                        ba.window().iter().zip(bb.window()).zip(&ra.shape).all(|((&wa, wb), &n)| {
+                            differs |= wa != wb;
+                            wa == wb || (wa > wb && wb >= n)
+                        })
+                    }
+                    _ => false,
+                })
+        });
+    same_shape && differs
 }
 
 /// One entry of a tuning table: its key and its best statics.
@@ -260,4 +289,35 @@ pub fn tuned_entry(op: &Op, inputs: &[Option<Type>], statics: &Statics, target: 
         }
     }
     Ok(Some(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_dsl::{DType, Kernel, Type};
+
+    use super::pads_only;
+    use crate::elementwise::gelu_affine_kernel;
+
+    fn gelu(rows: usize, cols: usize, bm: usize, bn: usize) -> Vec<Kernel> {
+        let x = Type::vector(DType::F32, &[rows, cols]);
+        let row = Type::vector(DType::F32, &[1, cols]);
+        vec![gelu_affine_kernel(x.clone(), row.clone(), row, x, bm, bn).unwrap()]
+    }
+
+    #[test]
+    fn a_block_past_the_array_at_the_same_grid_only_pads() {
+        // 2048 columns over 1024 pad what 1024 covers; 32 rows over 16 pad what 16 cover.
+        assert!(pads_only(&gelu(16, 1024, 16, 2048), &gelu(16, 1024, 16, 1024)));
+        assert!(pads_only(&gelu(16, 1024, 32, 2048), &gelu(16, 1024, 16, 1024)));
+        assert!(!pads_only(&gelu(16, 1024, 16, 1024), &gelu(16, 1024, 16, 2048)), "the smaller block is never the padded one");
+        assert!(!pads_only(&gelu(16, 1024, 16, 1024), &gelu(16, 1024, 16, 1024)), "a twin is not padding");
+        // A larger block that changes the grid is a real choice: 1024 rows over 1000 is one
+        // step, 512 two; 1024 columns over 1024 beside 512 is fewer steps too.
+        assert!(!pads_only(&gelu(1000, 256, 1024, 256), &gelu(1000, 256, 512, 256)));
+        assert!(!pads_only(&gelu(16, 1024, 16, 1024), &gelu(16, 1024, 16, 512)));
+        // Blocks that differ where neither spans the array are other tilings.
+        assert!(!pads_only(&gelu(64, 1024, 32, 1024), &gelu(64, 1024, 16, 1024)));
+        // Other shapes are other problems.
+        assert!(!pads_only(&gelu(16, 2048, 16, 2048), &gelu(16, 1024, 16, 1024)));
+    }
 }

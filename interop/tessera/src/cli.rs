@@ -670,7 +670,18 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             };
             candidates.push(Candidate { statics: if c.is_empty() { DEFAULT_RULE.to_string() } else { c }, outcome });
         }
-        eprintln!("{} on {target}: {} candidates, {} pruned by the plan and the verifier, {} to compile with libtpu", stem(&sel), candidates.len(), candidates.len() - survivors.len(), survivors.len());
+        let verified = survivors.len();
+        // A candidate whose blocks only pad what a smaller one covers (same grid) is pruned
+        // too; the op's own rule (last) is the baseline and always compiles.
+        let rule = candidates.len() - 1;
+        let pads = |i: usize, ks: &[Kernel]| i != rule && survivors.iter().any(|(j, other)| *j != i && tessera_kernels::tune::pads_only(ks, other));
+        // (Padding is transitive, so each pruned one names a survivor.)
+        let padded: Vec<(usize, usize)> = survivors.iter().filter(|(i, ks)| pads(*i, ks)).filter_map(|(i, ks)| survivors.iter().find(|(j, other)| j != i && !pads(*j, other) && tessera_kernels::tune::pads_only(ks, other)).map(|(j, _)| (*i, *j))).collect();
+        for &(i, j) in &padded {
+            candidates[i].outcome = Err(format!("pruned: block-padding (its blocks only pad what {}'s cover, at the same grid)", candidates[j].statics));
+        }
+        survivors.retain(|(i, _)| !padded.iter().any(|(p, _)| p == i));
+        eprintln!("{} on {target}: {} candidates, {} pruned by the plan and the verifier, {} pruned as padding, {} to compile with libtpu", stem(&sel), candidates.len(), candidates.len() - verified, verified - survivors.len(), survivors.len());
         // Compile the survivors in batches (one libtpu process each), with progress.
         let started = std::time::Instant::now();
         let mut done = 0;
