@@ -798,7 +798,10 @@ def test_inference_mode_sees_the_ops_no_grad_sees():
         got[ctx.__name__] = fusion.stats()["kernels_launched"]
         for o, w_ in zip(out, want):
             torch.testing.assert_close(o, w_, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ctx.__name__}: {m}")
-    assert got["inference_mode"] == got["no_grad"] > 0, got
+    # The same kernels but one: under no_grad `narrow` of the eager layer_norm's result is a
+    # column window, read by a row kernel of its own; under inference_mode it is an eager
+    # view, and its `square` joins the matmul's epilogue over the same 12x4 space (rule 14).
+    assert got["inference_mode"] == got["no_grad"] - 1 > 0, got
 
 
 def test_found_by_a_random_graph_probe():

@@ -645,6 +645,34 @@ fn a_pointwise_kernel_is_sunk_into_its_one_reader() {
     assert_eq!(p.launches.len(), 2, "the transpose, then x * 2 + t\n{}", p.describe());
 }
 
+/// Rule 14: a node the last kernel refuses (a copy kernel) joins the nearest earlier
+/// kernel it fits, only where its operands are ready: `g * m` reads the second product's
+/// value, so it joins that kernel, not the first product's.
+#[test]
+fn a_node_the_last_kernel_refuses_joins_an_earlier_one_where_its_operands_are_ready() {
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = StdRng::seed_from_u64(17);
+        let mut c = Case::new(format!("reach back {dtype}"));
+        let (a, w) = (c.input(dtype, &[32, 64], &mut rng), c.input(dtype, &[64, 96], &mut rng));
+        let (b, v) = (c.input(dtype, &[32, 48], &mut rng), c.input(dtype, &[48, 96], &mut rng));
+        let g = c.graph.matmul(a, w, None).unwrap();
+        let m = c.graph.matmul(b, v, None).unwrap();
+        let t = c.input(dtype, &[40, 24], &mut rng);
+        let copy = c.graph.transpose(t).unwrap();
+        let gm = c.graph.binary(Binary::Mul, Operand::Node(g), Operand::Node(m)).unwrap();
+        let g3 = c.graph.binary(Binary::Mul, Operand::Node(g), Operand::Scalar(3.0)).unwrap();
+        let out = c.graph.binary(Binary::Add, Operand::Node(gm), Operand::Node(g3)).unwrap();
+        c.live = vec![copy, out];
+        let p = c.check();
+        let parts = &p.partitioning.parts;
+        assert_eq!(p.launches.len(), 3, "{}", p.describe());
+        let home = |n: NodeId| p.partitioning.assigned[n];
+        assert_eq!((home(g), home(m), home(copy)), (Some(0), Some(1), Some(2)), "{}", p.describe());
+        assert_eq!((home(gm), home(g3), home(out)), (Some(1), Some(1), Some(1)), "the epilogue of the product that computes m\n{}", p.describe());
+        assert_eq!(parts[0].outputs, vec![g], "g is stored for the later kernel");
+    }
+}
+
 /// A rows-keeping view of a column window (`y[10].view(1, n)`, seen as a window of `y`
 /// flattened): a row kernel reads it from `y`'s memory, a matmul from the window's copy
 /// (found by the random graphs' backward tier: the window was read but never computed).

@@ -1,5 +1,6 @@
 //! The planner: partitions a [`Graph`] into row kernels by the rules in
-//! [`crate::fusion`]'s module docs (one greedy pass in recording order).
+//! [`crate::fusion`]'s module docs (one greedy pass in recording order; a node the last
+//! kernel refuses may join an earlier one, rule 14).
 
 use std::collections::BTreeSet;
 
@@ -207,14 +208,112 @@ fn space_of(g: &Graph, id: NodeId) -> (usize, usize) {
     }
 }
 
+/// What the greedy pass tracks of each partition for the space checks: the layouts of
+/// the values it computes or reads, and the row length of its row ops and the rows of its
+/// column sum, which fix its space.
+#[derive(Clone, Debug, Default)]
+struct Open {
+    layouts: Vec<(usize, usize)>,
+    row_op_cols: Option<usize>,
+    col_sum_rows: Option<usize>,
+}
+
+/// How far back a node that cannot join the last kernel looks for an earlier one it fits
+/// (rule 14): autograd records a matmul's backward between the pointwise nodes of the
+/// gradient it consumes, so those nodes meet their kernel again a few kernels later.
+pub const JOIN_REACH: usize = 8;
+
+/// Whether node `id` can join partition `q`: `Ok` with the memory it then reads and the
+/// grown space, or why not. A node joining a partition before the last one (`q < last`)
+/// must find its operands ready there: computed by `q` itself (values in VMEM) or stored
+/// by a kernel before it.
+#[allow(clippy::too_many_arguments)]
+fn join(g: &Graph, parts: &[Partition], open: &[Open], assigned: &[Option<usize>], q: usize, last: usize, id: NodeId, space: (usize, usize)) -> Result<(Vec<Read>, usize, usize), String> {
+    let node = g.node(id);
+    let part = &parts[q];
+    let Open { layouts, row_op_cols, col_sum_rows } = &open[q];
+    let cur = Some(q);
+    // The memory this node reads if it joins `q`, and whether it needs a value `q`
+    // computes in another layout (then it must wait for `q` to be stored).
+    let mut reads = Vec::new();
+    let mut needs_stored = None;
+    let mut reads_col_sum = None;
+    for a in &node.args {
+        let Operand::Node(o) = *a else { continue };
+        if matches!(node.op, NodeOp::CatCols) {
+            // A piece is read from memory: stored first when the open kernel computes it.
+            let r = cat_read_of(g, o);
+            if assigned[r.storage] == cur {
+                needs_stored = Some(o);
+            }
+            reads.push(r);
+            continue;
+        }
+        if !is_anchor(&node.op) && g.col_window(o).is_some() {
+            // From memory: a value in VMEM has no column slices.
+            let r = read_of(g, o);
+            if assigned[r.storage] == cur {
+                needs_stored = Some(o);
+            }
+            reads.push(r);
+            continue;
+        }
+        let s = g.same_rows_source(o);
+        if assigned[s] == cur {
+            if matches!(g.node(s).op, NodeOp::ColSum) {
+                reads_col_sum = Some(s);
+            }
+            continue;
+        }
+        let r = whole_read(g, o);
+        if assigned[r.storage] == cur {
+            needs_stored = Some(o);
+        }
+        reads.push(r);
+    }
+    if q < last && reads.iter().any(|r| assigned[r.storage].is_some_and(|x| x > q)) {
+        return Err(format!("node %{id} reads a value computed after kernel {q}"));
+    }
+    let m = part.rows.max(space.0);
+    let n = part.cols.max(space.1);
+    let mut new_reads: BTreeSet<Read> = part.reads.iter().copied().collect();
+    new_reads.extend(reads.iter().copied());
+    let is_row = matches!(node.op, NodeOp::Row(_));
+    let is_col = matches!(node.op, NodeOp::ColSum);
+    let anchor = part.anchor.map(|a| &g.node(a).op);
+    let cut = if is_anchor(&node.op) {
+        format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" })
+    } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
+        format!("node %{id} reads the result of a copy kernel")
+    } else if anchor.is_some() && is_row && part.cols > MAX_EPILOGUE_ROW {
+        format!("node %{id} is a row op over the matmul's {} columns, more than one column block ({MAX_EPILOGUE_ROW}) holds", part.cols)
+    } else if anchor.is_some() && (!(is_epilogue(&node.op) || is_row) || !epilogue_space(node, space, part) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
+        format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols)
+    } else if let Some(o) = needs_stored {
+        format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)")
+    } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| r.piece || read_fits(r.space(), (m, n))) {
+        format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols)
+    } else if let Some(c) = reads_col_sum {
+        format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block")
+    } else if col_sum_rows.is_some_and(|r| r != m) || (is_col && space.0 != m) {
+        format!("node %{id} changes the rows ({} vs {}) of a kernel with a column sum", space.0, m)
+    } else if row_op_cols.is_some_and(|c| c != n) || (is_row && space.1 != n) {
+        format!("node %{id} changes the row length ({} vs {}) of a kernel with a row op", space.1, n)
+    } else if new_reads.len() > MAX_READS {
+        format!("node %{id} would make the kernel read more than {MAX_READS} buffers")
+    } else if part.nodes.len() >= MAX_NODES {
+        format!("the previous kernel has {MAX_NODES} nodes")
+    } else {
+        return Ok((reads, m, n));
+    };
+    Err(cut)
+}
+
 /// Partitions `g`; `live` are the nodes whose values the caller takes.
 pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError> {
     let mut parts: Vec<Partition> = Vec::new();
     let mut assigned: Vec<Option<usize>> = vec![None; g.len()];
-    // Layouts of the values each open partition computes or reads (for the space check).
-    let mut layouts: Vec<(usize, usize)> = Vec::new();
-    let mut row_op_cols: Option<usize> = None;
-    let mut col_sum_rows: Option<usize> = None;
+    let mut open: Vec<Open> = Vec::new();
     // Only what the live results need is computed (dead nodes make no kernel).
     let mut needed = vec![false; g.len()];
     for &l in live {
@@ -248,56 +347,8 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             continue;
         }
         let space = space_of(g, id);
-        let cur = parts.len().checked_sub(1);
-        // The memory this node reads if it joins `cur`, and whether it needs a value `cur`
-        // computes in another layout (then it must wait for `cur` to be stored).
-        let mut reads = Vec::new();
-        let mut needs_stored = None;
-        let mut reads_col_sum = None;
-        for a in &node.args {
-            let Operand::Node(o) = *a else { continue };
-            if matches!(node.op, NodeOp::CatCols) {
-                // A piece is read from memory: stored first when the open kernel computes it.
-                let r = cat_read_of(g, o);
-                if cur.is_some() && assigned[r.storage] == cur {
-                    needs_stored = Some(o);
-                }
-                reads.push(r);
-                continue;
-            }
-            if !is_anchor(&node.op) && g.col_window(o).is_some() {
-                // From memory: a value in VMEM has no column slices.
-                let r = read_of(g, o);
-                if cur.is_some() && assigned[r.storage] == cur {
-                    needs_stored = Some(o);
-                }
-                reads.push(r);
-                continue;
-            }
-            let s = g.same_rows_source(o);
-            let in_cur = cur.is_some() && assigned[s] == cur;
-            if in_cur {
-                if matches!(g.node(s).op, NodeOp::ColSum) {
-                    reads_col_sum = Some(s);
-                }
-                continue;
-            }
-            let r = whole_read(g, o);
-            if cur.is_some() && assigned[r.storage] == cur {
-                needs_stored = Some(o);
-            }
-            reads.push(r);
-        }
         let mut cut = None;
-        if let Some(p) = cur {
-            let part = &parts[p];
-            let m = part.rows.max(space.0);
-            let n = part.cols.max(space.1);
-            let mut new_reads: BTreeSet<Read> = part.reads.iter().copied().collect();
-            new_reads.extend(reads.iter().copied());
-            let is_row = matches!(node.op, NodeOp::Row(_));
-            let is_col = matches!(node.op, NodeOp::ColSum);
-            let anchor = part.anchor.map(|a| &g.node(a).op);
+        if let Some(p) = parts.len().checked_sub(1) {
             // Rule 13: a matmul sharing an operand with a recent kernel's anchor joins it.
             let is_matmul = matches!(node.op, NodeOp::Matmul { .. });
             if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().filter(|_| is_matmul).find_map(|q| {
@@ -316,39 +367,30 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                 part.nodes.push(id);
                 part.siblings.push(id);
                 part.shared = shared;
-                if q == p {
-                    layouts.push(node.layout());
-                }
+                open[q].layouts.push(node.layout());
                 assigned[id] = Some(q);
                 continue;
             }
-            cut = if is_anchor(&node.op) {
-                Some(format!("node %{id} is a {}, which starts its own kernel", if matches!(node.op, NodeOp::Matmul { .. }) { "matmul" } else { "copy between rows" }))
-            } else if anchor.is_some_and(|a| !matches!(a, NodeOp::Matmul { .. })) {
-                Some(format!("node %{id} reads the result of a copy kernel"))
-            } else if anchor.is_some() && matches!(node.op, NodeOp::Row(_)) && part.cols > MAX_EPILOGUE_ROW {
-                Some(format!("node %{id} is a row op over the matmul's {} columns, more than one column block ({MAX_EPILOGUE_ROW}) holds", part.cols))
-            } else if anchor.is_some() && (!(is_epilogue(&node.op) || matches!(node.op, NodeOp::Row(_))) || !epilogue_space(node, space, part) || !reads.iter().all(|r| fits_epilogue(g, part, r)) || !layouts.iter().chain(&[node.layout()]).all(|&l| fits(l, (part.rows, part.cols)))) {
-                Some(format!("node %{id} is not pointwise or a row op in the matmul's {}x{} output space (an epilogue takes only those)", part.rows, part.cols))
-            } else if let Some(o) = needs_stored {
-                Some(format!("node %{id} reads %{o}, a view in other rows of a value the previous kernel computes (it must be stored first)"))
-            } else if !layouts.iter().chain(&[space, node.layout()]).all(|&l| fits(l, (m, n))) || !part.reads[part.anchor_reads..].iter().chain(&reads).all(|r| r.piece || read_fits(r.space(), (m, n))) {
-                Some(format!("node %{id} runs over {}x{} rows, which the previous kernel's {}x{} values do not broadcast with", space.0, space.1, part.rows, part.cols))
-            } else if let Some(c) = reads_col_sum {
-                Some(format!("node %{id} reads the column sum %{c}, complete only after the previous kernel's last block"))
-            } else if col_sum_rows.is_some_and(|r| r != m) || (is_col && space.0 != m) {
-                Some(format!("node %{id} changes the rows ({} vs {}) of a kernel with a column sum", space.0, m))
-            } else if row_op_cols.is_some_and(|c| c != n) || (is_row && space.1 != n) {
-                Some(format!("node %{id} changes the row length ({} vs {}) of a kernel with a row op", space.1, n))
-            } else if new_reads.len() > MAX_READS {
-                Some(format!("node %{id} would make the kernel read more than {MAX_READS} buffers"))
-            } else if part.nodes.len() >= MAX_NODES {
-                Some(format!("the previous kernel has {MAX_NODES} nodes"))
-            } else {
-                None
-            };
-            if cut.is_none() {
-                let part = &mut parts[p];
+            // The last kernel, else (rule 14) the nearest earlier one the node fits with
+            // its operands ready there; the last kernel's refusal is the recorded cut.
+            let mut joined = None;
+            for q in (p.saturating_sub(JOIN_REACH)..=p).rev() {
+                match join(g, &parts, &open, &assigned, q, p, id, space) {
+                    Ok(fit) => {
+                        joined = Some((q, fit));
+                        break;
+                    }
+                    Err(why) if q == p => cut = Some(why),
+                    Err(_) => {}
+                }
+                if is_anchor(&node.op) {
+                    break;
+                }
+            }
+            if let Some((q, (reads, m, n))) = joined {
+                let is_row = matches!(node.op, NodeOp::Row(_));
+                let is_col = matches!(node.op, NodeOp::ColSum);
+                let part = &mut parts[q];
                 part.rows = m;
                 part.cols = n;
                 part.nodes.push(id);
@@ -358,16 +400,17 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
                     }
                 }
                 part.has_row_op |= is_row;
-                if is_row {
-                    row_op_cols = Some(n);
-                }
                 part.has_col_sum |= is_col;
-                if is_col {
-                    col_sum_rows = Some(m);
+                let o = &mut open[q];
+                if is_row {
+                    o.row_op_cols = Some(n);
                 }
-                layouts.push(space);
-                layouts.push(node.layout());
-                assigned[id] = Some(p);
+                if is_col {
+                    o.col_sum_rows = Some(m);
+                }
+                o.layouts.push(space);
+                o.layouts.push(node.layout());
+                assigned[id] = Some(q);
                 continue;
             }
         }
@@ -390,9 +433,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         }
         if anchored {
             let (rows, cols) = node.layout();
-            layouts = vec![(rows, cols)];
-            row_op_cols = None;
-            col_sum_rows = None;
+            open.push(Open { layouts: vec![(rows, cols)], row_op_cols: None, col_sum_rows: None });
             let anchor_reads = reads.len();
             parts.push(Partition { nodes: vec![id], rows, cols, reads, outputs: Vec::new(), has_row_op: false, has_col_sum: false, cut: cut.unwrap_or_else(|| "start".into()), anchor: Some(id), anchor_reads, siblings: Vec::new(), shared: Shared::A });
             assigned[id] = Some(parts.len() - 1);
@@ -400,14 +441,13 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         }
         let is_row = matches!(node.op, NodeOp::Row(_));
         let is_col = matches!(node.op, NodeOp::ColSum);
-        layouts = vec![space, node.layout()];
-        row_op_cols = is_row.then_some(space.1);
-        col_sum_rows = is_col.then_some(space.0);
+        let layouts = vec![space, node.layout()];
         // A new partition's space must hold its reads too (a (1, n) op over a (m, 1) read).
         let (m, n) = layouts.iter().chain(reads.iter().filter(|r| !r.piece).map(Read::space).collect::<Vec<_>>().iter()).fold((1, 1), |(m, n), &(r, c)| (m.max(r), n.max(c)));
         if !layouts.iter().all(|&l| fits(l, (m, n))) || !reads.iter().all(|r| r.piece || read_fits(r.space(), (m, n))) {
             return Err(KernelError::new("fusion", format!("node %{id}"), "fusion-plan", "its operands do not share a row space", "report this as a Tessera bug: the graph builder checks broadcasts"));
         }
+        open.push(Open { layouts, row_op_cols: is_row.then_some(space.1), col_sum_rows: is_col.then_some(space.0) });
         parts.push(Partition { nodes: vec![id], rows: m, cols: n, reads, outputs: Vec::new(), has_row_op: is_row, has_col_sum: is_col, cut: cut.unwrap_or_else(|| "start".into()), anchor: None, anchor_reads: 0, siblings: Vec::new(), shared: Shared::A });
         assigned[id] = Some(parts.len() - 1);
     }
