@@ -687,9 +687,9 @@ impl Call<'_> {
     /// Block static `name`: its value when given (a zero block is an error), else `default`
     /// (the op's own rule; a tuning table's entry arrives as a given value).
     pub fn block(&self, name: &str, default: usize) -> Result<usize, KernelError> {
-        match self.usize_opt(name)? {
-            Some(0) => Err(self.err(format!("argument `{name}`"), "option-value", format!("{name} = 0"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
-            given => Ok(given.unwrap_or(default)),
+        match self.statics.get(name) {
+            Static::Int(x) if *x <= 0 => Err(self.err(format!("argument `{name}`"), "option-value", format!("{name} = {x}"), format!("pass a positive {name}, or leave it unset for the default blocks"))),
+            _ => Ok(self.usize_opt(name)?.unwrap_or(default)),
         }
     }
 

@@ -4,6 +4,7 @@ aliasing and in-place cases, fallbacks and stats, autograd, dumps.
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv/bin/python -m pytest -q tests/python/test_fusion*.py
 """
 import os
+import threading
 
 import pytest
 import torch
@@ -1368,3 +1369,103 @@ def test_torch_compile_runs_a_transformers_llama_with_its_default_sdpa_attention
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
         for k, g in want_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_threads_each_have_their_own_mode_and_take_turns_on_the_recording():
+    """The mode is per thread, as torch's dispatch mode stack: overlapping `with`s in two
+    threads (A enters, B enters, A leaves, B leaves) each defer their own ops and leave the
+    process strict. A reader in another thread (`tolist` of the main thread's latest result)
+    flushes on the one lock ops and flushes take, so the main thread's results stay right
+    (before, a few in a thousand were garbage: a flush ran while the main thread recorded)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as stack
+
+    x = torch.randn(4, 6)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with tessera.set_eager_mode(DEFER):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with tessera.set_eager_mode(DEFER):
+            b_in.set()
+            a_out.wait(10)
+            before = fusion.stats()["ops_deferred"]
+            y = (x * 2).exp()
+            seen["b"] = (tessera.get_eager_mode(), len(stack()), fusion.stats()["ops_deferred"] - before)
+        seen["b_after"] = (tessera.get_eager_mode(), len(stack()))
+        seen["y"] = y
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["b"] == (DEFER, 1, 2), seen
+    assert seen["b_after"] == (tessera.EagerMode.STRICT, 0), seen
+    torch.testing.assert_close(seen["y"], (x * 2).exp())
+    assert tessera.get_eager_mode() is tessera.EagerMode.STRICT and not stack()
+    with tessera.set_eager_mode(DEFER):
+        before = fusion.stats()["ops_deferred"]
+        (x * 2).exp()
+        assert fusion.stats()["ops_deferred"] - before == 2
+
+    x = torch.randn(16, 32)
+    want = [((x * k).softmax(-1) + x.exp().mean(-1, keepdim=True)).mul(2).sum(-1) for k in range(7)]
+    latest, stop, wrong = {"t": None}, threading.Event(), []
+
+    def reader():
+        while not stop.is_set():
+            t = latest["t"]
+            if t is not None:
+                t.tolist()
+
+    r = threading.Thread(target=reader)
+    r.start()
+    try:
+        with tessera.set_eager_mode(DEFER):
+            for i in range(600):
+                y = (x * (i % 7)).softmax(-1) + x.exp().mean(-1, keepdim=True)
+                latest["t"] = y
+                z = (y * 2).sum(-1)
+                if not torch.allclose(z, want[i % 7], atol=1e-4):
+                    wrong.append(i)
+    finally:
+        stop.set()
+        r.join()
+    assert not wrong, wrong
+
+
+def test_to_dlpack_of_a_pending_tensor_flushes():
+    """`torch.utils.dlpack.to_dlpack` is a builtin, not a Tensor method: imported after
+    `tessera`, it flushes as `__dlpack__` does (it exported unwritten memory)."""
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    x = torch.randn(4, 6)
+    with tessera.set_eager_mode(DEFER):
+        y = (x * 2).exp()
+        z = from_dlpack(to_dlpack(y)).clone()
+        w = from_dlpack(torch.to_dlpack((x * 3).exp())).clone()
+    torch.testing.assert_close(z, (x * 2).exp())
+    torch.testing.assert_close(w, (x * 3).exp())
+
+
+def test_numpy_of_a_tensor_inside_a_compiled_function():
+    """The mode's `Tensor.numpy` hook runs untraced: Dynamo traced it, and its run-time numpy
+    helper called `.numpy()`, so the hook again, without end (RecursionError) whenever a
+    compiled function went on with the array after a graph break (`.numpy().tobytes()`)."""
+    with tessera.set_eager_mode(DEFER):
+        pass  # the hooks are installed for the process
+
+    def f(x):
+        raw = (x > 0).to(torch.uint8).numpy().tobytes()
+        return x * len(raw) + torch.from_numpy(x.numpy() * 2)
+
+    x = torch.randn(4, 5)
+    for backend in ("eager", "tessera"):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend=backend)(x), x * 20 + x * 2)

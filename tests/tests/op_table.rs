@@ -268,6 +268,11 @@ fn matmul_blocks_follow_the_ridge_and_the_statics() {
     assert_eq!((e.rule, e.subject.as_str()), ("option-value", "argument `block_k`"), "{e}");
     assert!(e.to_string().contains("does not divide k = 256"), "{e}");
     assert_eq!(err("block_m=0").rule, "option-value");
+    // Zero and negative blocks alike ask for a positive one.
+    for bad in ["block_m=0", "block_n=-4"] {
+        let e = err(bad);
+        assert!(e.rule == "option-value" && e.help.starts_with("pass a positive"), "{bad}: {e}");
+    }
     // A block the windows cannot take names the op's argument (was the verifier's
     // `matmul_kernel`, input `y`); one far past its dim is refused up front (was a VMEM
     // value-size error).

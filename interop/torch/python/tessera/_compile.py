@@ -39,6 +39,8 @@ The backend is found through the `torch_dynamo_backends` entry point (pyproject.
 `import tessera` does not import dynamo.
 """
 
+import contextlib
+
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -84,6 +86,18 @@ def _group_sizes(offs, rows, tail_group):
     return torch.cat([(offs - starts)[:-1], torch.where(tail >= 0, rows - starts[-1:], tail)])
 
 
+@contextlib.contextmanager
+def _offs_named(rows):
+    """The library's refusal of a negative group size, said of `offs`, what the caller passed."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as e:
+        if "group-sizes" not in str(e):
+            raise
+        raise ValueError(f"torch._grouped_mm under backend 'tessera': `offs` must not decrease nor pass the rows ({rows}), "
+                         f"whose values torch leaves unspecified; the offsets give a negative group size ({e})") from None
+
+
 def _gmm_of_grouped_mm(x, w, offs, transpose_rhs=False):
     """`torch._grouped_mm(x [m, k], w [g, k, n], offs)` as `tpu.gmm`. A `w` that is the transposed
     view of a `[g, n, k]` weight (transformers' layout; the backward's `grad @ w^T`) is read in
@@ -93,7 +107,8 @@ def _gmm_of_grouped_mm(x, w, offs, transpose_rhs=False):
     n = w.shape[1] if transpose_rhs else w.shape[2]
     if x.numel() == 0 or w.numel() == 0:
         return x.new_zeros(x.shape[0], n)  # an empty product (the library refuses empty arrays)
-    return torch.ops.tpu.gmm(x, w, _group_sizes(offs, x.shape[0], False), transpose_rhs)
+    with _offs_named(x.shape[0]):
+        return torch.ops.tpu.gmm(x, w, _group_sizes(offs, x.shape[0], False), transpose_rhs)
 
 
 def _tgmm_of_grouped_mm(a, grad, offs):
@@ -102,7 +117,8 @@ def _tgmm_of_grouped_mm(a, grad, offs):
     rows past `offs[-1]` are an extra group, dropped."""
     if a.numel() == 0 or grad.numel() == 0:
         return a.new_zeros(offs.shape[0], a.shape[0], grad.shape[1])
-    return torch.ops.tpu.tgmm(a.t(), grad, _group_sizes(offs, a.shape[1], True))[:-1]
+    with _offs_named(a.shape[1]):
+        return torch.ops.tpu.tgmm(a.t(), grad, _group_sizes(offs, a.shape[1], True))[:-1]
 
 
 def _rows_before(out, end):

@@ -59,9 +59,13 @@ afterwards does not change what the recorded op read).
 
 What the mode cannot see: a write to an input through memory torch does not track (a numpy
 array or DLPack capsule of it) after an op read it and before the flush (the flush reads the
-new values; call `flush()` first); a pending tensor used by another thread (the dispatch mode is
-per thread: flush before handing tensors over); and `torch.utils.dlpack.to_dlpack` of a pending
-tensor (`t.__dlpack__()` and `np.from_dlpack` flush). `torch.utils.swap_tensors` of a
+new values; call `flush()` first); a pending tensor used by plain ops in another thread (the mode
+is per thread, as torch's dispatch mode stack: each thread sets its own and defers only its own
+ops; readers such as `.tolist()` flush from any thread, ops and flushes of all threads taking
+turns on one lock, but another thread's `y.sum()` sees the unwritten memory: flush before handing
+tensors over); and `torch.utils.dlpack.to_dlpack` of a pending tensor when it was imported
+before `tessera` (`from torch.utils.dlpack import to_dlpack` afterwards, `torch.to_dlpack`,
+`t.__dlpack__()` and `np.from_dlpack` flush). `torch.utils.swap_tensors` of a
 tensor the recording holds a weak reference to refuses the swap (torch's own rule), and so
 does `nn.Module.to` with `torch.__future__.set_swap_module_params_on_conversion(True)` inside
 the mode. A result is contiguous where
@@ -109,10 +113,12 @@ import enum
 import math
 import os
 import re
+import threading
 import weakref
 from collections import Counter
 
 import torch
+import torch.utils.dlpack
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from tessera import _fusion_device, _native
@@ -840,7 +846,10 @@ def _op_info(func):
 
 class _DeferMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        with _lock:
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         name, base, inplace, mutable, composite = _op_info(func)
         if composite:
             # Under `torch.inference_mode()` composite ops (`reshape`, `linear`, `softmax`,
@@ -1116,6 +1125,11 @@ def _input_tensors(st):
 
 def _flush(cause):
     """Runs the pending graph; `cause` is counted in `stats()["flush_causes"]`."""
+    with _lock:
+        _flush_now(cause)
+
+
+def _flush_now(cause):
     global _state, _flush_count
     st = _state
     if not st.records:
@@ -1212,11 +1226,11 @@ def flush() -> None:
 # ---- stepping aside for churning modules -------------------------------------------------------
 
 
-class _Aside:
-    """Modules whose calls churn, and whether the mode is stepped aside now."""
+class _Aside(threading.local):
+    """Whether this thread's mode is stepped aside now (torch's dispatch mode stack is per
+    thread, and so is the mode)."""
 
     def __init__(self):
-        self.churning = weakref.WeakSet()  # modules a call of which churned (for the process)
         self.active = False  # the dispatch mode is popped
         self.depth = 0  # module calls in progress (only the outermost one decides)
         self.churn_events = 0
@@ -1224,16 +1238,17 @@ class _Aside:
 
 
 _aside = _Aside()
+_churning_modules = weakref.WeakSet()  # modules a call of which churned (for the process)
 
 
 def _step_aside():
     """Flushes and pops the dispatch mode: ops run strictly, at eager's cost."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if _aside.active or _mode_obj is None or _get_current_dispatch_mode() is not _mode_obj:
+    if _aside.active or _mode.obj is None or _get_current_dispatch_mode() is not _mode.obj:
         return  # (another mode above ours: stay, popping would reorder the stack)
     _flush("step-aside")
-    _mode_obj.__exit__(None, None, None)
+    _mode.obj.__exit__(None, None, None)
     _aside.active = True
     _aside.stack_depth = torch._C._len_torch_dispatch_stack()
     _stats["stepped_aside"] += 1
@@ -1244,14 +1259,14 @@ def _step_back():
     # that mode's `with` would pop ours instead (it comes back once that mode is gone).
     if _aside.active and torch._C._len_torch_dispatch_stack() == _aside.stack_depth:
         _aside.active = False
-        _mode_obj.__enter__()
+        _mode.obj.__enter__()
 
 
 def _wrap_module_call(orig):
     def call(self, *a, **k):
-        if _aside.depth or _mode_obj is None:
+        if _aside.depth or _mode.obj is None:
             return orig(self, *a, **k)  # a submodule (its outermost call decided), or strict
-        if self in _aside.churning:
+        if self in _churning_modules:
             _step_aside()  # and stay aside after it, until a trigger brings the mode back
         else:
             _step_back()
@@ -1262,28 +1277,57 @@ def _wrap_module_call(orig):
         finally:
             _aside.depth = 0
             if _aside.churn_events != before:
-                _aside.churning.add(self)
+                _churning_modules.add(self)
 
     return call
 
 
 # ---- the mode -------------------------------------------------------------------------------------
 
-_current = EagerMode.STRICT
-_mode_obj = None
+class _ThreadMode(threading.local):
+    """This thread's eager mode and its dispatch mode object (torch's dispatch mode stack is
+    per thread: a thread that enters the mode defers its own ops only)."""
+
+    def __init__(self):
+        self.current = EagerMode.STRICT
+        self.obj = None
+
+
+_mode = _ThreadMode()
+# One recording for the process: ops recorded and flushes (a reader in another thread
+# flushes too) take turns, so no flush runs a graph while another thread appends to it.
+_lock = threading.RLock()
 
 
 def _wrap_reader(name, cause):
     orig = getattr(torch.Tensor, name)
 
     def reader(self, *a, **k):
-        # A pending tensor, or any tensor over a placeholder's memory (a view, an alias).
-        if _state.storages and _storage_key(self) in _state.storages:
-            _flush(cause)
+        # A pending tensor, or any tensor over a placeholder's memory (a view, an alias),
+        # from any thread.
+        if _state.storages:
+            with _lock:
+                if _state.storages and _storage_key(self) in _state.storages:
+                    _flush_now(cause)
         return orig(self, *a, **k)
 
     reader.__name__ = name
     return reader
+
+
+def _flushing_to_dlpack(orig):
+    """`torch.utils.dlpack.to_dlpack` (a builtin of torch, not a Tensor method) of a pending
+    tensor: flushed first, as `t.__dlpack__()` is."""
+
+    def to_dlpack(t, *a, **k):
+        if _state.storages and isinstance(t, torch.Tensor):
+            with _lock:
+                if _state.storages and _storage_key(t) in _state.storages:
+                    _flush_now("dlpack")
+        return orig(t, *a, **k)
+
+    to_dlpack.__doc__ = orig.__doc__
+    return to_dlpack
 
 
 def _wrap_backward(orig, cause):
@@ -1316,6 +1360,11 @@ def _install():
     torch.autograd.grad = _wrap_backward(torch.autograd.grad, "grad")
     torch.nn.Module.__call__ = _wrap_module_call(torch.nn.Module.__call__)
     _not_a_compile_frame(torch.nn.Module.__call__)
+    # The wrappers run as they are, never traced: Dynamo traced `reader` around the real
+    # `Tensor.numpy`, and at run time its numpy helper called `.numpy()`, so `reader` again,
+    # without end (`x.numpy().tobytes()` in a compiled function: RecursionError).
+    for fn in (torch.Tensor.numpy, torch.autograd.backward):
+        _not_a_compile_frame(fn)
 
 
 def _not_a_compile_frame(fn):
@@ -1331,6 +1380,13 @@ def _not_a_compile_frame(fn):
 
 
 _installed = False
+
+# Installed at import (one check when nothing is pending), so that `from torch.utils.dlpack
+# import to_dlpack` after `import tessera` takes the flushing one.
+torch.utils.dlpack.to_dlpack = _flushing_to_dlpack(torch.utils.dlpack.to_dlpack)
+_not_a_compile_frame(torch.utils.dlpack.to_dlpack)
+if hasattr(torch, "to_dlpack"):
+    torch.to_dlpack = torch.utils.dlpack.to_dlpack
 
 
 class _ModeGuard:
@@ -1348,31 +1404,33 @@ class _ModeGuard:
 def set_eager_mode(mode: EagerMode) -> _ModeGuard:
     """Switches the eager mode now; as a context manager, restores the previous one on exit
     (leaving DEFER_AND_FUSE flushes)."""
-    global _current, _mode_obj, _loop
+    global _loop
     if not isinstance(mode, EagerMode):
         raise ValueError(f"tessera: set_eager_mode takes a tessera.EagerMode, not {mode!r}")
-    previous = _current
-    if mode is _current:
+    previous = _mode.current
+    if mode is previous:
         return _ModeGuard(previous)
     if mode is EagerMode.DEFER_AND_FUSE:
         # The settings a flush reads, checked at the `with`, not at some later op.
         _max_ops(), _churn_limit(), _native.cpu_backend_name()
-        _loop = _LoopDetector()  # a fresh op stream
-        _mode_obj = _DeferMode()
-        _mode_obj.__enter__()
+        with _lock:
+            _loop = _LoopDetector()  # a fresh op stream
+        _mode.obj = _DeferMode()
+        _mode.obj.__enter__()
         _install()
     else:
         try:
             _flush("exit")
         finally:  # a flush that raises still leaves the mode
-            m, _mode_obj = _mode_obj, None
+            m, _mode.obj = _mode.obj, None
             if m is not None and not _aside.active:
                 m.__exit__(None, None, None)
             _aside.active = False
-            _current = mode
-    _current = mode
+            _mode.current = mode
+    _mode.current = mode
     return _ModeGuard(previous)
 
 
 def get_eager_mode() -> EagerMode:
-    return _current
+    """This thread's eager mode (each thread has its own; STRICT until it sets one)."""
+    return _mode.current

@@ -210,10 +210,12 @@ def _segments(mask, batch: int, q_len: int, kv_len: int):
 _SPLASH = "_tessera_splash"
 
 
+@torch.compiler.disable
 def _splash(query, key, value, mask, scaling, softcap):
     """Attention under any boolean mask ``[B or 1, 1, Sq, Skv]`` through splash attention: the
     mask's block metadata is built once per forward on the host (one read of the mask), and batch
-    elements with the same mask share it; blocks no query sees are skipped."""
+    elements with the same mask share it; blocks no query sees are skipped. Under
+    `torch.compile` it runs eagerly (a graph break: the metadata needs the mask's values)."""
     from tessera import splash
 
     batch = query.shape[0]

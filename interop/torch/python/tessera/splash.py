@@ -178,14 +178,14 @@ def _dense(mask, q_len, kv_len, heads):
     return m.contiguous(), hs
 
 
+@torch.compiler.disable
 def make_mask(mask, q_len: int | None = None, kv_len: int | None = None, *, heads: int | None = None, block_q: int | None = None,
               block_kv: int | None = None, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> SplashMask:
     """The block metadata of `mask` (see the module docs). `heads`: evaluate a `mask_mod` per
     query head (a mask per head); else one mask serves every head. Blocks default to the
-    target's (`tessera.set_target`) for `head_dim` and `dtype`."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError("tessera.splash.make_mask runs on the host, once per mask: build the mask outside the compiled "
-                           "function and pass the SplashMask (or its tensors) in")
+    target's (`tessera.set_target`) for `head_dim` and `dtype`. It reads the mask on the host:
+    inside a compiled function it runs eagerly (a graph break), once per call; build a mask
+    that does not change outside the function and pass the SplashMask in."""
     q_len, kv_len, heads, block_q, block_kv = (
         _index("make_mask", name, x, 1, optional=True) for name, x in (("q_len", q_len), ("kv_len", kv_len), ("heads", heads), ("block_q", block_q), ("block_kv", block_kv))
     )
