@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """DeferAndFuse on the CPU: an 8-op elementwise chain and RMSNorm written in plain torch ops,
-[4096, 4096] f32, strict eager vs DEFER_AND_FUSE (the generated kernels on TESSERA_BACKEND,
+and `F.layer_norm` (one aten op, decomposed by the mode), [4096, 4096] f32, strict eager vs DEFER_AND_FUSE (the generated kernels on TESSERA_BACKEND,
 the JIT by default) vs torch.compile(backend="tessera") vs torch.compile (inductor, unless
 --no-inductor).
 
@@ -44,6 +44,10 @@ def rmsnorm(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def layernorm(x, w, b):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b)
+
+
 CPU = {}
 
 
@@ -81,7 +85,7 @@ def main():
     x = torch.randn(n, n)
     w = torch.rand(n) + 0.5
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, [{n}, {n}] f32, median of {a.iters}")
-    for name, f, args, nops in (("chain8", chain, (x,), 8), ("rmsnorm", rmsnorm, (x, w), 6)):
+    for name, f, args, nops in (("chain8", chain, (x,), 8), ("rmsnorm", rmsnorm, (x, w), 6), ("layernorm", layernorm, (x, w, w - 1), 1)):
         want = f(*args)
         strict = median_ms(lambda: f(*args), a.iters)
         cpu = {"strict": CPU["last"]}

@@ -81,7 +81,9 @@ eager's where torch's kernels themselves differ by path: a row sum of -0.0 value
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
 `TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
-decode loops) instead of compiling a program per step. And a module (`nn.Module`) an
+decode loops) instead of compiling a program per step; so does one whose Python numbers (the
+kernels' constants) change every step, as an optimizer's bias correction or a scheduled
+learning rate (counted as shape churn too). And a module (`nn.Module`) an
 outermost call of which had such a flush is *churning* (for the process): its later calls
 flush what is pending and step the mode aside, popping it off the dispatch stack, so the call
 and the code after it run strictly at strict eager's cost (a Python dispatch mode costs ~5 us
@@ -156,18 +158,22 @@ def _churn_limit() -> int:
     return _env_count("TESSERA_FUSION_SHAPES", 8)
 
 
-# Shape churn: per graph structure without its shapes, the shape variants compiled so far.
+# Churn: per graph structure without its shapes and Python numbers, the variants compiled so far.
 _variants: dict = {}
 _VARIANT_KEYS = 4096  # structures remembered (oldest forgotten first)
 
 
 def _churning(graph_text: str, live) -> bool:
-    """Whether this flush is a new shape variant of a structure that already has
-    `TESSERA_FUSION_SHAPES` (8) compiled ones: then it runs per op instead (decode loops whose
-    lengths grow every step would otherwise compile a program per step)."""
+    """Whether this flush is a new variant of a structure that already has
+    `TESSERA_FUSION_SHAPES` (8) compiled ones: then it runs per op instead. A variant differs in
+    shapes (decode loops whose lengths grow every step would otherwise compile a program per
+    step) or in the Python numbers the kernels hold as constants (an optimizer's bias
+    correction or a schedule's learning rate, new every step)."""
     full = f"{graph_text}|{live}"
-    # Shapes and the numbers derived from them (a gather's `col_start` of `x[:, -1]`).
-    shapeless = re.sub(r"(?<=: )[0-9]+\b", "#", re.sub(r"\[[0-9, ]*\]", "[]", full))
+    # Python numbers (`3.7e-1#3fd7ae147ae147ae`), then shapes and the numbers derived from
+    # them (a gather's `col_start` of `x[:, -1]`).
+    numberless = re.sub(r"[-+0-9.eEinfNa]+#[0-9a-f]{16}", "S", full)
+    shapeless = re.sub(r"(?<=: )[0-9]+\b", "#", re.sub(r"\[[0-9, ]*\]", "[]", numberless))
     seen = _variants.setdefault(shapeless, set())
     if len(_variants) > _VARIANT_KEYS:
         _variants.pop(next(iter(_variants)))
@@ -844,6 +850,50 @@ def _op_info(func):
     return info
 
 
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """`torch.var_mean` over a trailing run of dims in recordable ops: the mean, then the
+    mean-free sum of squares (two passes in f32, a bf16 `x` rounded once at the end, as
+    torch's). Other dims: NotImplemented (the op runs eagerly)."""
+    rank = x.dim()
+    dims = sorted({d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}) if dim is not None and rank else list(range(rank))
+    if not dims or dims != list(range(rank - len(dims), rank)) or x.numel() == 0:
+        return NotImplemented
+    n = math.prod(x.shape[d] for d in dims)
+    lead = list(x.shape[: rank - len(dims)])
+    xf = x.float().reshape(lead + [n])
+    mean = xf.mean(-1, keepdim=True)
+    d = xf - mean
+    var = (d * d).sum(-1, keepdim=True) / max(n - (1 if correction is None else correction), 0)
+    shape = lead + [1] * len(dims) if keepdim else lead
+    return var.reshape(shape).to(x.dtype), mean.reshape(shape).to(x.dtype)
+
+
+def _norms():
+    """Ops the mode takes as their decompositions: LayerNorm and its backward (torch's own, as
+    Inductor lowers them: row means, `rsqrt`, column sums), whose `var_mean` is
+    [`_var_mean`]; so a LayerNorm fuses as RMSNorm does instead of running eagerly."""
+    from torch._decomp import decomposition_table
+
+    table = {aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: _first(_var_mean(*a, **k)),
+             aten.std_mean.correction: lambda *a, **k: _sqrt_first(_var_mean(*a, **k)),
+             aten.std.correction: lambda *a, **k: _first(_sqrt_first(_var_mean(*a, **k)))}
+    for op in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
+        if op in decomposition_table:
+            table[op] = decomposition_table[op]
+    return table
+
+
+def _first(out):
+    return out if out is NotImplemented else out[0]
+
+
+def _sqrt_first(out):
+    return out if out is NotImplemented else (out[0].sqrt(), out[1])
+
+
+_NORMS = _norms()
+
+
 class _DeferMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         with _lock:
@@ -858,6 +908,12 @@ class _DeferMode(TorchDispatchMode):
             # must copy is a `clone`, not a view of the placeholder's memory).
             with self:
                 out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        norm = _NORMS.get(func)
+        if norm is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _DTYPES:
+            with self:
+                out = norm(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         st = _state
