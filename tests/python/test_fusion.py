@@ -1530,3 +1530,25 @@ def test_layer_norm_and_variance_are_recorded_not_run_eagerly(dtype):
         torch.testing.assert_close(g, w_, equal_nan=True, **tol, msg=lambda m: f"grad {i}: {m}")
     eager = fusion.stats()["eager_reasons"]
     assert not [r for r in eager if any(k in r for k in ("layer_norm", "var", "std"))], eager
+
+
+def test_variance_of_a_constant_row_is_zero_and_a_large_mean_costs_nothing():
+    """The variance is shifted by each row's first element: a constant row (3.3, not exact as a
+    sum) has variance 0 and LayerNorm gives 0 there even at BERT's eps 1e-12 (0.43 before, a
+    plain `sum / n` mean being off by rounding); 1e6 + N(0, 1) keeps the variance to f32's
+    precision (3e-3 of error before); an inf row's mean is inf, as eager's."""
+    x = torch.full((3, 768), 3.3)
+    x[1] = torch.randn(768)
+    x[2] = 1e6 + torch.randn(768)
+    ln = torch.nn.LayerNorm(768, eps=1e-12)
+    want = ln(x)
+    with tessera.set_eager_mode(DEFER):
+        got = ln(x)
+        var = x.var(-1)
+        _, mean_inf = torch.var_mean(torch.tensor([[float("inf"), 1.0, 2.0]]), -1)
+    assert torch.equal(got[0], torch.zeros(768)) and torch.equal(want[0], torch.zeros(768))
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert var[0] == 0
+    exact = x.double().var(-1)
+    assert abs(var[2].item() - exact[2].item()) <= 1e-5 * exact[2].item(), (var[2], exact[2])
+    assert mean_inf.item() == float("inf")
