@@ -31,6 +31,18 @@ def _seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_churn_counts():
+    """Each test starts with no churn history: the mode counts a structure's variants (shapes,
+    Python numbers) for the process, so other tests' `x * 2.0`, `x * 3.0`, ... would make a
+    test's first `x * c` churn and run per op, depending on which tests ran before it."""
+    import sys
+
+    fusion = sys.modules.get("tessera.fusion")
+    if fusion is not None:
+        fusion._variants.clear()
+
+
 @pytest.fixture
 def fresh_dynamo():
     """A clean torch.compile cache before and after the test (compile counts stay exact)."""

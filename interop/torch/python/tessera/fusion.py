@@ -81,9 +81,9 @@ eager's where torch's kernels themselves differ by path: a row sum of -0.0 value
 If a graph cannot be built or a kernel fails verification the recorded ops are replayed
 eagerly and `stats()["fallbacks"]` says why. A graph structure seen with more than
 `TESSERA_FUSION_SHAPES` (8) shape variants runs its new variants per op (shape churn, as in
-decode loops) instead of compiling a program per step; so does one whose Python numbers (the
-kernels' constants) change every step, as an optimizer's bias correction or a scheduled
-learning rate (counted as shape churn too). And a module (`nn.Module`) an
+decode loops) instead of compiling a program per step; so does one of one shape seen with more
+than 32 sets of Python numbers (the kernels' constants), as an optimizer's bias correction or
+a scheduled learning rate, new every step (counted as shape churn too). And a module (`nn.Module`) an
 outermost call of which had such a flush is *churning* (for the process): its later calls
 flush what is pending and step the mode aside, popping it off the dispatch stack, so the call
 and the code after it run strictly at strict eager's cost (a Python dispatch mode costs ~5 us
@@ -158,30 +158,36 @@ def _churn_limit() -> int:
     return _env_count("TESSERA_FUSION_SHAPES", 8)
 
 
-# Churn: per graph structure without its shapes and Python numbers, the variants compiled so far.
+# Churn: per graph structure without its shapes (or without its Python numbers), the
+# variants compiled so far.
 _variants: dict = {}
 _VARIANT_KEYS = 4096  # structures remembered (oldest forgotten first)
+# Variants of one structure and shapes that differ only in Python numbers before they churn:
+# more than shapes get (a program's few constant sets, other call sites' `x * 2.0`, `x * 3.0`
+# of one shape, all compile), few enough that a number new every step stops compiling soon.
+_NUMBER_VARIANTS = 32
 
 
 def _churning(graph_text: str, live) -> bool:
-    """Whether this flush is a new variant of a structure that already has
-    `TESSERA_FUSION_SHAPES` (8) compiled ones: then it runs per op instead. A variant differs in
-    shapes (decode loops whose lengths grow every step would otherwise compile a program per
-    step) or in the Python numbers the kernels hold as constants (an optimizer's bias
-    correction or a schedule's learning rate, new every step)."""
+    """Whether this flush is a new variant of a structure that already has enough compiled
+    ones: then it runs per op instead. `TESSERA_FUSION_SHAPES` (8) variants in shapes (decode
+    loops whose lengths grow every step would otherwise compile a program per step), or
+    `_NUMBER_VARIANTS` (32) of one shape in the Python numbers the kernels hold as constants
+    (an optimizer's bias correction or a schedule's learning rate, new every step)."""
     full = f"{graph_text}|{live}"
-    # Python numbers (`3.7e-1#3fd7ae147ae147ae`), then shapes and the numbers derived from
-    # them (a gather's `col_start` of `x[:, -1]`).
+    # Shapes and the numbers derived from them (a gather's `col_start` of `x[:, -1]`); Python
+    # numbers (`3.7e-1#3fd7ae147ae147ae`).
+    shapeless = re.sub(r"(?<=: )[0-9]+\b", "#", re.sub(r"\[[0-9, ]*\]", "[]", full))
     numberless = re.sub(r"[-+0-9.eEinfNa]+#[0-9a-f]{16}", "S", full)
-    shapeless = re.sub(r"(?<=: )[0-9]+\b", "#", re.sub(r"\[[0-9, ]*\]", "[]", numberless))
-    seen = _variants.setdefault(shapeless, set())
-    if len(_variants) > _VARIANT_KEYS:
+    groups = [(_variants.setdefault(("shapes", shapeless), set()), _churn_limit()), (_variants.setdefault(("numbers", numberless), set()), _NUMBER_VARIANTS)]
+    while len(_variants) > _VARIANT_KEYS:
         _variants.pop(next(iter(_variants)))
-    if full in seen:
+    if full in groups[0][0]:
         return False
-    if len(seen) >= _churn_limit():
+    if any(len(seen) >= limit for seen, limit in groups):
         return True
-    seen.add(full)
+    for seen, _ in groups:
+        seen.add(full)
     return False
 
 
