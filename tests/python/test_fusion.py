@@ -1552,3 +1552,6 @@ def test_variance_of_a_constant_row_is_zero_and_a_large_mean_costs_nothing():
     exact = x.double().var(-1)
     assert abs(var[2].item() - exact[2].item()) <= 1e-5 * exact[2].item(), (var[2], exact[2])
     assert mean_inf.item() == float("inf")
+    # A bool tensor's variance is eager's error, not a value.
+    with tessera.set_eager_mode(DEFER), pytest.raises(NotImplementedError, match="floating point"):
+        torch.tensor([[True, False]]).var(-1)

@@ -924,7 +924,7 @@ class _DeferMode(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         norm = _NORMS.get(func)
-        if norm is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _DTYPES:
+        if norm is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float32, torch.bfloat16):
             with self:
                 out = norm(*args, **kwargs)
             if out is not NotImplemented:
