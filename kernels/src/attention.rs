@@ -379,6 +379,24 @@ pub(crate) fn weights_and_ds(q: Value, k: Value, v: Value, dout: Value, lse: Val
     (p, uncap(p * (dot_t(dout, v) - di), s, soft_cap))
 }
 
+/// The dk and dv increments of a dkv block every pair of which counts (flash and splash
+/// attention).
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dkv_step(q: Value, k: Value, v: Value, dout: Value, lse: Value, di: Value, dtype: DType, sm_scale: f32, soft_cap: f32) -> (Value, Value) {
+    let (p, ds) = weights_and_ds(q, k, v, dout, lse, di, sm_scale, soft_cap);
+    let dv = dot_tn(p.cast(dtype), dout);
+    (dot_tn((ds * sm_scale).cast(dtype), q), dv)
+}
+
+/// The dq increment of a dq block every pair of which counts (flash and splash attention).
+#[tpu_fn]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dq_step(q: Value, k: Value, v: Value, dout: Value, lse: Value, di: Value, dtype: DType, sm_scale: f32, soft_cap: f32) -> Value {
+    let (_p, ds) = weights_and_ds(q, k, v, dout, lse, di, sm_scale, soft_cap);
+    dot((ds * sm_scale).cast(dtype), k)
+}
+
 /// The dk and dv increments of a masked dkv block (flash and splash attention), over the
 /// pairs `keep` admits. The dots contract over q rows and kv rows, so the undefined rows
 /// past the ends are zeroed first (masking p alone leaves 0 * NaN); both p and ds are
@@ -527,9 +545,9 @@ pub fn flash_attention_dkv_kernel(
             dv_acc[..] += dv_inc;
             dk_acc[..] += dk_inc;
         } else {
-            let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
-            dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
-            dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), q[..]);
+            let (dk_inc, dv_inc) = dkv_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
+            dv_acc[..] += dv_inc;
+            dk_acc[..] += dk_inc;
         }
     }
     if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
@@ -569,8 +587,7 @@ pub fn flash_attention_dq_kernel(
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
             dq_acc[..] += masked_dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, kv_start, q.dtype, bk, d, skv, sm_scale, soft_cap);
         } else {
-            let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
-            dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);
+            dq_acc[..] += dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
         }
     }
     if j == num_programs(3) - 1 {

@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    cap_of, check_cap, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, weights_and_ds, AttentionParams, SegmentIds,
+    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -191,9 +191,9 @@ pub fn splash_attention_dkv_kernel(
             dv_acc[..] += dv_inc;
             dk_acc[..] += dk_inc;
         } else {
-            let (p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
-            dv_acc[..] += dot_tn(p.cast(v.dtype), dout[..]);
-            dk_acc[..] += dot_tn((ds * sm_scale).cast(q.dtype), q[..]);
+            let (dk_inc, dv_inc) = dkv_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
+            dv_acc[..] += dv_inc;
+            dk_acc[..] += dk_inc;
         }
     }
     if (g == num_programs(3) - 1) & (t == num_programs(4) - 1) {
@@ -240,8 +240,7 @@ pub fn splash_attention_dq_kernel(
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
             dq_acc[..] += masked_dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], keep, kv_start, q.dtype, bk, d, skv, sm_scale, soft_cap);
         } else {
-            let (_p, ds) = weights_and_ds(q[..], k[..], v[..], dout[..], lse[..], di[..], sm_scale, soft_cap);
-            dq_acc[..] += dot((ds * sm_scale).cast(k.dtype), k[..]);
+            dq_acc[..] += dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
         }
     }
     if j == num_programs(3) - 1 {
