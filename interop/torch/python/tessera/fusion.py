@@ -1368,16 +1368,20 @@ _mode = _ThreadMode()
 _lock = threading.RLock()
 
 
+def _flush_if_pending(t, cause):
+    """Flushes when `t` is a pending tensor, or any tensor over a placeholder's memory (a view,
+    an alias), from any thread; one check when nothing is pending."""
+    if _state.storages:
+        with _lock:
+            if _state.storages and _storage_key(t) in _state.storages:
+                _flush_now(cause)
+
+
 def _wrap_reader(name, cause):
     orig = getattr(torch.Tensor, name)
 
     def reader(self, *a, **k):
-        # A pending tensor, or any tensor over a placeholder's memory (a view, an alias),
-        # from any thread.
-        if _state.storages:
-            with _lock:
-                if _state.storages and _storage_key(self) in _state.storages:
-                    _flush_now(cause)
+        _flush_if_pending(self, cause)
         return orig(self, *a, **k)
 
     reader.__name__ = name
@@ -1389,10 +1393,8 @@ def _flushing_to_dlpack(orig):
     tensor: flushed first, as `t.__dlpack__()` is."""
 
     def to_dlpack(t, *a, **k):
-        if _state.storages and isinstance(t, torch.Tensor):
-            with _lock:
-                if _state.storages and _storage_key(t) in _state.storages:
-                    _flush_now("dlpack")
+        if isinstance(t, torch.Tensor):
+            _flush_if_pending(t, "dlpack")
         return orig(t, *a, **k)
 
     to_dlpack.__doc__ = orig.__doc__
