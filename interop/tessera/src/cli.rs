@@ -674,9 +674,9 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
         // A candidate whose blocks only pad what a smaller one covers (same grid) is pruned
         // too; the op's own rule (last) is the baseline and always compiles.
         let rule = candidates.len() - 1;
-        let pads = |i: usize, ks: &[Kernel]| i != rule && survivors.iter().any(|(j, other)| *j != i && tessera_kernels::tune::pads_only(ks, other));
-        // (Padding is transitive, so each pruned one names a survivor.)
-        let padded: Vec<(usize, usize)> = survivors.iter().filter(|(i, ks)| pads(*i, ks)).filter_map(|(i, ks)| survivors.iter().find(|(j, other)| j != i && !pads(*j, other) && tessera_kernels::tune::pads_only(ks, other)).map(|(j, _)| (*i, *j))).collect();
+        let pads: Vec<bool> = survivors.iter().map(|(i, ks)| *i != rule && survivors.iter().any(|(j, other)| j != i && tessera_kernels::tune::pads_only(ks, other))).collect();
+        // Each pruned one names a twin that is kept (padding is transitive, so one exists).
+        let padded: Vec<(usize, usize)> = survivors.iter().zip(&pads).filter(|(_, &p)| p).filter_map(|((i, ks), _)| survivors.iter().zip(&pads).find(|((j, other), &p)| !p && j != i && tessera_kernels::tune::pads_only(ks, other)).map(|((j, _), _)| (*i, *j))).collect();
         for &(i, j) in &padded {
             candidates[i].outcome = Err(format!("pruned: block-padding (its blocks only pad what {}'s cover, at the same grid)", candidates[j].statics));
         }
