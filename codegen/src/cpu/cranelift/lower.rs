@@ -16,7 +16,9 @@
 //!   transposes, reshapes (an alias of the operand's slot), loop-carried vectors, `if`
 //!   results, and values used by several consumers or in nested blocks.
 //! - A fused loop nest walks the consumer's shape with the last dim innermost, four lanes
-//!   at a time (f32x4 / i32x4), unrolled twice, with a partial vector at the end of a row.
+//!   at a time (f32x4 / i32x4), [`UNROLL`] chunks an iteration, evaluated together
+//!   (`eval_n`: every chunk's loads before any chunk's store, so `interleave` can alternate
+//!   their chains), with a partial vector at the end of a row.
 //!   Every op has one vector implementation, also used for partial vectors and (on a
 //!   splat) for scalars, so an element's value never depends on where it was computed.
 //!
@@ -140,7 +142,11 @@ pub struct Lower<'a, 'b> {
     acc_dots: HashMap<InstId, InstId>,
 }
 
-const UNROLL: usize = 2;
+/// Chunks of four lanes per iteration of a fused loop. Their chains are independent, and
+/// [`super::interleave`] alternates them, so a long chain's latencies overlap. On the 8-op
+/// chain of `scripts/bench_fusion.py` (one thread): 2 chunks 102 ms, 4 chunks 78 ms,
+/// 8 chunks 92 ms (16 xmm registers do not hold eight chains: spills).
+const UNROLL: usize = 4;
 
 impl<'a, 'b> Lower<'a, 'b> {
     pub fn new(k: &'a Kernel, layouts: &'a [RefLayout], mut b: FunctionBuilder<'b>, h: Helpers, exact: bool) -> R<Self> {
@@ -599,14 +605,15 @@ impl<'a, 'b> Lower<'a, 'b> {
         Ok(self.b.block_params(exit).to_vec())
     }
 
-    /// Visits every index of `dims` (outer loops), then calls `inner(idx, j, lanes)` for
-    /// the last dim `n` in chunks of four lanes (`j` the first lane's index).
-    fn loop_nest(&mut self, outer: &[usize], n: usize, body: &mut dyn FnMut(&mut Self, &[CV], CV, u8) -> R<()>) -> R<()> {
+    /// Visits every index of `dims` (outer loops), then calls `inner(idx, js, lanes)` for
+    /// the last dim `n` in chunks of four lanes (`js` the first lane's index of each chunk:
+    /// [`UNROLL`] chunks at a time, then the whole chunks left, then a partial one).
+    fn loop_nest(&mut self, outer: &[usize], n: usize, body: &mut dyn FnMut(&mut Self, &[CV], &[CV], u8) -> R<()>) -> R<()> {
         let mut idx = Vec::new();
         self.loop_outer(outer, &mut idx, n, body)
     }
 
-    fn loop_outer(&mut self, outer: &[usize], idx: &mut Vec<CV>, n: usize, body: &mut dyn FnMut(&mut Self, &[CV], CV, u8) -> R<()>) -> R<()> {
+    fn loop_outer(&mut self, outer: &[usize], idx: &mut Vec<CV>, n: usize, body: &mut dyn FnMut(&mut Self, &[CV], &[CV], u8) -> R<()>) -> R<()> {
         if idx.len() == outer.len() {
             let idx = idx.clone();
             return self.loop_inner(&idx, n, body);
@@ -621,28 +628,25 @@ impl<'a, 'b> Lower<'a, 'b> {
         self.counted(0, extent as i64, 1, &mut run)
     }
 
-    fn loop_inner(&mut self, idx: &[CV], n: usize, body: &mut dyn FnMut(&mut Self, &[CV], CV, u8) -> R<()>) -> R<()> {
+    fn loop_inner(&mut self, idx: &[CV], n: usize, body: &mut dyn FnMut(&mut Self, &[CV], &[CV], u8) -> R<()>) -> R<()> {
         let w = 4 * UNROLL;
         let main = n / w * w;
         if main > 0 {
             let mut f = |s: &mut Self, j: CV| -> R<()> {
-                for u in 0..UNROLL {
-                    let ju = s.b.ins().iadd_imm_s(j, (u * 4) as i64);
-                    body(s, idx, ju, 4)?;
-                }
-                Ok(())
+                let js: Vec<CV> = (0..UNROLL).map(|u| s.b.ins().iadd_imm_s(j, (u * 4) as i64)).collect();
+                body(s, idx, &js, 4)
             };
             self.counted(0, main as i64, w as i64, &mut f)?;
         }
         let mut j = main;
-        while j + 4 <= n {
-            let jv = self.iconst64(j as i64);
-            body(self, idx, jv, 4)?;
-            j += 4;
+        if j + 4 <= n {
+            let js: Vec<CV> = (j..n - 3).step_by(4).map(|j| self.iconst64(j as i64)).collect();
+            body(self, idx, &js, 4)?;
+            j += 4 * js.len();
         }
         if j < n {
             let jv = self.iconst64(j as i64);
-            body(self, idx, jv, (n - j) as u8)?;
+            body(self, idx, &[jv], (n - j) as u8)?;
         }
         Ok(())
     }
@@ -901,13 +905,20 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
         };
         let outer = outer.to_vec();
-        let mut body = |s: &mut Self, idx: &[CV], j: CV, lanes: u8| -> R<()> {
-            let mut full: Vec<Option<CV>> = idx.iter().map(|&i| Some(i)).collect();
-            full.push(Some(j));
-            let at = At { idx: full.clone(), lane: true, lanes };
-            let x = s.eval(v, &at)?;
-            let addr = s.addr(base, &full, &sink_strides, sink_esize);
-            s.store_lanes(x, addr, dtype, slot, lanes);
+        let mut body = |s: &mut Self, idx: &[CV], js: &[CV], lanes: u8| -> R<()> {
+            let ats: Vec<At> = js
+                .iter()
+                .map(|&j| {
+                    let mut full: Vec<Option<CV>> = idx.iter().map(|&i| Some(i)).collect();
+                    full.push(Some(j));
+                    At { idx: full, lane: true, lanes }
+                })
+                .collect();
+            let xs = s.eval_n(v, &ats)?;
+            for (x, at) in xs.into_iter().zip(&ats) {
+                let addr = s.addr(base, &at.idx, &sink_strides, sink_esize);
+                s.store_lanes(x, addr, dtype, slot, lanes);
+            }
             Ok(())
         };
         self.loop_nest(&outer, n, &mut body)
@@ -915,38 +926,58 @@ impl<'a, 'b> Lower<'a, 'b> {
 
     /// Evaluates vector value `v` at `at`: a vector register (f32x4 / i32x4 / mask).
     fn eval(&mut self, v: Value, at: &At) -> R<CV> {
+        let mut r = self.eval_n(v, std::slice::from_ref(at))?;
+        Ok(r.swap_remove(0))
+    }
+
+    /// Evaluates vector value `v` at each of `ats` (the chunks of one loop iteration). The
+    /// chunks' loads all come before the caller's stores of their results: a load after
+    /// another chunk's store would be ordered after it ([`super::interleave`] keeps memory
+    /// in order), and the chunks' chains could not overlap.
+    fn eval_n(&mut self, v: Value, ats: &[At]) -> R<Vec<CV>> {
         let k = self.k;
         let ty = k.ty(v).clone();
         match self.how[v.index()] {
             How::Scalar => {
                 let s = self.scalar(v)?;
-                return Ok(self.splat_scalar(s, ty.dtype));
+                let x = self.splat_scalar(s, ty.dtype);
+                return Ok(vec![x; ats.len()]);
             }
             How::Slot => {
                 let off = self.slot_of(v)?;
                 let base = self.slot_addr(off);
                 let strides = crate::cpu::layout::row_major(&ty.shape);
-                let addr = self.addr(base, &at.idx, &strides, 4);
-                return Ok(self.load_lanes(addr, ty.dtype, true, at));
+                return Ok(ats
+                    .iter()
+                    .map(|at| {
+                        let addr = self.addr(base, &at.idx, &strides, 4);
+                        self.load_lanes(addr, ty.dtype, true, at)
+                    })
+                    .collect());
             }
             How::Fused | How::Dup => {}
         }
         let Some(i) = self.inst_of(v) else { return unsupported("a block parameter without a slot") };
         let d = k.inst(i);
         let r = match &d.inst {
-            Inst::Const(s) => self.const_vec(*s, ty.dtype),
+            Inst::Const(s) => vec![self.const_vec(*s, ty.dtype); ats.len()],
             Inst::Iota { dim } => {
-                let Some(Some(ix)) = at.idx.get(*dim).copied() else {
-                    return Ok(isplat(&mut self.b, 0));
-                };
-                let i32v = self.b.ins().ireduce(I32, ix);
-                let sp = self.b.ins().splat(I32X4, i32v);
-                if at.lane && *dim + 1 == ty.shape.len() {
-                    let lanes = self.lane_iota();
-                    self.b.ins().iadd(sp, lanes)
-                } else {
-                    sp
+                let mut r = Vec::with_capacity(ats.len());
+                for at in ats {
+                    let Some(Some(ix)) = at.idx.get(*dim).copied() else {
+                        r.push(isplat(&mut self.b, 0));
+                        continue;
+                    };
+                    let i32v = self.b.ins().ireduce(I32, ix);
+                    let sp = self.b.ins().splat(I32X4, i32v);
+                    r.push(if at.lane && *dim + 1 == ty.shape.len() {
+                        let lanes = self.lane_iota();
+                        self.b.ins().iadd(sp, lanes)
+                    } else {
+                        sp
+                    });
                 }
+                r
             }
             Inst::Load { src, slices } => {
                 let origin = self.ref_origin(*src, slices)?;
@@ -955,61 +986,82 @@ impl<'a, 'b> Lower<'a, 'b> {
                 for (st, sl) in strides.iter_mut().zip(slices) {
                     *st *= sl.stride;
                 }
-                let addr = self.addr(origin, &at.idx, &strides, esize);
-                self.load_lanes(addr, dtype, false, at)
+                ats.iter()
+                    .map(|at| {
+                        let addr = self.addr(origin, &at.idx, &strides, esize);
+                        self.load_lanes(addr, dtype, false, at)
+                    })
+                    .collect()
             }
             Inst::Broadcast(x) => {
                 let xt = k.ty(*x).clone();
                 if xt.is_scalar() {
                     let s = self.scalar(*x)?;
-                    self.splat_scalar(s, xt.dtype)
+                    vec![self.splat_scalar(s, xt.dtype); ats.len()]
                 } else {
-                    let idx: Vec<Option<CV>> = xt.shape.iter().zip(&ty.shape).zip(&at.idx).map(|((&xs, &ts), &i)| if xs == 1 && ts != 1 { None } else { i }).collect();
-                    let lane = at.lane && xt.shape.last() == ty.shape.last();
-                    let at2 = At { idx, lane, lanes: at.lanes };
-                    self.eval(*x, &at2)?
+                    let at2s: Vec<At> = ats
+                        .iter()
+                        .map(|at| {
+                            let idx: Vec<Option<CV>> = xt.shape.iter().zip(&ty.shape).zip(&at.idx).map(|((&xs, &ts), &i)| if xs == 1 && ts != 1 { None } else { i }).collect();
+                            let lane = at.lane && xt.shape.last() == ty.shape.last();
+                            At { idx, lane, lanes: at.lanes }
+                        })
+                        .collect();
+                    self.eval_n(*x, &at2s)?
                 }
             }
             Inst::Unary(op, x) => {
-                let xv = self.eval(*x, at)?;
-                let r = self.unary_vec(*op, class(k.ty(*x).dtype), xv)?;
-                self.norm(r, ty.dtype)
+                let xs = self.eval_n(*x, ats)?;
+                let c = class(k.ty(*x).dtype);
+                let mut r = Vec::with_capacity(ats.len());
+                for xv in xs {
+                    let y = self.unary_vec(*op, c, xv)?;
+                    r.push(self.norm(y, ty.dtype));
+                }
+                r
             }
             Inst::Binary(op, a, bb) => {
-                let av = self.eval(*a, at)?;
-                let bv = if a == bb { av } else { self.eval(*bb, at)? };
+                let avs = self.eval_n(*a, ats)?;
+                let bvs = if a == bb { avs.clone() } else { self.eval_n(*bb, ats)? };
                 let c = class(k.ty(*a).dtype);
-                let r = if op.is_shift() && c == Class::I {
-                    vx::shift_lanes(&mut self.b, *op, av, bv, ty.dtype.bits() as u32)
-                } else if let (Class::F, BinaryOp::Max | BinaryOp::Min, Some((cv, xv))) = (c, op, self.nonzero_const_side(*a, *bb, av, bv)) {
-                    // Against a constant that is neither zero nor NaN, IEEE `maximum`
-                    // (NaN wins, -0 < +0) is the hardware's `max(c, x)` (x when NaN).
-                    if *op == BinaryOp::Max { vx::max_over_const(&mut self.b, cv, xv) } else { vx::min_under_const(&mut self.b, cv, xv) }
-                } else {
-                    self.binary_vec(*op, c, av, bv)?
-                };
-                self.norm(r, ty.dtype)
+                let mut r = Vec::with_capacity(ats.len());
+                for (av, bv) in avs.into_iter().zip(bvs) {
+                    let y = if op.is_shift() && c == Class::I {
+                        vx::shift_lanes(&mut self.b, *op, av, bv, ty.dtype.bits() as u32)
+                    } else if let (Class::F, BinaryOp::Max | BinaryOp::Min, Some((cv, xv))) = (c, op, self.nonzero_const_side(*a, *bb, av, bv)) {
+                        // Against a constant that is neither zero nor NaN, IEEE `maximum`
+                        // (NaN wins, -0 < +0) is the hardware's `max(c, x)` (x when NaN).
+                        if *op == BinaryOp::Max { vx::max_over_const(&mut self.b, cv, xv) } else { vx::min_under_const(&mut self.b, cv, xv) }
+                    } else {
+                        self.binary_vec(*op, c, av, bv)?
+                    };
+                    r.push(self.norm(y, ty.dtype));
+                }
+                r
             }
             Inst::Cmp(op, a, bb) => {
-                let av = self.eval(*a, at)?;
-                let bv = if a == bb { av } else { self.eval(*bb, at)? };
-                self.cmp_vec(*op, class(k.ty(*a).dtype), av, bv)
+                let avs = self.eval_n(*a, ats)?;
+                let bvs = if a == bb { avs.clone() } else { self.eval_n(*bb, ats)? };
+                let c = class(k.ty(*a).dtype);
+                avs.into_iter().zip(bvs).map(|(av, bv)| self.cmp_vec(*op, c, av, bv)).collect()
             }
             Inst::Select { cond, on_true, on_false } => {
-                let c = self.eval(*cond, at)?;
-                let t = self.eval(*on_true, at)?;
-                let f = self.eval(*on_false, at)?;
-                vselect(&mut self.b, c, t, f)
+                let cs = self.eval_n(*cond, ats)?;
+                let ts = self.eval_n(*on_true, ats)?;
+                let fs = self.eval_n(*on_false, ats)?;
+                cs.into_iter().zip(ts).zip(fs).map(|((c, t), f)| vselect(&mut self.b, c, t, f)).collect()
             }
             Inst::Cast(x) => {
-                let xv = self.eval(*x, at)?;
-                self.cast_vec(xv, k.ty(*x).dtype, ty.dtype)
+                let xs = self.eval_n(*x, ats)?;
+                let from = k.ty(*x).dtype;
+                xs.into_iter().map(|xv| self.cast_vec(xv, from, ty.dtype)).collect()
             }
             Inst::Bitcast(x) => {
-                let xv = self.eval(*x, at)?;
+                let xs = self.eval_n(*x, ats)?;
                 // Lanes keep their order: the byte order only matters to Cranelift's verifier.
                 let flags = MemFlagsData::new().with_endianness(Endianness::Little);
-                self.b.ins().bitcast(if ty.dtype == DType::F32 { F32X4 } else { I32X4 }, flags, xv)
+                let t = if ty.dtype == DType::F32 { F32X4 } else { I32X4 };
+                xs.into_iter().map(|xv| self.b.ins().bitcast(t, flags, xv)).collect()
             }
             _ => return unsupported(format!("{v} is not elementwise")),
         };
@@ -1757,13 +1809,15 @@ impl<'a, 'b> Lower<'a, 'b> {
     /// Copies `n` 4-byte words between frame slots.
     fn copy_words(&mut self, src: usize, dst: usize, n: usize) -> R<()> {
         let (s, d) = (self.slot_addr(src), self.slot_addr(dst));
-        let mut body = |me: &mut Self, _idx: &[CV], j: CV, lanes: u8| -> R<()> {
-            let off = me.b.ins().imul_imm_s(j, 4);
-            let sa = me.b.ins().iadd(s, off);
-            let da = me.b.ins().iadd(d, off);
-            let at = At { idx: vec![], lane: true, lanes };
-            let v = me.load_lanes(sa, DType::I32, true, &at);
-            me.store_lanes(v, da, DType::I32, true, lanes);
+        let mut body = |me: &mut Self, _idx: &[CV], js: &[CV], lanes: u8| -> R<()> {
+            for &j in js {
+                let off = me.b.ins().imul_imm_s(j, 4);
+                let sa = me.b.ins().iadd(s, off);
+                let da = me.b.ins().iadd(d, off);
+                let at = At { idx: vec![], lane: true, lanes };
+                let v = me.load_lanes(sa, DType::I32, true, &at);
+                me.store_lanes(v, da, DType::I32, true, lanes);
+            }
             Ok(())
         };
         self.loop_nest(&[], n, &mut body)
@@ -1982,19 +2036,21 @@ impl<'a, 'b> Lower<'a, 'b> {
             let mut per = |me: &mut Self, idx: &[CV]| -> R<()> {
                 let (pre, mid) = idx.split_at(before.len());
                 let (pre, mid) = (pre.to_vec(), mid.to_vec());
-                let mut lanes_f = |me: &mut Self, _o: &[CV], j: CV, lanes: u8| -> R<()> {
-                    let mut at_of = |k: Option<CV>| {
-                        let mut v: Vec<Option<CV>> = pre.iter().map(|&i| Some(i)).collect();
-                        v.push(k);
-                        v.extend(mid.iter().map(|&i| Some(i)));
-                        v.push(Some(j));
-                        v
-                    };
-                    let s = me.reduce_outer(op, c, x, &mut at_of, lanes, n, sums)?;
-                    let s = me.norm(s, dtype);
-                    let oi = at_of(None);
-                    let addr = me.addr(base, &oi, &out_strides, 4);
-                    me.store_lanes(s, addr, dtype, true, lanes);
+                let mut lanes_f = |me: &mut Self, _o: &[CV], js: &[CV], lanes: u8| -> R<()> {
+                    for &j in js {
+                        let mut at_of = |k: Option<CV>| {
+                            let mut v: Vec<Option<CV>> = pre.iter().map(|&i| Some(i)).collect();
+                            v.push(k);
+                            v.extend(mid.iter().map(|&i| Some(i)));
+                            v.push(Some(j));
+                            v
+                        };
+                        let s = me.reduce_outer(op, c, x, &mut at_of, lanes, n, sums)?;
+                        let s = me.norm(s, dtype);
+                        let oi = at_of(None);
+                        let addr = me.addr(base, &oi, &out_strides, 4);
+                        me.store_lanes(s, addr, dtype, true, lanes);
+                    }
                     Ok(())
                 };
                 me.loop_nest(&[], last, &mut lanes_f)

@@ -2,6 +2,7 @@
 //! with `cranelift-jit`, one module per compiled kernel so that evicting it from the cache
 //! frees its code.
 
+pub mod interleave;
 pub(crate) mod lower;
 pub mod vector;
 
@@ -43,10 +44,12 @@ impl Drop for Compiled {
     }
 }
 
-fn isa() -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
+/// The host ISA. The mid-end runs at `opt_level` (`"speed"` for [`optimize`], `"none"`
+/// for the module, whose backend must keep the order [`interleave`] chose).
+fn isa(opt_level: &str) -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
     let mut flags = settings::builder();
     let set = |f: &mut settings::Builder, k: &str, v: &str| f.set(k, v).map_err(|e| Unsupported(format!("cranelift flag {k}: {e}")));
-    set(&mut flags, "opt_level", "speed")?;
+    set(&mut flags, "opt_level", opt_level)?;
     set(&mut flags, "use_colocated_libcalls", "false")?;
     set(&mut flags, "is_pic", "false")?;
     set(&mut flags, "enable_verifier", if cfg!(debug_assertions) { "true" } else { "false" })?;
@@ -133,9 +136,33 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
     Ok((ctx, step_id, frame_bytes, sites, table))
 }
 
+/// Cranelift's mid-end (the e-graph pass: GVN, LICM, constant folding, simplification),
+/// then [`interleave`]'s order; the module compiles the result with the mid-end off.
+fn optimize(ctx: &mut cranelift_codegen::Context) -> Result<(), Unsupported> {
+    static SPEED: std::sync::OnceLock<Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported>> = std::sync::OnceLock::new();
+    let isa = SPEED.get_or_init(|| isa("speed")).as_ref().map_err(|e| e.clone())?;
+    ctx.optimize(&**isa, &mut Default::default()).map_err(|e| Unsupported(format!("cranelift mid-end: {e:?}")))?;
+    interleave::interleave(&mut ctx.func);
+    Ok(())
+}
+
+/// `TESSERA_JIT_DUMP=DIR`: writes the step function of `k` as optimised Cranelift IR
+/// (`<kernel>.clif`) and as machine code (`<kernel>.s`), to see what a kernel costs per
+/// element. Best effort: a dump that cannot be written is reported, never fatal.
+fn write_dump(dir: &std::path::Path, k: &Kernel, ctx: &cranelift_codegen::Context) {
+    let asm = ctx.compiled_code().and_then(|c| c.vcode.clone()).unwrap_or_default();
+    let name: String = k.name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::write(dir.join(format!("{name}.clif")), ctx.func.display().to_string()))
+        .and_then(|_| std::fs::write(dir.join(format!("{name}.s")), asm));
+    if let Err(e) = written {
+        eprintln!("tessera: TESSERA_JIT_DUMP: could not write `{name}` to {}: {e}", dir.display());
+    }
+}
+
 /// A JIT module for the host with the helpers' symbols.
 pub(crate) fn new_module(exact: bool) -> Result<JITModule, Unsupported> {
-    let mut jb = JITBuilder::with_isa(isa()?, default_libcall_names());
+    let mut jb = JITBuilder::with_isa(isa("none")?, default_libcall_names());
     for (name, p) in helper_symbols(exact) {
         jb.symbol(name, p);
     }
@@ -151,7 +178,13 @@ pub fn compile(k: &Kernel, modes: &[MemMode], exact: bool) -> Result<Compiled, U
     let result = (|| {
         let (mut ctx, step_id, frame_bytes, sites, _) = build_clif(&mut module, k, &layouts, exact)?;
         let err = |e: cranelift_module::ModuleError| Unsupported(format!("cranelift: {e}"));
+        optimize(&mut ctx)?;
+        let dump = std::env::var_os("TESSERA_JIT_DUMP");
+        ctx.set_disasm(dump.is_some());
         module.define_function(step_id, &mut ctx).map_err(|e| Unsupported(format!("cranelift could not compile `{}`: {e:?}", k.name)))?;
+        if let Some(dir) = dump {
+            write_dump(std::path::Path::new(&dir), k, &ctx);
+        }
         module.clear_context(&mut ctx);
         module.finalize_definitions().map_err(err)?;
         let code = module.get_finalized_function(step_id);
