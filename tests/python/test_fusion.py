@@ -1555,3 +1555,54 @@ def test_variance_of_a_constant_row_is_zero_and_a_large_mean_costs_nothing():
     # A bool tensor's variance is eager's error, not a value.
     with tessera.set_eager_mode(DEFER), pytest.raises(NotImplementedError, match="floating point"):
         torch.tensor([[True, False]]).var(-1)
+
+
+def test_mask_logic_is_recorded_not_run_eagerly():
+    """`&`, `|`, `^`, `~`, the `logical_*` ops (also of floats, NaN counting as true), bool
+    `*` and `+`, in-place `&=` / `|=`, broadcast masks and `isfinite` (whose decomposition
+    multiplies two bools) give strict eager's masks and are fused: none runs eagerly (each
+    was an eager op and a flush; `isfinite` split every LayerNorm into two flushes)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 33)
+    x[2, 3], x[4, 5], x[5, 6] = float("nan"), float("inf"), -float("inf")
+    y = torch.randn(8, 33)
+    y[1, 1] = 0.0
+    row = torch.randn(1, 33) > 0
+
+    def f(x, y, row):
+        a, b = x > 0, y < 0.5
+        m = a.clone()
+        m &= b
+        n = a.clone()
+        n |= row
+        return [
+            a & b, a | b, a ^ b, ~a, a * b, a + b, a & row, row | b,
+            torch.logical_and(x, y), torch.logical_or(x, b), torch.logical_xor(y, a), torch.logical_not(x),
+            torch.logical_not(a), x.isfinite(), m, n,
+            torch.where(a & ~b, x, y),  # a mask used as a condition in the same kernel
+        ]
+
+    want = f(x, y, row)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        got = f(x, y, row)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype, (i, g.dtype, w.dtype)
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0, msg=lambda m: f"output {i}: {m}")
+    s = fusion.stats()
+    computing = {r: c for r, c in s["eager_reasons"].items() if not r.startswith(("op:clone", "op:view", "op:slice", "op:alias", "op:detach"))}
+    assert not computing, s["eager_reasons"]
+    assert set(s["flush_causes"]) == {"exit"}, s["flush_causes"]
+
+
+def test_a_lone_layer_norm_is_one_kernel():
+    """`F.layer_norm` in the mode is one flush of one kernel (row statistics and the
+    normalisation in one row kernel, as RMSNorm)."""
+    x, w, b = torch.randn(16, 96), torch.randn(96), torch.randn(96)
+    want = F.layer_norm(x, (96,), w, b)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        got = F.layer_norm(x, (96,), w, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    s = fusion.stats()
+    assert (s["flushes"], s["kernels_launched"]) == (1, 1), s

@@ -449,12 +449,43 @@ def _bool_as_float(args, st, op):
     return [op("cast", "to", [x, _DTYPES[floats[0]]])[0] if a.dtype == torch.bool else x for x, a in zip(xs, args)]
 
 
+def _logic(kind, args, st, op):
+    """`and`, `or`, `xor` of two tensors and `not` of one, as masking code writes them
+    (`a & b`, `a | b`, `~a`, `torch.logical_*`, `mask_a * mask_b`, `mask_a + mask_b`,
+    `isfinite`'s decomposition): each operand becomes 0 or 1 in f32 (a bool's cast; for the
+    `logical_*` ops also a float's `x != 0`, NaN true as in torch), and the result a compare
+    of their product, maximum or difference with 0: exact, and fused instead of run eagerly
+    (a flush). `bitwise_*` of non-bool tensors and Python numbers are refused (`fusion-dtype`)."""
+    n = 1 if kind == "not" else 2
+    if len(args) != n or not all(isinstance(a, torch.Tensor) and a.dtype in _DTYPES for a in args):
+        raise _Unsupported("fusion-dtype")
+    xs = []
+    for a in args:
+        x = _node_of(a, st)
+        if a.dtype != torch.bool:
+            x = op("compare", "ne", [x, 0.0])[0]
+        xs.append(op("cast", "to", [x, "float32"])[0])
+    if kind == "not":
+        return op("compare", "eq", [xs[0], 0.0])
+    if kind == "xor":
+        return _broadcasting_op("compare", "ne", xs, args, st, op)
+    v = _broadcasting_op("binary", "mul" if kind == "and" else "maximum", xs, args, st, op)[0]
+    return op("compare", "ne", [v, 0.0])
+
+
+def _two_bools(args):
+    return len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
+
+
 # ---- op table: aten overload -> how to record it ------------------------------------------------
 
 _UNARY = {"neg", "abs", "exp", "log", "tanh", "sqrt", "rsqrt", "erf", "sigmoid", "relu", "silu", "reciprocal",
           "sin", "cos", "log1p", "expm1", "floor", "ceil", "round", "sign"}
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "maximum", "minimum": "minimum", "pow": "pow"}
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
+# Logic on masks (see `_logic`): and / or / xor of two tensors, not of one.
+_LOGIC = {"logical_and": "and", "bitwise_and": "and", "logical_or": "or", "bitwise_or": "or", "logical_xor": "xor", "bitwise_xor": "xor",
+          "logical_not": "not", "bitwise_not": "not"}
 _ROW = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "_softmax": "softmax", "_log_softmax": "log_softmax"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "detach", "alias", "expand"}
 # Views that move elements between rows: recorded as copies of the group's memory (see
@@ -609,6 +640,8 @@ def _record(func, name, args, kwargs, st):
         if _has_bool_tensor(args, st):
             if name != "add":  # (torch refuses to subtract a bool tensor)
                 raise _Unsupported("fusion-dtype")
+            if _two_bools(args):  # bool + bool is bool: or
+                return _logic("or", args, st, op)
             return _broadcasting_op("binary", name, _bool_as_float(args, st, op), args, st, op)
         if name == "add":
             joined = _joined_slice_grads(args, st, op)
@@ -624,6 +657,8 @@ def _record(func, name, args, kwargs, st):
         if _has_bool_tensor(args, st):
             if name not in ("mul", "div"):
                 raise _Unsupported("fusion-dtype")
+            if name == "mul" and _two_bools(args):  # bool * bool is bool: and
+                return _logic("and", args, st, op)
             return _broadcasting_op("binary", _BINARY[name], _bool_as_float(args, st, op), args, st, op)
         if name in ("mul", "div"):
             args = _leading_scalar_tensor(args, st)
@@ -631,6 +666,10 @@ def _record(func, name, args, kwargs, st):
         if name == "pow":
             a, b = _bf16_scalars(args, a, b)
         return _broadcasting_op("binary", _BINARY[name], [a, b], args, st, op)
+    if name in _LOGIC:
+        if kw or (name.startswith("bitwise") and not all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)):
+            raise _Unsupported("fusion-dtype")
+        return _logic(_LOGIC[name], args, st, op)
     if name in _COMPARE:
         if kw or len(args) != 2:
             raise _Unsupported(f"{name}-args")
@@ -1067,7 +1106,7 @@ class _DeferMode(TorchDispatchMode):
 
 
 def _recordable(base):
-    return base in _UNARY or base in _BINARY or base in _COMPARE or base in _ROW or base in (
+    return base in _UNARY or base in _BINARY or base in _COMPARE or base in _LOGIC or base in _ROW or base in (
         "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward",
         "select_backward") or base in _BACKWARD
 
