@@ -897,12 +897,15 @@ def _op_info(func):
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     """`torch.var_mean` over a trailing run of dims in recordable ops, in f32 (a bf16 `x`
-    rounded once at the end, as torch's), shifted by each row's first element: `d = x - x0`,
+    rounded once at the end, as torch's), shifted by each row's maximum: `d = x - x0`,
     then the mean-free sum of squares of `d`. A constant row gives variance 0 and mean `x0`
     exactly (a plain `sum / n` is off by rounding, which LayerNorm's `rsqrt(var + 1e-12)`
     magnified to 0.43 where eager gives 0), and a large mean beside a small spread loses
-    nothing (1e6 + N(0, 1): 3e-3 of error before). A row whose shifted mean is not finite
-    (an inf) takes the plain mean, as torch's. Other dims: NotImplemented (eagerly)."""
+    nothing (1e6 + N(0, 1): 3e-3 of error before). The maximum, not the first element: a
+    row reduction stays in the row kernel, where a column slice of a computed `x` (a bf16
+    input's cast, a residual sum) made the planner store `x` first (two kernels). A row
+    whose shifted mean is not finite (an inf) takes the plain mean, as torch's. Other dims:
+    NotImplemented (eagerly)."""
     rank = x.dim()
     dims = sorted({d % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])}) if dim is not None and rank else list(range(rank))
     if not dims or dims != list(range(rank - len(dims), rank)) or x.numel() == 0:
@@ -910,7 +913,7 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     n = math.prod(x.shape[d] for d in dims)
     lead = list(x.shape[: rank - len(dims)])
     xf = x.float().reshape(lead + [n])
-    x0 = xf[..., :1]
+    x0 = xf.amax(-1, keepdim=True)
     d = xf - x0
     md = d.mean(-1, keepdim=True)
     e = d - md
