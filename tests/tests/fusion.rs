@@ -851,3 +851,54 @@ fn generated_kernels_compile_with_libtpu() {
     tessera_tests::oracle::assert_all_accepted(&jobs);
     eprintln!("{} generated kernels accepted by libtpu (v5e, v6e, tpu7x)", jobs.len());
 }
+
+/// Row maxima and minima on every backend, bit for bit against IEEE `maximum` / `minimum`
+/// computed here (NaN if any element is NaN, `-0 < +0`): rows of every length class around
+/// the compiled loops' 4-lane chunks and 16-element groups, holding signed zeros, infinities
+/// and a NaN at each position class (first group, loop body, the leftover group, the tail).
+#[test]
+fn row_max_and_min_are_ieee_whatever_the_row_length_and_the_position() {
+    let ieee = |v: &[f32], max: bool| -> f32 {
+        if v.iter().any(|x| x.is_nan()) {
+            return f32::NAN;
+        }
+        let better = |a: f32, b: f32| if max { a > b || (a == b && a.is_sign_positive()) } else { a < b || (a == b && a.is_sign_negative()) };
+        v.iter().copied().fold(v[0], |m, x| if better(x, m) { x } else { m })
+    };
+    for n in [1usize, 3, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 40, 47, 100, 513, 1031] {
+        // Row r: mostly values in [-1, 1); then special values at positions picked by r.
+        let rows = 12;
+        let mut data = Vec::with_capacity(rows * n);
+        for r in 0..rows {
+            let mut row: Vec<f32> = (0..n).map(|j| (((r * 31 + j * 17) % 23) as f32 - 11.0) / 11.5).collect();
+            let at = |k: usize| [0, n / 2, n.saturating_sub(9), n - 1][k % 4].min(n - 1);
+            match r {
+                0 => row.iter_mut().for_each(|x| *x = -0.0),
+                1 => row.iter_mut().enumerate().for_each(|(j, x)| *x = if j == at(r) { 0.0 } else { -0.0 }),
+                2 => row.iter_mut().enumerate().for_each(|(j, x)| *x = if j == at(r) { -0.0 } else { 0.0 }),
+                3..=6 => row[at(r)] = f32::NAN,
+                7 | 8 => row[at(r)] = f32::INFINITY,
+                9 | 10 => row[at(r)] = f32::NEG_INFINITY,
+                _ => {}
+            }
+            data.extend(row);
+        }
+        let mut g = Graph::new();
+        let x = g.input(DType::F32, &[rows, n]).unwrap();
+        let mx = g.row(RowOp::Amax, x, true).unwrap();
+        let mn = g.row(RowOp::Amin, x, true).unwrap();
+        let p = Program::build(&g, &[mx, mn], &Target::V5E).unwrap();
+        let xa = Array::from_f32(&[rows, n], data.clone());
+        for b in backends() {
+            let got = p.run(b.executor(), &[&xa]).unwrap();
+            for (k, max) in [(0, true), (1, false)] {
+                let got = got[k].to_f32_vec();
+                for r in 0..rows {
+                    let want = ieee(&data[r * n..(r + 1) * n], max);
+                    let same = if want.is_nan() { got[r].is_nan() } else { got[r].to_bits() == want.to_bits() };
+                    assert!(same, "{b}: n = {n}, row {r}: {} = {:?}, want {want:?}", if max { "amax" } else { "amin" }, got[r]);
+                }
+            }
+        }
+    }
+}

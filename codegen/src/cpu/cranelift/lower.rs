@@ -2163,27 +2163,51 @@ impl<'a, 'b> Lower<'a, 'b> {
             }
             return Ok(s);
         }
-        let lo = self.row_vec(x, idx, start)?;
-        let k4 = self.b.ins().iadd_imm_s(start, 4);
-        let hi = self.row_vec(x, idx, k4)?;
-        let groups = len / 8;
+        // Sums keep the interpreter's two accumulators (its order is the result). A max or
+        // min is the same in any order (IEEE maximum / minimum: NaN wins, -0 < +0), so it
+        // takes four: a float `fmax` is a sequence of ~8 dependent instructions, and with
+        // two chains the loop waits on their latency.
+        let k = if op != ReduceOp::Sum && len >= 16 { 4 } else { 2 };
+        let w = 4 * k;
+        let mut init = Vec::with_capacity(k);
+        for i in 0..k {
+            let at = self.b.ins().iadd_imm_s(start, 4 * i as i64);
+            init.push(self.row_vec(x, idx, at)?);
+        }
+        let groups = len / w;
         let idx_v = idx.to_vec();
         let mut body = |me: &mut Self, t: CV, acc: &[CV]| -> R<Vec<CV>> {
-            let k = me.b.ins().iadd(start, t);
-            let a = me.row_vec(x, &idx_v, k)?;
-            let k4 = me.b.ins().iadd_imm_s(k, 4);
-            let bb = me.row_vec(x, &idx_v, k4)?;
-            let lo = me.combine(op, c, acc[0], a);
-            let hi = me.combine(op, c, acc[1], bb);
-            Ok(vec![lo, hi])
+            let base = me.b.ins().iadd(start, t);
+            let mut next = Vec::with_capacity(acc.len());
+            for (i, &a) in acc.iter().enumerate() {
+                let at = me.b.ins().iadd_imm_s(base, 4 * i as i64);
+                let v = me.row_vec(x, &idx_v, at)?;
+                next.push(me.combine(op, c, a, v));
+            }
+            Ok(next)
         };
-        let acc = self.counted_carry(8, (groups * 8) as i64, 8, vec![lo, hi], &mut body)?;
-        let t = self.combine(op, c, acc[0], acc[1]);
+        let acc = self.counted_carry(w as i64, (groups * w) as i64, w as i64, init, &mut body)?;
+        let (mut lo, mut hi) = (acc[0], acc[1]);
+        let mut done = groups * w;
+        if k == 4 {
+            lo = self.combine(op, c, lo, acc[2]);
+            hi = self.combine(op, c, hi, acc[3]);
+            if done + 8 <= len {
+                let at = self.b.ins().iadd_imm_s(start, done as i64);
+                let v = self.row_vec(x, idx, at)?;
+                lo = self.combine(op, c, lo, v);
+                let at = self.b.ins().iadd_imm_s(start, done as i64 + 4);
+                let v = self.row_vec(x, idx, at)?;
+                hi = self.combine(op, c, hi, v);
+                done += 8;
+            }
+        }
+        let t = self.combine(op, c, lo, hi);
         let l: Vec<CV> = (0..4u8).map(|i| self.b.ins().extractlane(t, i)).collect();
         let u0 = self.combine(op, c, l[0], l[2]);
         let u1 = self.combine(op, c, l[1], l[3]);
         let mut s = self.combine(op, c, u0, u1);
-        for j in groups * 8..len {
+        for j in done..len {
             let k = self.b.ins().iadd_imm_s(start, j as i64);
             let e = self.row_elem(x, idx, k)?;
             s = self.combine(op, c, s, e);
