@@ -1617,3 +1617,22 @@ def test_a_layer_norm_is_one_kernel_with_its_input(dtype, pending):
     torch.testing.assert_close(got, want, **tol)
     s = fusion.stats()
     assert (s["flushes"], s["kernels_launched"]) == (1, 1), s
+
+
+def test_layer_norm_overflow_is_nan_and_mixed_dtypes_raise_as_eager():
+    """A row whose sum of squares overflows f32 (|x| ~ 1e20) gives NaN, as eager's f32
+    LayerNorm (it gave 0s: `rsqrt(inf)`); a constant row of 3e38 has variance 0, so 0 (as a
+    float64 LayerNorm; eager's overflows to NaN); an f32 input with bf16 parameters raises
+    eager's "mixed dtype" error instead of returning a value."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8) * 1e20
+    with tessera.set_eager_mode(DEFER):
+        got = F.layer_norm(x, (8,))
+        const = F.layer_norm(torch.full((1, 8), 3e38), (8,))
+    assert torch.isnan(F.layer_norm(x, (8,))).all() and torch.isnan(got).all(), got
+    assert torch.equal(const, torch.zeros(1, 8)), const
+    w = torch.randn(8).bfloat16()
+    with pytest.raises(RuntimeError, match="mixed dtype"):
+        F.layer_norm(torch.randn(4, 8), (8,), w, w)
+    with tessera.set_eager_mode(DEFER), pytest.raises(RuntimeError, match="mixed dtype"):
+        F.layer_norm(torch.randn(4, 8), (8,), w, w)

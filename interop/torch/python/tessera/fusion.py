@@ -918,6 +918,9 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     md = d.mean(-1, keepdim=True)
     e = d - md
     var = (e * e).sum(-1, keepdim=True) / max(n - (1 if correction is None else correction), 0)
+    # A sum of squares of finite values that overflows (|x| ~ 1e20 in f32) is NaN, as eager's
+    # (whose update overflows to inf - inf): never inf, which LayerNorm's rsqrt made 0s.
+    var = torch.where(var == math.inf, math.nan, var)
     mean = torch.where(md.isfinite(), x0 + md, xf.mean(-1, keepdim=True))
     shape = lead + [1] * len(dims) if keepdim else lead
     return var.reshape(shape).to(x.dtype), mean.reshape(shape).to(x.dtype)
@@ -936,6 +939,14 @@ def _norms():
         if op in decomposition_table:
             table[op] = decomposition_table[op]
     return table
+
+
+def _params_match(func, args):
+    """Whether a LayerNorm's weight and bias have its input's dtype. Eager's CPU kernel
+    raises on an f32 input with bf16 parameters ("mixed dtype"): such a call runs eagerly,
+    so that it does."""
+    at = {aten.native_layer_norm.default: slice(2, 4), aten.native_layer_norm_backward.default: slice(5, 7)}.get(func)
+    return at is None or all(p is None or p.dtype == args[0].dtype for p in args[at])
 
 
 def _first(out):
@@ -966,7 +977,7 @@ class _DeferMode(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         norm = _NORMS.get(func)
-        if norm is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float32, torch.bfloat16):
+        if norm is not None and args and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float32, torch.bfloat16) and _params_match(func, args):
             with self:
                 out = norm(*args, **kwargs)
             if out is not NotImplemented:
