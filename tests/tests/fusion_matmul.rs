@@ -432,6 +432,7 @@ fn view_cases() -> Vec<Case> {
 /// - q / k / v projections with the head split's copy between them (`k` and `v` join `q`'s
 ///   kernel across it, as HF's attention records them);
 /// - weight gradients `g1^T @ x`, `g2^T @ x` sharing `x` (b), over several `k` blocks, with a bias;
+/// - two products sharing no operand, of one shape, summed (a SwiGLU backward's `dx`);
 /// - a second product whose operand the first kernel computes (`(x * 2) @ w` after `x @ w`,
 ///   `x * 2` in the first's epilogue): not ready before that kernel ends, so it stays apart.
 fn sibling_cases() -> Vec<(Case, usize)> {
@@ -479,6 +480,18 @@ fn sibling_cases() -> Vec<(Case, usize)> {
             outs.push(c.graph.unary(Unary::Neg, dw).unwrap());
         }
         c.live = outs;
+        out.push((c, 1));
+
+        let mut c = Case::new(format!("independent products of one shape, summed {dtype}"));
+        // A SwiGLU backward's `dx = g_gate @ w1 + g_up @ w3`: no operand shared, both ready,
+        // over several k blocks; the sum is their epilogue.
+        let (tokens, f, d) = (48, 1024, 64);
+        let gs: Vec<NodeId> = (0..2).map(|_| c.input(dtype, &[tokens, f], &mut rng)).collect();
+        let ws: Vec<NodeId> = (0..2).map(|_| c.input(dtype, &[f, d], &mut rng)).collect();
+        let y1 = c.graph.matmul(gs[0], ws[0], None).unwrap();
+        let y2 = c.graph.matmul(gs[1], ws[1], None).unwrap();
+        let z = c.graph.binary(Binary::Add, Operand::Node(y1), Operand::Node(y2)).unwrap();
+        c.live = vec![z];
         out.push((c, 1));
 
         let mut c = Case::new(format!("an operand computed after the first product {dtype}"));

@@ -175,7 +175,8 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
         (vec![d.batch_b, d.k, d.n], BlockSpec { block_shape: vec![None, Some(bk), Some(bn)], index_map: vec![bidx(d.batch_b, repeat[1]), gk.clone(), gj.clone()] })
     };
     // The anchor's operands, then each sibling's own (rule 13): `[a, b, bias?]`, then
-    // `[b or a, bias?]` per sibling, the shared one read once.
+    // `[b or a, bias?]` per sibling (the shared one read once), or `[a, b, bias?]` when
+    // they share none.
     enum Role {
         A,
         B,
@@ -209,13 +210,15 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
     let mut products = vec![(id, a0, b0, bias.then(|| input(&mut b, Role::Bias, 2)))];
     let mut at = 2 + usize::from(bias);
     for &sib in &p.siblings {
-        let own = input(&mut b, if p.shared == Shared::A { Role::B } else { Role::A }, at);
-        let bias_ref = bias.then(|| input(&mut b, Role::Bias, at + 1));
-        at += 1 + usize::from(bias);
-        products.push(match p.shared {
-            Shared::A => (sib, a0, own, bias_ref),
-            Shared::B => (sib, own, b0, bias_ref),
-        });
+        let (sa, sb) = match p.shared {
+            Shared::A => (a0, input(&mut b, Role::B, at)),
+            Shared::B => (input(&mut b, Role::A, at), b0),
+            Shared::Neither => (input(&mut b, Role::A, at), input(&mut b, Role::B, at + 1)),
+        };
+        at += if p.shared == Shared::Neither { 2 } else { 1 };
+        let bias_ref = bias.then(|| input(&mut b, Role::Bias, at));
+        at += usize::from(bias);
+        products.push((sib, sa, sb, bias_ref));
     }
     debug_assert_eq!(at, p.anchor_reads);
     // Epilogue operands and results in the output space: `[batch, m, n or 1]` blocks

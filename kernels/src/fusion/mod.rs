@@ -93,12 +93,14 @@
 //! 13. **Matmuls sharing an operand are one kernel** (horizontal fusion): a matmul of the
 //!     same kind (transposes, batch, bias or not) and output shape as a recent anchor (up
 //!     to [`planner::SIBLING_REACH`] kernels back), one operand the same memory in the same
-//!     shape and the other alike, joins that anchor's kernel as a sibling when both its
-//!     operands are ready before that kernel runs. The shared block is read once per grid
+//!     shape and the other alike, or both alike and neither shared, joins that anchor's
+//!     kernel as a sibling when both its operands are ready before that kernel runs. The shared block is read once per grid
 //!     step and the epilogue sees every product: a SwiGLU MLP's gate and up projections and
 //!     `silu(gate) * up` are one kernel, `k` and `v` join `q`'s across the head split's copy
 //!     (when GQA makes `q` wider, `k` and `v` still pair), and the backward's weight
-//!     gradients `g1^T @ x`, `g2^T @ x` pair on `x`. Products of different shapes do not pair
+//!     gradients `g1^T @ x`, `g2^T @ x` pair on `x`; products sharing nothing pair too, so
+//!     the backward's `dx = g_gate @ w1 + g_up @ w3` is one kernel with its sum (tiny Llama
+//!     fwd+bwd: 100 kernels to 94; MoE block 69 to 65). Products of different shapes do not pair
 //!     (one grid walks them all), nor a linear's `dx = g @ w` with its `dw = g^T @ x`.
 //! 14. **A node that the last kernel refuses joins an earlier one it fits** (up to
 //!     [`planner::JOIN_REACH`] kernels back, the nearest first), by rules 1-8 as if that

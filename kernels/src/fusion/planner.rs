@@ -74,20 +74,22 @@ pub struct Partition {
     /// sibling's own operands.
     pub anchor: Option<NodeId>,
     pub anchor_reads: usize,
-    /// Matmuls that share one operand with the anchor ([`Shared`]) and compute over the
-    /// same output space, in the kernel's nodes too (rule 13).
+    /// Matmuls that compute over the anchor's output space beside it, sharing one of its
+    /// operands or none ([`Shared`]), in the kernel's nodes too (rule 13).
     pub siblings: Vec<NodeId>,
     /// Which operand the anchor and its siblings share.
     pub shared: Shared,
 }
 
-/// The operand sibling matmuls share: `a` (`x @ w1`, `x @ w3`: the gate and up projections)
-/// or `b` (`g1^T @ x`, `g2^T @ x`: their weight gradients).
+/// The operand sibling matmuls share: `a` (`x @ w1`, `x @ w3`: the gate and up projections),
+/// `b` (`g1^T @ x`, `g2^T @ x`: their weight gradients), or neither (independent products
+/// of one shape: `dx = g_gate @ w1^T + g_up @ w3^T`, whose sum is then their epilogue).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Shared {
     #[default]
     A,
     B,
+    Neither,
 }
 
 /// Whether matmul `id` can join anchor partition `part` (number `at`) as a sibling: the
@@ -116,6 +118,7 @@ fn sibling(g: &Graph, part: &Partition, id: NodeId, assigned: &[Option<usize>], 
     let shared = match (same(0)?, same(1)?) {
         (true, false) if alike(1)? => Shared::A,
         (false, true) if alike(0)? => Shared::B,
+        (false, false) if alike(0)? && alike(1)? => Shared::Neither,
         _ => return None,
     };
     if part.siblings.first().is_some_and(|_| part.shared != shared) {
@@ -349,11 +352,17 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
         let space = space_of(g, id);
         let mut cut = None;
         if let Some(p) = parts.len().checked_sub(1) {
-            // Rule 13: a matmul sharing an operand with a recent kernel's anchor joins it.
+            // Rule 13: a matmul sharing an operand with a recent kernel's anchor, or a
+            // product of its shape with both operands ready there, joins it.
             let is_matmul = matches!(node.op, NodeOp::Matmul { .. });
             if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().filter(|_| is_matmul).find_map(|q| {
                 let shared = sibling(g, &parts[q], id, &assigned, q)?;
-                let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| i != usize::from(shared == Shared::B)).filter_map(|(_, a)| match *a {
+                let shared_arg = match shared {
+                    Shared::A => Some(0),
+                    Shared::B => Some(1),
+                    Shared::Neither => None,
+                };
+                let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| Some(i) != shared_arg).filter_map(|(_, a)| match *a {
                     Operand::Node(o) => Some(whole_read(g, o)),
                     Operand::Scalar(_) => None,
                 }).collect();
