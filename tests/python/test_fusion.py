@@ -1559,9 +1559,10 @@ def test_variance_of_a_constant_row_is_zero_and_a_large_mean_costs_nothing():
 
 def test_mask_logic_is_recorded_not_run_eagerly():
     """`&`, `|`, `^`, `~`, the `logical_*` ops (also of floats, NaN counting as true), bool
-    `*` and `+`, in-place `&=` / `|=`, broadcast masks and `isfinite` (whose decomposition
-    multiplies two bools) give strict eager's masks and are fused: none runs eagerly (each
-    was an eager op and a flush; `isfinite` split every LayerNorm into two flushes)."""
+    `*` and `+`, in-place `&=` / `|=`, broadcast masks, `isfinite` (whose decomposition
+    multiplies two bools) and `any` / `all` over the last dim or everything give strict
+    eager's masks and are fused: none runs eagerly (each was an eager op and a flush;
+    `isfinite` split every LayerNorm into two flushes)."""
     torch.manual_seed(0)
     x = torch.randn(8, 33)
     x[2, 3], x[4, 5], x[5, 6] = float("nan"), float("inf"), -float("inf")
@@ -1580,6 +1581,9 @@ def test_mask_logic_is_recorded_not_run_eagerly():
             torch.logical_and(x, y), torch.logical_or(x, b), torch.logical_xor(y, a), torch.logical_not(x),
             torch.logical_not(a), x.isfinite(), m, n,
             torch.where(a & ~b, x, y),  # a mask used as a condition in the same kernel
+            # (any / all of a pending tensor: of a real one they run eagerly, see below)
+            (a & b).any(-1), (a | row).all(-1, keepdim=True), (x + 0).any(-1), (x * 1).all(1), a.any(), (-x).all(),
+            torch.any(y > 2, dim=-1), torch.any(a, dim=()), (x * 2).all(dim=(), keepdim=True),  # dim=(): no dims
         ]
 
     want = f(x, y, row)
@@ -1593,6 +1597,10 @@ def test_mask_logic_is_recorded_not_run_eagerly():
     computing = {r: c for r, c in s["eager_reasons"].items() if not r.startswith(("op:clone", "op:view", "op:slice", "op:alias", "op:detach"))}
     assert not computing, s["eager_reasons"]
     assert set(s["flush_causes"]) == {"exit"}, s["flush_causes"]
+    # `any` of a real tensor runs eagerly: recorded, the read that follows would flush it.
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        assert bool(x.any()) and fusion.stats()["flushes"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -473,6 +473,41 @@ def _logic(kind, args, st, op):
     return op("compare", "ne", [v, 0.0])
 
 
+def _any_all(name, args, kw, st, op):
+    """`any` / `all` over the last dim, every element (`dim=None`) or none (`dim=()`), of a
+    bool or float tensor: each
+    element's truth (`x != 0`, NaN true as in torch) as 0 or 1 in f32, its row maximum
+    (`any`) or minimum (`all`), and a compare with 0, so masking code's `mask.any(-1)` fuses
+    with the mask. Other dims, empty tensors and tensors not pending run eagerly."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kw.pop("dim", None)
+    keepdim = bool(args[2] if len(args) > 2 else kw.pop("keepdim", False))
+    if kw or not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or x.numel() == 0:
+        raise _Unsupported("fusion-dtype" if isinstance(x, torch.Tensor) and x.dtype not in _DTYPES else f"{name}-args")
+    if st.entry(x) is None:
+        # Its result usually feeds control flow or `nonzero` (a read, so a flush): recorded
+        # over a real tensor it would only add a kernel and a flush where eager adds neither
+        # (generate()'s stopping criteria, MoE routing's `mask.any(-1)`).
+        raise _Unsupported(f"{name}-of-a-real-tensor")
+    rank = x.dim()
+    n = _node_of(x, st)
+    if x.dtype != torch.bool:
+        n = op("compare", "ne", [n, 0.0])[0]
+    n = op("cast", "to", [n, "float32"])[0]
+    if isinstance(dims, (list, tuple)) and len(dims) == 0:
+        # (`dim=()` reduces over no dims, unlike `sum`'s: each element's truth.)
+        return op("compare", "ne", [n, 0.0])
+    if dims is None:
+        if keepdim and rank != 1:
+            raise _Unsupported(f"{name}-keepdim-all")
+        if rank != 1:
+            n = op("view", "view", [n, [x.numel()]])[0]
+    elif not _last_dim(dims, rank):
+        raise _Unsupported(f"{name}-dim")
+    r = op("row", "amax" if name == "any" else "amin", [n, keepdim])[0]
+    return op("compare", "ne", [r, 0.0])
+
+
 def _two_bools(args):
     return len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
 
@@ -712,6 +747,8 @@ def _record(func, name, args, kwargs, st):
         if kw or mf not in (None, torch.preserve_format, torch.contiguous_format):
             raise _Unsupported("clone-args")
         return op("cast", "to", [_node_of(args[0], st), _DTYPES.get(args[0].dtype, "?")])
+    if name in ("any", "all"):
+        return _any_all(name, args, kw, st, op)
     if name in _ROW:
         x = args[0]
         rank = x.dim()
@@ -1120,7 +1157,7 @@ class _DeferMode(TorchDispatchMode):
 
 
 def _recordable(base):
-    return base in _UNARY or base in _BINARY or base in _COMPARE or base in _LOGIC or base in _ROW or base in (
+    return base in _UNARY or base in _BINARY or base in _COMPARE or base in _LOGIC or base in _ROW or base in ("any", "all") or base in (
         "gelu", "rsub", "where", "clamp", "clamp_min", "clamp_max", "_to_copy", "clone", "mm", "bmm", "addmm", "cat", "slice_backward",
         "select_backward") or base in _BACKWARD
 
