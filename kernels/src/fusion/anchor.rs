@@ -30,7 +30,7 @@ use tessera_dsl::{ds, BlockSpec, CmpOp, DType, Index, IndexExpr, IndexOp, Kernel
 
 use super::generate::{memory_dtype, Gen};
 use super::graph::{Gather, Graph, NodeId, NodeOp, Operand};
-use super::planner::{Partition, Shared};
+use super::planner::Partition;
 use super::sublanes;
 use crate::blocks::fit_vmem_limit;
 
@@ -210,14 +210,14 @@ fn matmul_kernel(g: &Graph, p: &Partition, name: &str, d: &Mm, ta: bool, tb: boo
     let mut products = vec![(id, a0, b0, bias.then(|| input(&mut b, Role::Bias, 2)))];
     let mut at = 2 + usize::from(bias);
     for &sib in &p.siblings {
-        let (sa, sb) = match p.shared {
-            Shared::A => (a0, input(&mut b, Role::B, at)),
-            Shared::B => (input(&mut b, Role::A, at), b0),
-            Shared::Neither => (input(&mut b, Role::A, at), input(&mut b, Role::B, at + 1)),
+        // The sibling's own reads, in `args` order (the planner's order).
+        let mut own = |b: &mut KernelBuilder, role: Role| {
+            at += 1;
+            input(b, role, at - 1)
         };
-        at += if p.shared == Shared::Neither { 2 } else { 1 };
-        let bias_ref = bias.then(|| input(&mut b, Role::Bias, at));
-        at += usize::from(bias);
+        let sa = if p.shared.arg() == Some(0) { a0 } else { own(&mut b, Role::A) };
+        let sb = if p.shared.arg() == Some(1) { b0 } else { own(&mut b, Role::B) };
+        let bias_ref = bias.then(|| own(&mut b, Role::Bias));
         products.push((sib, sa, sb, bias_ref));
     }
     debug_assert_eq!(at, p.anchor_reads);

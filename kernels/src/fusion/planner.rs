@@ -92,6 +92,17 @@ pub enum Shared {
     Neither,
 }
 
+impl Shared {
+    /// The operand the siblings share: 0 (`a`), 1 (`b`) or none.
+    pub fn arg(self) -> Option<usize> {
+        match self {
+            Shared::A => Some(0),
+            Shared::B => Some(1),
+            Shared::Neither => None,
+        }
+    }
+}
+
 /// Whether matmul `id` can join anchor partition `part` (number `at`) as a sibling: the
 /// same kind of product over the same output space, one operand the same memory in the
 /// same shape as the anchor's, the other of the same shape and dtype, and both ready when
@@ -357,12 +368,7 @@ pub fn partition(g: &Graph, live: &[NodeId]) -> Result<Partitioning, KernelError
             let is_matmul = matches!(node.op, NodeOp::Matmul { .. });
             if let Some((q, shared, own)) = (p.saturating_sub(SIBLING_REACH)..=p).rev().filter(|_| is_matmul).find_map(|q| {
                 let shared = sibling(g, &parts[q], id, &assigned, q)?;
-                let shared_arg = match shared {
-                    Shared::A => Some(0),
-                    Shared::B => Some(1),
-                    Shared::Neither => None,
-                };
-                let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| Some(i) != shared_arg).filter_map(|(_, a)| match *a {
+                let own: Vec<Read> = node.args.iter().enumerate().filter(|&(i, _)| Some(i) != shared.arg()).filter_map(|(_, a)| match *a {
                     Operand::Node(o) => Some(whole_read(g, o)),
                     Operand::Scalar(_) => None,
                 }).collect();

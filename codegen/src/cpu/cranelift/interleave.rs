@@ -2,8 +2,8 @@
 //!
 //! Cranelift's optimiser (the e-graph pass) re-emits every pure instruction depth-first
 //! at its first use, and its backend keeps that order. A fused elementwise loop body
-//! evaluates two chunks of lanes (`lower`'s `UNROLL`); depth-first, all of the first
-//! chunk's chain comes before the second's. A chain of transcendentals is a few hundred
+//! evaluates several chunks of lanes (`lower`'s `UNROLL`); depth-first, all of one
+//! chunk's chain comes before the next one's. A chain of transcendentals is a few hundred
 //! instructions long and mostly serial, so the CPU's reorder window sees one chunk at a
 //! time and waits on latencies (the 8-op chain of `scripts/bench_fusion.py` ran at ~1.6
 //! instructions per cycle). [`interleave`] re-orders each block by list scheduling: of the
@@ -30,7 +30,6 @@ fn latency(op: Opcode) -> u32 {
     match op {
         Fdiv | Sqrt => 12,
         Fma | Fmul | Fadd | Fsub => 4,
-        Load | Uload8 | Sload8 | Uload16 | Sload16 | Uload32 | Sload32 => 5,
         Call | CallIndirect => 20,
         Imul => 3,
         _ if op.can_load() => 5,
@@ -80,7 +79,7 @@ fn schedule_block(func: &mut Function, block: Block) {
     let pos: HashMap<Inst, usize> = body.iter().enumerate().map(|(i, &x)| (x, i)).collect();
     let op = |i: usize| func.dfg.insts[body[i]].opcode();
     // A constant: no operands, no memory effect; placed at its first use instead.
-    let is_const = |i: usize| mem(op(i)) == Mem::None && func.dfg.inst_values(body[i]).next().is_none();
+    let is_const: Vec<bool> = (0..body.len()).map(|i| mem(op(i)) == Mem::None && func.dfg.inst_values(body[i]).next().is_none()).collect();
 
     // Edges `pred -> succ` within the body (constants excluded: they have no operands and
     // are emitted with their users).
@@ -90,14 +89,14 @@ fn schedule_block(func: &mut Function, block: Block) {
     let mut last_barrier: Option<usize> = None;
     let mut loads_since: Vec<usize> = Vec::new();
     for i in 0..body.len() {
-        if is_const(i) {
+        if is_const[i] {
             continue;
         }
         let mut preds: Vec<usize> = Vec::new();
         for v in func.dfg.inst_values(body[i]) {
             if let ValueDef::Result(d, _) = func.dfg.value_def(v) {
                 if let Some(&p) = pos.get(&d) {
-                    if is_const(p) {
+                    if is_const[p] {
                         if !consts_of[i].contains(&p) {
                             consts_of[i].push(p);
                         }
@@ -134,7 +133,7 @@ fn schedule_block(func: &mut Function, block: Block) {
         prio[i] = latency(op(i)) + tail;
     }
 
-    let mut ready: BinaryHeap<(u32, Reverse<usize>)> = (0..body.len()).filter(|&i| !is_const(i) && npreds[i] == 0).map(|i| (prio[i], Reverse(i))).collect();
+    let mut ready: BinaryHeap<(u32, Reverse<usize>)> = (0..body.len()).filter(|&i| !is_const[i] && npreds[i] == 0).map(|i| (prio[i], Reverse(i))).collect();
     let mut placed = vec![false; body.len()];
     let mut order: Vec<usize> = Vec::with_capacity(body.len());
     while let Some((_, Reverse(i))) = ready.pop() {
@@ -153,7 +152,7 @@ fn schedule_block(func: &mut Function, block: Block) {
             }
         }
     }
-    if (0..body.len()).any(|i| !placed[i] && !is_const(i)) {
+    if (0..body.len()).any(|i| !placed[i] && !is_const[i]) {
         // Unreachable in SSA (no cycles within a block); keep the order as it was.
         return;
     }
@@ -162,7 +161,7 @@ fn schedule_block(func: &mut Function, block: Block) {
     if order.iter().enumerate().all(|(k, &i)| k == i) {
         return;
     }
-    for &i in &body[..] {
+    for &i in body {
         func.layout.remove_inst(i);
     }
     for &i in &order {
@@ -229,7 +228,7 @@ mod tests {
         }
         b.ins().return_(&[]);
         b.seal_all_blocks();
-        b.finalize(super::super::isa("none").expect("host isa").frontend_config());
+        b.finalize(super::super::isa(false).expect("host isa").frontend_config());
         func
     }
 

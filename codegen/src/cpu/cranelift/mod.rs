@@ -6,10 +6,12 @@ pub mod interleave;
 pub(crate) mod lower;
 pub mod vector;
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use cranelift_codegen::ir::types::{F32, I32, I64};
 use cranelift_codegen::ir::{AbiParam, UserFuncName};
+use cranelift_codegen::isa::OwnedTargetIsa;
 use cranelift_codegen::settings::{self, Configurable};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use cranelift_jit::{JITBuilder, JITModule};
@@ -44,9 +46,15 @@ impl Drop for Compiled {
     }
 }
 
-/// The host ISA. The mid-end runs at `opt_level` (`"speed"` for [`optimize`], `"none"`
-/// for the module, whose backend must keep the order [`interleave`] chose).
-fn isa(opt_level: &str) -> Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported> {
+/// The host ISA, built once per process for each use: `speed` runs the mid-end in
+/// [`optimize`]; the module's has it off, so that its backend keeps the order
+/// [`interleave`] chose.
+fn isa(speed: bool) -> Result<OwnedTargetIsa, Unsupported> {
+    static ISAS: [OnceLock<Result<OwnedTargetIsa, Unsupported>>; 2] = [OnceLock::new(), OnceLock::new()];
+    ISAS[usize::from(speed)].get_or_init(|| host_isa(if speed { "speed" } else { "none" })).clone()
+}
+
+fn host_isa(opt_level: &str) -> Result<OwnedTargetIsa, Unsupported> {
     let mut flags = settings::builder();
     let set = |f: &mut settings::Builder, k: &str, v: &str| f.set(k, v).map_err(|e| Unsupported(format!("cranelift flag {k}: {e}")));
     set(&mut flags, "opt_level", opt_level)?;
@@ -139,9 +147,7 @@ pub(crate) fn build_clif(module: &mut JITModule, k: &Kernel, layouts: &[super::l
 /// Cranelift's mid-end (the e-graph pass: GVN, LICM, constant folding, simplification),
 /// then [`interleave`]'s order; the module compiles the result with the mid-end off.
 fn optimize(ctx: &mut cranelift_codegen::Context) -> Result<(), Unsupported> {
-    static SPEED: std::sync::OnceLock<Result<cranelift_codegen::isa::OwnedTargetIsa, Unsupported>> = std::sync::OnceLock::new();
-    let isa = SPEED.get_or_init(|| isa("speed")).as_ref().map_err(|e| e.clone())?;
-    ctx.optimize(&**isa, &mut Default::default()).map_err(|e| Unsupported(format!("cranelift mid-end: {e:?}")))?;
+    ctx.optimize(&*isa(true)?, &mut Default::default()).map_err(|e| Unsupported(format!("cranelift mid-end: {e:?}")))?;
     interleave::interleave(&mut ctx.func);
     Ok(())
 }
@@ -162,7 +168,7 @@ fn write_dump(dir: &std::path::Path, k: &Kernel, ctx: &cranelift_codegen::Contex
 
 /// A JIT module for the host with the helpers' symbols.
 pub(crate) fn new_module(exact: bool) -> Result<JITModule, Unsupported> {
-    let mut jb = JITBuilder::with_isa(isa("none")?, default_libcall_names());
+    let mut jb = JITBuilder::with_isa(isa(false)?, default_libcall_names());
     for (name, p) in helper_symbols(exact) {
         jb.symbol(name, p);
     }

@@ -459,12 +459,7 @@ def _logic(kind, args, st, op):
     n = 1 if kind == "not" else 2
     if len(args) != n or not all(isinstance(a, torch.Tensor) and a.dtype in _DTYPES for a in args):
         raise _Unsupported("fusion-dtype")
-    xs = []
-    for a in args:
-        x = _node_of(a, st)
-        if a.dtype != torch.bool:
-            x = op("compare", "ne", [x, 0.0])[0]
-        xs.append(op("cast", "to", [x, "float32"])[0])
+    xs = [_truth(a, st, op) for a in args]
     if kind == "not":
         return op("compare", "eq", [xs[0], 0.0])
     if kind == "xor":
@@ -475,10 +470,9 @@ def _logic(kind, args, st, op):
 
 def _any_all(name, args, kw, st, op):
     """`any` / `all` over the last dim, every element (`dim=None`) or none (`dim=()`), of a
-    bool or float tensor: each
-    element's truth (`x != 0`, NaN true as in torch) as 0 or 1 in f32, its row maximum
-    (`any`) or minimum (`all`), and a compare with 0, so masking code's `mask.any(-1)` fuses
-    with the mask. Other dims, empty tensors and tensors not pending run eagerly."""
+    bool or float tensor: each element's truth ([`_truth`]), its row maximum (`any`) or
+    minimum (`all`), and a compare with 0, so masking code's `mask.any(-1)` fuses with the
+    mask. Other dims, empty tensors and tensors not pending run eagerly."""
     x = args[0]
     dims = args[1] if len(args) > 1 else kw.pop("dim", None)
     keepdim = bool(args[2] if len(args) > 2 else kw.pop("keepdim", False))
@@ -490,10 +484,7 @@ def _any_all(name, args, kw, st, op):
         # (generate()'s stopping criteria, MoE routing's `mask.any(-1)`).
         raise _Unsupported(f"{name}-of-a-real-tensor")
     rank = x.dim()
-    n = _node_of(x, st)
-    if x.dtype != torch.bool:
-        n = op("compare", "ne", [n, 0.0])[0]
-    n = op("cast", "to", [n, "float32"])[0]
+    n = _truth(x, st, op)
     if isinstance(dims, (list, tuple)) and len(dims) == 0:
         # (`dim=()` reduces over no dims, unlike `sum`'s: each element's truth.)
         return op("compare", "ne", [n, 0.0])
@@ -508,8 +499,17 @@ def _any_all(name, args, kw, st, op):
     return op("compare", "ne", [r, 0.0])
 
 
-def _two_bools(args):
-    return len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
+def _truth(a, st, op):
+    """Tensor `a`'s elements as 0 or 1 in f32: a bool's cast, a float's `a != 0` (NaN true,
+    as in torch)."""
+    x = _node_of(a, st)
+    if a.dtype != torch.bool:
+        x = op("compare", "ne", [x, 0.0])[0]
+    return op("cast", "to", [x, "float32"])[0]
+
+
+def _all_bools(args):
+    return all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)
 
 
 # ---- op table: aten overload -> how to record it ------------------------------------------------
@@ -675,7 +675,7 @@ def _record(func, name, args, kwargs, st):
         if _has_bool_tensor(args, st):
             if name != "add":  # (torch refuses to subtract a bool tensor)
                 raise _Unsupported("fusion-dtype")
-            if _two_bools(args):  # bool + bool is bool: or
+            if _all_bools(args):  # bool + bool is bool: or
                 return _logic("or", args, st, op)
             return _broadcasting_op("binary", name, _bool_as_float(args, st, op), args, st, op)
         if name == "add":
@@ -692,7 +692,7 @@ def _record(func, name, args, kwargs, st):
         if _has_bool_tensor(args, st):
             if name not in ("mul", "div"):
                 raise _Unsupported("fusion-dtype")
-            if name == "mul" and _two_bools(args):  # bool * bool is bool: and
+            if name == "mul" and _all_bools(args):  # bool * bool is bool: and
                 return _logic("and", args, st, op)
             return _broadcasting_op("binary", _BINARY[name], _bool_as_float(args, st, op), args, st, op)
         if name in ("mul", "div"):
@@ -702,7 +702,7 @@ def _record(func, name, args, kwargs, st):
             a, b = _bf16_scalars(args, a, b)
         return _broadcasting_op("binary", _BINARY[name], [a, b], args, st, op)
     if name in _LOGIC:
-        if kw or (name.startswith("bitwise") and not all(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args)):
+        if kw or (name.startswith("bitwise") and not _all_bools(args)):
             raise _Unsupported("fusion-dtype")
         return _logic(_LOGIC[name], args, st, op)
     if name in _COMPARE:
@@ -978,11 +978,15 @@ def _norms():
     return table
 
 
+# Where a LayerNorm's weight and bias are in its arguments.
+_NORM_PARAMS = {aten.native_layer_norm.default: slice(2, 4), aten.native_layer_norm_backward.default: slice(5, 7)}
+
+
 def _params_match(func, args):
     """Whether a LayerNorm's weight and bias have its input's dtype. Eager's CPU kernel
     raises on an f32 input with bf16 parameters ("mixed dtype"): such a call runs eagerly,
     so that it does."""
-    at = {aten.native_layer_norm.default: slice(2, 4), aten.native_layer_norm_backward.default: slice(5, 7)}.get(func)
+    at = _NORM_PARAMS.get(func)
     return at is None or all(p is None or p.dtype == args[0].dtype for p in args[at])
 
 
