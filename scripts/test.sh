@@ -5,7 +5,7 @@
 #      comparisons with PyTorch, the CPU-backend conformance suite on interp, the
 #      Cranelift JIT and LLVM), then every library op on the JIT vs its reference,
 #   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x
-#      (bf16 all, f32 a stable third; TESSERA_LIBTPU_SAMPLE=1 compiles every f32 kernel too),
+#      (bf16 all, f32 a stable sixth; TESSERA_LIBTPU_SAMPLE=1 compiles every f32 kernel too),
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair half and a
 #      stable sixth of the probes judged by libtpu again, about 1 min cold, the rest against
 #      the recorded verdicts; TESSERA_LIBTPU_SAMPLE=1 judges all of them, about 2 min; verdicts
@@ -57,7 +57,7 @@ export TESSERA_PYTHON="$PWD/.venv/bin/python"
 step "the torch example's Rust tests (its kernel and op without the Python module: no libpython to link)"
 cargo test --release -p tessera-example --no-default-features --features tessera/llvm,cli 2>&1
 
-# Sampled: the conformance suite runs every library case in both dtypes on the JIT (LLVM all of bf16, a stable third of f32)
+# Sampled: the conformance suite runs every library case in both dtypes on the JIT (LLVM a stable half of bf16 and a sixth of f32)
 # against the interpreter, op_table every op in both against its reference, and the
 # module tests (attention, gmm, routing, ...) their cases against theirs.
 step "tessera run on the JIT, sampled (every library case runs in the conformance suite)"
@@ -65,7 +65,7 @@ for op in rmsnorm flash_attention_fwd gmm permute rope; do
     cargo run --release -q -p tessera-cli --features llvm -- run "$op" --backend jit --dtype f32
 done
 
-step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled every library kernel for v5e/v6e/tpu7x: bf16 all, f32 a third)"
+step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled every library kernel for v5e/v6e/tpu7x: bf16 all, f32 a sixth)"
 cargo run --release -q -p tessera-cli --features llvm -- check rmsnorm --dtype bf16
 cargo run --release -q -p tessera-cli --features llvm -- check flash_attention_fwd --dtype f32
 
