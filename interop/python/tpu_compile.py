@@ -5,6 +5,7 @@
 Usage:
   python tpu_compile.py --target v5e [--target v6e ...] FILE.stablehlo.mlir [...]
   python tpu_compile.py --target v5e,v6e,tpu7x FILES...
+  python tpu_compile.py --target v5e @LIST     # LIST: one argument (file) per line
   python tpu_compile.py --serve            # JSON-lines requests on stdin
   python tpu_compile.py --list-targets
 
@@ -465,7 +466,9 @@ def serve(pool, default_target, timeout):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # `@LIST` reads arguments from a file, one a line: thousands of paths pass the
+    # kernel's limit on a command line's length.
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
     ap.add_argument("--target", action="append", default=[],
                     help="v4|v5e|v5p|v6e|tpu7x or topology name; repeatable or comma list")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
