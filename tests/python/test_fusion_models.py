@@ -159,21 +159,12 @@ def test_moe_block_output_and_gradients_equal_strict():
     assert ratio > 1.5, (ratio, s)
 
 
-class StaticMoE(torch.nn.Module):
+class StaticMoE(MoE):
     """The same top-2 mixture of SwiGLU experts in the static formulation of PyTorch/XLA's
     Mixtral port (`config.static`): every expert runs on every token and its output is
     weighted by the router's weight, zero where the expert was not chosen. No op reads values
     or makes a data-dependent shape (what a traced TPU graph needs), so the whole block
     defers: the only flushes are topk's (it runs eagerly) and backward's."""
-
-    def __init__(self, d=64, f=96, experts=4, k=2):
-        super().__init__()
-        self.k = k
-        self.router = torch.nn.Linear(d, experts, bias=False)
-        self.w1 = torch.nn.Parameter(torch.randn(experts, d, f) * 0.1)
-        self.w3 = torch.nn.Parameter(torch.randn(experts, d, f) * 0.1)
-        self.w2 = torch.nn.Parameter(torch.randn(experts, f, d) * 0.1)
-        self.norm = torch.nn.Parameter(torch.ones(d))
 
     def forward(self, x):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
