@@ -110,11 +110,15 @@ class MoE(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(experts, f, d) * 0.1)
         self.norm = torch.nn.Parameter(torch.ones(d))
 
-    def forward(self, x):
+    def route(self, x):
+        """RMSNorm, then each token's top-k experts and their renormalised weights."""
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
         probs = self.router(h).softmax(-1)
         weight, chosen = probs.topk(self.k, dim=-1)
-        weight = weight / weight.sum(-1, keepdim=True)
+        return h, weight / weight.sum(-1, keepdim=True), chosen
+
+    def forward(self, x):
+        h, weight, chosen = self.route(x)
         out = torch.zeros_like(h)
         for e in range(self.w1.shape[0]):
             mask = chosen == e  # [t, k]
@@ -128,17 +132,23 @@ class MoE(torch.nn.Module):
         return x + out
 
 
+def moe_step(moe, x):
+    """One forward and backward of `moe` on a fresh leaf copy of `x` (loss: the mean square,
+    in f32): the output, the input's gradient and every parameter's."""
+    moe.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    y = moe(xr)
+    y.float().square().mean().backward()
+    return y.detach().clone(), xr.grad.clone(), {k: p.grad.clone() for k, p in moe.named_parameters()}
+
+
 def test_moe_block_output_and_gradients_equal_strict():
     torch.manual_seed(2)
     moe = MoE()
     x = torch.randn(48, 64)
 
     def step():
-        moe.zero_grad(set_to_none=True)
-        xr = x.clone().requires_grad_(True)
-        y = moe(xr)
-        y.square().mean().backward()
-        return y.detach().clone(), xr.grad.clone(), {k: p.grad.clone() for k, p in moe.named_parameters()}
+        return moe_step(moe, x)
 
     want_y, want_gx, want_grads = step()
     aten = strict_ops(step)
@@ -167,10 +177,7 @@ class StaticMoE(MoE):
     defers: the only flushes are topk's (it runs eagerly) and backward's."""
 
     def forward(self, x):
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
-        probs = self.router(h).softmax(-1)
-        weight, chosen = probs.topk(self.k, dim=-1)
-        weight = weight / weight.sum(-1, keepdim=True)
+        h, weight, chosen = self.route(x)
         out = torch.zeros_like(h)
         for e in range(self.w1.shape[0]):
             we = (weight * (chosen == e)).sum(-1, keepdim=True)  # [t, 1]: 0 where not chosen
@@ -186,11 +193,7 @@ def test_static_moe_block_equals_strict_with_5x_fewer_launches(experts, d, token
     x = torch.randn(tokens, d, dtype=dtype)
 
     def step():
-        moe.zero_grad(set_to_none=True)
-        xr = x.clone().requires_grad_(True)
-        y = moe(xr)
-        y.float().square().mean().backward()
-        return y.detach().clone(), xr.grad.clone(), {k: p.grad.clone() for k, p in moe.named_parameters()}
+        return moe_step(moe, x)
 
     want_y, want_gx, want_grads = step()
     aten = strict_ops(step)
