@@ -132,14 +132,24 @@ class MoE(torch.nn.Module):
         return x + out
 
 
-def moe_step(moe, x):
+def strict_then_deferred(moe, x):
     """One forward and backward of `moe` on a fresh leaf copy of `x` (loss: the mean square,
-    in f32): the output, the input's gradient and every parameter's."""
-    moe.zero_grad(set_to_none=True)
-    xr = x.clone().requires_grad_(True)
-    y = moe(xr)
-    y.float().square().mean().backward()
-    return y.detach().clone(), xr.grad.clone(), {k: p.grad.clone() for k, p in moe.named_parameters()}
+    in f32), strict and then under the mode (stats reset before it): each run's output, input
+    gradient and parameter gradients, with strict's aten op count between them."""
+
+    def step():
+        moe.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        y = moe(xr)
+        y.float().square().mean().backward()
+        return y.detach().clone(), xr.grad.clone(), {k: p.grad.clone() for k, p in moe.named_parameters()}
+
+    want = step()
+    aten = strict_ops(step)
+    fusion.reset_stats()
+    with tessera.set_eager_mode(DEFER):
+        got = step()
+    return want, aten, got
 
 
 def test_moe_block_output_and_gradients_equal_strict():
@@ -147,14 +157,7 @@ def test_moe_block_output_and_gradients_equal_strict():
     moe = MoE()
     x = torch.randn(48, 64)
 
-    def step():
-        return moe_step(moe, x)
-
-    want_y, want_gx, want_grads = step()
-    aten = strict_ops(step)
-    fusion.reset_stats()
-    with tessera.set_eager_mode(DEFER):
-        y, gx, grads = step()
+    (want_y, want_gx, want_grads), aten, (y, gx, grads) = strict_then_deferred(moe, x)
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, want_gx, rtol=1e-4, atol=1e-6)
     for k, g in want_grads.items():
@@ -192,14 +195,7 @@ def test_static_moe_block_equals_strict_with_5x_fewer_launches(experts, d, token
     moe = StaticMoE(d=d, f=d * 3 // 2, experts=experts).to(dtype)
     x = torch.randn(tokens, d, dtype=dtype)
 
-    def step():
-        return moe_step(moe, x)
-
-    want_y, want_gx, want_grads = step()
-    aten = strict_ops(step)
-    fusion.reset_stats()
-    with tessera.set_eager_mode(DEFER):
-        y, gx, grads = step()
+    (want_y, want_gx, want_grads), aten, (y, gx, grads) = strict_then_deferred(moe, x)
     # f32: the fused kernels' sums in another order; bf16: each side rounds its own
     # intermediates (a bf16 ulp is 2^-8 relative), and the weight gradients sum 64 tokens.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
