@@ -131,7 +131,9 @@ fn emit_transform(k: &Kernel, n: usize, map: &[IndexExpr], t: &mut Text) {
     t.line("\"stable_mosaic.func.func\"() ({");
     t.line(&block_header(&args));
     t.indent();
-    let outs: Vec<Ssa> = map.iter().map(|e| index_expr(e, &args, &prefetch, t)).collect();
+    // Simplified over the grid: Mosaic evaluates the map on the scalar unit at every step.
+    let extents: Vec<usize> = k.grid.iter().map(|g| g.extent).collect();
+    let outs: Vec<Ssa> = map.iter().map(|e| index_expr(&e.simplified(&extents), &args, &prefetch, t)).collect();
     let refs: Vec<&Ssa> = outs.iter().collect();
     t.op0("func.return", &refs, "");
     t.dedent();

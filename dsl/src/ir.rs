@@ -125,6 +125,80 @@ impl IndexExpr {
     }
 }
 
+impl IndexExpr {
+    /// The closed range `(lo, hi)` the expression takes while grid dim `g` runs over
+    /// `0..extents[g]`; `i64::MIN` / `i64::MAX` stand for unbounded (a prefetch read, or a
+    /// bound that overflowed). Operands are i32 on every backend, so any bound past `i32`
+    /// is as good as unbounded.
+    pub fn range(&self, extents: &[usize]) -> (i64, i64) {
+        const ANY: (i64, i64) = (i64::MIN, i64::MAX);
+        match self {
+            IndexExpr::Grid(g) => extents.get(*g).map_or(ANY, |&e| (0, (e as i64 - 1).max(0))),
+            IndexExpr::Const(c) => (*c, *c),
+            IndexExpr::Prefetch { .. } => ANY,
+            IndexExpr::Bin(op, a, b) => {
+                let ((alo, ahi), (blo, bhi)) = (a.range(extents), b.range(extents));
+                match op {
+                    IndexOp::Add => (alo.saturating_add(blo), ahi.saturating_add(bhi)),
+                    IndexOp::Sub => (alo.saturating_sub(bhi), ahi.saturating_sub(blo)),
+                    IndexOp::Mul => {
+                        let p = [alo.saturating_mul(blo), alo.saturating_mul(bhi), ahi.saturating_mul(blo), ahi.saturating_mul(bhi)];
+                        (*p.iter().min().unwrap(), *p.iter().max().unwrap())
+                    }
+                    // Truncating division by a positive constant is monotone.
+                    IndexOp::Div if blo == bhi && blo > 0 => (alo / blo, ahi / blo),
+                    IndexOp::Rem if blo == bhi && blo > 0 && alo >= 0 => (0, ahi.min(blo - 1)),
+                    IndexOp::Div | IndexOp::Rem => ANY,
+                    IndexOp::Min => (alo.min(blo), ahi.min(bhi)),
+                    IndexOp::Max => (alo.max(blo), ahi.max(bhi)),
+                }
+            }
+        }
+    }
+
+    /// The same map over the grid `extents`, with what cannot change its value at any grid
+    /// point removed: constants folded, `x + 0`, `x * 1`, `x / 1`, `x * 0` reduced, and a
+    /// `min` / `max` whose one side bounds the other over the whole grid (a causal clamp
+    /// that a non-causal kernel never reaches) replaced by that side. Mosaic evaluates a
+    /// window's map on the scalar unit at every grid step to find the next block, so each
+    /// operation left is paid per step.
+    pub fn simplified(&self, extents: &[usize]) -> IndexExpr {
+        let IndexExpr::Bin(op, a, b) = self else {
+            return match self {
+                IndexExpr::Prefetch { array, index } => IndexExpr::Prefetch { array: *array, index: index.iter().map(|e| e.simplified(extents)).collect() },
+                other => other.clone(),
+            };
+        };
+        let (a, b) = (a.simplified(extents), b.simplified(extents));
+        let (ra, rb) = (a.range(extents), b.range(extents));
+        let constant = |r: (i64, i64), c: i64| r == (c, c);
+        let folded = match (op, &a, &b) {
+            (_, IndexExpr::Const(x), IndexExpr::Const(y)) => match op {
+                IndexOp::Add => x.checked_add(*y),
+                IndexOp::Sub => x.checked_sub(*y),
+                IndexOp::Mul => x.checked_mul(*y),
+                IndexOp::Div => x.checked_div(*y),
+                IndexOp::Rem => x.checked_rem(*y),
+                IndexOp::Min => Some(*x.min(y)),
+                IndexOp::Max => Some(*x.max(y)),
+            }
+            .map(IndexExpr::Const),
+            (IndexOp::Add, _, _) if constant(rb, 0) => Some(a.clone()),
+            (IndexOp::Add, _, _) if constant(ra, 0) => Some(b.clone()),
+            (IndexOp::Sub, _, _) if constant(rb, 0) => Some(a.clone()),
+            (IndexOp::Mul, _, _) if constant(ra, 0) || constant(rb, 0) => Some(IndexExpr::Const(0)),
+            (IndexOp::Mul | IndexOp::Div, _, _) if constant(rb, 1) => Some(a.clone()),
+            (IndexOp::Mul, _, _) if constant(ra, 1) => Some(b.clone()),
+            (IndexOp::Min, _, _) if ra.1 <= rb.0 => Some(a.clone()),
+            (IndexOp::Min, _, _) if rb.1 <= ra.0 => Some(b.clone()),
+            (IndexOp::Max, _, _) if ra.0 >= rb.1 => Some(a.clone()),
+            (IndexOp::Max, _, _) if rb.0 >= ra.1 => Some(b.clone()),
+            _ => None,
+        };
+        folded.unwrap_or_else(|| IndexExpr::Bin(*op, Box::new(a), Box::new(b)))
+    }
+}
+
 impl From<i64> for IndexExpr {
     fn from(v: i64) -> Self {
         IndexExpr::Const(v)
