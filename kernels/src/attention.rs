@@ -252,11 +252,13 @@ fn widen(x: Value, lanes: usize, width: usize) -> Value {
 /// The online softmax step of one block: the new running max, sum and accumulator, and
 /// the block's weights `p`, with the running max and sum as `[bq, lanes]` state
 /// ([`state_lanes`]). A row whose logits so far are all -inf (masked, or -inf data) takes
-/// `exp(s - 0)`: 0, not `exp(-inf + inf)` = NaN.
+/// `exp(s - f32::MIN)`: 0, not `exp(-inf + inf)` = NaN (one max per vreg of state, where a
+/// compare and a select were two: libtpu estimates the non-causal 512 x 512 v6e forward
+/// 1.0% cheaper).
 #[tpu_fn]
 pub(crate) fn online_softmax(s: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value, Value) {
     let m_new = m_old.max(s.reduce_max(1));
-    let m_use = select(m_new == f32::NEG_INFINITY, 0.0, m_new);
+    let m_use = m_new.max(f32::MIN);
     let alpha = (m_old - m_use).exp();
     let p = (s - widen(m_use, lanes, bk)).exp();
     let acc_new = widen(alpha, lanes, d) * acc_old + dot(p.cast(v_dtype), v);
