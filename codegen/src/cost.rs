@@ -205,6 +205,16 @@ pub struct Roofline {
     pub blind: bool,
 }
 
+impl Roofline {
+    /// The roofline's share of the time: `max(mxu, hbm) / time`, 1.0 at the roofline. Read
+    /// it for kernels whose every grid step runs (matmul, the norms): the IR counts the
+    /// flops of every `if` as taken, so a kernel that skips blocks (causal attention) shows
+    /// more than it does. Meaningless when the time is the IR's own model (`blind`).
+    pub fn efficiency(&self) -> f64 {
+        self.mxu_us.max(self.hbm_us) / self.time_us
+    }
+}
+
 /// [`Roofline`] of `kernel` on `target` from its profile.
 pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::Target) -> Roofline {
     let est = estimate(kernel);

@@ -567,8 +567,8 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
         say_tuned(&selected, dtype, target);
         per_target.push(build_selected(&selected, s, dtype, target)?);
     }
-    println!("libtpu's static estimate (compile-only, one device: a TensorCore, or both of a v5p chip's as one megacore device) beside the IR's flops and HBM bytes; time = max(estimate, HBM)");
-    println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us");
+    println!("libtpu's static estimate (compile-only, one device: a TensorCore, or both of a v5p chip's as one megacore device) beside the IR's flops and HBM bytes; time = max(estimate, HBM); roofline % = max(MXU, HBM) / time (the IR counts every `if` as taken: read it for kernels that run every step)");
+    println!("{:<8} {:<44} {:<5} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}  bound", "target", "kernel", "dtype", "cycles", "+outside", "bundles", "vspill", "sspill", "VMEM MiB", "est us", "MXU us", "HBM us", "time us", "roofline %");
     let mut all_ok = true;
     for (target, kernels) in targets.iter().zip(&per_target) {
         eprintln!("compiling {} kernels for {} (libtpu, with the static profile)...", kernels.len(), target.name);
@@ -577,7 +577,7 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             // A row with no estimate: the IR's model, and why.
             let model_row = |why: &str| {
                 let r = tessera_codegen::roofline(kernel, &Default::default(), target);
-                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us));
+                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1} {:>10}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us), "-");
             };
             if v.timed_out {
                 // No answer in time (a loaded machine): not a rejection.
@@ -598,7 +598,8 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             let bound = if r.blind { format!("{} (libtpu's estimate cannot see prefetch-driven or dynamic-grid trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
             // No VMEM figure in the profile (libtpu did not attribute one): `-`, not 0.
             let mib = if p.vmem_bytes == 0 { "-".to_string() } else { format!("{:.2}", p.vmem_bytes as f64 / (1 << 20) as f64) };
-            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
+            let efficiency = if r.blind { "-".to_string() } else { format!("{:.1}", 100.0 * r.efficiency()) };
+            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {efficiency:>10}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
         }
     }
     println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));
