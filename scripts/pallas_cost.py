@@ -9,7 +9,8 @@ Usage:
   pallas_cost.py --target v5e CASE [CASE ...]
   CASE = KERNEL:key=value,...   e.g.
     matmul:m=4096,k=4096,n=4096,bm=512,bk=1024,bn=1024,dtype=bf16
-    flash:b=1,h=8,s=2048,d=128,causal=1,bq=128,bk=128,dtype=bf16        (forward)
+    flash:b=1,h=8,s=2048,d=128,causal=1,bq=128,bk=128,dtype=bf16        (forward, inference: o only)
+    flash_res:b=1,h=8,s=2048,d=128,causal=1,bq=128,bk=128,dtype=bf16    (forward with residuals l, m: what training runs)
     flash_train:b=1,h=8,s=2048,d=128,causal=1,bq=128,dtype=bf16         (forward with residuals + backward, every block bq)
     gmm:m=4096,k=1024,n=1024,g=8,tm=256,tk=1024,tn=1024,dtype=bf16,sizes=512;512;...
     splash:h=8,s=2048,d=128,bq=256,bk=256,mask=causal,dtype=bf16     (forward; mask = causal | full | local:W | chunked:C,
@@ -61,6 +62,16 @@ def build(kernel, p):
         f = lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, sm_scale=1.0 / d ** 0.5, block_sizes=sizes)  # noqa: E731
         shape = (i("b"), i("h"), i("s"), d)
         return f, [S(shape, dtype)] * 3
+    if kernel == "flash_res":
+        # The forward a training step runs: o and the softmax residuals (Pallas' l and m,
+        # each f32 [b, h, s, 128]) that its backward reads, as Tessera's forward writes lse.
+        from jax.experimental.pallas.ops.tpu import flash_attention as fa
+        bq, bk = i("bq"), i("bk")
+        causal = p.get("causal", "0") in ("1", "true", "True")
+        d = i("d")
+        f = lambda q, k, v: fa._flash_attention_impl(q, k, v, None, None, True, causal, 1.0 / d ** 0.5, 1, bq, bk, bk, False)  # noqa: E731
+        shape = (i("b"), i("h"), i("s"), d)
+        return f, [S(shape, dtype)] * 3
     if kernel == "flash_train":
         # Forward (with residuals) and backward (dkv, dq kernels): jax.grad of the kernel.
         import jax.numpy as jnp_
@@ -97,7 +108,7 @@ def build(kernel, p):
         kernel_fn = sk.make_splash_mha_single_device(np.broadcast_to(mask, (h, s, s)), block_sizes=sizes)
         f = lambda q, k, v: kernel_fn(q, k, v)  # noqa: E731
         return f, [S((h, s, d), dtype)] * 3
-    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | flash_train | gmm | splash")
+    raise SystemExit(f"unknown kernel {kernel!r}: matmul | flash | flash_res | flash_train | gmm | splash")
 
 
 def child(target, case):
