@@ -157,45 +157,44 @@ impl IndexExpr {
     }
 
     /// The same map over the grid `extents`, with what cannot change its value at any grid
-    /// point removed: constants folded, `x + 0`, `x * 1`, `x / 1`, `x * 0` reduced, and a
-    /// `min` / `max` whose one side bounds the other over the whole grid (a causal clamp
-    /// that a non-causal kernel never reaches) replaced by that side. Mosaic evaluates a
+    /// point removed: a subexpression whose [`range`](Self::range) is one value becomes that
+    /// constant (constants fold, `x * 0` is 0), `x + 0`, `x - 0`, `x * 1` and `x / 1` become
+    /// `x`, and a `min` / `max` whose one side bounds the other over the whole grid (a causal
+    /// clamp that a non-causal kernel never reaches) becomes that side. Mosaic evaluates a
     /// window's map on the scalar unit at every grid step to find the next block, so each
     /// operation left is paid per step.
     pub fn simplified(&self, extents: &[usize]) -> IndexExpr {
-        let IndexExpr::Bin(op, a, b) = self else {
-            return match self {
-                IndexExpr::Prefetch { array, index } => IndexExpr::Prefetch { array: *array, index: index.iter().map(|e| e.simplified(extents)).collect() },
-                other => other.clone(),
-            };
-        };
-        let (a, b) = (a.simplified(extents), b.simplified(extents));
-        let (ra, rb) = (a.range(extents), b.range(extents));
-        let constant = |r: (i64, i64), c: i64| r == (c, c);
-        let folded = match (op, &a, &b) {
-            (_, IndexExpr::Const(x), IndexExpr::Const(y)) => match op {
-                IndexOp::Add => x.checked_add(*y),
-                IndexOp::Sub => x.checked_sub(*y),
-                IndexOp::Mul => x.checked_mul(*y),
-                IndexOp::Div => x.checked_div(*y),
-                IndexOp::Rem => x.checked_rem(*y),
-                IndexOp::Min => Some(*x.min(y)),
-                IndexOp::Max => Some(*x.max(y)),
+        match self {
+            IndexExpr::Prefetch { array, index } => IndexExpr::Prefetch { array: *array, index: index.iter().map(|e| e.simplified(extents)).collect() },
+            IndexExpr::Bin(op, a, b) => {
+                // `range` is sound, so a range of one value is the value (a bound at the
+                // i64 limits only says the bound overflowed).
+                match self.range(extents) {
+                    (lo, hi) if lo == hi && lo != i64::MIN && lo != i64::MAX => return IndexExpr::Const(lo),
+                    _ => {}
+                }
+                let (a, b) = (a.simplified(extents), b.simplified(extents));
+                let (ra, rb) = (a.range(extents), b.range(extents));
+                let is = |r: (i64, i64), c: i64| r == (c, c);
+                let side = match op {
+                    IndexOp::Add if is(rb, 0) => Some(&a),
+                    IndexOp::Add if is(ra, 0) => Some(&b),
+                    IndexOp::Sub if is(rb, 0) => Some(&a),
+                    IndexOp::Mul | IndexOp::Div if is(rb, 1) => Some(&a),
+                    IndexOp::Mul if is(ra, 1) => Some(&b),
+                    IndexOp::Min if ra.1 <= rb.0 => Some(&a),
+                    IndexOp::Min if rb.1 <= ra.0 => Some(&b),
+                    IndexOp::Max if ra.0 >= rb.1 => Some(&a),
+                    IndexOp::Max if rb.0 >= ra.1 => Some(&b),
+                    _ => None,
+                };
+                match side {
+                    Some(kept) => kept.clone(),
+                    None => IndexExpr::Bin(*op, Box::new(a), Box::new(b)),
+                }
             }
-            .map(IndexExpr::Const),
-            (IndexOp::Add, _, _) if constant(rb, 0) => Some(a.clone()),
-            (IndexOp::Add, _, _) if constant(ra, 0) => Some(b.clone()),
-            (IndexOp::Sub, _, _) if constant(rb, 0) => Some(a.clone()),
-            (IndexOp::Mul, _, _) if constant(ra, 0) || constant(rb, 0) => Some(IndexExpr::Const(0)),
-            (IndexOp::Mul | IndexOp::Div, _, _) if constant(rb, 1) => Some(a.clone()),
-            (IndexOp::Mul, _, _) if constant(ra, 1) => Some(b.clone()),
-            (IndexOp::Min, _, _) if ra.1 <= rb.0 => Some(a.clone()),
-            (IndexOp::Min, _, _) if rb.1 <= ra.0 => Some(b.clone()),
-            (IndexOp::Max, _, _) if ra.0 >= rb.1 => Some(a.clone()),
-            (IndexOp::Max, _, _) if rb.0 >= ra.1 => Some(b.clone()),
-            _ => None,
-        };
-        folded.unwrap_or_else(|| IndexExpr::Bin(*op, Box::new(a), Box::new(b)))
+            other => other.clone(),
+        }
     }
 }
 

@@ -40,8 +40,9 @@ fn pairs(target: &Target) -> Vec<Pair> {
             let mask = if causal { "causal" } else { "non-causal" };
             // Tessera's forward always writes lse. Beside Pallas' inference forward (o only)
             // and beside its training forward (o and the residuals l, m its backward reads).
-            out.push(Pair { name: format!("flash fwd {mask} B1 H8 S2048 D128 @ {b}^2 vs inference (o)"), kernels: kernels.clone(), pallas: format!("flash:b=1,h=8,s=2048,d=128,causal={},bq={b},bk={b},dtype=bf16", u8::from(causal)) });
-            out.push(Pair { name: format!("flash fwd {mask} B1 H8 S2048 D128 @ {b}^2 vs training (o, l, m)"), kernels, pallas: format!("flash_res:b=1,h=8,s=2048,d=128,causal={},bq={b},bk={b},dtype=bf16", u8::from(causal)) });
+            let case = format!("b=1,h=8,s=2048,d=128,causal={},bq={b},bk={b},dtype=bf16", u8::from(causal));
+            out.push(Pair { name: format!("flash fwd {mask} B1 H8 S2048 D128 @ {b}^2 vs inference (o)"), kernels: kernels.clone(), pallas: format!("flash:{case}") });
+            out.push(Pair { name: format!("flash fwd {mask} B1 H8 S2048 D128 @ {b}^2 vs training (o, l, m)"), kernels, pallas: format!("flash_res:{case}") });
         }
     }
     // A training step's attention: the forward (with lse) and the backward (di, dkv, dq)
