@@ -57,7 +57,7 @@ export TESSERA_PYTHON="$PWD/.venv/bin/python"
 step "the torch example's Rust tests (its kernel and op without the Python module: no libpython to link)"
 cargo test --release -p tessera-example --no-default-features --features tessera/llvm,cli 2>&1
 
-# Sampled: the conformance suite runs every library case in both dtypes on the JIT (LLVM a stable half of bf16 and a sixth of f32)
+# Sampled: the conformance suite runs every library case in both dtypes on the JIT (LLVM a stable third of bf16 and a sixth of f32)
 # against the interpreter, op_table every op in both against its reference, and the
 # module tests (attention, gmm, routing, ...) their cases against theirs.
 step "tessera run on the JIT, sampled (every library case runs in the conformance suite)"

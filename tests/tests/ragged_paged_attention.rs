@@ -10,6 +10,7 @@ use tessera_dsl::{DType, Inst, Target, Type};
 use tessera_kernels::harness::check_output;
 use tessera_kernels::ragged_paged_attention::{self as rpa, reference, Options};
 use tessera_tests::oracle;
+use tessera_codegen::cpu::Backend;
 
 /// (T, H, Hkv, D, num_pages, page_size, max_seqs, pages_per_seq, block_q, pages_per_compute_block).
 type Set = (usize, usize, usize, usize, usize, usize, usize, usize, usize, usize);
@@ -303,7 +304,16 @@ fn quantized_caches_match_the_reference_on_every_backend() {
             let scales = tessera_kernels::paged_attention::KvScales { k_scale, v_scale, per_token };
             let o = Options { sliding_window: window, scales, ..opts(sh, sh.3) };
             let want = reference::ragged_paged_attention_quantized(&a, o.sm_scale as f64, window, None, (k_scale as f64, v_scale as f64));
+            // The JIT runs every config; the interpreter and LLVM take turns (over the shape
+            // sets each sees every cache config with both q dtypes), halving their share of
+            // the test's time.
+            let turn = (set + c + set / 2) % 2;
             for be in tessera_tests::backends::all() {
+                match be {
+                    Backend::Interp if turn == 1 => continue,
+                    Backend::Llvm if turn == 0 => continue,
+                    _ => {}
+                }
                 let out = rpa::ragged_paged_attention(be.executor(), &a, &o, &Target::V5E).unwrap_or_else(|e| panic!("set {set} {cache} {be:?}: {e}"));
                 let check = check_output(&out, &want);
                 assert!(check.passed(), "set {set}, {cache} cache (per_token {per_token}, k_scale {k_scale}, v_scale {v_scale}, window {window:?}), q {q_dtype}, {be:?}: {check:?}");
