@@ -151,6 +151,10 @@ pub struct StaticProfile {
     pub scalar_spills: u64,
     /// The end of the highest VMEM allocation, spill slots included.
     pub vmem_bytes: u64,
+    /// Whether libtpu estimated the cycles. Kernels with a dynamic grid dim are profiled
+    /// without the estimate (`tpu_compile.py --llo-only`: it cannot know the trip count, and
+    /// takes minutes on them); their `cycles` are 0, the rest are the LLO's.
+    pub estimated: bool,
 }
 
 impl StaticProfile {
@@ -178,6 +182,7 @@ impl StaticProfile {
             vector_spills: sum("vector_spills"),
             scalar_spills: sum("scalar_spills"),
             vmem_bytes: calls.iter().map(|op| n(op, "vmem_bytes")).max().unwrap_or(0),
+            estimated: calls.iter().all(|op| op["cycles"].is_u64()),
         })
     }
 }

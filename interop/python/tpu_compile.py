@@ -14,8 +14,8 @@ Output: one JSON line per (file, target):
 Exit status 0 iff every compile succeeded (2 on usage errors).
 
 --serve protocol: each stdin line is either JSON {"file": PATH, "target": T}
-(optionally "text": MODULE_TEXT instead of "file", and "id": anything echoed
-back) or plain text "TARGET PATH". One JSON result line per request, flushed.
+(optionally "text": MODULE_TEXT instead of "file", "id": anything echoed
+back, and with --profile "static_profile": false, as --llo-only) or plain text "TARGET PATH". One JSON result line per request, flushed.
 
 Design: the parent process imports nothing heavy. For each target it starts
 one worker child (this script with --worker) that imports jax once, builds
@@ -44,6 +44,10 @@ final bundles; spills count vector (VMEM) and scalar (SMEM) spill loads and stor
 "vmem_bytes" is the end of the op's highest VMEM allocation, spill slots included.
 Where the profiler itself aborts (it does on some kernels that compile without it), the
 verdict comes from a plain compile and the result has "profile": {"ops": null, "error": ...}.
+--llo-only FILE (repeatable) profiles FILE without the static estimate: its ops have
+"cycles": null and the bundles, spills and VMEM of the LLO text. For kernels whose estimate
+is blind anyway (a grid dim whose trip count is data: megablox-style gmm), where libtpu's
+profiler spends a minute or more on a kernel that compiles in 0.3 s.
 """
 import argparse
 import json
@@ -114,7 +118,7 @@ _ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]*)"\s*estimated_cycles:\s*(\d+)')
 def read_profile(llo_dir, profile_dir):
     """The profile of the compile that just wrote llo_dir and profile_dir (see --profile)."""
     estimates = {}
-    for f in os.listdir(profile_dir):
+    for f in os.listdir(profile_dir) if profile_dir else []:
         with open(os.path.join(profile_dir, f)) as fh:
             for name, cycles in _ESTIMATE.findall(fh.read()):
                 estimates[name] = int(cycles)
@@ -126,6 +130,10 @@ def read_profile(llo_dir, profile_dir):
         m = _STAGE.match(f)
         if m:
             stages.setdefault(m.group(1), []).append((int(m.group(2)), f))
+    if not profile_dir:
+        # LLO text only (--llo-only): every HLO op with final bundles, no estimate (not the
+        # program's own regions: `TLP`, `<late-initialization>`, ...).
+        estimates = {name: None for name in finals if name != "TLP" and not name.startswith("<")}
     ops = []
     for name, cycles in estimates.items():
         op = {"name": name, "cycles": cycles, "bundles": None, "custom_call": False,
@@ -149,15 +157,18 @@ def read_profile(llo_dir, profile_dir):
     return {"ops": ops}
 
 
-def profile_dirs(base):
+def profile_dirs(base, static=True):
     """Fresh `llo` and `profile` folders under `base`, and the libtpu flags that dump a
-    compile's final bundles and static profile into them (read back by read_profile)."""
-    llo, prof = os.path.join(base, "llo"), os.path.join(base, "profile")
+    compile's final bundles and static profile into them (read back by read_profile).
+    Without `static`, only the bundles (the profile folder is None)."""
+    llo = os.path.join(base, "llo")
     os.makedirs(llo)
+    flags = f"--xla_jf_dump_to={llo} --xla_jf_dump_llo_text"
+    if not static:
+        return llo, None, flags
+    prof = os.path.join(base, "profile")
     os.makedirs(prof)
-    flags = (f"--xla_jf_dump_to={llo} --xla_jf_dump_llo_text"
-             f" --xla_jf_dump_static_llo_profile_to={prof}")
-    return llo, prof, flags
+    return llo, prof, flags + f" --xla_jf_dump_static_llo_profile_to={prof}"
 
 
 def add_libtpu_flags(flags):
@@ -184,7 +195,7 @@ def worker_main(target):
     if os.environ.get("TPU_COMPILE_PROFILE"):
         # libtpu reads its flags once, at import: this worker's own dump directories.
         base = tempfile.mkdtemp(prefix=f"llo-{target}-", dir=os.environ["TPU_COMPILE_PROFILE"])
-        llo, prof, flags = profile_dirs(base)
+        llo, prof, flags = profile_dirs(base, os.environ.get("TPU_COMPILE_STATIC_PROFILE") != "0")
         profile = (llo, prof)
         add_libtpu_flags(flags)
     try:
@@ -224,7 +235,7 @@ def worker_main(target):
             os.kill(os.getpid(), signal.SIGSEGV)
         ok, err, prof = False, None, None
         if profile:
-            for d in profile:
+            for d in filter(None, profile):
                 clear_dir(d)
         try:
             text = req.get("text")
@@ -385,13 +396,14 @@ class Worker:
 
 
 class Pool:
-    def __init__(self, mosaic_dump=None, profile=False):
+    def __init__(self, mosaic_dump=None, profile=False, static=True):
         self.mosaic_dump = mosaic_dump
         self.env = dict(os.environ)
         self.profile_dir = None
         if profile:
             self.profile_dir = tempfile.mkdtemp(prefix="tpu-compile-profile-")
             self.env["TPU_COMPILE_PROFILE"] = self.profile_dir
+            self.env["TPU_COMPILE_STATIC_PROFILE"] = "1" if static else "0"
         if mosaic_dump:
             os.makedirs(mosaic_dump, exist_ok=True)
             self.env["LIBTPU_INIT_ARGS"] = (self.env.get("LIBTPU_INIT_ARGS", "") +
@@ -402,12 +414,18 @@ class Pool:
         self.env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         self.workers = {}
         self.plain = None  # a pool without --profile, for kernels the profiler aborts on
+        self.llo_only = None  # a pool dumping bundles without the estimate (--llo-only)
+        self.static = static
 
     def compile(self, target, req, timeout):
         try:
             topology_for(target)  # validate
         except SystemExit as e:
             return False, str(e), 0.0, None
+        if self.profile_dir and self.static and req.get("static_profile") is False:
+            if self.llo_only is None:
+                self.llo_only = Pool(self.mosaic_dump, profile=True, static=False)
+            return self.llo_only.compile(target, req, timeout)
         w = self.workers.get(target)
         if w is None:
             w = self.workers[target] = Worker(target, self.env)
@@ -431,8 +449,9 @@ class Pool:
     def close(self):
         for w in self.workers.values():
             w.stop()
-        if self.plain:
-            self.plain.close()
+        for pool in (self.plain, self.llo_only):
+            if pool:
+                pool.close()
         if self.profile_dir:
             shutil.rmtree(self.profile_dir, ignore_errors=True)
 
@@ -479,6 +498,8 @@ def main(argv=None):
                     help="dump Mosaic after each libtpu stage into DIR")
     ap.add_argument("--profile", action="store_true",
                     help="add libtpu's static LLO profile (cycles, bundles, spills, VMEM) to each result")
+    ap.add_argument("--llo-only", metavar="FILE", action="append", default=[],
+                    help="with --profile: FILE's profile without libtpu's static estimate (bundles, spills, VMEM only)")
     ap.add_argument("--list-targets", action="store_true")
     ap.add_argument("--worker", metavar="TARGET", help=argparse.SUPPRESS)
     ap.add_argument("files", nargs="*")
@@ -501,10 +522,13 @@ def main(argv=None):
         if not a.files:
             ap.error("no input files")
         all_ok = True
+        llo_only = {os.path.abspath(f) for f in a.llo_only}
         for target in targets:
             for f in a.files:
-                ok, err, secs, prof = pool.compile(target, {"file": os.path.abspath(f)},
-                                                   a.timeout)
+                req = {"file": os.path.abspath(f)}
+                if req["file"] in llo_only:
+                    req["static_profile"] = False
+                ok, err, secs, prof = pool.compile(target, req, a.timeout)
                 all_ok &= ok
                 extra = {"profile": prof} if a.profile else None
                 print(result_line(f, target, ok, err, secs, extra), flush=True)

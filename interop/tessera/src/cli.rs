@@ -599,7 +599,9 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             // No VMEM figure in the profile (libtpu did not attribute one): `-`, not 0.
             let mib = if p.vmem_bytes == 0 { "-".to_string() } else { format!("{:.2}", p.vmem_bytes as f64 / (1 << 20) as f64) };
             let efficiency = if r.blind { "-".to_string() } else { format!("{:.1}", 100.0 * r.efficiency()) };
-            println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {mib:>8} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {efficiency:>10}  {bound}", p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, r.estimate_us, r.mxu_us, r.hbm_us, r.time_us);
+            // Profiled without the estimate (a dynamic grid: `tpu::compile`): `-`, not 0.
+            let (cycles, outside, est) = if p.estimated { (p.cycles.to_string(), p.outside_cycles.to_string(), format!("{:.1}", r.estimate_us)) } else { ("-".into(), "-".into(), "-".into()) };
+            println!("{head} {cycles:>10} {outside:>8} {:>8} {:>7} {:>6} {mib:>8} {est:>10} {:>10.1} {:>10.1} {:>10.1} {efficiency:>10}  {bound}", p.bundles, p.vector_spills, p.scalar_spills, r.mxu_us, r.hbm_us, r.time_us);
         }
     }
     println!("clock (GHz) = bf16 peak / cores / (MXUs x mxu^2 x 2): {}", Target::ALL.map(|t| format!("{} {:.2}", t.name, t.clock_ghz())).join(", "));
@@ -615,7 +617,9 @@ struct Candidate {
 /// A candidate's libtpu figures, summed over its plan's launches.
 #[derive(Default)]
 struct Figures {
-    cycles: u64,
+    /// libtpu's estimate summed over the launches; `None` if a launch has none (a dynamic
+    /// grid, or the profiler gave nothing).
+    cycles: Option<u64>,
     bundles: u64,
     spills: u64,
     vmem_bytes: u64,
@@ -693,7 +697,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
             }
             let verdicts = crate::tpu_profile(&kernels, &target).map_err(|e| e.to_string())?;
             for (i, ks) in chunk {
-                let mut f = Figures::default();
+                let mut f = Figures { cycles: Some(0), ..Figures::default() };
                 let mut rejected = None;
                 for (j, k) in ks.iter().enumerate() {
                     let Some(v) = verdicts.iter().find(|v| v.stem == format!("c{i}-{j}")) else { continue };
@@ -705,7 +709,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
                     let p = v.profile.clone().unwrap_or_default();
                     let r = tessera_codegen::roofline(k, &p, &target);
                     f.blind |= r.blind || v.profile.is_none();
-                    f.cycles += p.cycles + p.outside_cycles;
+                    f.cycles = f.cycles.filter(|_| p.estimated).map(|c| c + p.cycles + p.outside_cycles);
                     f.bundles += p.bundles;
                     f.spills += p.vector_spills + p.scalar_spills;
                     f.vmem_bytes = f.vmem_bytes.max(p.vmem_bytes);
@@ -732,7 +736,7 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
         println!("{:<4} {:<44} {:>10} {:>10} {:>8} {:>7} {:>8}", "rank", "statics", "time us", "cycles", "bundles", "spills", "VMEM MiB");
         for (rank, c) in ranked.iter().enumerate() {
             match &c.outcome {
-                Ok(f) => println!("{:<4} {:<44} {:>10.1} {:>10} {:>8} {:>7} {:>8.2}{}", rank + 1, c.statics, f.time_us, f.cycles, f.bundles, f.spills, f.vmem_bytes as f64 / (1 << 20) as f64, if f.blind { "  (time from the IR's model: libtpu's estimate cannot see the trip counts)" } else { "" }),
+                Ok(f) => println!("{:<4} {:<44} {:>10.1} {:>10} {:>8} {:>7} {:>8.2}{}", rank + 1, c.statics, f.time_us, f.cycles.map_or("-".to_string(), |c| c.to_string()), f.bundles, f.spills, f.vmem_bytes as f64 / (1 << 20) as f64, if f.blind { "  (time from the IR's model: libtpu's estimate cannot see the trip counts)" } else { "" }),
                 Err(why) => println!("{:<4} {:<44} {why}", "-", c.statics),
             }
         }
