@@ -206,7 +206,8 @@ pub struct Roofline {
     /// (megablox gmm), so the time is the IR's explicit model instead. Also set for a
     /// kernel with a dynamic grid dim, whose trip count libtpu's model cannot know (its
     /// estimate for gmm's visit dim is 3-4x the same kernel's at the static bound); the
-    /// IR's model then counts the dim at its bound.
+    /// IR's model then counts the dim at its bound. And set when libtpu gave no estimate
+    /// (`StaticProfile::estimated`).
     pub blind: bool,
 }
 
@@ -229,7 +230,7 @@ pub fn roofline(kernel: &Kernel, profile: &StaticProfile, target: &tessera_dsl::
     let hbm_us = est.bytes_accessed as f64 / (target.hbm_gbps * 1e3);
     let reads_prefetch = kernel.refs.iter().any(|r| r.kind == RefKind::Prefetch);
     let dynamic = kernel.grid.iter().any(|g| g.dynamic.is_some());
-    let blind = dynamic || reads_prefetch && estimate_us < mxu_us;
+    let blind = !profile.estimated || dynamic || reads_prefetch && estimate_us < mxu_us;
     let compute_us = if blind { mxu_us } else { estimate_us };
     let (time_us, bound) = if hbm_us > compute_us { (hbm_us, "hbm") } else { (compute_us, "compute") };
     Roofline { estimate_us, mxu_us, hbm_us, time_us, bound, blind }

@@ -15,7 +15,8 @@ Exit status 0 iff every compile succeeded (2 on usage errors).
 
 --serve protocol: each stdin line is either JSON {"file": PATH, "target": T}
 (optionally "text": MODULE_TEXT instead of "file", "id": anything echoed
-back, and with --profile "static_profile": false, as --llo-only) or plain text "TARGET PATH". One JSON result line per request, flushed.
+back, and with --profile "static_profile": false, as --llo-only) or plain text
+"TARGET PATH". One JSON result line per request, flushed.
 
 Design: the parent process imports nothing heavy. For each target it starts
 one worker child (this script with --worker) that imports jax once, builds
@@ -43,7 +44,8 @@ whatever XLA adds around it (layout copies). "cycles" is the profile's estimated
 final bundles; spills count vector (VMEM) and scalar (SMEM) spill loads and stores;
 "vmem_bytes" is the end of the op's highest VMEM allocation, spill slots included.
 Where the profiler itself aborts (it does on some kernels that compile without it), the
-verdict comes from a plain compile and the result has "profile": {"ops": null, "error": ...}.
+verdict comes from a compile without it, whose ops are as --llo-only's below, and the profile
+says why: {"ops": [...], "error": ...}.
 --llo-only FILE (repeatable) profiles FILE without the static estimate: its ops have
 "cycles": null and the bundles, spills and VMEM of the LLO text. For kernels whose estimate
 is blind anyway (a grid dim whose trip count is data: megablox-style gmm), where libtpu's
@@ -413,8 +415,7 @@ class Pool:
         # (several targets, concurrent test runs) must not exclude each other.
         self.env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         self.workers = {}
-        self.plain = None  # a pool without --profile, for kernels the profiler aborts on
-        self.llo_only = None  # a pool dumping bundles without the estimate (--llo-only)
+        self.llo_only = None  # bundles without the estimate: --llo-only, and where the profiler aborts
         self.static = static
 
     def compile(self, target, req, timeout):
@@ -433,25 +434,25 @@ class Pool:
             ok, err, secs, prof = w.compile(req, timeout)
         except RuntimeError as e:
             return False, str(e), 0.0, None
-        if self.profile_dir and not ok and err and err.startswith(("compiler crashed", "timeout after")):
+        if self.profile_dir and self.static and not ok and err and err.startswith(("compiler crashed", "timeout after")):
             # libtpu's static profiler aborts on some kernels that compile without it
             # (DESIGN.md section 9), and takes minutes on others (gmm in f32 on v6e,
             # libtpu 0.0.52: ~170 s on a busy 2-core machine, where a plain compile takes
-            # 0.3 s): the verdict comes from a plain compile, and the profile says why it
-            # is missing.
-            if self.plain is None:
-                self.plain = Pool(self.mosaic_dump)
-            ok, err2, secs2, _ = self.plain.compile(target, req, timeout)
-            why = "aborted: " + err if err.startswith("compiler crashed") else f"did not finish ({err}; TESSERA_TPU_TIMEOUT gives it longer)"
-            return ok, (err2 if not ok else None), secs + secs2, {"ops": None, "error": "libtpu's static profiler " + why}
+            # 0.3 s): the verdict comes from a compile without the estimate, which still
+            # gives the bundles, spills and VMEM, and the profile says why cycles are missing.
+            if self.llo_only is None:
+                self.llo_only = Pool(self.mosaic_dump, profile=True, static=False)
+            ok, err2, secs2, prof = self.llo_only.compile(target, req, timeout)
+            # (glog's `F1207 05:43:36.122712   23799 ` prefix dropped: time and thread id.)
+            why = "aborted: " + re.sub(r"\b[FE]\d{4} [\d:.]+\s+\d+ ", "", err) if err.startswith("compiler crashed") else f"did not finish ({err}; TESSERA_TPU_TIMEOUT gives it longer)"
+            return ok, (err2 if not ok else None), secs + secs2, {"ops": (prof or {}).get("ops"), "error": "libtpu's static profiler " + why}
         return ok, err, secs, prof
 
     def close(self):
         for w in self.workers.values():
             w.stop()
-        for pool in (self.plain, self.llo_only):
-            if pool:
-                pool.close()
+        if self.llo_only:
+            self.llo_only.close()
         if self.profile_dir:
             shutil.rmtree(self.profile_dir, ignore_errors=True)
 
@@ -511,6 +512,8 @@ def main(argv=None):
         for k, v in TOPOLOGIES.items():
             print(f"{k}\t{v}")
         return 0
+    if a.llo_only and not a.profile:
+        ap.error("--llo-only profiles without the estimate: it needs --profile")
     targets = [t for spec in a.target for t in spec.split(",") if t] or ["v5e"]
     for t in targets:
         topology_for(t)

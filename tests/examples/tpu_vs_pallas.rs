@@ -86,9 +86,9 @@ fn main() {
         let theirs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
         let mut logs = Vec::new();
         for (p, pallas) in pairs.iter().zip(&theirs) {
-            let mine: Vec<Option<StaticProfile>> = ours.iter().filter(|v| v.name.starts_with(&format!("{}#", p.name))).map(|v| v.profile).collect();
+            let mine: Vec<Option<StaticProfile>> = ours.iter().filter(|v| v.name.starts_with(&format!("{}#", p.name))).map(|v| v.profile.filter(|p| p.estimated)).collect();
             let mine = mine.iter().try_fold(StaticProfile::default(), |acc, p| p.map(|p| StaticProfile { cycles: acc.cycles + p.cycles, outside_cycles: acc.outside_cycles + p.outside_cycles, ..acc }));
-            let pallas_profile = StaticProfile::from_report(pallas);
+            let pallas_profile = StaticProfile::from_report(pallas).filter(|p| p.estimated);
             let cell = |p: Option<StaticProfile>| p.map(|p| format!("{} (+{})", p.cycles, p.outside_cycles)).unwrap_or_else(|| "no estimate (profiler aborted)".into());
             let ratio = match (mine, pallas_profile) {
                 (Some(a), Some(b)) if total(&b) > 0 => {

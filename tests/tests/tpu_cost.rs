@@ -5,7 +5,7 @@
 //! the two targets' workers side by side; `tessera cost --all` gives the whole table.
 //!
 //! A kernel libtpu accepts but its static profiler aborts on (the DMA gathers, libtpu
-//! 0.0.52) would be pinned as all zeros.
+//! 0.0.52) would be pinned with zero cycles and the bundles, spills and VMEM of its LLO.
 //!
 //! After an intended change: `TESSERA_TPU_ORACLE=1 TESSERA_COST_BLESS=1 cargo test --release
 //! -p tessera-tests --test tpu_cost` rewrites the file (review its diff like a snapshot's).
@@ -63,7 +63,7 @@ fn library_kernels_cost_what_is_pinned() {
     for v in verdicts {
         assert!(v.ok, "{}: libtpu rejects it: {}", v.name, v.error);
         // Accepted, but libtpu's profiler aborts on it (it does on some kernels): pinned
-        // as all zeros, so a kernel it starts to profile shows up here too.
+        // with zero cycles, so a kernel it starts to profile shows up here too.
         let p = v.profile.unwrap_or_default();
         eprintln!("{:<56} cycles {:>9} (+{} outside)  bundles {:>6}  spills {}v/{}s  VMEM {:.2} MiB", v.name, p.cycles, p.outside_cycles, p.bundles, p.vector_spills, p.scalar_spills, p.vmem_bytes as f64 / (1 << 20) as f64);
         measured.insert(v.name, p);

@@ -595,7 +595,12 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
                 continue;
             };
             let r = tessera_codegen::roofline(kernel, &p, target);
-            let bound = if r.blind { format!("{} (libtpu's estimate cannot see prefetch-driven or dynamic-grid trip counts; time from the IR's model)", r.bound) } else { r.bound.to_string() };
+            let bound = match (r.blind, v.profile_note.lines().next()) {
+                // The profiler aborted: bundles, spills and VMEM from the LLO, and why no estimate.
+                (true, Some(why)) if !p.estimated && !why.is_empty() => format!("{} (time from the IR's model: {})", r.bound, why.chars().take(160).collect::<String>()),
+                (true, _) => format!("{} (libtpu's estimate cannot see prefetch-driven or dynamic-grid trip counts; time from the IR's model)", r.bound),
+                (false, _) => r.bound.to_string(),
+            };
             // No VMEM figure in the profile (libtpu did not attribute one): `-`, not 0.
             let mib = if p.vmem_bytes == 0 { "-".to_string() } else { format!("{:.2}", p.vmem_bytes as f64 / (1 << 20) as f64) };
             let efficiency = if r.blind { "-".to_string() } else { format!("{:.1}", 100.0 * r.efficiency()) };

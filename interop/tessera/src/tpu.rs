@@ -68,7 +68,8 @@ pub struct Verdict {
     pub error: String,
     pub seconds: f64,
     /// libtpu's static LLO profile ([`tpu_profile`] only; `None` where the profiler gave
-    /// none, with the reason in `profile_note`).
+    /// none, with the reason in `profile_note`; without `estimated` cycles where the profiler
+    /// aborted, with the reason there too, or the grid is dynamic).
     pub profile: Option<tessera_codegen::StaticProfile>,
     pub profile_note: String,
     /// libtpu gave no answer within the time limit (`TESSERA_TPU_TIMEOUT`): not a verdict on
@@ -160,6 +161,7 @@ fn compile_in(dir: &Path, python: &Path, kernels: &[(String, Kernel)], target: &
         let Ok(report) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
         let Some(stem) = report.get("file").and_then(|f| f.as_str()).and_then(|f| stems.get(f)) else { continue };
         let error = report.get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string();
+        let parsed = tessera_codegen::StaticProfile::from_report(&report);
         verdicts.push(Verdict {
             stem: stem.clone(),
             target: *target,
@@ -167,8 +169,10 @@ fn compile_in(dir: &Path, python: &Path, kernels: &[(String, Kernel)], target: &
             timed_out: error.starts_with("timeout after"),
             error,
             seconds: report.get("seconds").and_then(|v| v.as_f64()).unwrap_or_default(),
-            profile: tessera_codegen::StaticProfile::from_report(&report),
-            profile_note: report["profile"]["error"].as_str().unwrap_or(if profile { "libtpu gave no static profile for the custom call" } else { "" }).to_string(),
+            profile: parsed,
+            // Why the estimate is missing: the profiler's error. A profile asked for without
+            // cycles (a dynamic grid: `--llo-only`) has none, and needs no note.
+            profile_note: report["profile"]["error"].as_str().unwrap_or(if profile && parsed.is_none() { "libtpu gave no static profile for the custom call" } else { "" }).to_string(),
         });
         // Progress on stderr for long runs (every 10 s), with an ETA from the rate so far.
         if reported.elapsed().as_secs() >= 10 && verdicts.len() < files.len() {
