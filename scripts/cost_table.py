@@ -34,6 +34,10 @@ def main():
             bound, note = "model", " ".join(rest).removeprefix("no estimate (the IR's model): ")
         elif "(libtpu's estimate cannot see" in note:
             bound, note = f"{bound} (IR model)", "estimate blind to the dynamic or prefetch-driven trip count"
+        elif note.startswith("(time from the IR's model: libtpu's static profiler aborted"):
+            bound, note = f"{bound} (IR model)", "profiler aborted (the LLO gives bundles, spills, VMEM)"
+        elif note.startswith("(time from the IR's model: "):
+            bound, note = f"{bound} (IR model)", note.removeprefix("(time from the IR's model: ").removesuffix(")")
         cyc = "-" if cycles == "-" else f"{thousands(cycles)} (+{thousands(outside)})"
         spills = "-" if vspill == "-" else f"{vspill}/{sspill}"
         print(f"| {target} | {kernel} | {cyc} | {bundles} | {spills} | {vmem} | {time} | {roofline} | {bound} | {note} |")
