@@ -153,7 +153,8 @@ pub struct StaticProfile {
     pub vmem_bytes: u64,
     /// Whether libtpu estimated the cycles. Kernels with a dynamic grid dim are profiled
     /// without the estimate (`tpu_compile.py --llo-only`: it cannot know the trip count, and
-    /// takes minutes on them); their `cycles` are 0, the rest are the LLO's.
+    /// takes minutes on them), and so are kernels its profiler aborts on; their `cycles` are
+    /// 0, the rest are the LLO's.
     pub estimated: bool,
 }
 
