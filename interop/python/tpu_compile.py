@@ -424,9 +424,7 @@ class Pool:
         except SystemExit as e:
             return False, str(e), 0.0, None
         if self.profile_dir and self.static and req.get("static_profile") is False:
-            if self.llo_only is None:
-                self.llo_only = Pool(self.mosaic_dump, profile=True, static=False)
-            return self.llo_only.compile(target, req, timeout)
+            return self.llo_only_pool().compile(target, req, timeout)
         w = self.workers.get(target)
         if w is None:
             w = self.workers[target] = Worker(target, self.env)
@@ -440,13 +438,17 @@ class Pool:
             # libtpu 0.0.52: ~170 s on a busy 2-core machine, where a plain compile takes
             # 0.3 s): the verdict comes from a compile without the estimate, which still
             # gives the bundles, spills and VMEM, and the profile says why cycles are missing.
-            if self.llo_only is None:
-                self.llo_only = Pool(self.mosaic_dump, profile=True, static=False)
-            ok, err2, secs2, prof = self.llo_only.compile(target, req, timeout)
+            ok, err2, secs2, prof = self.llo_only_pool().compile(target, req, timeout)
             # (glog's `F1207 05:43:36.122712   23799 ` prefix dropped: time and thread id.)
             why = "aborted: " + re.sub(r"\b[FE]\d{4} [\d:.]+\s+\d+ ", "", err) if err.startswith("compiler crashed") else f"did not finish ({err}; TESSERA_TPU_TIMEOUT gives it longer)"
             return ok, (err2 if not ok else None), secs + secs2, {"ops": (prof or {}).get("ops"), "error": "libtpu's static profiler " + why}
         return ok, err, secs, prof
+
+    def llo_only_pool(self):
+        """The pool (made on first use) whose workers dump the bundles without the estimate."""
+        if self.llo_only is None:
+            self.llo_only = Pool(self.mosaic_dump, profile=True, static=False)
+        return self.llo_only
 
     def close(self):
         for w in self.workers.values():

@@ -577,7 +577,7 @@ fn cost(t: &Table, s: &Select, targets: &[String]) -> CliResult<bool> {
             // A row with no estimate: the IR's model, and why.
             let model_row = |why: &str| {
                 let r = tessera_codegen::roofline(kernel, &Default::default(), target);
-                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1} {:>10}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.mxu_us.max(r.hbm_us), "-");
+                println!("{head} {:>10} {:>8} {:>8} {:>7} {:>6} {:>8} {:>10} {:>10.1} {:>10.1} {:>10.1} {:>10}  no estimate (the IR's model): {why}", "-", "-", "-", "-", "-", "-", "-", r.mxu_us, r.hbm_us, r.time_us, "-");
             };
             if v.timed_out {
                 // No answer in time (a loaded machine): not a rejection.
@@ -713,12 +713,13 @@ fn tune(t: &Table, s: &Select, target_name: &str, save: Option<&Path>, batch: us
                     }
                     let p = v.profile.clone().unwrap_or_default();
                     let r = tessera_codegen::roofline(k, &p, &target);
-                    f.blind |= r.blind || v.profile.is_none();
+                    // No profile, or one without libtpu's estimate: `r` is the IR's model.
+                    f.blind |= r.blind;
                     f.cycles = f.cycles.filter(|_| p.estimated).map(|c| c + p.cycles + p.outside_cycles);
                     f.bundles += p.bundles;
                     f.spills += p.vector_spills + p.scalar_spills;
                     f.vmem_bytes = f.vmem_bytes.max(p.vmem_bytes);
-                    f.time_us += if v.profile.is_some() { r.time_us } else { r.mxu_us.max(r.hbm_us) };
+                    f.time_us += r.time_us;
                 }
                 candidates[*i].outcome = match rejected {
                     Some(why) => Err(why),
