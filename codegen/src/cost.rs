@@ -9,7 +9,8 @@
 //!   1 flop per element; exp/log/tanh/erf/sqrt/rsqrt 1 transcendental per element;
 //! - `bytes_accessed`: each blocked operand moves its window once per grid step at which its
 //!   block index changes (the pipeline skips the copy when it does not; index maps that read
-//!   scalar prefetch are assumed to change every step); unblocked operands move once;
+//!   scalar prefetch are assumed to change every step); unblocked operands move once; an
+//!   input no instruction touches is not passed (`mosaic::passed_refs`) and moves nothing;
 //! - `remote_bytes_transferred`: the boxes of remote copies this device starts (counted like
 //!   flops: per grid step, loops by their static trip count), what it sends over the
 //!   interconnect.
@@ -97,7 +98,9 @@ fn trip_count(k: &Kernel, lo: Value, hi: Value, step: i64) -> u64 {
 }
 
 fn bytes_accessed(k: &Kernel) -> u64 {
+    let passed = crate::mosaic::passed_refs(k);
     k.operands()
+        .filter(|(id, _)| passed[id.index()])
         .map(|(_, r)| {
             let Some(b) = &r.block else {
                 return (r.dtype.bytes() * r.shape.iter().product::<usize>()) as u64;

@@ -45,9 +45,16 @@ pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
     Ok(t.finish())
 }
 
-/// Inputs and outputs in order, numbered as Pallas numbers its window params.
-fn window_operands(k: &Kernel) -> impl Iterator<Item = (usize, &RefDecl)> {
-    k.refs.iter().filter(|r| matches!(r.kind, RefKind::Input | RefKind::Output)).enumerate()
+/// Per ref (indexed by `RefId`), whether Mosaic sees it: every ref but the inputs no
+/// instruction touches ([`Kernel::touched_refs`]), which the StableHLO wrapper also leaves
+/// out of the custom call's operands.
+pub(crate) fn passed_refs(k: &Kernel) -> Vec<bool> {
+    k.refs.iter().zip(k.touched_refs()).map(|(r, touched)| r.kind != RefKind::Input || touched).collect()
+}
+
+/// The passed inputs and outputs in order, numbered as Pallas numbers its window params.
+fn window_operands(k: &Kernel) -> Vec<(usize, &RefDecl)> {
+    k.refs.iter().zip(passed_refs(k)).filter(|(r, passed)| *passed && matches!(r.kind, RefKind::Input | RefKind::Output)).map(|(r, _)| r).enumerate().collect()
 }
 
 /// The index map a window operand gets: its block map, or all zeros for an operand the
@@ -79,25 +86,29 @@ fn block_header(args: &[Ssa]) -> String {
 // ---- the kernel function ----------------------------------------------------------------
 
 fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), CodegenError> {
+    let passed = passed_refs(k);
     let mut arg_types = grid_and_prefetch_types(k);
-    arg_types.extend(k.refs.iter().filter(|r| r.kind != RefKind::Prefetch).map(ref_ty));
+    arg_types.extend(k.refs.iter().zip(&passed).filter(|(r, &p)| p && r.kind != RefKind::Prefetch).map(|(r, _)| ref_ty(r)));
     let args: Vec<Ssa> = arg_types.iter().enumerate().map(|(i, ty)| Ssa::new(format!("%arg{i}"), ty.clone())).collect();
     let ngrid = k.grid.len();
     let grid = args[..ngrid].to_vec();
-    // Refs in kernel order (prefetch, inputs, outputs, scratch) follow the grid args.
-    let refs = args[ngrid..].to_vec();
+    // Refs in kernel order (prefetch, inputs, outputs, scratch) follow the grid args; an
+    // input that is not passed has no argument (no instruction names it).
+    let mut memrefs = args[ngrid..].iter();
+    let refs: Vec<Ssa> = passed.iter().map(|&p| if p { memrefs.next().expect("one argument per passed ref").clone() } else { Ssa::new("%unpassed", "none") }).collect();
 
     t.line("\"stable_mosaic.func.func\"() ({");
     t.line(&block_header(&args));
     t.indent();
     let multiples = tessera_dsl::verify::Multiples::of(k);
-    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new(), multiples };
+    let mut lower = Lower { k, target, t, grid, refs, vals: HashMap::new(), multiples, live: k.live_insts() };
     lower.block(k.body)?;
     lower.t.op0("func.return", &[], "");
     t.dedent();
 
     let sems: Vec<String> = k.grid.iter().map(|g| format!("#tpu.dimension_semantics<{}>", g.semantics.name())).collect();
     let windows: Vec<String> = window_operands(k)
+        .into_iter()
         .map(|(n, r)| match index_map(r) {
             None => "{}".to_string(),
             Some(_) => {
@@ -201,6 +212,9 @@ struct Lower<'a> {
     /// Mosaic as `tpu.assume_multiple` on dynamic offsets, so libtpu accepts exactly the
     /// offsets the verifier accepts (rule `vector-offset-align`, `dma-align`).
     multiples: tessera_dsl::verify::Multiples,
+    /// Which instructions to emit ([`Kernel::live_insts`]): a dead one may read an input
+    /// that is not passed.
+    live: Vec<bool>,
 }
 
 impl Lower<'_> {
@@ -217,8 +231,11 @@ impl Lower<'_> {
     }
 
     fn block(&mut self, b: BlockId) -> Result<(), CodegenError> {
-        for &i in &self.k.block(b).insts {
-            self.inst(i)?;
+        let k = self.k;
+        for &i in &k.block(b).insts {
+            if self.live[i.index()] {
+                self.inst(i)?;
+            }
         }
         Ok(())
     }

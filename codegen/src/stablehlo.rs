@@ -39,9 +39,15 @@ pub(crate) fn wrap(k: &Kernel, body: &str, cost: &CostEstimate, vmem_limit_bytes
     let in_tys: Vec<String> = operands.iter().map(|r| tensor(r)).collect();
     let out_tys: Vec<String> = results.iter().map(|r| tensor(r)).collect();
     let args: Vec<String> = in_tys.iter().enumerate().map(|(i, t)| format!("%arg{i}: {t}")).collect();
-    let mut arg_names: Vec<String> = (0..in_tys.len()).map(|i| format!("%arg{i}")).collect();
-    let mut call_tys = in_tys.clone();
-    let mut operand_layouts: Vec<String> = operands.iter().map(|r| layout(r.shape.len())).collect();
+    // `main` takes every operand; the custom call only those Mosaic sees (an input no
+    // instruction touches is left out: `mosaic::passed_refs`).
+    let passed = mosaic::passed_refs(k);
+    // (The operands lead the kernel's refs: prefetch, inputs, outputs, scratch.)
+    debug_assert!(operands.iter().zip(&k.refs).all(|(o, r)| std::ptr::eq(*o, r)));
+    let call_operands: Vec<usize> = (0..operands.len()).filter(|&i| passed[i]).collect();
+    let mut arg_names: Vec<String> = call_operands.iter().map(|i| format!("%arg{i}")).collect();
+    let mut call_tys: Vec<String> = call_operands.iter().map(|&i| in_tys[i].clone()).collect();
+    let mut operand_layouts: Vec<String> = call_operands.iter().map(|&i| layout(operands[i].shape.len())).collect();
     // Dynamic grid extents lead the custom call's operands, in grid order, as `tensor<i32>`
     // (Mosaic's convention for `INT64_MIN` in `iteration_bounds`): each is element 0 of its
     // int32 `[1]` scalar-prefetch operand, which the kernel also receives.

@@ -33,6 +33,21 @@ snap!(op_zoo);
 snap!(unblocked_operands);
 snap!(dma_double_buffer);
 
+/// `main` keeps the kernel's signature (callers pass every operand); the custom call and
+/// the Mosaic function take only the inputs a live instruction reads, and moves no bytes
+/// for the others.
+#[test]
+fn unread_inputs_are_not_passed() {
+    let k = common::unread_inputs();
+    let l = lower(&k, &Target::V5E).unwrap_or_else(|e| panic!("{e}"));
+    assert!(l.stablehlo.contains("func.func public @main(%arg0: tensor<2x8x128xi32>, %arg1: tensor<16x128xf32>, %arg2: tensor<16x128xf32>)"), "{}", l.stablehlo);
+    assert!(l.stablehlo.contains("stablehlo.custom_call @tpu_custom_call(%arg1) {"), "{}", l.stablehlo);
+    assert!(l.mosaic.contains("^bb0(%arg0: i32, %arg1: memref<8x128xf32, #tpu.memory_space<vmem>>, %arg2: memref<8x128xf32, #tpu.memory_space<vmem>>):"), "{}", l.mosaic);
+    assert_eq!(l.mosaic.matches("vector.load").count(), 1, "the dead load is not emitted:\n{}", l.mosaic);
+    assert_eq!(l.mosaic.matches("window_bounds").count(), 2, "{}", l.mosaic);
+    assert_eq!(l.cost.bytes_accessed, 2 * 2 * 8 * 128 * 4, "x and o move, `unused` and `dead` do not");
+}
+
 #[test]
 fn matmul_cost() {
     let c = tessera_codegen::estimate(&common::matmul_f32());

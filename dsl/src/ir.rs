@@ -723,6 +723,20 @@ impl Inst {
     }
 }
 
+impl Inst {
+    /// The refs the instruction reads, writes, copies or signals through.
+    pub fn refs(&self) -> Vec<RefId> {
+        match self {
+            Inst::Load { src, .. } => vec![*src],
+            Inst::Store { dst, .. } => vec![*dst],
+            Inst::DmaStart { src, dst, sem, remote, .. } => [src.r, dst.r, *sem].into_iter().chain(remote.iter().map(|r| r.send_sem)).collect(),
+            Inst::DmaWait { src, dst, sem, .. } => vec![src.r, dst.r, *sem],
+            Inst::SemSignal { sem: SemaphoreRef::Array { sem, .. }, .. } | Inst::SemWait { sem: SemaphoreRef::Array { sem, .. }, .. } => vec![*sem],
+            _ => vec![],
+        }
+    }
+}
+
 impl SemaphoreRef {
     /// The index value of an array semaphore.
     pub fn index(&self) -> Option<Value> {
@@ -829,6 +843,45 @@ impl Kernel {
     /// Operands visible outside the kernel (prefetch, inputs, outputs), in order.
     pub fn operands(&self) -> impl Iterator<Item = (RefId, &RefDecl)> {
         self.refs.iter().enumerate().filter(|(_, r)| r.kind != RefKind::Scratch).map(|(i, r)| (RefId(i as u32), r))
+    }
+
+    /// Per instruction (indexed by `InstId`), whether it is live: it has an effect (a store,
+    /// a copy, a semaphore, the random generator's state, control flow and what branches
+    /// yield) or a live instruction uses a result of it. A builder evaluates its arguments
+    /// eagerly, so a `#[tpu_fn]` that ignores one under a static flag leaves a dead load
+    /// behind (flash attention's segment ids without segments).
+    pub fn live_insts(&self) -> Vec<bool> {
+        let effect = |i: &Inst| {
+            matches!(
+                i,
+                Inst::Store { .. } | Inst::DmaStart { .. } | Inst::DmaWait { .. } | Inst::SemSignal { .. } | Inst::SemWait { .. } | Inst::PrngSeed(_) | Inst::PrngRandomBits | Inst::If { .. } | Inst::For { .. } | Inst::Yield(_)
+            )
+        };
+        let mut live = vec![false; self.insts.len()];
+        let mut work: Vec<usize> = (0..self.insts.len()).filter(|&i| effect(&self.insts[i].inst)).collect();
+        work.iter().for_each(|&i| live[i] = true);
+        while let Some(i) = work.pop() {
+            for v in self.insts[i].inst.operands() {
+                if let ValueDef::Result(def, _) = self.value(v).def {
+                    if !std::mem::replace(&mut live[def.index()], true) {
+                        work.push(def.index());
+                    }
+                }
+            }
+        }
+        live
+    }
+
+    /// Per ref (indexed by `RefId`), whether a live instruction ([`Kernel::live_insts`])
+    /// touches it. An input none touches is not passed to Mosaic: the TPU would fetch its
+    /// block at every grid step for nothing.
+    pub fn touched_refs(&self) -> Vec<bool> {
+        let mut touched = vec![false; self.refs.len()];
+        let live = self.live_insts();
+        for r in self.insts.iter().zip(live).filter(|(_, l)| *l).flat_map(|(i, _)| i.inst.refs()) {
+            touched[r.index()] = true;
+        }
+        touched
     }
 
     pub fn find_ref(&self, name: &str) -> Option<RefId> {

@@ -214,7 +214,7 @@ pub fn op_zoo() -> Kernel {
 }
 
 /// Operands that are not blocked: an SMEM table, a whole-array VMEM input, an ANY (HBM)
-/// input left untouched, an i8 input; scalar float math on the scalar unit; float rem and an
+/// input left untouched (so not passed: `main` takes it, the custom call does not), an i8 input; scalar float math on the scalar unit; float rem and an
 /// integer sum; a 2-D prefetch read in an index map; loop bounds read from SMEM.
 pub fn unblocked_operands() -> Kernel {
     use tessera_dsl::ir::{BinaryOp, RefKind};
@@ -304,6 +304,25 @@ pub fn dma_double_buffer() -> Kernel {
     b.finish().unwrap()
 }
 
+/// Inputs Mosaic never sees: `unused` is not read, `dead` only by a load whose value
+/// nothing uses (what a `#[tpu_fn]` leaves behind when a static flag ignores an argument);
+/// `x` is read only inside a branch, whose yielded value is stored.
+pub fn unread_inputs() -> Kernel {
+    let mut b = KernelBuilder::new("unread_inputs");
+    b.grid(&[(2, Semantics::Parallel)]);
+    let _unused = b.input("unused", DType::I32, &[2, 8, 128], BlockSpec { block_shape: vec![None, Some(8), Some(128)], index_map: vec![g(0), c(0), c(0)] });
+    let x = b.input("x", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), c(0)]));
+    let dead = b.input("dead", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), c(0)]));
+    let o = b.output("o", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), c(0)]));
+    let d = b.load(dead, &[]);
+    let _ = b.mul(d, 2.0);
+    let i = b.program_id(0);
+    let first = b.cmp(CmpOp::Eq, i, 0);
+    let y = b.if_else(first, |b| vec![b.load(x, &[])], |b| vec![b.zeros(&[8, 128], DType::F32)]);
+    b.store(o, &[], y[0]);
+    b.finish().unwrap()
+}
+
 pub fn all() -> Vec<Kernel> {
-    vec![matmul_f32(), gelu_affine(), softmax_bf16(), prefetch_loop(), op_zoo(), unblocked_operands(), dma_double_buffer()]
+    vec![matmul_f32(), gelu_affine(), softmax_bf16(), prefetch_loop(), op_zoo(), unblocked_operands(), dma_double_buffer(), unread_inputs()]
 }
