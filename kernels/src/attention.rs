@@ -104,10 +104,11 @@
 //! ±cap, as torch's formula does). A nonfinite v value reaches exactly the
 //! (row, column) entries that see it: `p * inf` is inf, NaN where `p = 0`, and `inf -
 //! inf` is NaN. In a block without masks `p @ v` is that product itself; a masked block
-//! whose v holds a nonfinite value ([`holds_nonfinite`], a reduction moved to a scalar
-//! with `item()`) multiplies v with those values zeroed and adds them back through one
-//! exact bf16 product of visibility codes ([`add_nonfinite`]), so a masked key never
-//! reaches a query that may not see it. A finite v skips that product. `lse` is torch's `logsumexp` over the visible logits: NaN
+//! multiplies v with its nonfinite values zeroed, and if it held any ([`holds_nonfinite`],
+//! a reduction moved to a scalar with `item()`, which only this fix-up waits for) adds them
+//! back through one exact bf16 product of visibility codes ([`nonfinite_fixup`],
+//! [`add_nonfinite`]), so a masked key never reaches a query that may not see it. A finite v
+//! skips that product. `lse` is torch's `logsumexp` over the visible logits: NaN
 //! with a NaN, +inf with a +inf, -inf when they are all -inf.
 //!
 //! A query row that sees no key at all (possible with segment ids or a window), or whose visible
@@ -336,15 +337,17 @@ pub(crate) fn holds_nonfinite(v: Value) -> Value {
     (v - v).sum(0).cast(f32).sum(1).item() != 0.0
 }
 
-/// One kv step of a masked block whose v holds a nonfinite value: the online softmax over
-/// v with those values zeroed, then [`add_nonfinite`] adds them back where a visible key
-/// holds them. `(m, l, acc)` after the step.
+/// The second half of a masked step over `v` with its nonfinite values zeroed (the
+/// first is [`online_softmax`], which left the running max `m_run` and accumulator `acc`):
+/// [`add_nonfinite`] with the step's weights, recomputed from `m_run` as that step computed
+/// them. The step does not wait for [`holds_nonfinite`]'s reduction, and its weights do not
+/// stay live across the branch that calls this (a finite v, the usual case, skips it).
 #[tpu_fn]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn guarded_step(s: Value, keep: Value, v: Value, m_old: Value, l_old: Value, acc_old: Value, v_dtype: DType, lanes: usize, bk: usize, d: usize) -> (Value, Value, Value) {
+pub(crate) fn nonfinite_fixup(s: Value, keep: Value, v: Value, m_run: Value, acc: Value, lanes: usize, bk: usize) -> Value {
     let r = nonfinite_radix(bk);
-    let (m_new, l_new, acc_new, p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(v), m_old, l_old, acc_old, v_dtype, lanes, bk, d);
-    (m_new, l_new, add_nonfinite(acc_new, p, keep, nonfinite_class(v, r), r))
+    let p = (select(keep, s, f32::NEG_INFINITY) - widen(m_run.max(f32::MIN), lanes, bk)).exp();
+    add_nonfinite(acc, p, keep, nonfinite_class(v, r), r)
 }
 
 /// `acc` plus what the block's nonfinite v values give the queries that see them, as in
@@ -466,15 +469,19 @@ pub fn flash_attention_fwd_kernel(
             // Each branch computes from the refs, so no score tile stays live across it.
             let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
             let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
-            // (The else branch's `needs_mask` is false: only a masked block pays the reduction.)
-            let guard = if needs_mask { holds_nonfinite(rows_before(v[..], kv_start, bk, d, skv)) } else { needs_mask };
-            if guard {
+            if needs_mask {
                 let s = logits(q[..], k[..], sm_scale, soft_cap);
                 let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
-                let (m_new, l_new, acc_new) = guarded_step(s, keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+                let vb = rows_before(v[..], kv_start, bk, d, skv);
+                let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
                 m_run[..] = m_new;
                 l_run[..] = l_new;
                 acc[..] = acc_new;
+                if holds_nonfinite(vb) {
+                    // From the refs again: no tile of the step stays live across the branch.
+                    let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
+                    acc[..] = nonfinite_fixup(logits(q[..], k[..], sm_scale, soft_cap), keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], acc[..], lanes, bk);
+                }
             } else {
                 let s = logits(q[..], k[..], sm_scale, soft_cap);
                 let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);

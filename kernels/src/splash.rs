@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, guarded_step, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, AttentionParams, SegmentIds,
+    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, nonfinite_fixup, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, zero_nonfinite, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -114,24 +114,22 @@ pub fn splash_attention_fwd_kernel(
         let kv_start = kv_block * (bk as i32);
         let ragged_kv = !skv.is_multiple_of(bk) & (kv_block == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | (kind == PARTIAL) | ragged_kv;
-        // A masked block whose v holds a nonfinite value also does [`add_nonfinite`]'s
-        // bookkeeping (the reduction is paid by masked blocks only). Each branch computes
-        // from the refs, so no score tile stays live across it.
-        let guard = if needs_mask { holds_nonfinite(rows_before(v[..], kv_start, bk, d, skv)) } else { needs_mask };
-        if guard {
+        // A masked block steps over v with its nonfinite values zeroed; if it held any,
+        // [`nonfinite_fixup`] adds what they give the queries that see them (the reduction is
+        // paid by masked blocks only, and the step does not wait for it). Each branch
+        // computes from the refs, so no score tile stays live across it.
+        if needs_mask {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
             let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
-            let (m_new, l_new, acc_new) = guarded_step(s, keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
+            let vb = rows_before(v[..], kv_start, bk, d, skv);
+            let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), zero_nonfinite(vb), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
             m_run[..] = m_new;
             l_run[..] = l_new;
             acc[..] = acc_new;
-        } else if needs_mask {
-            let s = logits(q[..], k[..], sm_scale, soft_cap);
-            let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
-            let (m_new, l_new, acc_new, _p) = online_softmax(select(keep, s, f32::NEG_INFINITY), rows_before(v[..], kv_start, bk, d, skv), m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
-            m_run[..] = m_new;
-            l_run[..] = l_new;
-            acc[..] = acc_new;
+            if holds_nonfinite(vb) {
+                let keep = segment_keep(keep_of(mask[..], kind, q_start, kv_start, bq, bk, sq, skv, false), q_seg[..], kv_seg[..], segmented);
+                acc[..] = nonfinite_fixup(logits(q[..], k[..], sm_scale, soft_cap), keep, rows_before(v[..], kv_start, bk, d, skv), m_run[..], acc[..], lanes, bk);
+            }
         } else {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
             let (m_new, l_new, acc_new, _p) = online_softmax(s, v[..], m_run[..], l_run[..], acc[..], v.dtype, lanes, bk, d);
