@@ -34,8 +34,9 @@ pub fn emit(kernel: &Kernel, target: &Target) -> Result<String, CodegenError> {
     let mut t = Text::new();
     t.line("\"builtin.module\"() ({");
     t.indent();
-    emit_kernel_func(kernel, target, &mut t)?;
-    for (n, r) in window_operands(kernel) {
+    let passed = passed_refs(kernel);
+    emit_kernel_func(kernel, &passed, target, &mut t)?;
+    for (n, r) in window_operands(kernel, &passed) {
         if let Some(map) = index_map(r) {
             emit_transform(kernel, n, &map, &mut t);
         }
@@ -53,8 +54,8 @@ pub(crate) fn passed_refs(k: &Kernel) -> Vec<bool> {
 }
 
 /// The passed inputs and outputs in order, numbered as Pallas numbers its window params.
-fn window_operands(k: &Kernel) -> Vec<(usize, &RefDecl)> {
-    k.refs.iter().zip(passed_refs(k)).filter(|(r, passed)| *passed && matches!(r.kind, RefKind::Input | RefKind::Output)).map(|(r, _)| r).enumerate().collect()
+fn window_operands<'k>(k: &'k Kernel, passed: &'k [bool]) -> impl Iterator<Item = (usize, &'k RefDecl)> {
+    k.refs.iter().zip(passed).filter(|(r, &p)| p && matches!(r.kind, RefKind::Input | RefKind::Output)).map(|(r, _)| r).enumerate()
 }
 
 /// The index map a window operand gets: its block map, or all zeros for an operand the
@@ -85,10 +86,9 @@ fn block_header(args: &[Ssa]) -> String {
 
 // ---- the kernel function ----------------------------------------------------------------
 
-fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), CodegenError> {
-    let passed = passed_refs(k);
+fn emit_kernel_func(k: &Kernel, passed: &[bool], target: &Target, t: &mut Text) -> Result<(), CodegenError> {
     let mut arg_types = grid_and_prefetch_types(k);
-    arg_types.extend(k.refs.iter().zip(&passed).filter(|(r, &p)| p && r.kind != RefKind::Prefetch).map(|(r, _)| ref_ty(r)));
+    arg_types.extend(k.refs.iter().zip(passed).filter(|(r, &p)| p && r.kind != RefKind::Prefetch).map(|(r, _)| ref_ty(r)));
     let args: Vec<Ssa> = arg_types.iter().enumerate().map(|(i, ty)| Ssa::new(format!("%arg{i}"), ty.clone())).collect();
     let ngrid = k.grid.len();
     let grid = args[..ngrid].to_vec();
@@ -107,8 +107,7 @@ fn emit_kernel_func(k: &Kernel, target: &Target, t: &mut Text) -> Result<(), Cod
     t.dedent();
 
     let sems: Vec<String> = k.grid.iter().map(|g| format!("#tpu.dimension_semantics<{}>", g.semantics.name())).collect();
-    let windows: Vec<String> = window_operands(k)
-        .into_iter()
+    let windows: Vec<String> = window_operands(k, passed)
         .map(|(n, r)| match index_map(r) {
             None => "{}".to_string(),
             Some(_) => {

@@ -214,8 +214,9 @@ pub fn op_zoo() -> Kernel {
 }
 
 /// Operands that are not blocked: an SMEM table, a whole-array VMEM input, an ANY (HBM)
-/// input left untouched (so not passed: `main` takes it, the custom call does not), an i8 input; scalar float math on the scalar unit; float rem and an
-/// integer sum; a 2-D prefetch read in an index map; loop bounds read from SMEM.
+/// input left untouched (so not passed: `main` takes it, the custom call does not), an i8
+/// input; scalar float math on the scalar unit; float rem and an integer sum; a 2-D prefetch
+/// read in an index map; loop bounds read from SMEM.
 pub fn unblocked_operands() -> Kernel {
     use tessera_dsl::ir::{BinaryOp, RefKind};
     let mut b = KernelBuilder::new("unblocked_operands");
