@@ -1,7 +1,8 @@
 //! A static cost estimate for XLA's scheduler (`cost_estimate` in the custom call's
 //! backend_config). It is an estimate, not a measurement:
 //!
-//! - the body is walked once and multiplied by the number of grid steps;
+//! - the body is walked once and multiplied by the number of grid steps; only live
+//!   instructions count ([`Kernel::live_insts`]: the ones Mosaic is given);
 //! - a `for` loop with constant bounds counts its static trip count; a loop with a dynamic
 //!   bound counts one trip;
 //! - an `if` counts the costlier branch (each field separately), as if it were always taken;
@@ -49,14 +50,15 @@ impl CostEstimate {
 }
 
 pub fn estimate(kernel: &Kernel) -> CostEstimate {
-    let mut c = block_cost(kernel, kernel.body).scaled(kernel.grid_steps() as u64);
+    let live = kernel.live_insts();
+    let mut c = block_cost(kernel, kernel.body, &live).scaled(kernel.grid_steps() as u64);
     c.bytes_accessed = bytes_accessed(kernel);
     c
 }
 
-fn block_cost(k: &Kernel, b: BlockId) -> CostEstimate {
+fn block_cost(k: &Kernel, b: BlockId, live: &[bool]) -> CostEstimate {
     let mut c = CostEstimate::default();
-    for &i in &k.block(b).insts {
+    for &i in k.block(b).insts.iter().filter(|i| live[i.index()]) {
         let d = k.inst(i);
         let elems = d.results.first().map_or(0, |&r| k.ty(r).num_elements().max(1) as u64);
         match &d.inst {
@@ -75,8 +77,8 @@ fn block_cost(k: &Kernel, b: BlockId) -> CostEstimate {
                 c.flops += 2 * elems * kdim as u64;
             }
             Inst::DmaStart { dst, remote: Some(_), .. } => c.remote_bytes_transferred += (k.ref_decl(dst.r).dtype.bytes() * dst.shape().iter().product::<usize>()) as u64,
-            Inst::If { then_block, else_block, .. } => c.add(block_cost(k, *then_block).max(block_cost(k, *else_block))),
-            Inst::For { lo, hi, step, body, .. } => c.add(block_cost(k, *body).scaled(trip_count(k, *lo, *hi, *step))),
+            Inst::If { then_block, else_block, .. } => c.add(block_cost(k, *then_block, live).max(block_cost(k, *else_block, live))),
+            Inst::For { lo, hi, step, body, .. } => c.add(block_cost(k, *body, live).scaled(trip_count(k, *lo, *hi, *step))),
             _ => {}
         }
     }

@@ -46,6 +46,7 @@ fn unread_inputs_are_not_passed() {
     assert_eq!(l.mosaic.matches("vector.load").count(), 1, "the dead load is not emitted:\n{}", l.mosaic);
     assert_eq!(l.mosaic.matches("window_bounds").count(), 2, "{}", l.mosaic);
     assert_eq!(l.cost.bytes_accessed, 2 * 2 * 8 * 128 * 4, "x and o move, `unused` and `dead` do not");
+    assert_eq!(l.cost.flops, 2, "the dead multiply of `dead`'s block is not counted, only a compare per grid step");
 }
 
 #[test]
