@@ -735,6 +735,18 @@ impl Inst {
             _ => vec![],
         }
     }
+
+    /// The refs of [`Inst::refs`], to rewrite in place.
+    fn refs_mut(&mut self) -> Vec<&mut RefId> {
+        match self {
+            Inst::Load { src, .. } => vec![src],
+            Inst::Store { dst, .. } => vec![dst],
+            Inst::DmaStart { src, dst, sem, remote, .. } => [&mut src.r, &mut dst.r, sem].into_iter().chain(remote.iter_mut().map(|r| &mut r.send_sem)).collect(),
+            Inst::DmaWait { src, dst, sem, .. } => vec![&mut src.r, &mut dst.r, sem],
+            Inst::SemSignal { sem: SemaphoreRef::Array { sem, .. }, .. } | Inst::SemWait { sem: SemaphoreRef::Array { sem, .. }, .. } => vec![sem],
+            _ => vec![],
+        }
+    }
 }
 
 impl SemaphoreRef {
@@ -886,6 +898,26 @@ impl Kernel {
 
     pub fn find_ref(&self, name: &str) -> Option<RefId> {
         self.refs.iter().position(|r| r.name == name).map(|i| RefId(i as u32))
+    }
+
+    /// The kernel without output `name`, which no instruction touches: a kernel whose
+    /// static flag turned off every store to an output (flash attention's lse when no
+    /// gradient needs it) drops it, so that no backend allocates, pipelines or returns it.
+    /// `None` if there is no such output or an instruction still touches it.
+    pub fn without_output(mut self, name: &str) -> Option<Kernel> {
+        let out = self.find_ref(name).filter(|&r| self.ref_decl(r).kind == RefKind::Output)?;
+        if self.insts.iter().any(|i| i.inst.refs().contains(&out)) {
+            return None;
+        }
+        self.refs.remove(out.index());
+        // Outputs follow the prefetch arrays and inputs, so no index map (prefetch reads)
+        // or dynamic grid extent names a ref past it: only instructions need renumbering.
+        for r in self.insts.iter_mut().flat_map(|i| i.inst.refs_mut()) {
+            if r.0 > out.0 {
+                r.0 -= 1;
+            }
+        }
+        Some(self)
     }
 
     /// The total number of grid steps (at the upper bound of dynamic dims).

@@ -611,3 +611,40 @@ fn blocks_past_small_arrays_int8_iotas_and_mixed_dots() {
     let want: Vec<f64> = (0..8 * 128).map(|e| (0..128).map(|p| av[e / 128 * 128 + p].to_f64() * wv[p * 128 + e % 128] as f64).sum()).collect();
     assert_close(out[0].as_f32().unwrap(), &want, 1e-5);
 }
+
+/// `Kernel::without_output`: an output no instruction touches leaves the kernel and the refs
+/// after it (another output, scratch) are renumbered, so the kernel still computes the same
+/// values; an output that is written, an input or an unknown name is refused.
+#[test]
+fn an_unwritten_output_is_removed_and_the_refs_after_it_renumbered() {
+    let build = |write_unused: bool| {
+        let mut b = KernelBuilder::new("two_outputs");
+        b.grid(&[(2, ARB)]);
+        let x = b.input("x", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), IndexExpr::Const(0)]));
+        let unused = b.output("unused", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), IndexExpr::Const(0)]));
+        let y = b.output("y", DType::F32, &[16, 128], spec(&[8, 128], vec![g(0), IndexExpr::Const(0)]));
+        let acc = b.scratch("acc", DType::F32, &[8, 128], MemorySpace::Vmem);
+        let v = b.load(x, &[]);
+        let doubled = b.mul(v, 2.0);
+        b.store(acc, &[], doubled);
+        if write_unused {
+            b.store(unused, &[], v);
+        }
+        let back = b.load(acc, &[]);
+        let out = b.add(back, 1.0);
+        b.store(y, &[], out);
+        b.finish().unwrap()
+    };
+    let k = build(false).without_output("unused").expect("nothing touches `unused`");
+    verify(&k, &Target::V5E).unwrap();
+    let names: Vec<&str> = k.refs.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["x", "y", "acc"]);
+    let xs = values(16 * 128, 3);
+    let out = interp::run(&k, &[&Array::from_f32(&[16, 128], xs.clone())]).unwrap();
+    assert_eq!(out.len(), 1);
+    let want: Vec<f64> = xs.iter().map(|&v| (v * 2.0 + 1.0) as f64).collect();
+    assert_close(out[0].as_f32().unwrap(), &want, 0.0);
+    assert!(build(true).without_output("unused").is_none(), "a written output stays");
+    assert!(build(false).without_output("x").is_none(), "an input is not an output");
+    assert!(build(false).without_output("nope").is_none());
+}

@@ -144,6 +144,10 @@ pub struct Op {
     /// An op that is result `.1` of op `.0` under the same schema (its plan is that op's):
     /// `flash_attention` is `flash_attention_fwd`'s `o`.
     pub alias_of: Option<(&'static str, usize)>,
+    /// An alias's own plan, which computes only its result (`flash_attention` skips the
+    /// lse its `o` does not need). `None`: the aliased op's plan, the other results
+    /// dropped. Gradients flow through the aliased op either way.
+    pub alias_plan: Option<PlanFn>,
     /// The block statics `tessera tune` varies, with the values to try (empty: nothing to
     /// tune, the blocks follow from the shapes). Each names an `int` static of the schema.
     pub knobs: &'static [crate::tune::Knob],
@@ -164,6 +168,7 @@ impl Op {
         random: None,
         reference: None,
         alias_of: None,
+        alias_plan: None,
         knobs: &[],
     };
 
@@ -250,6 +255,9 @@ impl Op {
             }
         }
         crate::contract::check_inputs(self, inputs, statics, target)?;
+        if let (Some(_), Some(plan)) = (self.alias_of, self.alias_plan) {
+            return plan(&Call { op: self.name, schema: &schema, inputs, statics, target });
+        }
         if let Some((of, result)) = self.alias_of {
             // Errors of the aliased op's plan are reported as the op the caller named.
             let mut plan = crate::op_named(of)?.plan_for(inputs, statics, target).map_err(|e| if e.kernel == of { KernelError { kernel: self.name.to_string(), ..e } } else { e })?;

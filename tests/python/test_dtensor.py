@@ -37,7 +37,7 @@ TIMEOUT = 150  # seconds for the whole 4-rank run; a hang fails the test, never 
 
 
 def test_every_op_has_rules_fitting_its_contract():
-    ops = [n for n, s in SPECS.items() if s.alias_of is None and s.native is _native]
+    ops = [n for n, s in SPECS.items() if not s.composite and s.native is _native]
     missing = [n for n in ops if n not in tdt.RULES and n not in tdt.REPLICATE_ONLY]
     assert not missing, f"ops with neither sharding rules nor a documented replicate fallback: {missing}"
     assert not set(tdt.RULES) - set(SPECS), "rules for ops that do not exist"
@@ -174,6 +174,7 @@ SIM = {
     "permute_bwd": (None, [[16, 16], [8, 2]]),
     "combine": (None, [[16, 16], [8, 2], [8, 2]]),
     "flash_attention_fwd": ("causal_alt", [[2, 4, 8, 16], [2, 2, 8, 16], [2, 2, 8, 16]]),
+    "flash_attention": ("causal_alt", [[2, 4, 8, 16], [2, 2, 8, 16], [2, 2, 8, 16]]),
     "flash_attention_bwd": ("causal_alt", [[2, 4, 8, 16], [2, 2, 8, 16], [2, 2, 8, 16], [2, 4, 8, 16], [2, 4, 8], [2, 4, 8, 16]]),
     # Splash: 8 x 8 blocks over 16 queries and keys (2 x 2 blocks), random walks.
     "splash_attention_fwd": (None, [[2, 4, 16, 16], [2, 2, 16, 16], [2, 2, 16, 16], [2, 8, 8], [3, 1, 2, 2], [3, 1, 2, 2]]),
@@ -189,7 +190,7 @@ SHARDS = 2
 
 
 def _sim_ids():
-    return [n for n, s in SPECS.items() if s.alias_of is None and s.native is _native]
+    return [n for n, s in SPECS.items() if not s.composite and s.native is _native]
 
 
 def test_every_op_is_simulated():

@@ -1327,6 +1327,22 @@ def test_torch_compile_maps_sdpa_to_flash_attention(fresh_dynamo, monkeypatch):
     mask = torch.rand(64, 64) < 0.5
     torch.testing.assert_close(torch.compile(attn, backend="tessera")(q, q, q, False, None, mask), attn(q, q, q, False, None, mask), rtol=1e-5, atol=1e-5)
     assert mapped == [0], "a masked SDPA stays aten"
+    # An inference graph reads no logsumexp: the forward is flash_attention, whose kernel
+    # writes no lse.
+    targets = []
+
+    def record(gm):
+        n = real(gm)
+        targets.append({node.target for node in gm.graph.nodes if node.op == "call_function"})
+        return n
+
+    monkeypatch.setattr(_compile, "map_library_ops", record)
+    q, k, v = torch.randn(2, 4, 96, 32), torch.randn(2, 2, 96, 32), torch.randn(2, 2, 96, 32)
+    with torch.no_grad():
+        got = torch.compile(attn, backend="tessera")(q, k, v, True, None)
+    torch.testing.assert_close(got, attn(q, k, v, True, None), rtol=2e-5, atol=2e-5)
+    assert len(targets) == 1 and torch.ops.tpu.flash_attention.default in targets[0], targets
+    assert torch.ops.tpu.flash_attention_fwd.default not in targets[0], targets
 
 
 def test_torch_compile_results_keep_eager_memory_layouts(fresh_dynamo):

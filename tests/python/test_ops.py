@@ -1388,6 +1388,43 @@ def test_lse_gradients(compiled, fresh_dynamo):
     check_lse_gradients("cpu", compiled)
 
 
+def test_flash_attention_runs_its_own_kernel_when_no_gradient_is_needed():
+    """`flash_attention` without a gradient to compute (no_grad, inference_mode, inputs that
+    need none) runs its own plan, whose kernel writes no lse; with one it runs
+    flash_attention_fwd, whose autograd saves lse for the backward. Seen below autograd by a
+    dispatch mode; o is the same either way and the gradients are math attention's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "tpu":
+                self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    r = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 200, 64, generator=r), torch.randn(2, 2, 333, 64, generator=r), torch.randn(2, 2, 333, 64, generator=r))
+    want = tpu.flash_attention_fwd(q, k, v, True)[0]
+    for context in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with context(), Seen() as seen:
+            o = tpu.flash_attention(q, k, v, True)
+        assert seen.ops == ["flash_attention"], (context.__name__, seen.ops)
+        assert torch.equal(o, want), context.__name__
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    with Seen() as seen:
+        o = tpu.flash_attention(qg, kg, vg, True)
+    assert seen.ops == ["flash_attention_fwd"], seen.ops
+    assert torch.equal(o.detach(), want)
+    o.backward(torch.ones_like(o))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(qr, kr.repeat_interleave(2, 1), vr.repeat_interleave(2, 1), is_causal=True).backward(torch.ones_like(o))
+    for got, ref in ((qg, qr), (kg, kr), (vg, vr)):
+        torch.testing.assert_close(got.grad, ref.grad, atol=1e-4, rtol=1e-4)
+
+
 # int_mm takes no float tensor (nothing can require grad), so it has no backprop to refuse.
 NO_BACKWARD = [op for op in OPS if op not in DIFF_ARGS and op != "int_mm"]
 

@@ -215,7 +215,7 @@ fn causal_skips_blocks_and_their_dma() {
     let params = AttentionParams::new(d, true);
     let c = case((b, h, h, s, s, d), DType::F32, &params, false, 1);
     let blocks = AttentionBlocks { block_q: 128, block_kv: 128 };
-    let kernel = attention::build_flash_attention(&Type::vector(DType::F32, &c.q.shape), &Type::vector(DType::F32, &c.k.shape), &Type::vector(DType::F32, &c.v.shape), false, &params, blocks, &Target::V5E).unwrap();
+    let kernel = attention::build_flash_attention(&Type::vector(DType::F32, &c.q.shape), &Type::vector(DType::F32, &c.k.shape), &Type::vector(DType::F32, &c.v.shape), false, &params, blocks, true, &Target::V5E).unwrap();
     let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
     let (out, stats) = interp::run_with_stats(&kernel, &[&c.q, &c.k, &c.v, &dummy, &dummy]).unwrap();
     // q: 4 blocks. k, v: q block i maps kv steps 0..4 to blocks min(j, i); a window is
@@ -341,7 +341,7 @@ fn libtpu_compiles_large_blocks() {
             let q = Type::vector(dtype, &[1, 8, 4096, 128]);
             let kv = Type::vector(dtype, &[1, 2, 4096, 128]);
             let params = AttentionParams::new(128, true);
-            let mut kernels = vec![attention::build_flash_attention(&q, &kv, &kv, false, &params, blocks, &target).unwrap()];
+            let mut kernels = vec![attention::build_flash_attention(&q, &kv, &kv, false, &params, blocks, true, &target).unwrap()];
             kernels.extend(attention::build_flash_attention_bwd(&q, &kv, &kv, false, &params, blocks, &target).unwrap());
             for kernel in kernels {
                 // v5e's 16 MiB default scoped VMEM is too small for these tiles.
@@ -547,7 +547,7 @@ fn window_skips_blocks_and_their_dma() {
     let c = case((b, h, h, s, s, d), DType::F32, &params, false, 2);
     let blocks = AttentionBlocks { block_q: 128, block_kv: 128 };
     let t = Type::vector(DType::F32, &c.q.shape);
-    let kernel = attention::build_flash_attention(&t, &t, &t, false, &params, blocks, &Target::V5E).unwrap();
+    let kernel = attention::build_flash_attention(&t, &t, &t, false, &params, blocks, true, &Target::V5E).unwrap();
     let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
     let (out, stats) = interp::run_with_stats(&kernel, &[&c.q, &c.k, &c.v, &dummy, &dummy]).unwrap();
     // q: 16 blocks. k, v: q block i sees kv blocks max(i - 2, 0)..=i, fetched when the block
@@ -616,4 +616,49 @@ fn narrow_windows_walk_only_the_band() {
     let names: Vec<&str> = plan.launches.iter().map(|l| l.kernel.name.as_str()).collect();
     assert_eq!(names, ["flash_attention_di_kernel", "splash_attention_dkv_kernel", "splash_attention_dq_kernel"]);
     assert_eq!(extents(&plan.launches[1].kernel), vec![1, 4, 8, 1, 2], "each kv block is seen by 2 q blocks");
+}
+
+/// `flash_attention` (o alone, what a call without gradients needs) plans a kernel without
+/// the lse output: one launch, one output, no lse in the custom call's results; its o is
+/// `flash_attention_fwd`'s o bit for bit on every CPU backend (causal or not, GQA, ragged
+/// lengths, segment ids, soft cap, a NaN and an inf in v), and a window narrow enough for
+/// splash's kernels gives o alone too.
+#[test]
+fn o_only_forward_drops_lse_and_keeps_o() {
+    let (fwd, o_only) = (find("flash_attention_fwd").unwrap(), find("flash_attention").unwrap());
+    let problems: [(Shape, &str, bool); 5] = [
+        ((1, 2, 2, 256, 256, 128), "causal=True, block_q=64, block_kv=128", false),
+        ((2, 4, 1, 200, 333, 64), "block_q=32, block_kv=128", false),
+        ((2, 2, 2, 77, 300, 64), "causal=True, soft_cap=5.0, block_q=16, block_kv=128", true),
+        ((1, 4, 1, 130, 130, 32), "causal=True, window_left=300, block_q=32, block_kv=128", false),
+        ((1, 2, 1, 512, 512, 128), "causal=True, window_left=15, block_q=128, block_kv=128", false),
+    ];
+    for (n, ((b, h, hkv, sq, skv, d), statics, segmented)) in problems.into_iter().enumerate() {
+        let mut rng = StdRng::seed_from_u64(40 + n as u64);
+        let (q, k) = (random_array(DType::BF16, &[b, h, sq, d], &mut rng), random_array(DType::BF16, &[b, hkv, skv, d], &mut rng));
+        let mut v: Vec<f32> = random_array(DType::F32, &[b, hkv, skv, d], &mut rng).to_f32_vec();
+        v[3 * d + 1] = f32::NAN;
+        v[(skv - 1) * d + 2] = f32::INFINITY;
+        let v = Array::from_f32_in(DType::BF16, &[b, hkv, skv, d], v);
+        let seg = segmented.then(|| (Array::from_i32(&[b, sq], (0..b * sq).map(|r| ((r % sq) / 30) as i32).collect()), Array::from_i32(&[b, skv], (0..b * skv).map(|c| ((c % skv) / 100) as i32).collect())));
+        let inputs = [Some(&q), Some(&k), Some(&v), seg.as_ref().map(|s| &s.0), seg.as_ref().map(|s| &s.1)];
+        let types: Vec<Option<Type>> = inputs.iter().map(|a| a.map(|a| Type::vector(a.dtype, &a.shape))).collect();
+        let statics = o_only.statics(statics).unwrap();
+        let plan = o_only.plan_for(&types, &statics, &Target::V6E).unwrap();
+        assert_eq!(plan.results.len(), 1, "{statics:?}");
+        for launch in &plan.launches {
+            let outputs: Vec<&str> = launch.kernel.refs_of(tessera_dsl::ir::RefKind::Output).map(|(_, r)| r.name.as_str()).collect();
+            if launch.kernel.name == "flash_attention_fwd_kernel" {
+                assert_eq!(outputs, ["o"], "{statics:?}");
+                let lowered = tessera_codegen::lower(&launch.kernel, &Target::V6E).unwrap();
+                assert!(lowered.stablehlo.contains(&format!("-> (tensor<{b}x{h}x{sq}x{d}xbf16>) {{")), "main returns o alone:\n{}", lowered.stablehlo);
+            }
+        }
+        for be in tessera_tests::backends::all() {
+            let want = &fwd.run(be.executor(), &inputs, &statics, &Target::V6E).unwrap()[0];
+            let got = o_only.run(be.executor(), &inputs, &statics, &Target::V6E).unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!(tessera_tests::backends::bits(&got[0]), tessera_tests::backends::bits(want), "{be:?} {statics:?}: o differs from flash_attention_fwd's");
+        }
+    }
 }

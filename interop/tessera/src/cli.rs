@@ -198,7 +198,7 @@ fn list(t: &Table) -> CliResult<bool> {
         }
         println!("{}{}\n    {}", op.name, op.schema, op.doc);
         if let Some((of, i)) = op.alias_of {
-            println!("    alias: result {i} of {of}");
+            println!("    alias: result {i} of {of}{}", if op.alias_plan.is_some() { " (with a plan of its own: only this result is computed)" } else { "" });
         }
         if let Some(b) = op.backward {
             println!("    backward: {}", b.op);

@@ -215,7 +215,7 @@ pub fn register(namespace: &str, libtorch_path: &str, torch_version: (u64, u64))
     ok(unsafe { (shim.init_impl)(ns.as_ptr(), c"CPU".as_ptr(), c"interop/torch/src/dispatch.rs".as_ptr(), line!(), &mut lib) }, "library init")?;
     let version = abi_version(torch_version.0, torch_version.1.min(15));
     for (i, op) in ops.iter().enumerate() {
-        if op.alias_of.is_some() {
+        if op.alias_of.is_some() && op.alias_plan.is_none() {
             continue; // a composite of the aliased op (registered in Python)
         }
         let name = CString::new(op.name).map_err(|e| e.to_string())?;

@@ -285,8 +285,9 @@ fn op_named(name: &str) -> PyResult<&'static Op> {
 /// Every op of this module as a dict: `name`, `schema`, `doc`, `outputs` (`[(name, shape
 /// expression, dtype expression)]`, from which the Python side derives the fake kernel),
 /// `inputs` and `input_dims` (each tensor input's name and dims contract), `backward`
-/// (`None` or `(op, [args], [[input names] per result])`) and `alias_of`
-/// (`None` or `(op, result)`), in registration order.
+/// (`None` or `(op, [args], [[input names] per result])`), `alias_of` (`None` or `(op,
+/// result)`: the op is that result of op) and `alias_plan` (whether such an alias has a
+/// plan of its own; else it runs as a composite of op), in registration order.
 #[pyfunction]
 fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
     table()
@@ -308,6 +309,7 @@ fn op_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
             });
             d.set_item("backward", backward)?;
             d.set_item("alias_of", op.alias_of)?;
+            d.set_item("alias_plan", op.alias_plan.is_some())?;
             Ok(d)
         })
         .collect()

@@ -146,7 +146,7 @@ fn vmem_jobs() -> Vec<vmem::Job> {
             let q = Type::vector(dtype, &[1, 4, 2048, 128]);
             for (bq, bk) in [(512, 512), (1024, 512), (1024, 1024)] {
                 let params = attention::AttentionParams::new(128, true);
-                if let Ok(kernel) = attention::build_flash_attention(&q, &q, &q, false, &params, attention::AttentionBlocks { block_q: bq, block_kv: bk }, &target) {
+                if let Ok(kernel) = attention::build_flash_attention(&q, &q, &q, false, &params, attention::AttentionBlocks { block_q: bq, block_kv: bk }, true, &target) {
                     jobs.push(vmem::Job { name: format!("flash-fwd/{bq}x{bk}/{dtype}@{}", target.name), target, kernel });
                 }
             }

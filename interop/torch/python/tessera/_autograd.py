@@ -236,11 +236,37 @@ def _impl(lib, spec, backward, setup_context, fast_cpu):
     lib.impl(spec.name, autograd, "Autograd", with_keyset=True)
 
 
+def _through(lib, spec, fast_cpu):
+    """The autograd kernel of an alias with kernels of its own, result `index` of op `of`
+    (`spec.alias_of`): with no gradient to compute, the op's own kernels run
+    (`flash_attention`'s writes no lse); with one, op `of` does, whose autograd saves what
+    its backward reads (`flash_attention_fwd` saves lse)."""
+    of, index = spec.alias_of
+    op = torch._library.utils.lookup_op(spec.qualname)
+    after_autograd = torch._C._after_autograd_keyset
+    direct = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.Undefined)
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def autograd(keyset, *args):
+        if grad_enabled() and any_requires_grad(*args):
+            return getattr(tpu, of)(*args)[index]
+        below = keyset & after_autograd
+        if fast_cpu is not None and below.highestPriorityTypeId() in direct:
+            return fast_cpu(args)
+        return op.redispatch(below, *args)
+
+    autograd.__name__ = f"tessera_{spec.name}_autograd"
+    lib.impl(spec.name, autograd, "Autograd", with_keyset=True)
+
+
 def register(lib, spec, error_without_backward=True, fast_cpu=None):
     """Registers op `spec`'s autograd: its declared backward, its composite, or an error.
     `fast_cpu(args)`: the op's CPU kernel, for the path where no gradient is needed."""
-    if spec.alias_of is not None:
+    if spec.composite:
         return  # a composite of the aliased op: autograd flows through it
+    if spec.alias_of is not None:
+        _through(lib, spec, fast_cpu)
+        return
     if spec.backward is None:
         if not error_without_backward:
             return

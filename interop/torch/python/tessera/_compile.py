@@ -7,6 +7,8 @@ Before that, library patterns in the graphs become library ops: scaled-dot-produ
 `_scaled_dot_product_flash_attention_for_cpu` and its backward in the graphs AOTAutograd
 traces) becomes `tpu.flash_attention_fwd` / `tpu.flash_attention_bwd`. Both are the same
 logsumexp-saving flash attention, so the forward's saved `lse` is what the backward reads.
+A forward whose logsumexp nothing reads (an inference graph) becomes `tpu.flash_attention`,
+whose kernel writes no `lse`.
 A masked or dropout SDPA, or one on another dtype or rank, stays aten.
 
 The MoE pattern: `torch._grouped_mm` (aten `_grouped_mm`, what transformers' `grouped_mm`
@@ -40,6 +42,7 @@ The backend is found through the `torch_dynamo_backends` entry point (pyproject.
 """
 
 import contextlib
+import operator
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -193,6 +196,18 @@ def map_library_ops(gm: torch.fx.GraphModule) -> int:
             q, k, v, dropout, causal = (list(node.args) + [0.0, False])[:5]
             args = _flash_args(node, q, k, v, dropout, causal)
             if args is None:
+                continue
+            if all(u.target is operator.getitem and u.args[1] == 0 for u in node.users):
+                # Only the output is read: the kernel without lse, in place of each getitem.
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(tpu.flash_attention.default, (q, k, v, *args))
+                val = node.meta.get("val")
+                new.meta = {**node.meta, "val": val[0]} if isinstance(val, (tuple, list)) else dict(node.meta)
+                for use in list(node.users):
+                    use.replace_all_uses_with(new)
+                    gm.graph.erase_node(use)
+                gm.graph.erase_node(node)
+                changed += 1
                 continue
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(tpu.flash_attention_fwd.default, (q, k, v, *args))

@@ -16,8 +16,10 @@ declared once in `kernels/src`): each op is a FRAGMENT of TorchTPU's `tpu` libra
 - Meta/fake: output shapes from the op's output expressions (`_fake.py`), symbolic-shape safe;
 - Autograd: from the op's declared backward (`_autograd.py`).
 
-An op that is an alias of another's result (`flash_attention` is `flash_attention_fwd`'s
-`o`) is a CompositeImplicitAutograd kernel calling that op.
+An op that is an alias of another's result (`spec.alias_of`) is a CompositeImplicitAutograd
+kernel calling that op (`spec.composite`), unless it has a plan of its own: `flash_attention`
+(`flash_attention_fwd`'s `o`, from a kernel that does not write lse) has the four kernels
+above, and its autograd calls `flash_attention_fwd` when a gradient is needed.
 """
 
 import os
@@ -83,7 +85,7 @@ def _register_cpu(native, specs):
     native_dispatch = os.environ.get("TESSERA_NATIVE_DISPATCH") == "1" and native.register_cpu_kernels(NAMESPACE, path, version)
     for slot, spec in enumerate(specs):
         spec.slot = None if native_dispatch else slot
-        if spec.alias_of is None and not native_dispatch:
+        if not spec.composite and not native_dispatch:
             _LIB.impl(spec.name, _cpu_kernel(spec, slot), "CPU")
 
 
@@ -103,6 +105,8 @@ class OpSpec:
         self.outputs = [tuple(o) for o in info["outputs"]]
         self.backward = info["backward"]
         self.alias_of = info["alias_of"]
+        # An alias without a plan of its own: a composite of the op it aliases, no kernels.
+        self.composite = self.alias_of is not None and not info.get("alias_plan", False)
         # Each tensor input's name and dims contract (tessera.dtensor's rules use the names).
         self.input_names = list(info.get("inputs", ()))
         self.input_dims = list(info.get("input_dims", ()))
@@ -208,7 +212,7 @@ def register_ops(native, fakes=None):
     for spec in specs:
         SPECS[spec.name] = spec
         _LIB.define(f"{spec.name}{spec.schema}")
-        if spec.alias_of is not None:
+        if spec.composite:
             _LIB.impl(spec.name, _alias_kernel(spec), "CompositeImplicitAutograd")
             continue
         _LIB.impl(spec.name, _tpu_kernel(spec), "PrivateUse1")
@@ -219,7 +223,7 @@ def register_ops(native, fakes=None):
         # A user module's op without a declared backward may get its own autograd later.
         # The autograd kernel's no-gradient CPU path calls the Python-registered CPU kernel's
         # Rust directly (not under TESSERA_NATIVE_DISPATCH=1, whose kernel is the dispatcher's).
-        fast_cpu = (lambda args, call=native.call_cpu, slot=spec.slot: call(slot, args)) if spec.alias_of is None and spec.slot is not None else None
+        fast_cpu = (lambda args, call=native.call_cpu, slot=spec.slot: call(slot, args)) if not spec.composite and spec.slot is not None else None
         _autograd.register(_LIB, spec, error_without_backward=native is _native, fast_cpu=fast_cpu)
     if "tessera.dtensor" in sys.modules:
         # DTensor strategies for a user module's ops too (all-Replicate unless it has rules).

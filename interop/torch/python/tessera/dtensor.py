@@ -132,6 +132,7 @@ RULES = {
     "combine": [Rule("d")],
     # Attention: batch, or heads (GQA-aware), as aten's scaled_dot_product_attention.
     "flash_attention_fwd": [Rule("b"), HEADS],
+    "flash_attention": [Rule("b"), HEADS],
     "flash_attention_bwd": [Rule("b"), HEADS],
     # Splash: batch only (the mask metadata is replicated; its walks may be per head).
     "splash_attention_fwd": [Rule("b")],
@@ -224,7 +225,7 @@ def placements_for(name, shapes, statics):
     optional inputs left out) and `statics` (`{name: value}`), as `Variant`s. Raises
     `ShardingRuleError` for a rule that does not fit the op's contract."""
     spec = SPECS[name]
-    if spec.alias_of is not None:
+    if spec.composite:
         raise ShardingRuleError(f"tpu::{name} is an alias of tpu::{spec.alias_of[0]}: DTensor sees that op")
     rules = [] if name in REPLICATE_ONLY else RULES.get(name, [])
     tensor_dims = {}
@@ -358,8 +359,8 @@ def register(names=None):
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in names if names is not None else list(SPECS):
         spec = SPECS[name]
-        if name in _registered or spec.alias_of is not None:
-            continue  # an alias (flash_attention) is CompositeImplicitAutograd: DTensor sees its target
+        if name in _registered or spec.composite:
+            continue  # a plain alias is CompositeImplicitAutograd: DTensor sees its target
         op = getattr(torch.ops.tpu, name).default
         parsed = torch._C.parse_schema(f"{spec.qualname}{spec.schema}")
         static_argnum = min((i for i, a in enumerate(parsed.arguments) if i in spec.static_idx), default=100)
