@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, flash_attention_di_kernel, finite_scale, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, nonfinite_fixup, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, zero_nonfinite, AttentionParams, SegmentIds,
+    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, finite_scale, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, nonfinite_fixup, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, zero_nonfinite, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -483,10 +483,9 @@ pub fn random_mask_info(shapes: [&[usize]; 3], rng: &mut StdRng) -> MaskInfo {
 
 // ---- building -----------------------------------------------------------------------------
 
-/// The checked geometry of a call: a mask per head (or one shared), the q block.
+/// The checked geometry of a call: a mask per head (or one shared).
 struct Geometry {
     per_head: bool,
-    bq: usize,
 }
 
 /// Checks q/k/v, the metadata's shapes against them and each other, and the soft cap.
@@ -516,7 +515,7 @@ fn geometry(op: &str, q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, b
             "pass the bwd_info built with fwd_info".into(),
         ));
     }
-    Ok(Geometry { per_head, bq })
+    Ok(Geometry { per_head })
 }
 
 /// The forward kernel.
@@ -537,7 +536,7 @@ pub fn build_splash_attention_bwd(q: &Type, k: &Type, v: &Type, blocks: &Type, f
     let (qs, ks) = crate::attention::segment_types(segmented, b, sq, skv);
     let col = Type::vector(DType::F32, &[b, h, sq, 1]);
     let (scale, cap) = (params.sm_scale, cap_of(params));
-    let di = flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), g.bq)?;
+    let di = crate::attention::build_di(q, &col)?;
     let dkv = splash_attention_dkv_kernel(bwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs.clone(), ks.clone(), q.clone(), col.clone(), col.clone(), k.clone(), v.clone(), g.per_head, segmented, scale, cap)?;
     let dq = splash_attention_dq_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), col.clone(), col, q.clone(), g.per_head, segmented, scale, cap)?;
     Ok(vec![fit_vmem_limit(di, target), fit_vmem_limit(dkv, target), fit_vmem_limit(dq, target)])
