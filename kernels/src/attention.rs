@@ -1002,9 +1002,7 @@ fn plan_forward(c: &Call, save_lse: bool) -> Result<Plan, KernelError> {
     let (segmented, [qs, ks]) = segment_operands(c, b, sq, k.shape[2])?;
     let blocks = blocks_of(c, default_forward_blocks(&q, &k, segmented, c.target))?;
     if let Some(info) = band(c, &params, blocks, sq, k.shape[2])? {
-        let mut plan = crate::splash::plan_band_fwd(c, &params, &info)?;
-        plan.results.truncate(if save_lse { 2 } else { 1 });
-        return Ok(plan);
+        return crate::splash::plan_band_fwd(c, &params, &info, save_lse);
     }
     let kernel = build_flash_attention(&q, &k, &v, segmented, &params, blocks, save_lse, c.target)?;
     let reshapes: &[Option<Vec<usize>>] = if save_lse { &[None, Some(vec![b, h, sq])] } else { &[None] };

@@ -95,7 +95,7 @@ pub fn splash_attention_fwd_kernel(
     info: Prefetch<3, hm, nblk, steps>,
     q: In<bsz, heads, sq, d>, k: In<bsz, kv_heads, skv, d>, v: In<bsz, kv_heads, skv, d>, mask: In<nb, bq, bk>, q_seg: In<_, _, 1>, kv_seg: In<_, 1, _>,
     o: Out<bsz, heads, sq, d>, lse: Out<bsz, heads, sq, 1>, m_run: Scratch, l_run: Scratch, acc: Scratch,
-    per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32,
+    per_head: bool, segmented: bool, sm_scale: f32, soft_cap: f32, save_lse: bool,
 ) {
     let h = program_id(1);
     let i = program_id(2);
@@ -140,7 +140,9 @@ pub fn splash_attention_fwd_kernel(
     }
     if j == num_programs(3) - 1 {
         o[..] = finish_o(m_run[..], l_run[..], acc[..], lanes, d).cast(o.dtype);
-        lse[..] = finish_lse(m_run[(.., 0..1)], l_run[(.., 0..1)]);
+        if save_lse {
+            lse[..] = finish_lse(m_run[(.., 0..1)], l_run[(.., 0..1)]);
+        }
     }
 }
 
@@ -518,13 +520,15 @@ fn geometry(op: &str, q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, b
     Ok(Geometry { per_head })
 }
 
-/// The forward kernel.
+/// The forward kernel: `o` and, with `save_lse`, `lse` (without it the kernel has no lse
+/// output, as flash attention's: [`crate::attention::build_flash_attention`]).
 #[allow(clippy::too_many_arguments)]
-pub fn build_splash_attention(q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, segmented: bool, params: &AttentionParams, target: &Target) -> Result<Kernel, KernelError> {
+pub fn build_splash_attention(q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: &Type, bwd: &Type, segmented: bool, params: &AttentionParams, save_lse: bool, target: &Target) -> Result<Kernel, KernelError> {
     let g = geometry("splash_attention", q, k, v, blocks, fwd, bwd, params)?;
     let (b, h, sq, skv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]);
     let (qs, ks) = crate::attention::segment_types(segmented, b, sq, skv);
-    let kernel = splash_attention_fwd_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), Type::vector(DType::F32, &[b, h, sq, 1]), g.per_head, segmented, params.sm_scale, cap_of(params))?;
+    let kernel = splash_attention_fwd_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), Type::vector(DType::F32, &[b, h, sq, 1]), g.per_head, segmented, params.sm_scale, cap_of(params), save_lse)?;
+    let kernel = if save_lse { kernel } else { kernel.without_output("lse").ok_or_else(|| KernelError::new("splash_attention", "lse", "plan-consistency", "the kernel still writes lse", "report this as a Tessera bug"))? };
     Ok(fit_vmem_limit(kernel, target))
 }
 
@@ -604,9 +608,10 @@ impl Metadata {
     }
 }
 
-/// `flash_attention_fwd`'s plan over a band ([`band_info`]): splash's forward kernel.
-pub(crate) fn plan_band_fwd(c: &Call, params: &AttentionParams, info: &MaskInfo) -> Result<Plan, KernelError> {
-    forward_plan(c, params, Metadata::band(c, info)?)
+/// `flash_attention_fwd`'s plan over a band ([`band_info`]): splash's forward kernel (`o`
+/// alone without `save_lse`, `flash_attention`'s).
+pub(crate) fn plan_band_fwd(c: &Call, params: &AttentionParams, info: &MaskInfo, save_lse: bool) -> Result<Plan, KernelError> {
+    forward_plan(c, params, Metadata::band(c, info)?, save_lse)
 }
 
 /// `flash_attention_bwd`'s plan over a band: splash's di, dkv and dq kernels.
@@ -614,15 +619,16 @@ pub(crate) fn plan_band_bwd(c: &Call, params: &AttentionParams, info: &MaskInfo)
     backward_plan(c, params, Metadata::band(c, info)?)
 }
 
-/// The forward launch over metadata `m`.
-fn forward_plan(c: &Call, params: &AttentionParams, m: Metadata) -> Result<Plan, KernelError> {
+/// The forward launch over metadata `m` (results `o` and, with `save_lse`, `lse`).
+fn forward_plan(c: &Call, params: &AttentionParams, m: Metadata, save_lse: bool) -> Result<Plan, KernelError> {
     let [q, k, v] = [c.tensor("q")?.clone(), c.tensor("k")?.clone(), c.tensor("v")?.clone()];
     let (b, h, sq) = (q.shape[0], q.shape[1], q.shape[2]);
     let [blocks, fwd, bwd] = m.walks.clone();
     let [qs, ks] = m.segments.clone();
-    let kernel = build_splash_attention(&q, &k, &v, &blocks.ty, &fwd.ty, &bwd.ty, m.segmented, params, c.target)?;
+    let kernel = build_splash_attention(&q, &k, &v, &blocks.ty, &fwd.ty, &bwd.ty, m.segmented, params, save_lse, c.target)?;
     let args = vec![fwd, c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, blocks, qs, ks];
-    Ok(m.attach(single(c, kernel, args, &[None, Some(vec![b, h, sq])])))
+    let reshapes: &[Option<Vec<usize>>] = if save_lse { &[None, Some(vec![b, h, sq])] } else { &[None] };
+    Ok(m.attach(single(c, kernel, args, reshapes)))
 }
 
 /// The backward launches (di, dkv over `bwd_info`, dq over `fwd_info`) over metadata `m`.
@@ -692,7 +698,13 @@ fn params_of(c: &Call, q: &Type) -> Result<AttentionParams, KernelError> {
 
 fn plan_fwd(c: &Call) -> Result<Plan, KernelError> {
     let params = params_of(c, c.tensor("q")?)?;
-    forward_plan(c, &params, Metadata::inputs(c)?)
+    forward_plan(c, &params, Metadata::inputs(c)?, true)
+}
+
+/// `splash_attention`'s own plan: `o` alone, from a kernel that does not write lse.
+fn plan_o(c: &Call) -> Result<Plan, KernelError> {
+    let params = params_of(c, c.tensor("q")?)?;
+    forward_plan(c, &params, Metadata::inputs(c)?, false)
 }
 
 fn plan_bwd(c: &Call) -> Result<Plan, KernelError> {
@@ -825,9 +837,9 @@ pub const OPS: &[Op] = &[
         cases: BWD_CASES, random: Some(backward_inputs), ..Op::EMPTY
     },
     Op {
-        name: "splash_attention", doc: "splash attention's output o (differentiable), splash_attention_fwd's first result", schema: FWD_SCHEMA_O,
+        name: "splash_attention", doc: "splash attention's output o (differentiable), splash_attention_fwd's first result (from a kernel that writes no lse)", schema: FWD_SCHEMA_O,
         inputs: &[Q, K, V, MASK_BLOCKS, FWD_INFO, BWD_INFO, Q_SEG, KV_SEG], outputs: &[Output { name: "o", shape: "q", dtype: "q" }],
-        alias_of: Some(("splash_attention_fwd", 0)), ..Op::EMPTY
+        alias_of: Some(("splash_attention_fwd", 0)), alias_plan: Some(plan_o), ..Op::EMPTY
     },
 ];
 

@@ -224,7 +224,7 @@ fn masked_blocks_are_never_fetched() {
     // Partial blocks: the diagonal one and the window's far edge, shared by every q block.
     assert_eq!(p.info.mask_blocks.shape[0], 2);
     let t = |a: &Array| Type::vector(a.dtype, &a.shape);
-    let kernel = splash::build_splash_attention(&t(&p.q), &t(&p.k), &t(&p.v), &t(&p.info.mask_blocks), &t(&p.info.fwd_info), &t(&p.info.bwd_info), false, &params(d, None), &Target::V5E).unwrap();
+    let kernel = splash::build_splash_attention(&t(&p.q), &t(&p.k), &t(&p.v), &t(&p.info.mask_blocks), &t(&p.info.fwd_info), &t(&p.info.bwd_info), false, &params(d, None), true, &Target::V5E).unwrap();
     let dummy = Array::from_i32(&[1, 1, 1], vec![0]);
     let args = [&p.info.fwd_info, &p.q, &p.k, &p.v, &p.info.mask_blocks, &dummy, &dummy];
     let (out, stats) = interp::run_with_stats(&kernel, &args).unwrap();
@@ -279,7 +279,7 @@ fn libtpu_compiles_large_blocks() {
         let q = Type::vector(DType::BF16, &[1, 8, 4096, 128]);
         let kv = Type::vector(DType::BF16, &[1, 2, 4096, 128]);
         let params = AttentionParams::new(128, false);
-        let mut kernels = vec![splash::build_splash_attention(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap()];
+        let mut kernels = vec![splash::build_splash_attention(&q, &kv, &kv, &mb, &fi, &bi, false, &params, true, &target).unwrap()];
         kernels.extend(splash::build_splash_attention_bwd(&q, &kv, &kv, &mb, &fi, &bi, false, &params, &target).unwrap());
         for kernel in kernels {
             let lowered = tessera_codegen::lower(&kernel, &target).unwrap_or_else(|e| panic!("{}: {e}", kernel.name));
@@ -320,6 +320,30 @@ fn nonfinite_v_reaches_only_the_queries_that_see_it() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// `splash_attention` (o alone) plans the forward kernel without its lse output; its o is
+/// `splash_attention_fwd`'s bit for bit on every CPU backend, over each mask family, with and
+/// without segment ids and a soft cap.
+#[test]
+fn o_only_forward_drops_lse_and_keeps_o() {
+    let (fwd, o_only) = (tessera_kernels::find("splash_attention_fwd").unwrap(), tessera_kernels::find("splash_attention").unwrap());
+    let shape: Shape = (2, 4, 2, 100, 260, 64);
+    for (n, m) in masks(shape.1, 9).iter().enumerate() {
+        let (segmented, cap) = (n % 2 == 1, if n % 3 == 0 { "soft_cap=4.0" } else { "" });
+        let p = problem(shape, DType::BF16, m, segmented, None, (BQ, BK), 70 + n as u64);
+        let inputs = [Some(&p.q), Some(&p.k), Some(&p.v), Some(&p.info.mask_blocks), Some(&p.info.fwd_info), Some(&p.info.bwd_info), p.seg.as_ref().map(|s| &s.q), p.seg.as_ref().map(|s| &s.kv)];
+        let types: Vec<Option<Type>> = inputs.iter().map(|a| a.map(|a| Type::vector(a.dtype, &a.shape))).collect();
+        let statics = o_only.statics(cap).unwrap();
+        let plan = o_only.plan_for(&types, &statics, &Target::V6E).unwrap();
+        let outputs: Vec<&str> = plan.launches[0].kernel.refs_of(tessera_dsl::ir::RefKind::Output).map(|(_, r)| r.name.as_str()).collect();
+        assert_eq!((plan.results.len(), outputs), (1, vec!["o"]), "{}", m.name);
+        for be in tessera_tests::backends::all() {
+            let want = &fwd.run(be.executor(), &inputs, &statics, &Target::V6E).unwrap()[0];
+            let got = o_only.run(be.executor(), &inputs, &statics, &Target::V6E).unwrap();
+            assert_eq!(tessera_tests::backends::bits(&got[0]), tessera_tests::backends::bits(want), "{be:?} {}: o differs from splash_attention_fwd's", m.name);
         }
     }
 }

@@ -136,6 +136,7 @@ RULES = {
     "flash_attention_bwd": [Rule("b"), HEADS],
     # Splash: batch only (the mask metadata is replicated; its walks may be per head).
     "splash_attention_fwd": [Rule("b")],
+    "splash_attention": [Rule("b")],
     "splash_attention_bwd": [Rule("b")],
     "paged_attention": [Rule("b"), HEADS],
     "ragged_paged_attention": [HEADS],
