@@ -813,8 +813,23 @@ pub fn build_flash_attention(q: &Type, k: &Type, v: &Type, segmented: bool, para
         cap_of(params),
         save_lse,
     )?;
-    let kernel = if save_lse { kernel } else { kernel.without_output("lse").ok_or_else(|| err("flash_attention", "lse", "plan-consistency", "the kernel still writes lse", "report this as a Tessera bug"))? };
-    Ok(fit_vmem_limit(kernel, target))
+    Ok(fit_vmem_limit(lse_kept(kernel, save_lse)?, target))
+}
+
+/// A forward kernel (flash or splash) as built, or without its lse output when `save_lse`
+/// is off (its static flag removed the store: [`Kernel::without_output`]).
+pub(crate) fn lse_kept(kernel: Kernel, save_lse: bool) -> Result<Kernel, KernelError> {
+    if save_lse {
+        return Ok(kernel);
+    }
+    let name = kernel.name.clone();
+    kernel.without_output("lse").ok_or_else(|| err(&name, "output `lse`", "plan-consistency", "the kernel still writes lse", "report this as a Tessera bug"))
+}
+
+/// A forward plan's result shapes: `o` as the kernel writes it and, with `save_lse`, lse
+/// reshaped from the kernel's `[b, h, sq, 1]` column to `[b, h, sq]`.
+pub(crate) fn forward_results(save_lse: bool, b: usize, h: usize, sq: usize) -> Vec<Option<Vec<usize>>> {
+    if save_lse { vec![None, Some(vec![b, h, sq])] } else { vec![None] }
 }
 
 /// The `di` kernel for `q`'s shape and dtype (`col`: di's f32 `[b, h, sq, 1]`). It streams
@@ -825,7 +840,7 @@ pub(crate) fn build_di(q: &Type, col: &Type) -> Result<Kernel, KernelError> {
     let (sq, d) = (q.shape[2], q.shape[3]);
     let per_row = 2 * (2 * d.next_multiple_of(128) * q.dtype.bytes() + 128 * 4);
     let cap = ((4 << 20) / per_row).max(8) / 8 * 8;
-    Ok(flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), sq.min(cap))?)
+    flash_attention_di_kernel(q.clone(), q.clone(), col.clone(), sq.min(cap))
 }
 
 /// The three backward kernels (di, dkv, dq) for these types and blocks.
@@ -1005,8 +1020,7 @@ fn plan_forward(c: &Call, save_lse: bool) -> Result<Plan, KernelError> {
         return crate::splash::plan_band_fwd(c, &params, &info, save_lse);
     }
     let kernel = build_flash_attention(&q, &k, &v, segmented, &params, blocks, save_lse, c.target)?;
-    let reshapes: &[Option<Vec<usize>>] = if save_lse { &[None, Some(vec![b, h, sq])] } else { &[None] };
-    let plan = single(c, kernel, vec![c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, qs, ks], reshapes);
+    let plan = single(c, kernel, vec![c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, qs, ks], &forward_results(save_lse, b, h, sq));
     Ok(if segmented { plan } else { plan.with_host(dummy_segments()) })
 }
 

@@ -528,8 +528,7 @@ pub fn build_splash_attention(q: &Type, k: &Type, v: &Type, blocks: &Type, fwd: 
     let (b, h, sq, skv) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]);
     let (qs, ks) = crate::attention::segment_types(segmented, b, sq, skv);
     let kernel = splash_attention_fwd_kernel(fwd.clone(), q.clone(), k.clone(), v.clone(), blocks.clone(), qs, ks, q.clone(), Type::vector(DType::F32, &[b, h, sq, 1]), g.per_head, segmented, params.sm_scale, cap_of(params), save_lse)?;
-    let kernel = if save_lse { kernel } else { kernel.without_output("lse").ok_or_else(|| KernelError::new("splash_attention", "lse", "plan-consistency", "the kernel still writes lse", "report this as a Tessera bug"))? };
-    Ok(fit_vmem_limit(kernel, target))
+    Ok(fit_vmem_limit(crate::attention::lse_kept(kernel, save_lse)?, target))
 }
 
 /// The three backward kernels (di, dkv, dq).
@@ -627,8 +626,7 @@ fn forward_plan(c: &Call, params: &AttentionParams, m: Metadata, save_lse: bool)
     let [qs, ks] = m.segments.clone();
     let kernel = build_splash_attention(&q, &k, &v, &blocks.ty, &fwd.ty, &bwd.ty, m.segmented, params, save_lse, c.target)?;
     let args = vec![fwd, c.input("q", q)?, c.input("k", k)?, c.input("v", v)?, blocks, qs, ks];
-    let reshapes: &[Option<Vec<usize>>] = if save_lse { &[None, Some(vec![b, h, sq])] } else { &[None] };
-    Ok(m.attach(single(c, kernel, args, reshapes)))
+    Ok(m.attach(single(c, kernel, args, &crate::attention::forward_results(save_lse, b, h, sq))))
 }
 
 /// The backward launches (di, dkv over `bwd_info`, dq over `fwd_info`) over metadata `m`.
