@@ -11,7 +11,7 @@ tensor's largest magnitude; bf16's for an f32 result computed from bf16 values);
 bit for bit (inputs and IEEE-exact ops of them), so a last-ulp difference in `exp` cannot
 pick a different branch.
 
-By default 2,000 programs forward and 2,000 forward and backward (every pool tensor in the
+By default 2,000 programs forward and 1,000 forward and backward (every pool tensor in the
 loss; its kernels on the interpreter, the others on the JIT) under the mode, in-place ops
 and views included in both; every comparison asserts that nothing fell back to an eager
 replay. The same programs under `torch.compile(backend="tessera")` are
@@ -36,7 +36,7 @@ from tessera import fusion
 
 DEFER = tessera.EagerMode.DEFER_AND_FUSE
 EXAMPLES = int(os.environ.get("TESSERA_FUSION_EXAMPLES", "2000"))
-BACKWARD_EXAMPLES = int(os.environ.get("TESSERA_FUSION_BACKWARD_EXAMPLES", str(EXAMPLES)))
+BACKWARD_EXAMPLES = int(os.environ.get("TESSERA_FUSION_BACKWARD_EXAMPLES", str(max(1, EXAMPLES // 2))))
 CFG = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 @pytest.fixture(autouse=True, scope="module")

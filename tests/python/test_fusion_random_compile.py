@@ -1,10 +1,10 @@
 """The random op graphs of `test_fusion_random.py` under `torch.compile(backend="tessera")`,
-forward and backward: 1,000 programs by default (`TESSERA_FUSION_COMPILE_EXAMPLES`), in
+forward and backward: 500 programs by default (`TESSERA_FUSION_COMPILE_EXAMPLES`), in
 compiled functions of 50 (`TESSERA_FUSION_COMPILE_BATCH`): dynamo and AOTAutograd cost
 ~0.1 s a program, so a function per program would be minutes more. Each batch asserts that
 nothing fell back to an eager replay and that dynamo never gave up on a frame (which would
-compare eager with eager). About 3 min on one core, sized for the test command's budget
-(the eager tier runs 2,000 forward and 2,000 backward of the same generator); pytest's
+compare eager with eager). About 1.5 min on one core, sized for the test command's budget
+(the eager tier runs 2,000 forward and 1,000 backward of the same generator); pytest's
 second worker runs the other files meanwhile.
 
     TESSERA_FUSION_COMPILE_EXAMPLES=10000 ... pytest tests/python/test_fusion_random_compile.py
@@ -19,7 +19,7 @@ from tessera import fusion
 # fixtures (every shape on the fused path, torch on one thread).
 from test_fusion_random import GRAD_LOW_TOL, _no_churn_limit, _one_thread, close, inputs_of, program_of, run, runs_cleanly  # noqa: F401
 
-COMPILE_EXAMPLES = int(os.environ.get("TESSERA_FUSION_COMPILE_EXAMPLES", "1000"))
+COMPILE_EXAMPLES = int(os.environ.get("TESSERA_FUSION_COMPILE_EXAMPLES", "500"))
 _compiled = [0]
 
 COMPILE_BATCH = int(os.environ.get("TESSERA_FUSION_COMPILE_BATCH", "50"))  # programs per compiled function

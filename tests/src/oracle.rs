@@ -138,8 +138,8 @@ fn cache_key(text: &str, target: &str, version: &str) -> String {
 }
 
 /// [`compile`] with a verdict cache under `target/tpu-verdicts/` (key: module text, target,
-/// libtpu version). Every target's modules compile at once, each target in its own worker
-/// process (three workers keep both cores busy where two left one idle behind the slowest).
+/// libtpu version). The pending modules compile at once, in chunks of one target's modules
+/// (about one worker process more than there are cores).
 pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
     let version = libtpu_version();
     let dir = cache_dir();
@@ -154,32 +154,43 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
             Some(Verdict { name: name.clone(), target: target.clone(), ok: v["ok"].as_bool()?, error: v["error"].as_str().unwrap_or_default().to_string(), profile: None })
         })
         .collect();
-    let mut targets: Vec<&str> = jobs.iter().zip(&out).filter(|(_, v)| v.is_none()).map(|((_, t, _), _)| t.as_str()).collect();
+    // The pending modules in worker-sized chunks of one target each, all compiled at once: a
+    // worker per target left one core idle behind the target with the most modules (the
+    // libtpu tier compiles every bf16 kernel for v5e, half of them for the others).
+    let pending: Vec<usize> = (0..jobs.len()).filter(|&i| out[i].is_none()).collect();
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    let per_worker = pending.len().div_ceil(workers).max(4);
+    let mut chunks: Vec<(&str, Vec<usize>)> = Vec::new();
+    let mut targets: Vec<&str> = pending.iter().map(|&i| jobs[i].1.as_str()).collect();
     targets.sort();
     targets.dedup();
-    for pair in targets.chunks(targets.len().max(1)) {
-        let results: Vec<(Vec<usize>, Vec<Verdict>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = pair
-                .iter()
-                .map(|&t| {
-                    let idx: Vec<usize> = (0..jobs.len()).filter(|&i| out[i].is_none() && jobs[i].1 == t).collect();
-                    let modules: Vec<(String, String)> = idx.iter().map(|&i| (jobs[i].0.clone(), jobs[i].2.clone())).collect();
-                    s.spawn(move || (idx, compile(&modules, t)))
+    for t in targets {
+        let idx: Vec<usize> = pending.iter().copied().filter(|&i| jobs[i].1 == t).collect();
+        chunks.extend(idx.chunks(per_worker).map(|c| (t, c.to_vec())));
+    }
+    let results: Vec<(Vec<usize>, Vec<Verdict>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = chunks
+            .into_iter()
+            .map(|(t, idx)| {
+                let modules: Vec<(String, String)> = idx.iter().map(|&i| (jobs[i].0.clone(), jobs[i].2.clone())).collect();
+                s.spawn(move || {
+                    let verdicts = compile(&modules, t);
+                    (idx, verdicts)
                 })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("oracle thread")).collect()
-        });
-        for (idx, verdicts) in results {
-            for (i, v) in idx.into_iter().zip(verdicts) {
-                // A timeout or a worker that did not start says nothing about the module.
-                if !v.ok && (v.error.starts_with("timeout") || v.error.contains("failed to start")) {
-                    out[i] = Some(v);
-                    continue;
-                }
-                let record = serde_json::json!({ "ok": v.ok, "error": v.error, "libtpu": version, "target": v.target });
-                let _ = std::fs::write(dir.join(&keys[i]), record.to_string());
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("oracle thread")).collect()
+    });
+    for (idx, verdicts) in results {
+        for (i, v) in idx.into_iter().zip(verdicts) {
+            // A timeout or a worker that did not start says nothing about the module.
+            if !v.ok && (v.error.starts_with("timeout") || v.error.contains("failed to start")) {
                 out[i] = Some(v);
+                continue;
             }
+            let record = serde_json::json!({ "ok": v.ok, "error": v.error, "libtpu": version, "target": v.target });
+            let _ = std::fs::write(dir.join(&keys[i]), record.to_string());
+            out[i] = Some(v);
         }
     }
     out.into_iter().map(|v| v.expect("every job has a verdict")).collect()
@@ -196,13 +207,9 @@ pub fn assert_all_accepted(jobs: &[(String, String, String)]) {
     assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
 }
 
-/// Compiles `modules` for `target`, prints each verdict, and fails listing every module
-/// libtpu rejected.
+/// Compiles `modules` for `target` (through the verdict cache, [`compile_cached`]), prints
+/// each verdict, and fails listing every module libtpu rejected.
 pub fn assert_accepted(modules: &[(String, String)], target: &str) {
-    let verdicts = compile(modules, target);
-    for v in &verdicts {
-        eprintln!("{:<6} {:<44} {}", v.target, v.name, if v.ok { "accept" } else { "REJECT" });
-    }
-    let rejected: Vec<String> = verdicts.iter().filter(|v| !v.ok).map(|v| format!("{} on {}: {}", v.name, v.target, v.error)).collect();
-    assert!(rejected.is_empty(), "libtpu rejected:\n{}", rejected.join("\n"));
+    let jobs: Vec<(String, String, String)> = modules.iter().map(|(name, text)| (name.clone(), target.to_string(), text.clone())).collect();
+    assert_all_accepted(&jobs);
 }
