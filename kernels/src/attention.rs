@@ -565,10 +565,12 @@ pub fn flash_attention_dkv_kernel(
             dk_acc[..] += dk_inc;
         }
     }
-    if (g == num_programs(3) - 1) & (i == num_programs(4) - 1) {
-        dk[..] = dk_acc[..].cast(dk.dtype);
-        dv[..] = dv_acc[..].cast(dv.dtype);
-    }
+    // Every step: the dk, dv blocks stay resident across the inner axes and are written back
+    // once, and the casts and stores hide under the step's dots, where a last-step branch ran
+    // them alone (libtpu, v5e fwd+bwd at 128^2: -0.7% non-causal, -1.3% causal; +0.3% at
+    // 512^2). dq keeps its last-step store: every step cost it more than it saved.
+    dk[..] = dk_acc[..].cast(dk.dtype);
+    dv[..] = dv_acc[..].cast(dv.dtype);
 }
 
 /// dq: q blocks outside, kv blocks inside (`arbitrary`), as the forward.
