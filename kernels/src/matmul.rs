@@ -1,5 +1,6 @@
 //! Tiled matmul: `out[m, n] = op(x) @ op(y)`, f32 accumulation in VMEM scratch across the
-//! K axis (the last, `arbitrary` grid axis), cast to the output dtype at the end. `op` is
+//! K axis (the last, `arbitrary` grid axis), cast to the output dtype into the resident output
+//! block at every step (written back to HBM once, after the last). `op` is
 //! the identity or a transpose of the stored operand (`transpose_lhs` / `transpose_rhs`),
 //! which is how the backward's `g @ y^T` and `x^T @ g` read their operands in place.
 
