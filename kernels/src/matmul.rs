@@ -53,11 +53,11 @@ pub fn matmul_kernel(x: In<_, _>, y: In<_, _>, out: Out<m, n>, acc: Scratch, bm:
 /// 1024 in bf16 (341) clears every ridge but v6e's, where bm doubles to 2048 (683) and bk
 /// stays 1024, the windows taking up to a quarter of the core's VMEM with the kernel's limit
 /// raised (libtpu's static estimate on v6e, bf16, before the every-step store: 8192^3
-/// 1,294 us = 92.4% of MXU peak, against 1,356 us = 88.2% with bk 512 as before; 4096^3 172 against 179 us, and 266 us at (512,
-/// 1024, 1024); f32 4096^3 286 against 515 us). Then the blocks are restricted to multiples
-/// of the MXU edge that divide the problem, and bk, bn, bm halved in turn until the
-/// double-buffered windows plus the accumulator fit in 3/4 of the target's default scoped
-/// VMEM (or the raised budget).
+/// 1,294 us = 92.4% of MXU peak, against 1,356 us = 88.2% with bk 512 as before; 4096^3 172
+/// against 179 us, and 266 us at (512, 1024, 1024); f32 4096^3 286 against 515 us). Then the
+/// blocks are restricted to multiples of the MXU edge that divide the problem, and bk, bn,
+/// bm halved in turn until the double-buffered windows plus the accumulator fit in 3/4 of
+/// the target's default scoped VMEM (or the raised budget).
 pub fn matmul_blocks(m: usize, k: usize, n: usize, in_dtype: DType, out_dtype: DType, target: &Target) -> (usize, usize, usize) {
     let (sub, lane) = target.tiling(in_dtype);
     let ridge = target.core_peak_tflops() * 1e3 / target.hbm_gbps;
