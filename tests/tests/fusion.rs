@@ -72,24 +72,6 @@ fn nan_min(a: f64, b: f64) -> f64 {
     }
 }
 
-/// `2/sqrt(pi) * integral_0^x exp(-t^2) dt` by composite Simpson (1e-12 for |x| <= 6).
-fn erf(x: f64) -> f64 {
-    if x.is_nan() {
-        return x;
-    }
-    if x.abs() > 6.0 {
-        return x.signum();
-    }
-    let n = 2000;
-    let h = x / n as f64;
-    let f = |t: f64| (-t * t).exp();
-    let mut s = f(0.0) + f(x);
-    for i in 1..n {
-        s += f(i as f64 * h) * if i % 2 == 1 { 4.0 } else { 2.0 };
-    }
-    s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
-}
-
 fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
     let mut vals: Vec<T> = Vec::new();
     for n in &g.nodes {
@@ -146,11 +128,11 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                             Unary::Tanh => x.tanh(),
                             Unary::Sqrt => x.sqrt(),
                             Unary::Rsqrt => 1.0 / x.sqrt(),
-                            Unary::Erf => erf(x),
+                            Unary::Erf => libm::erf(x),
                             Unary::Sigmoid => 1.0 / (1.0 + (-x).exp()),
                             Unary::Relu => nan_max(x, 0.0),
                             Unary::Silu => x / (1.0 + (-x).exp()),
-                            Unary::Gelu => 0.5 * x * (1.0 + erf(x / 2f64.sqrt())),
+                            Unary::Gelu => 0.5 * x * (1.0 + libm::erf(x / 2f64.sqrt())),
                             Unary::Reciprocal => 1.0 / x,
                             Unary::Sin => x.sin(),
                             Unary::Cos => x.cos(),
@@ -378,12 +360,21 @@ fn backends() -> Vec<Backend> {
     Backend::ALL.into_iter().filter(|b| b.available()).collect()
 }
 
-fn check_graph(seed: u64, backend: Backend) -> Result<(), TestCaseError> {
-    check_graph_sized(seed, backend, false)
+/// One random graph on every available backend against its f64 reference.
+fn check_graph(seed: u64) -> Result<(), TestCaseError> {
+    let r = random_graph(seed);
+    backends().into_iter().try_for_each(|b| check_random(seed, &r, b))
 }
 
-fn check_graph_sized(seed: u64, backend: Backend, big: bool) -> Result<(), TestCaseError> {
-    let r = random_graph_sized(seed, big);
+/// One random graph on `backend` (if this build has it) against its f64 reference.
+fn check_on(seed: u64, backend: Backend) -> Result<(), TestCaseError> {
+    if !backend.available() {
+        return Ok(());
+    }
+    check_random(seed, &random_graph(seed), backend)
+}
+
+fn check_random(seed: u64, r: &Random, backend: Backend) -> Result<(), TestCaseError> {
     if r.live.is_empty() {
         return Ok(());
     }
@@ -422,11 +413,20 @@ fn fuzz_config(cases: u32) -> ProptestConfig {
 proptest! {
     #![proptest_config(fuzz_config(256))]
 
+    // One test per backend, the same 256 graphs each, so the harness runs them side by side.
     #[test]
-    fn random_graphs_match_the_f64_reference_on_every_backend(seed in any::<u64>()) {
-        for b in backends() {
-            check_graph(seed, b)?;
-        }
+    fn random_graphs_match_the_f64_reference_on_interp(seed in any::<u64>()) {
+        check_on(seed, Backend::Interp)?;
+    }
+
+    #[test]
+    fn random_graphs_match_the_f64_reference_on_the_jit(seed in any::<u64>()) {
+        check_on(seed, Backend::Jit)?;
+    }
+
+    #[test]
+    fn random_graphs_match_the_f64_reference_on_llvm(seed in any::<u64>()) {
+        check_on(seed, Backend::Llvm)?;
     }
 }
 
@@ -759,26 +759,31 @@ fn programs_are_cached_by_structure() {
     assert!(s.hits >= 1 && s.misses >= 3 && s.entries >= 3, "{s:?}");
 }
 
-/// Big random graphs (7 x 150 x 300..1000) on one backend; one test per backend, so the
-/// harness runs them side by side.
+/// The big random graphs (`[7, 150, 300 | 1000]`), built with their f64 references once per
+/// test binary: the three tests below share them.
+fn big_graphs() -> &'static [Random] {
+    static GRAPHS: std::sync::OnceLock<Vec<Random>> = std::sync::OnceLock::new();
+    GRAPHS.get_or_init(|| (0..12u64).map(|seed| random_graph_sized(seed, true)).collect())
+}
+
+/// The big random graphs on one backend; one test per backend, so the harness runs them side
+/// by side.
 fn big_graphs_on(backend: Backend) {
     if !backend.available() {
         return;
     }
-    for seed in 0..12u64 {
-        check_graph_sized(seed, backend, true).unwrap_or_else(|e| panic!("{e}"));
+    for (seed, r) in big_graphs().iter().enumerate() {
+        check_random(seed as u64, r, backend).unwrap_or_else(|e| panic!("{e}"));
     }
 }
 
 #[test]
 fn random_graphs_over_several_blocks_with_a_partial_last_one() {
-    let mut multi_block = 0;
-    for seed in 0..12u64 {
-        let r = random_graph_sized(seed, true);
-        if let Ok(p) = Program::build(&r.graph, &r.live, &Target::V5E) {
-            multi_block += p.launches.iter().filter(|l| l.kernel.grid[0].extent > 1).count();
-        }
-    }
+    let multi_block: usize = big_graphs()
+        .iter()
+        .filter_map(|r| Program::build(&r.graph, &r.live, &Target::V5E).ok())
+        .map(|p| p.launches.iter().filter(|l| l.kernel.grid[0].extent > 1).count())
+        .sum();
     assert!(multi_block > 0, "the big shapes must take more than one block");
     big_graphs_on(Backend::Interp);
 }
@@ -797,9 +802,7 @@ fn big_random_graphs_on_llvm() {
 #[test]
 fn regressions() {
     for seed in [5386045135354167361u64, 15786101869500214410] {
-        for b in backends() {
-            check_graph(seed, b).unwrap_or_else(|e| panic!("{e}"));
-        }
+        check_graph(seed).unwrap_or_else(|e| panic!("{e}"));
     }
 }
 

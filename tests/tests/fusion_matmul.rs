@@ -49,20 +49,6 @@ fn bcast(t: &T, out: &[usize], idx: &[usize]) -> f64 {
     t.v[off]
 }
 
-fn erf(x: f64) -> f64 {
-    // Abramowitz-Stegun 7.1.26 is too coarse for f32; integrate the series instead.
-    let mut sum = x;
-    let mut term = x;
-    let x2 = x * x;
-    if x.abs() > 4.0 {
-        return x.signum();
-    }
-    for n in 1..200 {
-        term *= -x2 / n as f64;
-        sum += term / (2 * n + 1) as f64;
-    }
-    sum * 2.0 / std::f64::consts::PI.sqrt()
-}
 
 fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
     let mut vals: Vec<T> = Vec::new();
@@ -92,7 +78,7 @@ fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
                     Unary::Neg => -x,
                     Unary::Relu => x.max(0.0),
                     Unary::Silu => x / (1.0 + (-x).exp()),
-                    Unary::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+                    Unary::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
                     Unary::Tanh => x.tanh(),
                     Unary::Exp => x.exp(),
                     Unary::Rsqrt => 1.0 / x.sqrt(),
