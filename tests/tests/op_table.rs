@@ -92,18 +92,26 @@ fn backwards_name_ops_whose_results_are_input_gradients() {
 }
 
 /// The smallest case of every op, f32 and bf16, on the interpreter against the op's
-/// independent f64 reference (`tessera run --all` covers every case at full size).
+/// independent f64 reference (`tessera run --all` covers every case at full size); the ops
+/// shared among a thread per core.
 #[test]
 fn every_op_matches_its_reference_at_its_smallest_case() {
-    for op in library() {
+    let ops: Vec<&'static Op> = library().collect();
+    let failures: Vec<String> = tessera_tests::par_map(&ops, |&op| {
         let source = op.alias_of.and_then(|(of, _)| find(of)).unwrap_or(op);
         let case = source.cases.iter().min_by_key(|c| c.shapes.iter().map(|s| s.iter().product::<usize>()).sum::<usize>()).unwrap();
         let shapes: Vec<Vec<usize>> = case.shapes.iter().map(|s| s.to_vec()).collect();
-        for dtype in [DType::F32, DType::BF16] {
-            let r = harness::run_case(op, &op.case_statics(case).unwrap(), &shapes, dtype, &Target::V5E, 11, &Interpreter).unwrap_or_else(|e| panic!("{} {}: {e}", op.name, case.name));
-            assert!(r.passed(), "{} {} {dtype}: {:?}", op.name, case.name, r.worst());
-        }
-    }
+        [DType::F32, DType::BF16]
+            .into_iter()
+            .filter_map(|dtype| match harness::run_case(op, &op.case_statics(case).unwrap(), &shapes, dtype, &Target::V5E, 11, &Interpreter) {
+                Ok(r) if r.passed() => None,
+                Ok(r) => Some(format!("{} {} {dtype}: {:?}", op.name, case.name, r.worst())),
+                Err(e) => Some(format!("{} {} {dtype}: {e}", op.name, case.name)),
+            })
+            .collect::<Vec<_>>()
+    })
+    .concat();
+    assert!(failures.is_empty(), "{} op cases differ from their references:\n{}", failures.len(), failures.join("\n"));
 }
 
 /// Every tuning knob (`tessera_kernels::tune`) names an int or int-list static of its op,

@@ -299,30 +299,32 @@ fn quantized_caches_match_the_reference_on_every_backend() {
         (DType::F8E5M2, false, 1.0, 0.5, Some(7)),
         (DType::F8E4M3FN, true, 2.0, 1.0, None),
     ];
-    for (set, sh) in SHAPES.iter().enumerate() {
-        for (c, &(cache, per_token, k_scale, v_scale, window)) in configs.iter().enumerate() {
-            let q_dtype = if (set + c) % 2 == 0 { DType::F32 } else { DType::BF16 };
-            let mut a = inputs(set, q_dtype, 500 + (set * 8 + c) as u64);
-            tessera_kernels::paged_attention::quantize_cache(&mut a, 1, cache, per_token, &mut StdRng::seed_from_u64(set as u64 * 31 + c as u64));
-            let scales = tessera_kernels::paged_attention::KvScales { k_scale, v_scale, per_token };
-            let o = Options { sliding_window: window, scales, ..opts(sh, sh.3) };
-            let want = reference::ragged_paged_attention_quantized(&a, o.sm_scale as f64, window, None, (k_scale as f64, v_scale as f64));
-            // The JIT runs every config; the interpreter and LLVM take turns (over the shape
-            // sets each sees every cache config with both q dtypes), halving their share of
-            // the test's time.
-            let turn = (set + c + set / 2) % 2;
-            for be in tessera_tests::backends::all() {
-                match be {
-                    Backend::Interp if turn == 1 => continue,
-                    Backend::Llvm if turn == 0 => continue,
-                    _ => {}
-                }
-                let out = rpa::ragged_paged_attention(be.executor(), &a, &o, &Target::V5E).unwrap_or_else(|e| panic!("set {set} {cache} {be:?}: {e}"));
-                let check = check_output(&out, &want);
-                assert!(check.passed(), "set {set}, {cache} cache (per_token {per_token}, k_scale {k_scale}, v_scale {v_scale}, window {window:?}), q {q_dtype}, {be:?}: {check:?}");
+    // Every (shape set, config) pair is independent: a thread per core takes them in turn.
+    let pairs: Vec<(usize, usize)> = (0..SHAPES.len()).flat_map(|set| (0..configs.len()).map(move |c| (set, c))).collect();
+    tessera_tests::par_map(&pairs, |&(set, c)| {
+        let sh = &SHAPES[set];
+        let (cache, per_token, k_scale, v_scale, window) = configs[c];
+        let q_dtype = if (set + c) % 2 == 0 { DType::F32 } else { DType::BF16 };
+        let mut a = inputs(set, q_dtype, 500 + (set * 8 + c) as u64);
+        tessera_kernels::paged_attention::quantize_cache(&mut a, 1, cache, per_token, &mut StdRng::seed_from_u64(set as u64 * 31 + c as u64));
+        let scales = tessera_kernels::paged_attention::KvScales { k_scale, v_scale, per_token };
+        let o = Options { sliding_window: window, scales, ..opts(sh, sh.3) };
+        let want = reference::ragged_paged_attention_quantized(&a, o.sm_scale as f64, window, None, (k_scale as f64, v_scale as f64));
+        // The JIT runs every config; the interpreter and LLVM take turns (over the shape
+        // sets each sees every cache config with both q dtypes), halving their share of
+        // the test's time.
+        let turn = (set + c + set / 2) % 2;
+        for be in tessera_tests::backends::all() {
+            match be {
+                Backend::Interp if turn == 1 => continue,
+                Backend::Llvm if turn == 0 => continue,
+                _ => {}
             }
+            let out = rpa::ragged_paged_attention(be.executor(), &a, &o, &Target::V5E).unwrap_or_else(|e| panic!("set {set} {cache} {be:?}: {e}"));
+            let check = check_output(&out, &want);
+            assert!(check.passed(), "set {set}, {cache} cache (per_token {per_token}, k_scale {k_scale}, v_scale {v_scale}, window {window:?}), q {q_dtype}, {be:?}: {check:?}");
         }
-    }
+    });
 }
 
 /// libtpu compiles the quantized variants (int8 with per-token scales, fp8 e4m3fn with
