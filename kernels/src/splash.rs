@@ -196,10 +196,9 @@ pub fn splash_attention_dkv_kernel(
             dk_acc[..] += dk_inc;
         }
     }
-    if (g == num_programs(3) - 1) & (t == num_programs(4) - 1) {
-        dk[..] = dk_acc[..].cast(dk.dtype);
-        dv[..] = dv_acc[..].cast(dv.dtype);
-    }
+    // Every step, as flash's dkv kernel: the dk, dv blocks stay resident across g and t.
+    dk[..] = dk_acc[..].cast(dk.dtype);
+    dv[..] = dv_acc[..].cast(dv.dtype);
 }
 
 /// dq: q blocks outside, the kv blocks of `fwd_info` inside, as the forward.
