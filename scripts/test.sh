@@ -5,7 +5,7 @@
 #      comparisons with PyTorch, the CPU-backend conformance suite on interp, the
 #      Cranelift JIT and LLVM), then every library op on the JIT vs its reference,
 #   2. the real-compiler tier: every library kernel compiled by libtpu for v5e, v6e, tpu7x
-#      (bf16 all on v5e, a stable quarter on v6e and on tpu7x; f32 a stable eighth; TESSERA_LIBTPU_SAMPLE=1 compiles all),
+#      (bf16 all on v5e, a stable sixth on v6e and on tpu7x; f32 a stable twelfth; TESSERA_LIBTPU_SAMPLE=1 compiles all),
 #      and the verifier's evidence (tests/tests/rulebook.rs: every rulebook pair half and a
 #      stable sixth of the probes judged by libtpu again, about 1 min cold, the rest against
 #      the recorded verdicts; TESSERA_LIBTPU_SAMPLE=1 judges all of them, about 2 min; verdicts
@@ -65,7 +65,7 @@ for op in rmsnorm flash_attention_fwd gmm permute rope; do
     cargo run --release -q -p tessera-cli --features llvm -- run "$op" --backend jit --dtype f32
 done
 
-step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled the library kernels for v5e/v6e/tpu7x: bf16 all on v5e and a quarter on v6e/tpu7x, f32 an eighth)"
+step "tessera check through libtpu, sampled (tests/tests/tpu_compiler.rs already compiled the library kernels for v5e/v6e/tpu7x: bf16 all on v5e and a sixth on v6e/tpu7x, f32 a twelfth)"
 cargo run --release -q -p tessera-cli --features llvm -- check rmsnorm --dtype bf16
 cargo run --release -q -p tessera-cli --features llvm -- check flash_attention_fwd --dtype f32 --target v6e
 

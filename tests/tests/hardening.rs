@@ -2705,7 +2705,7 @@ fn cli_case(sub: u8, op_pick: u8, seed: u64, knobs: [u8; 8]) -> CliCase {
 
 fn cli_cases() -> Vec<CliCase> {
     let s = (0u8..16, any::<u8>(), any::<u64>(), any::<[u8; 8]>()).prop_map(|(sub, op, seed, knobs)| cli_case(sub, op, seed, knobs));
-    generate(s, scaled(1500), 3)
+    generate(s, scaled(1000), 3)
 }
 
 fn run_cli_case(c: &CliCase) -> Verdict {
