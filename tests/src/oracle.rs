@@ -156,7 +156,7 @@ pub fn compile_cached(jobs: &[(String, String, String)]) -> Vec<Verdict> {
         .collect();
     // The pending modules in worker-sized chunks of one target each, all compiled at once: a
     // worker per target left one core idle behind the target with the most modules (the
-    // libtpu tier compiles every bf16 kernel for v5e, a quarter of them for the others).
+    // libtpu tier compiles every bf16 kernel for v5e, a sixth of them for the others).
     let pending: Vec<usize> = (0..jobs.len()).filter(|&i| out[i].is_none()).collect();
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
     let per_worker = pending.len().div_ceil(workers).max(4);

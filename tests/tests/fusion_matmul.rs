@@ -49,7 +49,6 @@ fn bcast(t: &T, out: &[usize], idx: &[usize]) -> f64 {
     t.v[off]
 }
 
-
 fn reference(g: &Graph, inputs: &[T]) -> Vec<T> {
     let mut vals: Vec<T> = Vec::new();
     for n in &g.nodes {

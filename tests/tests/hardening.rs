@@ -2799,23 +2799,9 @@ fn cli_battery() {
     let cases = cli_cases();
     let _ = tessera_bin();
     let start = Instant::now();
-    // Two workers: each CLI process is single-threaded.
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let verdicts: Vec<std::sync::Mutex<Option<Verdict>>> = cases.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    std::thread::scope(|s| {
-        for _ in 0..2 {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                if i >= cases.len() {
-                    break;
-                }
-                let v = run_cli_case(&cases[i]);
-                *verdicts[i].lock().unwrap() = Some(v);
-            });
-        }
-    });
+    // A worker per core: each CLI process is single-threaded.
+    let verdicts: Vec<Verdict> = tessera_tests::par_map(&cases, run_cli_case);
     let _ = std::fs::remove_dir_all(format!("{TMP}/hardening-cli-emit"));
-    let verdicts: Vec<Verdict> = verdicts.into_iter().map(|v| v.into_inner().unwrap().unwrap_or_else(|| Verdict::fail("lost", ""))).collect();
     Summary::new("cli", &verdicts, |i| format!("tessera {}{}", shell_quote(&cases[i].args), cases[i].must_fail.as_ref().map_or(String::new(), |w| format!("   [must fail: {w}]"))), start.elapsed()).finish(TMP);
 }
 
