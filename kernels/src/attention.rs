@@ -212,12 +212,21 @@ pub(crate) fn visible(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq:
     }
 }
 
+/// `x * m + c` without a multiplication by 1 or an addition of 0.
+#[tpu_fn]
+fn scaled(x: Value, m: usize, c: usize) -> Value {
+    let y = if m == 1 { x } else { x * (m as i32) };
+    if c == 0 { y } else { y + (c as i32) }
+}
+
 /// Whether the block pair at `(q_start, kv_start)` has a visible pair at all: some key at
 /// most `right` past a query (`kv_start <= q_end + right`) and, with a left extent, at most
 /// `left` before one (`q_start <= kv_end + left`). A block that fails is skipped.
 #[tpu_fn]
-fn block_live(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
-    let mut live = kv_start <= q_start + (reach(right, bq, skv) as i32);
+fn block_live(i: Value, j: Value, q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
+    // In block indices where kv blocks tile q blocks: `j <= i` for a causal 128^2 kernel,
+    // where the row form is a shift, an add and a shift more per step.
+    let mut live = if bq.is_multiple_of(bk) { j <= scaled(i, bq / bk, reach(right, bq, skv) / bk) } else { kv_start <= q_start + (reach(right, bq, skv) as i32) };
     if left < sq {
         live = live & (q_start <= kv_start + (back_reach(left, bk) as i32));
     }
@@ -225,12 +234,14 @@ fn block_live(q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, 
 }
 
 /// Whether the window cuts through the block pair (some pair inside it is outside the
-/// window), so that the block needs the iota mask; blocks fully inside need none.
+/// window), so that the block needs the iota mask; blocks fully inside need none. The right
+/// extent's test is in block indices where kv blocks tile q blocks, as [`block_live`]'s
+/// (`c - r > right` for some pair iff `j * bk + bk - 1 - right > i * bq`).
 #[tpu_fn]
-fn window_cuts(needs_mask: Value, q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
+fn window_cuts(needs_mask: Value, i: Value, j: Value, q_start: Value, kv_start: Value, bq: usize, bk: usize, sq: usize, skv: usize, left: usize, right: usize) -> Value {
     let mut m = needs_mask;
     if right < skv {
-        m = m | (kv_start + (bk as i32 - 1 - right as i32) > q_start);
+        m = m | if bq.is_multiple_of(bk) { j >= scaled(i, bq / bk, (right + 1) / bk) } else { kv_start + (bk as i32 - 1 - right as i32) > q_start };
     }
     if left < sq {
         m = m | (q_start + (bq as i32 - 1 - left as i32) > kv_start);
@@ -474,7 +485,7 @@ pub fn flash_attention_fwd_kernel(
         m_run[..] = m_new;
         l_run[..] = l_new;
         acc[..] = acc_new;
-    } else if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
+    } else if block_live(i, j, q_start, kv_start, bq, bk, sq, skv, left, right) {
         // A block the window, the segments or the array's end cut masks with selects and
         // steps over v with its nonfinite values zeroed; if it held any,
         // [`nonfinite_fixup`] adds what they give the queries that see them (only that
@@ -482,7 +493,7 @@ pub fn flash_attention_fwd_kernel(
         // masks every live block of a causal kernel: libtpu, 0.5-2% of the forward's
         // cycles). Each branch computes from the refs, so no score tile stays live across it.
         let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
-        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
+        let needs_mask = window_cuts(needs_mask, i, j, q_start, kv_start, bq, bk, sq, skv, left, right);
         if needs_mask {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
@@ -558,11 +569,11 @@ pub fn flash_attention_dkv_kernel(
         let (dk_inc, dv_inc) = dkv_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
         dv_acc[..] += dv_inc;
         dk_acc[..] += dk_inc;
-    } else if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
+    } else if block_live(i, j, q_start, kv_start, bq, bk, sq, skv, left, right) {
         let ragged_q = !sq.is_multiple_of(bq) & (i == (sq.div_ceil(bq) - 1) as i32);
         let ragged_kv = !skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32);
         let needs_mask = segmented | ragged_q | ragged_kv;
-        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
+        let needs_mask = window_cuts(needs_mask, i, j, q_start, kv_start, bq, bk, sq, skv, left, right);
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, true, left, right), q_seg[..], kv_seg[..], segmented);
@@ -610,9 +621,9 @@ pub fn flash_attention_dq_kernel(
     let maskable = segmented || !skv.is_multiple_of(bk) || right < skv || left < sq;
     if !maskable {
         dq_acc[..] += dq_step(q[..], k[..], v[..], dout[..], lse[..], di[..], q.dtype, sm_scale, soft_cap);
-    } else if block_live(q_start, kv_start, bq, bk, sq, skv, left, right) {
+    } else if block_live(i, j, q_start, kv_start, bq, bk, sq, skv, left, right) {
         let needs_mask = segmented | (!skv.is_multiple_of(bk) & (j == (skv.div_ceil(bk) - 1) as i32));
-        let needs_mask = window_cuts(needs_mask, q_start, kv_start, bq, bk, sq, skv, left, right);
+        let needs_mask = window_cuts(needs_mask, i, j, q_start, kv_start, bq, bk, sq, skv, left, right);
         // Each branch computes from the refs, so no weight tile stays live across it.
         if needs_mask {
             let keep = segment_keep(visible(q_start, kv_start, bq, bk, sq, skv, false, left, right), q_seg[..], kv_seg[..], segmented);
