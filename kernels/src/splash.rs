@@ -54,7 +54,7 @@ use tessera_dsl::{DType, Executor, Kernel, KernelError, Target, Type};
 use tessera_macros::{tpu_fn, tpu_kernel};
 
 use crate::attention::{
-    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, finite_scale, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, nonfinite_fixup, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, zero_nonfinite, AttentionParams, SegmentIds,
+    cap_of, check_cap, dkv_step, dq_step, dummy_segments, finish_lse, finish_o, finite_scale, holds_nonfinite, logits, masked_dkv_step, masked_dq_step, nonfinite_fixup, online_softmax, rows_before, segment_keep, segment_operands, state_lanes, visible, SOFTMAX_MAX_START, zero_nonfinite, AttentionParams, SegmentIds,
 };
 use crate::blocks::fit_vmem_limit;
 use crate::harness;
@@ -102,7 +102,7 @@ pub fn splash_attention_fwd_kernel(
     let j = program_id(3);
     let lanes = state_lanes(bk, d);
     if j == 0 {
-        m_run[..] = full([bq, lanes], f32, f32::NEG_INFINITY);
+        m_run[..] = full([bq, lanes], f32, SOFTMAX_MAX_START);
         l_run[..] = zeros([bq, lanes], f32);
         acc[..] = zeros([bq, d], f32);
     }
@@ -139,7 +139,7 @@ pub fn splash_attention_fwd_kernel(
         }
     }
     if j == num_programs(3) - 1 {
-        o[..] = finish_o(m_run[..], l_run[..], acc[..], lanes, d).cast(o.dtype);
+        o[..] = finish_o(l_run[..], acc[..], lanes, d).cast(o.dtype);
         if save_lse {
             lse[..] = finish_lse(m_run[(.., 0..1)], l_run[(.., 0..1)]);
         }
