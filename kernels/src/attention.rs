@@ -500,13 +500,14 @@ pub fn flash_attention_fwd_kernel(
     let (q_start, kv_start) = block_origin(i, j, bq, bk);
     // Whether any block of this kernel can hold a pair a query may not see (static).
     let maskable = segmented || !skv.is_multiple_of(bk) || right < skv || left < sq;
-    // Causal with square blocks (static): block (i, j) is live iff j <= i and cut iff j >= i,
-    // so the masked block is the diagonal, each row's last live block (it exists for every
-    // row when sq <= skv), and the finish runs inside its step, from the step's values, not
+    // Causal with square blocks of at least two rows (static): block (i, j) is live iff
+    // j <= i and cut iff j >= i (a one-row block on the diagonal is not cut, c = r is
+    // visible), so the masked block is the diagonal, each row's last live block (it exists
+    // for every row when sq <= skv), and the finish runs inside its step, from its values, not
     // in a region of its own after each row's last grid step (libtpu, B1 H8 S2048 D128 bf16,
     // o and lse: v6e 128^2 1114277 -> 1097149 cycles, 256^2 337163 -> 332651; v5e 128^2
     // 1276097 -> 1261253, but 512^2 172216 -> 174093, where the masked step spills more).
-    let diagonal_finish = right == 0 && left >= sq && bq == bk && sq <= skv && !segmented;
+    let diagonal_finish = right == 0 && left >= sq && bq == bk && bk > 1 && sq <= skv && !segmented;
     if !maskable {
         // Every block is live and none is cut: no branch before the step, so libtpu schedules
         // the last step's test into the step's tail, as in Pallas' kernel (v6e, non-causal

@@ -170,6 +170,13 @@ fn odd_blocks() {
             backward_case(shape, DType::F32, &params, false, blocks, &Target::V5E, 7);
         }
     }
+    // One-row sequences in 1 x 1 blocks: the causal diagonal block is not cut there, so the
+    // forward must not finish rows in a masked diagonal step (the op battery found o unwritten).
+    let one = AttentionBlocks { block_q: 1, block_kv: 1 };
+    for params in [AttentionParams::new(64, true), AttentionParams::new(64, true).with_window(Some(3), None), AttentionParams::new(64, false)] {
+        forward_case((2, 2, 1, 1, 1, 64), DType::F32, &params, false, one, &Target::V5E, 8);
+        backward_case((2, 2, 1, 1, 1, 64), DType::F32, &params, false, one, &Target::V5E, 8);
+    }
 }
 
 /// The library entries at their default blocks (one whole-length block at these sizes on
