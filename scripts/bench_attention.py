@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""JAX-side timings for the flash-attention benchmark (run by `cargo bench -p tessera-tests --bench attention`).
+"""JAX-side timings for the flash-attention benchmark (run by `cargo bench -p tessera-tests --features bench --bench attention`).
 
 Flash attention forward, q/k/v [b, h, s, d] f32, sm_scale = 1/sqrt(d), non-causal and
 causal. Prints one JSON object with medians in seconds, per causal setting:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""JAX-side timings for the CPU-backend benchmark (`cargo bench -p tessera-tests --bench cpu_backends`).
+"""JAX-side timings for the CPU-backend benchmark (`cargo bench -p tessera-tests --features bench --bench cpu_backends`).
 
 Prints one JSON object with medians in seconds (execution only: every function is compiled
 once before timing), each at the blocks given on the command line (Tessera's blocks):

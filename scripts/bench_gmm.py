@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""JAX-side timings for the grouped-matmul benchmark (run by `cargo bench -p tessera-tests --bench gmm`).
+"""JAX-side timings for the grouped-matmul benchmark (run by `cargo bench -p tessera-tests --features bench --bench gmm`).
 
 gmm: lhs [m, k] bf16 (rows sorted by group), rhs [g, k, n] bf16, group sizes given on the
 command line (the Rust side draws them, so both sides run the same problem). Prints one

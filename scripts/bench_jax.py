@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""JAX-side timings for Tessera's side-by-side benchmarks (run by `cargo bench -p tessera-tests`).
+"""JAX-side timings for Tessera's side-by-side benchmarks (run by `cargo bench -p tessera-tests --features bench`).
 
 Prints one JSON object with medians in seconds:
   export_matmul_warm    jax.export of the Pallas tiled matmul for TPU (512^3 f32, 128 blocks),

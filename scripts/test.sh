@@ -99,4 +99,4 @@ PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" scripts/wheel_smoke.py
 # Two pytest workers (pytest-xdist), a test file per worker at a time: most tests hold one
 # core (torch on one thread), and files keep their order-dependent checks together.
 step "pytest tests/python (the PyTorch face, against the installed wheels; two workers)"
-PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pytest -q -n 2 --dist loadfile tests/python
+PATH="$NO_RUST_PATH" "$WHEEL_VENV/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 tests/python

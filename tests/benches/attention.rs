@@ -1,5 +1,5 @@
 //! Flash attention forward on the CPU, side by side with JAX in one run:
-//! `cargo bench -p tessera-tests --bench attention`.
+//! `cargo bench -p tessera-tests --features bench --bench attention`.
 //!
 //! B 1, H 8, S 1024, D 128, f32, sm_scale = 1/sqrt(D), non-causal (DESIGN §6's anchor:
 //! Pallas interpret 1.7 s, XLA-CPU 0.1 s) and causal: Tessera's interpreter at its v5e

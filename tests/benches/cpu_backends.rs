@@ -1,5 +1,5 @@
 //! The CPU backends side by side with JAX, in one run:
-//! `cargo bench -p tessera-tests --bench cpu_backends` (add `--features llvm` for the LLVM
+//! `cargo bench -p tessera-tests --features bench --bench cpu_backends` (add `--features llvm` for the LLVM
 //! column; `TESSERA_PYTHON` names the venv's Python for the JAX columns).
 //!
 //! Cases, each at the same blocks on every side (Tessera's v5e defaults):

@@ -1,4 +1,4 @@
-//! Grouped matmul on the CPU, side by side with JAX in one run: `cargo bench -p tessera-tests --bench gmm`.
+//! Grouped matmul on the CPU, side by side with JAX in one run: `cargo bench -p tessera-tests --features bench --bench gmm`.
 //!
 //! gmm with m = 4096, k = n = 1024, 8 groups (random sizes with an empty group and
 //! unaligned boundaries), bf16: Tessera's interpreter at 128^3 blocks (megablox's default

@@ -1,4 +1,4 @@
-//! Side-by-side benchmarks against JAX, in one run: `cargo bench -p tessera-tests`.
+//! Side-by-side benchmarks against JAX, in one run: `cargo bench -p tessera-tests --features bench`.
 //!
 //! 1. Lowering: Tessera builds + verifies + emits the tiled matmul (512^3 f32, 128 blocks)
 //!    as StableHLO text, vs `jax.export` of the same Pallas kernel for TPU.
