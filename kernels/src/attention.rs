@@ -508,12 +508,14 @@ pub fn flash_attention_fwd_kernel(
     // o and lse: v6e 128^2 1114277 -> 1097149 cycles, 256^2 337163 -> 332651; v5e 128^2
     // 1276097 -> 1261253, but 512^2 172216 -> 174093, where the masked step spills more).
     let diagonal_finish = right == 0 && left >= sq && bq == bk && bk > 1 && sq <= skv && !segmented;
-    // No block is masked and a row has at most 4 kv steps (static): the row's last step is a
-    // branch of its own that finishes from its values, in its region. The branch costs every
-    // step and the finish region it saves is one a row, so it pays only with few steps
-    // (libtpu, B1 H8 S2048 D128 bf16, o only: 512^2 v6e 157400 -> 155992 cycles, v5e 208359
-    // -> 206271; 1024^2 -1.4% / -3.9%; but 256^2 on v6e +0.6% and 128^2 +1.1%).
-    let last_step_finish = !maskable && skv.div_ceil(bk) <= 4;
+    // No block is masked and a row has few kv steps (static): the row's last step is a branch
+    // of its own that finishes from its values, in its region. The branch costs every step
+    // and the finish region it saves is one a row, larger with lse (its log and store), so it
+    // pays up to 4 steps a row for o alone and 8 with lse (libtpu, B1 H8 S2048 D128 bf16, o
+    // only: 512^2 v6e 157400 -> 155992 cycles, v5e 208359 -> 206271; 1024^2 -3.5% / -6.9%;
+    // but 256^2 on v6e +0.6%, 128^2 +1.1%. With lse: 256^2 -0.3% / -0.6%, S4096 512^2 -0.7% /
+    // -1.0%, but 128^2 +0.6% / +0.1%).
+    let last_step_finish = !maskable && skv.div_ceil(bk) <= if save_lse { 8 } else { 4 };
     if last_step_finish {
         if j == num_programs(3) - 1 {
             let s = logits(q[..], k[..], sm_scale, soft_cap);
